@@ -1,0 +1,3 @@
+from grpo_cli.cli import main
+
+main()

