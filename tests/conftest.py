@@ -1,0 +1,27 @@
+"""Shared fixtures: a tiny seeded random Llama + character tokenizer (no files, no network)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+GSM8K = REPO.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    """(model, tokenizer): 2-layer random Llama over grpo_cli.policy.char_tokenizer."""
+    from grpo_cli.policy import load_tiny_random
+
+    model, tokenizer = load_tiny_random()
+    model.eval()
+    return model, tokenizer
+
+
+@pytest.fixture()
+def gsm8k_path() -> Path:
+    if not GSM8K.exists():
+        pytest.skip(f"GSM8K not found at {GSM8K} (it lives in ../shared/data beside the repo)")
+    return GSM8K
