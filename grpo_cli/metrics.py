@@ -1,0 +1,66 @@
+"""What the user sees and what the run leaves behind: a rich progress bar, metrics.jsonl, TensorBoard."""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+console = Console(stderr=True)
+
+
+def progress(description: str) -> Progress:
+    """A progress bar with ETA and a free-text field for the key numbers (`info`)."""
+    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
+                    console=console, transient=False)
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak GPU memory allocated on CUDA; peak resident set size of the process on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def mean(values) -> float:
+    """Mean of the numbers that are present (None/NaN left out); NaN when none are."""
+    kept = [float(v) for v in values if v is not None and not math.isnan(float(v))]
+    return sum(kept) / len(kept) if kept else float("nan")
+
+
+class MetricsLog:
+    """One JSON object per step in RUN_DIR/metrics.jsonl, mirrored to TensorBoard when available."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool = True):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.writer = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.writer = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+            except ImportError:  # the optional `tensorboard` extra is not installed
+                self.writer = None
+
+    def truncate(self, last_step: int) -> None:
+        """On resume: drop lines of steps after the checkpoint, so the file reads as one run."""
+        if not self.path.exists():
+            return
+        keep = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= last_step]
+        self.path.write_text("".join(line + "\n" for line in keep))
+
+    def log(self, record: dict) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.writer is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+                    self.writer.add_scalar(key, value, record["step"])
+            self.writer.flush()
