@@ -188,3 +188,41 @@ def validate(cfg: DictConfig) -> DictConfig:
         if section != "hydra":
             _check_targets(node, str(section))
     return cfg
+
+
+# ---- configs saved in checkpoints ------------------------------------------------------------
+
+# what a checkpoint's config.yaml supplies to eval and sample unless the command line says otherwise
+INHERITED = ("model", "data", "reward", "sampler")
+
+
+def command_line_overrides() -> list[str]:
+    """The task overrides of the running Hydra job ([] outside one)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+
+
+def inherit(cfg: DictConfig, saved: DictConfig, overrides: list[str]) -> DictConfig:
+    """`cfg` with the model/data/reward/sampler sections of a checkpoint's `saved` config.
+
+    A group override on the command line (`data=gsm8k`) keeps the composed section; dotted
+    overrides (`data.limit=50`) are applied on top of the saved section. A different base model is
+    an error: a LoRA adapter only fits the weights it was trained on.
+    """
+    cfg = cfg.copy()
+    for section in INHERITED:
+        if section not in saved:
+            continue
+        group_override = any(o.lstrip("+~").split("=")[0] == section for o in overrides)
+        if section == "model" and group_override and cfg.model.get("name") != saved.model.get("name"):
+            raise ConfigError(f"model {cfg.model.get('name')!r} was requested but the checkpoint was trained on "
+                              f"{saved.model.get('name')!r}; drop the model= override")
+        if group_override:
+            continue
+        merged = saved[section].copy()
+        dotted = [o.lstrip("+") for o in overrides if o.lstrip("+").startswith(section + ".")]
+        if dotted:
+            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(dotted)[section])
+        cfg[section] = merged
+    return cfg

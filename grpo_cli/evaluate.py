@@ -1,0 +1,236 @@
+"""`grpo eval`: accuracy of saved checkpoints (and the base model) on held-out problems.
+
+    grpo eval checkpoint=outputs/train/DATE/TIME eval.include_base=true   # every checkpoint of a run
+    grpo eval data=gsm8k data.path=train.jsonl data.limit=50               # the base model
+    grpo eval checkpoint=RUN eval.num_samples=8 'eval.k=[1,4,8]'           # + pass@k and maj@k
+
+Per checkpoint: greedy accuracy (pass@1 at temperature 0); with eval.num_samples = n > 0, n
+samples per problem at eval.temperature give unbiased pass@k (Chen et al. 2021) and maj@k
+(majority vote over the extracted answers of the first k samples). Problems come from the
+dataset's held-out split, never the training stream. Writes eval.json, eval_samples.jsonl (one line
+per checkpoint and problem; rerunning in the same folder skips what is there) and, for more than
+one checkpoint, accuracy.png.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from pathlib import Path
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from rich.table import Table
+
+from grpo_cli import checkpoint
+from grpo_cli.config import command_line_overrides, hydra_app, inherit, validate
+from grpo_cli.errors import ConfigError
+from grpo_cli.metrics import console, mean, progress
+from grpo_cli.rewards import answers_match, extract_answer
+from grpo_cli.rollout import render_prompts
+
+
+@hydra_app("eval")
+def main(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    run(cfg, Path(HydraConfig.get().runtime.output_dir), command_line_overrides())
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k = 1 - C(n-c, k) / C(n, k), as a product so it never overflows."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def majority_correct(answers: list[str | None], reference: str) -> bool:
+    """Is the most common extracted answer (ties: the first seen) correct? No answer never wins."""
+    votes = Counter(a for a in answers if a is not None)
+    if not votes:
+        return False
+    return answers_match(votes.most_common(1)[0][0], reference)
+
+
+def expand_checkpoints(spec) -> list[Path | None]:
+    """`checkpoint=` as given: null (base model), a checkpoint, a run folder (all of its) or a list."""
+    if spec is None:
+        return [None]
+    items = list(spec) if isinstance(spec, (list, ListConfig)) else [spec]
+    out: list[Path | None] = []
+    for item in items:
+        path = Path(str(item))
+        if not path.exists():
+            raise ConfigError(f"checkpoint={path} does not exist; pass a checkpoint or run folder from `grpo train`")
+        out.extend([path] if (path / "trainer_state.json").exists() else checkpoint.list_checkpoints(path))
+        if not out:
+            raise ConfigError(f"{path} holds no checkpoints/step_* folders; pass a run folder of `grpo train`")
+    return out
+
+
+def load_inference(cfg: DictConfig, overrides: list[str], checkpoints: list[Path | None]):
+    """(policy with LoRA, tokenizer, effective config): the first checkpoint's config fills in the rest."""
+    from grpo_cli.train import build_policy
+
+    first = next((c for c in checkpoints if c is not None), None)
+    if first is not None:
+        saved = checkpoint.load_config(first)
+        cfg = inherit(cfg, saved, overrides)
+        for other in checkpoints:
+            if other is not None and checkpoint.load_config(other).model.get("name") != cfg.model.get("name"):
+                raise ConfigError(f"{other} was trained on another base model than {first}; evaluate them apart")
+    validate(cfg)
+    policy, tokenizer, _ = build_policy(cfg)
+    policy.eval()
+    return policy, tokenizer, cfg
+
+
+def run(cfg: DictConfig, out_dir: Path, overrides: list[str] = ()) -> dict:
+    E = cfg.eval
+    checkpoints = expand_checkpoints(cfg.checkpoint)
+    if E.include_base and None not in checkpoints:
+        checkpoints = [None, *checkpoints]
+    if E.num_samples and max(E.k) > E.num_samples:
+        raise ConfigError(f"eval.k ({list(E.k)}) asks for more samples than eval.num_samples ({E.num_samples}); "
+                          f"set eval.num_samples={max(E.k)}")
+    policy, tokenizer, cfg = load_inference(cfg, list(overrides), checkpoints)
+    data = instantiate(cfg.data)
+    reward_fn = instantiate(cfg.reward, _convert_="all")
+    sampler = instantiate(cfg.sampler)
+    problems = list(data.heldout)[: E.limit] if E.limit else list(data.heldout)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    samples_path = out_dir / "eval_samples.jsonl"
+    done = _read_done(samples_path)
+
+    results = []
+    for ckpt in checkpoints:
+        name = str(ckpt) if ckpt else None
+        if ckpt is not None:
+            checkpoint.load_adapter(policy, ckpt)
+        rows = [done[(name, i)] for i in range(len(problems)) if (name, i) in done]
+        todo = [i for i in range(len(problems)) if (name, i) not in done]
+        with progress(f"eval {Path(name).name if name else 'base'}") as bar, samples_path.open("a") as out:
+            task = bar.add_task("", total=len(problems), completed=len(rows), info="")
+            for start in range(0, len(todo), E.batch_size):
+                batch = [problems[i] for i in todo[start:start + E.batch_size]]
+                torch.manual_seed(E.seed + todo[start])  # deterministic for a fixed seed, whatever was skipped
+                with _adapter(policy, ckpt is not None):
+                    new = score_batch(policy, tokenizer, sampler, reward_fn, batch, E)
+                for i, row in zip(todo[start:start + E.batch_size], new):
+                    row.update(checkpoint=name, index=i)
+                    out.write(json.dumps(row) + "\n")
+                    rows.append(row)
+                bar.update(task, completed=len(rows), info=f"acc {mean(r['correct'] for r in rows):.3f}")
+        results.append(summarize(name, rows, E))
+    report = {"results": results, "config": OmegaConf.to_container(cfg, resolve=True)}
+    (out_dir / "eval.json").write_text(json.dumps(report, indent=1))
+    console.print(results_table(results))
+    if len(results) > 1:
+        plot_accuracy(results, out_dir / "accuracy.png")
+        console.print(f"plot: {out_dir / 'accuracy.png'}")
+    console.print(f"results: {out_dir / 'eval.json'}")
+    return report
+
+
+class _adapter:
+    """LoRA on for a checkpoint, off for the base model."""
+
+    def __init__(self, policy, enabled: bool):
+        self.ctx = None if enabled else policy.disable_adapter()
+
+    def __enter__(self):
+        return self.ctx.__enter__() if self.ctx else None
+
+    def __exit__(self, *exc):
+        return self.ctx.__exit__(*exc) if self.ctx else False
+
+
+def score_batch(policy, tokenizer, sampler, reward_fn, batch: list[dict], E: DictConfig) -> list[dict]:
+    """Greedy (and sampled) completions for a batch of problems, with answers, correctness and rewards."""
+    prompts = render_prompts(tokenizer, [p["messages"] for p in batch])
+    greedy = sampler.generate(policy, tokenizer, prompts, 1, greedy=True, max_new_tokens=E.max_new_tokens)
+    sampled = (sampler.generate(policy, tokenizer, prompts, E.num_samples, max_new_tokens=E.max_new_tokens,
+                                temperature=E.temperature) if E.num_samples else None)
+    texts = greedy.texts + (sampled.texts if sampled else [])
+    n = E.num_samples
+    # rewards for every completion: greedy ones first, then n samples per problem
+    owners = list(range(len(batch))) + [i for i in range(len(batch)) for _ in range(n)]
+    columns = {k: [batch[i][k] for i in owners] for k in batch[0] if k not in ("messages", "question")}
+    lengths = greedy.lengths + (sampled.lengths if sampled else [])
+    truncated = greedy.truncated + (sampled.truncated if sampled else [])
+    rewards = reward_fn([batch[i]["question"] for i in owners], texts,
+                        {**columns, "completion_length": lengths, "truncated": truncated}).rewards
+    rows = []
+    for i, problem in enumerate(batch):
+        ref = str(problem["answer"])
+        picks = [i] + [len(batch) + i * n + j for j in range(n)]  # greedy, then this problem's samples
+        completions = [{"text": texts[j], "answer": extract_answer(texts[j]), "reward": rewards[j],
+                        "length": lengths[j], "truncated": truncated[j]} for j in picks]
+        for c in completions:
+            c["correct"] = c["answer"] is not None and answers_match(c["answer"], ref)
+        rows.append({"prompt": prompts[i], "question": problem["question"], "reference": ref,
+                     "correct": completions[0]["correct"], "greedy": completions[0], "samples": completions[1:]})
+    return rows
+
+
+def summarize(name: str | None, rows: list[dict], E: DictConfig) -> dict:
+    rows = sorted(rows, key=lambda r: r["index"])
+    every = [r["greedy"] for r in rows] + [s for r in rows for s in r["samples"]]
+    step = None
+    if name is not None:
+        step = json.loads((Path(name) / "trainer_state.json").read_text())["step"]
+    out = {"checkpoint": name, "step": step, "num_problems": len(rows),
+           "accuracy": mean(r["correct"] for r in rows),
+           "mean_reward": mean(c["reward"] for c in every),
+           "mean_length": mean(c["length"] for c in every),
+           "truncation_rate": mean(c["truncated"] for c in every)}
+    if E.num_samples:
+        out["pass@k"] = {str(k): mean(pass_at_k(len(r["samples"]), sum(s["correct"] for s in r["samples"]), k)
+                                      for r in rows) for k in E.k}
+        out["maj@k"] = {str(k): mean(majority_correct([s["answer"] for s in r["samples"][:k]], r["reference"])
+                                     for r in rows) for k in E.k}
+    return out
+
+
+def results_table(results: list[dict]) -> Table:
+    table = Table(title="grpo eval")
+    keys = sorted({k for r in results for k in r.get("pass@k", {})}, key=int)
+    for col in ["checkpoint", "step", "problems", "accuracy", *[f"pass@{k}" for k in keys],
+                *[f"maj@{k}" for k in keys], "reward", "length", "truncated"]:
+        table.add_column(col, justify="left" if col == "checkpoint" else "right")
+    for r in results:
+        table.add_row(Path(r["checkpoint"]).name if r["checkpoint"] else "base", str(r["step"] if r["step"] is not None else "-"),
+                      str(r["num_problems"]), f"{r['accuracy']:.3f}",
+                      *[f"{r['pass@k'][k]:.3f}" for k in keys], *[f"{r['maj@k'][k]:.3f}" for k in keys],
+                      f"{r['mean_reward']:.3f}", f"{r['mean_length']:.1f}", f"{r['truncation_rate']:.2f}")
+    return table
+
+
+def plot_accuracy(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] or 0 for r in results]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(steps, [r["accuracy"] for r in results], marker="o", label="greedy accuracy")
+    for k in results[0].get("pass@k", {}):
+        ax.plot(steps, [r["pass@k"][k] for r in results], marker=".", linestyle="--", label=f"pass@{k}")
+    ax.set_xlabel("training step (0 = base model)")
+    ax.set_ylabel("held-out accuracy")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _read_done(path: Path) -> dict:
+    """Rows already written by an earlier run into the same folder, keyed by (checkpoint, problem)."""
+    if not path.exists():
+        return {}
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return {(r["checkpoint"], r["index"]): r for r in rows}

@@ -1,0 +1,91 @@
+"""`grpo sample`: print what a checkpoint (or the base model) writes, with its answer and reward.
+
+    grpo sample checkpoint=outputs/train/DATE/TIME prompt="What is 17 + 25?"
+    grpo sample data=gsm8k data.path=train.jsonl sample.n=4 reward=gsm8k_process
+
+With process rewards each step is highlighted green/red/grey by the sign of its step reward.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+from rich.panel import Panel
+from rich.text import Text
+
+from grpo_cli import checkpoint
+from grpo_cli.config import command_line_overrides, hydra_app
+from grpo_cli.evaluate import _adapter, load_inference
+from grpo_cli.metrics import console
+from grpo_cli.rewards import answers_match, extract_answer
+from grpo_cli.rollout import render_prompts
+
+
+@hydra_app("sample")
+def main(cfg: DictConfig) -> None:
+    run(cfg, command_line_overrides())
+
+
+def run(cfg: DictConfig, overrides: list[str] = ()) -> list[dict]:
+    S = cfg.sample
+    ckpt = checkpoint.resolve(cfg.checkpoint) if cfg.checkpoint else None
+    policy, tokenizer, cfg = load_inference(cfg, list(overrides), [ckpt])
+    if ckpt is not None:
+        checkpoint.load_adapter(policy, ckpt)
+    reward_fn = instantiate(cfg.reward, _convert_="all")
+    sampler = instantiate(cfg.sampler)
+    if S.prompt:
+        problems = [{"messages": [{"role": "user", "content": S.prompt}], "question": S.prompt}]
+    else:
+        problems = list(instantiate(cfg.data).heldout)[: S.num_prompts]
+    torch.manual_seed(S.seed)
+    with _adapter(policy, ckpt is not None):
+        rollout = sampler.generate(policy, tokenizer, render_prompts(tokenizer, [p["messages"] for p in problems]), S.n)
+    owners = [i for i in range(len(problems)) for _ in range(S.n)]
+    keys = [k for k in problems[0] if k not in ("messages", "question")]
+    columns = {k: [problems[i][k] for i in owners] for k in keys}
+    result = None
+    if "answer" in keys:  # rewards need a reference; a free prompt has none
+        result = reward_fn([problems[i]["question"] for i in owners], rollout.texts,
+                           {**columns, "completion_length": rollout.lengths, "truncated": rollout.truncated})
+    records = []
+    for j, text in enumerate(rollout.texts):
+        problem = problems[owners[j]]
+        answer = extract_answer(text)
+        record = {"question": problem["question"], "completion": text, "answer": answer,
+                  "reference": problem.get("answer"), "truncated": rollout.truncated[j],
+                  "correct": (answers_match(answer, str(problem["answer"])) if answer is not None and "answer" in problem
+                              else None),
+                  "reward": result.rewards[j] if result else None,
+                  "steps": result.steps[j] if result and result.steps is not None else None}
+        records.append(record)
+        console.print(render(record, j % S.n))
+    if S.output:
+        Path(S.output).parent.mkdir(parents=True, exist_ok=True)
+        with open(S.output, "w") as f:
+            for r in records:
+                f.write(json.dumps(r) + "\n")
+        console.print(f"wrote {len(records)} completions to {S.output}")
+    return records
+
+
+def render(record: dict, k: int) -> Panel:
+    """A panel: the completion (steps coloured by their reward) and a line with answer, reward, verdict."""
+    text = Text()
+    start = 0
+    for end, reward in record["steps"] or []:
+        style = "green" if reward > 0 else "red" if reward < 0 else "dim"
+        text.append(record["completion"][start:end], style=style)
+        text.append(f" [{reward:+.2f}]", style=f"bold {style}")
+        start = end
+    text.append(record["completion"][start:])
+    verdict = {True: "[green]correct", False: "[red]wrong", None: "[dim]no reference"}[record["correct"]]
+    reward = f"{record['reward']:.3f}" if isinstance(record["reward"], (int, float)) else "-"
+    title = f"sample {k}: {record['question'][:70]}"
+    subtitle = (f"answer {record['answer']!s} · ref {record['reference']!s} · reward {reward} · {verdict}"
+                + (" · truncated" if record["truncated"] else ""))
+    return Panel(text, title=title, subtitle=subtitle, title_align="left", subtitle_align="left")
