@@ -1,0 +1,404 @@
+"""The GRPO math: advantages, KL estimators, the clipped loss, and chunked token log-probs.
+
+Pure functions of tensors and scalars: no model, no config object, no I/O. The trainer calls
+them in the order a step walks: `outcome_advantages` / `process_advantages` on the rewards of a
+rollout, `token_logprobs` on the policy's logits, then `grpo_loss`.
+
+What follows DeepSeekMath (arXiv 2402.03300) §4.1:
+  - outcome supervision: Â_i,t = (r_i - mean(r)) / std(r) over the G completions of a prompt,
+    with the population std (1/G) of the paper's formula;
+  - process supervision: every step reward is normalized by the mean and std of all step rewards
+    of the group, and a token's advantage is the sum of the normalized rewards of the steps that
+    end at or after it;
+  - the KL to the reference policy is the paper's unbiased estimator (k3 below), added to the
+    per-token objective (not to the reward), weighted by β;
+  - the `grpo` aggregation 1/G Σ_i 1/|o_i| Σ_t.
+
+Where it departs, and why:
+  - `eps` is added to the std (the paper has none) so a group whose rewards are all equal gets
+    advantage 0 instead of 0/0;
+  - a NaN reward means "no score" (a reward model that failed, a filtered sample): it is left out of
+    the group's mean and std and its completion gets advantage 0;
+  - options the paper does not have, each from a follow-up: `std="sample"` (TRL, verl),
+    `scale="batch"` (std of the whole batch) and `scale="none"` (Dr. GRPO), an asymmetric clip
+    range `epsilon_high` (DAPO's clip-higher), and the aggregations `bnpo`, `dr_grpo`, `dapo`;
+  - in the `grpo` aggregation a sequence with no unmasked token (e.g. a truncated completion whose
+    loss is masked out) contributes 0 but still counts in the mean over the N sequences, so the
+    weight of the other sequences does not depend on how many were masked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+SCALES = ("group", "batch", "none")
+STDS = ("population", "sample")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+
+
+# --------------------------------------------------------------------------- advantages
+
+
+def outcome_advantages(
+    rewards: torch.Tensor,
+    group_size: int,
+    *,
+    scale: str = "group",
+    std: str = "population",
+    eps: float = 1e-4,
+) -> torch.Tensor:
+    """[N] rewards, groups of `group_size` contiguous completions -> [N] advantages.
+
+    (r_i - group mean) / (std + eps). `scale`: "group" (paper) divides by the std of the group,
+    "batch" by the std of all rewards of the batch (the mean stays per group), "none" does not
+    divide. `std`: "population" (1/G, the paper's formula) or "sample" (1/(G-1), TRL and verl).
+    NaN rewards are left out of every mean and std and get advantage 0.
+    """
+    if scale not in SCALES:
+        raise ValueError(f"scale ({scale!r}) must be one of {SCALES}")
+    if std not in STDS:
+        raise ValueError(f"std ({std!r}) must be one of {STDS}")
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D [N], got shape {tuple(rewards.shape)}")
+    if group_size < 1:
+        raise ValueError(f"group_size ({group_size}) must be >= 1")
+    n = rewards.numel()
+    if n % group_size:
+        raise ValueError(
+            f"number of rewards ({n}) is not a multiple of group_size ({group_size}): "
+            "each prompt needs exactly group_size completions, stored contiguously"
+        )
+    if not rewards.is_floating_point():
+        rewards = rewards.to(torch.get_default_dtype())
+
+    r = rewards.reshape(-1, group_size)                  # [groups, G]
+    valid = ~torch.isnan(r)                              # [groups, G]; False = no score
+    r0 = torch.where(valid, r, 0.0)
+    count = valid.sum(1, keepdim=True)                   # [groups, 1]
+    mean = r0.sum(1, keepdim=True) / count.clamp(min=1)  # [groups, 1]; 0 for an all-NaN group
+    centered = torch.where(valid, r0 - mean, 0.0)        # [groups, G]; 0 where no score
+    if scale == "none":
+        return centered.view(-1)
+
+    ddof = 1 if std == "sample" else 0
+    if scale == "group":
+        var = centered.pow(2).sum(1, keepdim=True) / (count - ddof).clamp(min=1)
+    else:
+        # the std of every scored reward of the batch, about the batch mean (TRL's scale_rewards="batch")
+        scored = r0[valid]                               # [scored rewards]
+        centered_batch = scored - scored.mean() if scored.numel() else scored
+        var = centered_batch.pow(2).sum() / max(scored.numel() - ddof, 1)
+    return (centered / (var.sqrt() + eps)).view(-1)
+
+
+def process_advantages(
+    step_rewards: Sequence[Sequence[float]],
+    step_ends: Sequence[Sequence[int]],
+    group_size: int,
+    length: int,
+    *,
+    eps: float = 1e-4,
+) -> torch.Tensor:
+    """Per-step rewards of N completions -> [N, length] per-token advantages (DeepSeekMath §4.1.3).
+
+    `step_rewards[i]` are the K_i step rewards of completion i, `step_ends[i]` the completion-token
+    index of the last token of each step (strictly increasing, < length). Within each group every
+    step reward is normalized by the mean and population std of all step rewards of the group;
+    token t of completion i gets the sum of its normalized step rewards whose step ends at or after
+    t, so tokens after the last step end get 0. NaN step rewards are left out like NaN outcome
+    rewards (normalized to 0). Returns float32 (the default dtype) on the CPU.
+    """
+    n = len(step_rewards)
+    if len(step_ends) != n:
+        raise ValueError(f"step_rewards has {n} completions but step_ends has {len(step_ends)}")
+    if group_size < 1:
+        raise ValueError(f"group_size ({group_size}) must be >= 1")
+    if n % group_size:
+        raise ValueError(
+            f"number of completions ({n}) is not a multiple of group_size ({group_size}): "
+            "each prompt needs exactly group_size completions, stored contiguously"
+        )
+    if length < 0:
+        raise ValueError(f"length ({length}) must be >= 0")
+    rows, ends, values = [], [], []
+    for i, (rs, es) in enumerate(zip(step_rewards, step_ends)):
+        if len(rs) != len(es):
+            raise ValueError(f"completion {i} has {len(rs)} step rewards but {len(es)} step ends")
+        prev = -1
+        for e in es:
+            if int(e) != e or e <= prev or e >= length:
+                raise ValueError(
+                    f"completion {i}: step ends {list(es)} must be integers, strictly increasing, "
+                    f"in [0, {length}) (token indices within the completion)"
+                )
+            prev = e
+        rows += [i] * len(rs)
+        ends += [int(e) for e in es]
+        values += [float(v) for v in rs]
+
+    dtype = torch.get_default_dtype()
+    out = torch.zeros(n, length, dtype=dtype)            # [N, length]
+    if not values:
+        return out
+    row = torch.tensor(rows)                             # [S]; S = all steps of the batch
+    end = torch.tensor(ends)                             # [S]
+    r = torch.tensor(values, dtype=dtype)                # [S]
+    group = row // group_size                            # [S]
+    groups = n // group_size
+
+    valid = ~torch.isnan(r)
+    r0 = torch.where(valid, r, 0.0)
+    count = torch.zeros(groups, dtype=dtype).index_add_(0, group, valid.to(dtype))   # [groups]
+    mean = torch.zeros(groups, dtype=dtype).index_add_(0, group, r0) / count.clamp(min=1)
+    centered = torch.where(valid, r0 - mean[group], 0.0)                             # [S]
+    var = torch.zeros(groups, dtype=dtype).index_add_(0, group, centered.pow(2)) / count.clamp(min=1)
+    normalized = centered / (var.sqrt()[group] + eps)                                # [S]
+
+    # each normalized step reward at its last token, then Â[:, t] = Σ_{end ≥ t}: a reverse cumsum
+    out.index_put_((row, end), normalized, accumulate=True)
+    return out.flip(1).cumsum(1).flip(1)
+
+
+# --------------------------------------------------------------------------- KL and loss
+
+
+def kl_divergence(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(π_θ || π_ref) from log-probs of the sampled tokens (elementwise).
+
+    k1 = logp - ref_logp (unbiased, can be negative); k2 = ½(logp - ref_logp)²;
+    k3 = exp(ref_logp - logp) - (ref_logp - logp) - 1 (the paper's eq. 4: unbiased and >= 0).
+    No clamping: a large gap gives a large value.
+    """
+    if estimator == "k1":
+        return logp - ref_logp
+    if estimator == "k2":
+        return 0.5 * (logp - ref_logp).pow(2)
+    if estimator == "k3":
+        d = ref_logp - logp
+        return torch.expm1(d) - d                        # = exp(d) - 1 - d, exact near d = 0
+    raise ValueError(f"kl estimator ({estimator!r}) must be one of {KL_ESTIMATORS}")
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of x over positions where mask != 0 (mask bool or float weights); 0 where none count.
+
+    Masked positions may hold NaN or inf without reaching the result or its gradient.
+    """
+    m = mask.to(x.dtype)
+    xm = torch.where(m != 0, x * m, 0.0)
+    if dim is None:
+        total, count = xm.sum(), m.sum()
+    else:
+        total, count = xm.sum(dim), m.sum(dim)
+    return total / torch.where(count != 0, count, 1.0)   # an empty row has total 0 -> 0
+
+
+def grpo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor | None,
+    ref_logp: torch.Tensor | None,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    beta: float = 0.04,
+    epsilon_low: float = 0.2,
+    epsilon_high: float | None = None,
+    kl_estimator: str = "k3",
+    loss_type: str = "grpo",
+    max_completion_length: int | None = None,
+    normalizer: torch.Tensor | float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The clipped GRPO surrogate with a KL penalty -> (loss to minimize, stats).
+
+    logp, old_logp, ref_logp, mask: [N, T] (mask bool, int or float; nonzero = the token counts,
+    the values are not used as weights); advantages: [N] (outcome, broadcast over T) or [N, T]
+    (process). Per token:
+        ρ = exp(logp - old_logp)
+        objective = min(ρ·A, clip(ρ, 1-ε_low, 1+ε_high)·A) - β·KL(logp, ref_logp)
+    and loss = -aggregate(objective) with `loss_type`:
+        grpo     mean over each sequence's unmasked tokens, then over all N sequences (paper)
+        bnpo     sum / unmasked tokens of this batch
+        dr_grpo  sum / (N · max_completion_length), max_completion_length None -> T
+        dapo     sum / normalizer, the unmasked-token count of the whole accumulated batch when
+                 the caller passes it for gradient accumulation (default: this batch's count)
+    `old_logp` None means old = logp.detach() (one update per rollout: ρ = 1, gradient = policy
+    gradient). `ref_logp` may be None when beta == 0. `max_completion_length` is read only by
+    dr_grpo; `normalizer` only by dapo (passing it with another loss_type is an error).
+
+    stats, all detached 0-dim tensors (call .item() when logging): `kl` (masked mean of the KL;
+    0 when beta == 0 and no ref_logp), `ratio_mean`, and the fractions of unmasked tokens the clip
+    cut: `clip_ratio/low_mean` (A<0, ρ<1-ε_low), `clip_ratio/high_mean` (A>0, ρ>1+ε_high),
+    `clip_ratio/region_mean` (their sum: tokens whose gradient the clip zeroed).
+    """
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type ({loss_type!r}) must be one of {LOSS_TYPES}")
+    if kl_estimator not in KL_ESTIMATORS:
+        raise ValueError(f"kl_estimator ({kl_estimator!r}) must be one of {KL_ESTIMATORS}")
+    if logp.dim() != 2:
+        raise ValueError(f"logp must be [N, T], got shape {tuple(logp.shape)}")
+    n, t = logp.shape
+    for name, x in (("old_logp", old_logp), ("ref_logp", ref_logp), ("mask", mask)):
+        if x is not None and x.shape != logp.shape:
+            raise ValueError(f"{name} has shape {tuple(x.shape)}, logp has {tuple(logp.shape)}")
+    if advantages.shape not in ((n,), (n, t)):
+        raise ValueError(f"advantages must be [N] or [N, T] = [{n}] or [{n}, {t}], got {tuple(advantages.shape)}")
+    if beta != 0 and ref_logp is None:
+        raise ValueError(f"beta ({beta}) > 0 needs ref_logp: pass the reference log-probs or set beta=0")
+    if normalizer is not None and loss_type != "dapo":
+        raise ValueError(
+            f"normalizer is only used by loss_type='dapo', not {loss_type!r}: for gradient accumulation "
+            "with the other loss types, weight each micro-batch's loss instead"
+        )
+    eps_low = epsilon_low
+    eps_high = epsilon_low if epsilon_high is None else epsilon_high
+
+    keep = mask.bool()                                   # [N, T]
+    m = keep.to(logp.dtype)
+    # masked positions are set to 0 before any exp, so pad garbage (even ±inf) reaches neither
+    # the loss nor the gradient
+    lp = logp.masked_fill(~keep, 0.0)
+    old = lp.detach() if old_logp is None else old_logp.detach().masked_fill(~keep, 0.0)
+    adv = advantages.detach().to(logp.dtype)
+    if adv.dim() == 1:
+        adv = adv.unsqueeze(1)                           # [N, 1], broadcast over T
+    adv = torch.where(keep, adv, 0.0)                    # [N, T]
+
+    ratio = torch.exp(lp - old)                          # [N, T]; 1 on masked positions
+    clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
+    objective = torch.minimum(ratio * adv, clipped * adv)
+    kl = None
+    if ref_logp is not None:
+        ref = ref_logp.detach().masked_fill(~keep, 0.0)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and beta != 0):
+            kl = kl_divergence(lp, ref, kl_estimator)   # [N, T]; 0 on masked positions
+        if beta != 0:
+            objective = objective - beta * kl
+    objective = objective * m                            # 0 on masked positions
+
+    if loss_type == "grpo":
+        per_seq = objective.sum(1) / m.sum(1).clamp(min=1)   # [N]; 0 for an empty sequence
+        aggregate = per_seq.mean()
+    elif loss_type == "bnpo":
+        aggregate = objective.sum() / m.sum().clamp(min=1)
+    elif loss_type == "dr_grpo":
+        length = t if max_completion_length is None else max_completion_length
+        if length <= 0:
+            raise ValueError(f"max_completion_length ({length}) must be > 0")
+        aggregate = objective.sum() / (n * length)
+    else:  # dapo
+        if normalizer is None:
+            normalizer = m.sum().clamp(min=1)
+        elif not torch.is_tensor(normalizer) and normalizer <= 0:
+            raise ValueError(f"normalizer ({normalizer}) must be > 0: the unmasked-token count of the batch")
+        aggregate = objective.sum() / normalizer
+    loss = -aggregate
+
+    with torch.no_grad():
+        r = ratio.detach()
+        low = (adv < 0) & (r < 1 - eps_low) & keep      # [N, T]; the clip zeroed these gradients
+        high = (adv > 0) & (r > 1 + eps_high) & keep
+        stats = {
+            "kl": masked_mean(kl.detach(), m) if kl is not None else logp.new_zeros(()),
+            "clip_ratio/low_mean": masked_mean(low.to(logp.dtype), m),
+            "clip_ratio/high_mean": masked_mean(high.to(logp.dtype), m),
+            "clip_ratio/region_mean": masked_mean((low | high).to(logp.dtype), m),
+            "ratio_mean": masked_mean(r, m),
+        }
+    return loss, stats
+
+
+# --------------------------------------------------------------------------- token log-probs
+
+
+def _blocks(n: int, t: int, chunk_size: int):
+    """(n0, n1, t0, t1) slabs of at most chunk_size positions of an [n, t] grid, in row-major order.
+
+    Whole sequences together when a sequence fits in a chunk, else pieces of one sequence, so
+    logits[n0:n1, t0:t1] is a cheap slab even when logits is a slice along T (not flattenable).
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size ({chunk_size}) must be >= 1")
+    if t == 0:
+        return []
+    if t <= chunk_size:
+        k = chunk_size // t
+        return [(a, min(a + k, n), 0, t) for a in range(0, n, k)]
+    return [(a, a + 1, b, min(b + chunk_size, t)) for a in range(n) for b in range(0, t, chunk_size)]
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    # fp32 at least: bf16 log-probs are off by ~1e-2, which is a ratio error of ~1%
+    return torch.promote_types(dtype, torch.float32)
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """log_softmax(logits)[tokens] chunk by chunk; backward rebuilds each chunk's softmax.
+
+    Saves only the logits (held by the caller anyway), the tokens and the [N, T] logsumexp, so
+    neither pass holds more than one chunk of full-vocabulary fp32 values.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, tokens, chunk_size):
+        n, t, _ = logits.shape
+        cd = _compute_dtype(logits.dtype)
+        out = logits.new_empty((n, t), dtype=cd)         # [N, T]
+        lse = logits.new_empty((n, t), dtype=cd)         # [N, T]
+        blocks = _blocks(n, t, chunk_size)
+        for n0, n1, t0, t1 in blocks:
+            x = logits[n0:n1, t0:t1].to(cd)              # [n1-n0, t1-t0, V]; one chunk
+            s = torch.logsumexp(x, -1)
+            lse[n0:n1, t0:t1] = s
+            out[n0:n1, t0:t1] = x.gather(-1, tokens[n0:n1, t0:t1, None]).squeeze(-1) - s
+        ctx.save_for_backward(logits, tokens, lse)
+        ctx.blocks = blocks
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        logits, tokens, lse = ctx.saved_tensors
+        grad = torch.empty_like(logits, memory_format=torch.contiguous_format)   # [N, T, V]
+        for n0, n1, t0, t1 in ctx.blocks:
+            g = grad_out[n0:n1, t0:t1, None]             # [n, t, 1]
+            # d/dx (x[tok] - lse) = onehot(tok) - softmax(x)
+            p = logits[n0:n1, t0:t1] - lse[n0:n1, t0:t1, None]   # promoted to fp32: one chunk
+            p.exp_().mul_(-g).scatter_add_(-1, tokens[n0:n1, t0:t1, None], g)
+            grad[n0:n1, t0:t1] = p
+        return grad, None, None
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, *, chunk_size: int = 1024) -> torch.Tensor:
+    """log softmax(logits)[tokens]: [N, T, V] logits, [N, T] token ids -> [N, T] log-probs.
+
+    Computed `chunk_size` positions at a time, so at most one chunk of fp32 [chunk, V] values is
+    alive in forward and backward (a full log_softmax of 64 x 1024 positions of a 150k vocabulary
+    would be 40 GB). Differentiable w.r.t. logits. The result is fp32 (fp64 for fp64 logits).
+    Token ids must lie in [0, V) everywhere, pad positions included (mask them later, don't use -100).
+    """
+    if logits.dim() != 3 or tokens.shape != logits.shape[:2]:
+        raise ValueError(f"logits must be [N, T, V] and tokens [N, T], got {tuple(logits.shape)} and {tuple(tokens.shape)}")
+    _blocks(1, 1, chunk_size)                            # validates chunk_size
+    return _TokenLogprobs.apply(logits, tokens.long(), chunk_size)
+
+
+@torch.no_grad()
+def token_entropy(logits: torch.Tensor, *, chunk_size: int = 1024) -> torch.Tensor:
+    """Entropy of the next-token distribution at each position: [N, T, V] -> [N, T], for metrics.
+
+    H = logsumexp(x) - Σ softmax(x)·x, chunk by chunk like `token_logprobs`. Detached (computed
+    under no_grad): it is logged, never optimized.
+    """
+    if logits.dim() != 3:
+        raise ValueError(f"logits must be [N, T, V], got {tuple(logits.shape)}")
+    n, t, _ = logits.shape
+    cd = _compute_dtype(logits.dtype)
+    out = logits.new_empty((n, t), dtype=cd)
+    for n0, n1, t0, t1 in _blocks(n, t, chunk_size):
+        x = logits[n0:n1, t0:t1].to(cd)
+        s = torch.logsumexp(x, -1, keepdim=True)
+        out[n0:n1, t0:t1] = s.squeeze(-1) - (torch.exp(x - s) * x).sum(-1)
+    return out

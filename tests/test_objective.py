@@ -1,0 +1,518 @@
+"""grpo_cli.objective: numbers worked by hand, and plain-loop references on random ragged inputs."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from grpo_cli.objective import (
+    grpo_loss,
+    kl_divergence,
+    masked_mean,
+    outcome_advantages,
+    process_advantages,
+    token_entropy,
+    token_logprobs,
+)
+
+E = 1e-4  # the default eps added to the std
+
+
+def close(x, expected, tol=1e-4):
+    return torch.allclose(torch.as_tensor(x, dtype=torch.float64),
+                          torch.as_tensor(expected, dtype=torch.float64), atol=tol, rtol=0)
+
+
+# --------------------------------------------------------------------------- outcome advantages
+
+
+def test_paper_example_plus_minus_one():
+    # G=4, rewards +1,-1,+1,-1: mean 0, population std sqrt(4/4) = 1 -> ±1 / (1 + 1e-4)
+    adv = outcome_advantages(torch.tensor([1.0, -1.0, 1.0, -1.0]), 4)
+    assert close(adv, [1, -1, 1, -1], tol=2e-4)
+    assert close(adv, [1 / (1 + E), -1 / (1 + E)] * 2, tol=1e-6)
+
+
+def test_population_and_sample_std():
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    # mean 0.5; deviations ±0.5; population var 4·0.25/4 = 0.25 -> std 0.5 -> ±0.5/0.5 = ±1
+    assert close(outcome_advantages(r, 4), [1, -1, -1, 1], tol=2e-4)
+    # sample var 4·0.25/3 = 1/3 -> std sqrt(1/3) = 0.57735 -> 0.5/0.57735 = 0.866
+    assert close(outcome_advantages(r, 4, std="sample"), [0.866, -0.866, -0.866, 0.866], tol=2e-4)
+
+
+def test_batch_scale_and_no_scale():
+    # groups [0, 2] and [2, 4] (G=2): group means 1 and 3 -> centered [-1, 1, -1, 1]
+    r = torch.tensor([0.0, 2.0, 2.0, 4.0])
+    # group scale: each group's population std is 1 -> ±1
+    assert close(outcome_advantages(r, 2), [-1, 1, -1, 1], tol=2e-4)
+    # batch scale: batch mean 2, deviations [-2, 0, 0, 2], population var 8/4 = 2, std 1.41421
+    # -> ±1 / 1.41421 = ±0.70711 (the mean stays per group)
+    assert close(outcome_advantages(r, 2, scale="batch"), [-0.70711, 0.70711, -0.70711, 0.70711], tol=1e-4)
+    # batch, sample std: var 8/3, std 1.63299 -> ±1 / 1.63299 = ±0.61237
+    assert close(outcome_advantages(r, 2, scale="batch", std="sample"),
+                 [-0.61237, 0.61237, -0.61237, 0.61237], tol=1e-4)
+    # none: just r - group mean
+    assert close(outcome_advantages(r, 2, scale="none"), [-1, 1, -1, 1], tol=0)
+
+
+def test_nan_reward_gets_zero_and_is_left_out():
+    # scored rewards 1, 0, 0: mean 1/3; deviations 2/3, -1/3, -1/3
+    # population var (4/9 + 1/9 + 1/9) / 3 = 2/9 -> std 0.47140
+    # advantages 0.66667/0.47140 = 1.41421, -0.33333/0.47140 = -0.70711; the NaN one 0
+    adv = outcome_advantages(torch.tensor([1.0, float("nan"), 0.0, 0.0]), 4)
+    assert close(adv, [1.41421, 0.0, -0.70711, -0.70711], tol=5e-4)
+    # an all-NaN group and a group with one scored reward (sample std: G-1 = 0) give zeros, not NaN
+    adv = outcome_advantages(torch.tensor([float("nan")] * 2 + [3.0, float("nan")]), 2, std="sample")
+    assert torch.equal(adv, torch.zeros(4))
+    # NaN in batch scale: left out of the batch std too. Scored [0, 2 | 2] -> centered [-1, 1, 0, 0]
+    # batch values 0, 2, 2: mean 4/3, var ((16 + 4 + 4)/9) / 3 = 8/9 -> std 0.94281 -> ±1.06066
+    adv = outcome_advantages(torch.tensor([0.0, 2.0, 2.0, float("nan")]), 2, scale="batch")
+    assert close(adv, [-1.06066, 1.06066, 0.0, 0.0], tol=2e-4)
+
+
+def test_equal_rewards_give_zero():
+    # mean 1, std 0 -> 0 / (0 + eps) = 0
+    assert torch.equal(outcome_advantages(torch.ones(4), 4), torch.zeros(4))
+
+
+def test_outcome_errors():
+    with pytest.raises(ValueError, match="not a multiple of group_size"):
+        outcome_advantages(torch.zeros(5), 4)
+    with pytest.raises(ValueError, match="scale"):
+        outcome_advantages(torch.zeros(4), 4, scale="prompt")
+    with pytest.raises(ValueError, match="std"):
+        outcome_advantages(torch.zeros(4), 4, std="biased")
+    with pytest.raises(ValueError, match="1-D"):
+        outcome_advantages(torch.zeros(2, 2), 2)
+
+
+def ref_outcome(rewards, g, scale, std, eps):
+    """One group at a time, in plain floats."""
+    ddof = 1 if std == "sample" else 0
+
+    def sd(xs):
+        if not xs:
+            return 0.0
+        mu = sum(xs) / len(xs)
+        return math.sqrt(sum((x - mu) ** 2 for x in xs) / max(len(xs) - ddof, 1))
+
+    scored_all = [x for x in rewards if not math.isnan(x)]
+    out = []
+    for start in range(0, len(rewards), g):
+        group = rewards[start:start + g]
+        scored = [x for x in group if not math.isnan(x)]
+        mu = sum(scored) / len(scored) if scored else 0.0
+        s = sd(scored) if scale == "group" else sd(scored_all)
+        for x in group:
+            if math.isnan(x):
+                out.append(0.0)
+            elif scale == "none":
+                out.append(x - mu)
+            else:
+                out.append((x - mu) / (s + eps))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_outcome_matches_loop(seed):
+    rng = random.Random(seed)
+    for scale in ("group", "batch", "none"):
+        for std in ("population", "sample"):
+            g = rng.randint(1, 6)
+            rewards = [float("nan") if rng.random() < 0.2 else rng.choice([0.0, 1.0, rng.gauss(0, 2)])
+                       for _ in range(g * rng.randint(1, 5))]
+            fast = outcome_advantages(torch.tensor(rewards, dtype=torch.float64), g, scale=scale, std=std)
+            assert close(fast, ref_outcome(rewards, g, scale, std, 1e-4), tol=1e-9), (scale, std, rewards)
+
+
+# --------------------------------------------------------------------------- process advantages
+
+
+def test_process_two_completions_by_hand():
+    # A: step rewards [1, 0] ending at tokens [1, 3]; B: [-1] ending at token 2; G=2, length 5
+    # all step rewards of the group: 1, 0, -1 -> mean 0, population std sqrt((1+0+1)/3) = 0.8165
+    # normalized: 1/0.8165 = 1.2247, 0, -1.2247 (eps 1e-4 makes it 1.22459)
+    # A: t=0,1: steps ending >= t are both -> 1.2247 + 0; t=2,3: only the step ending at 3 -> 0;
+    #    t=4: after the last step -> 0
+    # B: t=0..2: -1.2247; t=3,4: 0
+    adv = process_advantages([[1.0, 0.0], [-1.0]], [[1, 3], [2]], 2, 5)
+    a = 1 / (math.sqrt(2 / 3) + E)
+    assert adv.shape == (2, 5) and adv.dtype == torch.float32
+    assert close(adv, [[a, a, 0, 0, 0], [-a, -a, -a, 0, 0]], tol=1e-5)
+    assert close(a, 1.2246, tol=1e-4)
+
+
+def test_process_sum_of_later_steps():
+    # one completion and one without steps (G=2): steps [2, 0, -2] end at [0, 2, 3], length 4
+    # mean 0, population std sqrt(8/3) = 1.63299 -> normalized 1.22474, 0, -1.22474
+    # t=0: 1.22474 + 0 - 1.22474 = 0; t=1,2: 0 - 1.22474; t=3: -1.22474
+    adv = process_advantages([[2.0, 0.0, -2.0], []], [[0, 2, 3], []], 2, 4)
+    b = 2 / (math.sqrt(8 / 3) + E)
+    assert close(adv, [[0, -b, -b, -b], [0, 0, 0, 0]], tol=1e-5)
+
+
+def test_process_no_steps_gives_zeros():
+    assert torch.equal(process_advantages([[], []], [[], []], 2, 3), torch.zeros(2, 3))
+    # a group with steps next to a group without
+    adv = process_advantages([[1.0], [0.0], [], []], [[0], [0], [], []], 2, 2)
+    assert close(adv[0], [0.99990, 0], tol=1e-4)   # (1 - 0.5) / (0.5 + 1e-4)
+    assert torch.equal(adv[2:], torch.zeros(2, 2))
+
+
+def test_process_errors():
+    with pytest.raises(ValueError, match="step_ends has"):
+        process_advantages([[1.0]], [], 1, 3)
+    with pytest.raises(ValueError, match="2 step rewards but 1 step ends"):
+        process_advantages([[1.0, 2.0]], [[0]], 1, 3)
+    with pytest.raises(ValueError, match="strictly increasing"):
+        process_advantages([[1.0, 2.0]], [[1, 1]], 1, 3)
+    with pytest.raises(ValueError, match="strictly increasing"):
+        process_advantages([[1.0]], [[3]], 1, 3)          # end must be < length
+    with pytest.raises(ValueError, match="strictly increasing"):
+        process_advantages([[1.0]], [[-1]], 1, 3)
+    with pytest.raises(ValueError, match="not a multiple of group_size"):
+        process_advantages([[1.0]] * 3, [[0]] * 3, 2, 3)
+
+
+def ref_process(step_rewards, step_ends, g, length, eps):
+    out = []
+    for start in range(0, len(step_rewards), g):
+        scored = [r for rs in step_rewards[start:start + g] for r in rs if not math.isnan(r)]
+        mu = sum(scored) / len(scored) if scored else 0.0
+        sd = math.sqrt(sum((r - mu) ** 2 for r in scored) / len(scored)) if scored else 0.0
+        for rs, es in zip(step_rewards[start:start + g], step_ends[start:start + g]):
+            norm = [0.0 if math.isnan(r) else (r - mu) / (sd + eps) for r in rs]
+            out.append([sum(n for n, e in zip(norm, es) if e >= t) for t in range(length)])
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_process_matches_loop(seed):
+    rng = random.Random(seed)
+    g, length = rng.randint(1, 5), rng.randint(1, 9)
+    rewards, ends = [], []
+    for _ in range(g * rng.randint(1, 4)):
+        k = rng.randint(0, min(4, length))                # 0 steps included
+        ends.append(sorted(rng.sample(range(length), k)))
+        rewards.append([float("nan") if rng.random() < 0.1 else rng.gauss(0, 1) for _ in range(k)])
+    fast = process_advantages(rewards, ends, g, length)
+    assert close(fast, ref_process(rewards, ends, g, length, 1e-4), tol=1e-5)
+
+
+# --------------------------------------------------------------------------- KL estimators
+
+
+def test_kl_estimators():
+    logp = torch.full((3,), -1.0, dtype=torch.float64)
+    ref = torch.tensor([0.0, -15.0, -30.0], dtype=torch.float64)
+    # k1 = logp - ref = -1 - 0, -1 + 15, -1 + 30
+    assert close(kl_divergence(logp, ref, "k1"), [-1, 14, 29], tol=0)
+    # k2 = ½ k1²: ½·1, ½·196, ½·841
+    assert close(kl_divergence(logp, ref, "k2"), [0.5, 98, 420.5], tol=0)
+    # k3 = exp(d) - d - 1 with d = ref - logp = 1, -14, -29:
+    # e - 1 - 1 = 0.71828; exp(-14) + 14 - 1 = 13.0000008; exp(-29) + 29 - 1 = 28.0000000
+    k3 = kl_divergence(logp, ref, "k3")
+    assert close(k3, [math.e - 2, 13 + math.exp(-14), 28 + math.exp(-29)], tol=1e-12)
+    assert close(k3, [0.7183, 13, 28], tol=1e-4)
+    # default is k3; no clamping of large gaps
+    assert torch.equal(kl_divergence(logp, ref), k3)
+    with pytest.raises(ValueError, match="k1"):
+        kl_divergence(logp, ref, "k4")
+
+
+def test_k3_is_nonnegative_and_exact_near_zero():
+    # d = 1e-6: exp(d) - 1 - d ≈ d²/2 = 5e-13. In fp32 expm1(d) - d keeps it to ~5e-14, while
+    # exp(d) - 1 - d gives -4.6e-8: exp(1e-6) rounds to a multiple of 1.19e-7 (fp32 spacing near 1)
+    # and the "always >= 0" estimator goes negative
+    logp = torch.tensor([0.0, -1.0, 2.0], dtype=torch.float32)
+    ref = torch.tensor([1e-6, -3.0, 1.0], dtype=torch.float32)
+    k3 = kl_divergence(logp, ref)
+    assert (k3 >= 0).all()
+    assert close(k3[0], 5e-13, tol=1e-13)
+
+
+# --------------------------------------------------------------------------- loss
+
+
+def logps_with_ratios(ratios, old=-1.0):
+    """[1, T] logp (requires grad) and old_logp such that exp(logp - old) = ratios."""
+    old_logp = torch.full((1, len(ratios)), old, dtype=torch.float64)
+    logp = (old_logp + torch.tensor([ratios], dtype=torch.float64).log()).requires_grad_()
+    return logp, old_logp
+
+
+def test_clipped_objective_by_hand():
+    # ratios [0.5, 1, 1.5], advantages [1, -1, 2], ε=0.2, β=0:
+    # 0.5·1 = 0.5 (clip to 0.8·1 = 0.8 is larger, min keeps 0.5)
+    # min(1·-1, 1·-1) = -1
+    # min(1.5·2 = 3, 1.2·2 = 2.4) = 2.4
+    # token mean (0.5 - 1 + 2.4) / 3 = 0.6333 -> loss -0.6333
+    logp, old = logps_with_ratios([0.5, 1.0, 1.5])
+    adv = torch.tensor([[1.0, -1.0, 2.0]], dtype=torch.float64)
+    loss, stats = grpo_loss(logp, old, None, adv, torch.ones(1, 3), beta=0.0)
+    assert close(loss, -0.63333, tol=1e-5)
+    # token 2: A>0, ρ=1.5 > 1.2 -> high clip, 1 of 3 tokens; no low clip (ρ=0.5 has A>0)
+    assert close(stats["clip_ratio/high_mean"], 1 / 3, tol=1e-9)
+    assert close(stats["clip_ratio/low_mean"], 0.0, tol=0)
+    assert close(stats["clip_ratio/region_mean"], 1 / 3, tol=1e-9)
+    # (0.5 + 1 + 1.5) / 3 = 1
+    assert close(stats["ratio_mean"], 1.0, tol=1e-9)
+    assert close(stats["kl"], 0.0, tol=0)
+    assert all(torch.is_tensor(v) and v.dim() == 0 and not v.requires_grad for v in stats.values())
+
+
+def test_clip_higher():
+    # ε_low 0.2, ε_high 0.28: ratio 1.5, A=2 -> min(3, 1.28·2 = 2.56) = 2.56 -> loss -2.56
+    logp, old = logps_with_ratios([1.5])
+    loss, _ = grpo_loss(logp, old, None, torch.tensor([2.0]), torch.ones(1, 1), beta=0.0, epsilon_high=0.28)
+    assert close(loss, -2.56, tol=1e-9)
+
+
+def test_clipped_tokens_have_zero_gradient():
+    # one sequence of T=5 tokens, grpo loss = -1/5 Σ min(ρA, clip(ρ)A); ∂/∂logp of an unclipped
+    # token is -ρA/5 (∂ρ/∂logp = ρ), of a clipped one 0:
+    # ρ 0.5, A -1: min(-0.5, 0.8·-1 = -0.8) = clipped (low)  -> 0
+    # ρ 1.5, A  1: min( 1.5, 1.2·1  =  1.2) = clipped (high) -> 0
+    # ρ 0.5, A  1: min( 0.5, 0.8)    -> -0.5·1/5  = -0.1
+    # ρ 1.5, A -1: min(-1.5, -1.2)   -> -1.5·-1/5 =  0.3
+    # ρ 1,   A  1:                      -1·1/5    = -0.2
+    logp, old = logps_with_ratios([0.5, 1.5, 0.5, 1.5, 1.0])
+    adv = torch.tensor([[-1.0, 1.0, 1.0, -1.0, 1.0]], dtype=torch.float64)
+    loss, stats = grpo_loss(logp, old, None, adv, torch.ones(1, 5), beta=0.0)
+    loss.backward()
+    assert close(logp.grad, [[0.0, 0.0, -0.1, 0.3, -0.2]], tol=1e-12)
+    assert logp.grad[0, 0] == 0 and logp.grad[0, 1] == 0
+    # low 1/5, high 1/5, region 2/5; ratio mean (0.5 + 1.5 + 0.5 + 1.5 + 1) / 5 = 1
+    assert close(stats["clip_ratio/low_mean"], 0.2, tol=1e-12)
+    assert close(stats["clip_ratio/high_mean"], 0.2, tol=1e-12)
+    assert close(stats["clip_ratio/region_mean"], 0.4, tol=1e-12)
+    assert close(stats["ratio_mean"], 1.0, tol=1e-12)
+
+
+def test_on_policy_gradient_is_policy_gradient():
+    # old = logp.detach() -> ρ = 1, never clipped; β = 0; grpo over T=4 tokens:
+    # loss = -1/4 Σ_t ρ_t A -> ∂loss/∂logp_t = -A/4 = -0.5/4 = -0.125 (REINFORCE with a baseline)
+    torch.manual_seed(0)
+    logp = torch.randn(1, 4, dtype=torch.float64, requires_grad=True)
+    loss, stats = grpo_loss(logp, logp.detach(), None, torch.tensor([0.5]), torch.ones(1, 4), beta=0.0)
+    loss.backward()
+    assert close(loss, -0.5, tol=1e-12)                  # mean of ρA = 0.5
+    assert close(logp.grad, [[-0.125] * 4], tol=1e-12)
+    assert close(stats["ratio_mean"], 1.0, tol=0)
+    # old_logp=None means the same thing
+    logp.grad = None
+    grpo_loss(logp, None, None, torch.tensor([0.5]), torch.ones(1, 4), beta=0.0)[0].backward()
+    assert close(logp.grad, [[-0.125] * 4], tol=1e-12)
+
+
+# ragged batch for the aggregations: N=2, T=3; ρ = 1, β = 0, so each token's objective is its A
+MASK = torch.tensor([[1, 1, 0], [1, 0, 0]])
+ADV = torch.tensor([[1.0, 2.0, 99.0], [3.0, 99.0, 99.0]])   # 99: masked, must not count
+
+
+def ragged_loss(loss_type, **kw):
+    logp = torch.zeros(2, 3, requires_grad=True)
+    return grpo_loss(logp, logp.detach(), None, ADV, MASK, beta=0.0, loss_type=loss_type, **kw)[0]
+
+
+def test_loss_types_by_hand():
+    # unmasked objectives: sequence 0: 1, 2; sequence 1: 3. Sum 6, 3 unmasked tokens.
+    # grpo: sequence means 1.5 and 3 -> (1.5 + 3) / 2 = 2.25
+    assert close(ragged_loss("grpo"), -2.25)
+    # bnpo: 6 / 3 = 2
+    assert close(ragged_loss("bnpo"), -2.0)
+    # dr_grpo: 6 / (N·T) = 6 / 6 = 1; with max_completion_length 4: 6 / (2·4) = 0.75
+    assert close(ragged_loss("dr_grpo"), -1.0)
+    assert close(ragged_loss("dr_grpo", max_completion_length=4), -0.75)
+    # dapo: 6 / 3 = 2 by default; with the accumulated batch's 12 tokens: 6 / 12 = 0.5
+    assert close(ragged_loss("dapo"), -2.0)
+    assert close(ragged_loss("dapo", normalizer=12), -0.5)
+    assert close(ragged_loss("dapo", normalizer=torch.tensor(12.0)), -0.5)
+
+
+def test_grpo_empty_sequence_counts_in_mean():
+    # sequence 1 has no unmasked token: it contributes 0 but counts: (1.5 + 0) / 2 = 0.75
+    logp = torch.zeros(2, 3, requires_grad=True)
+    loss, _ = grpo_loss(logp, None, None, ADV, torch.tensor([[1, 1, 0], [0, 0, 0]]), beta=0.0)
+    assert close(loss, -0.75)
+    loss.backward()
+    assert torch.isfinite(logp.grad).all() and (logp.grad[1] == 0).all()
+
+
+def test_kl_penalty_by_hand():
+    # logp -1, ref 0 on every token -> k3 = e - 2 = 0.71828; β 0.1 -> each objective A - 0.071828
+    # grpo on the ragged batch: 2.25 - 0.071828 = 2.17817; stats kl = 0.71828
+    logp = torch.full((2, 3), -1.0, requires_grad=True)
+    loss, stats = grpo_loss(logp, None, torch.zeros(2, 3), ADV, MASK, beta=0.1)
+    assert close(loss, -(2.25 - 0.1 * (math.e - 2)))
+    assert close(stats["kl"], math.e - 2)
+    # β = 0 with a ref: the loss ignores it, the stat still reports it
+    loss0, stats0 = grpo_loss(logp, None, torch.zeros(2, 3), ADV, MASK, beta=0.0)
+    assert close(loss0, -2.25) and close(stats0["kl"], math.e - 2)
+
+
+def test_outcome_advantages_broadcast_and_bool_mask():
+    # [N] advantages broadcast over T; bool mask same as int mask
+    logp = torch.zeros(2, 3)
+    a = grpo_loss(logp, None, None, torch.tensor([1.0, -2.0]), MASK.bool(), beta=0.0)[0]
+    b = grpo_loss(logp, None, None, torch.tensor([[1.0] * 3, [-2.0] * 3]), MASK.float(), beta=0.0)[0]
+    # sequence means 1 and -2 -> (1 - 2) / 2 = -0.5 -> loss 0.5
+    assert close(a, 0.5) and close(b, 0.5)
+
+
+def test_masked_garbage_does_not_leak():
+    # pad positions with inf / NaN in logp, old, ref, advantages: loss and gradient stay finite
+    logp = torch.tensor([[-1.0, float("inf")], [-2.0, float("nan")]], requires_grad=True)
+    old = torch.tensor([[-1.0, float("-inf")], [-2.0, 0.0]])
+    ref = torch.tensor([[-1.0, float("nan")], [-2.0, float("inf")]])
+    adv = torch.tensor([[1.0, float("nan")], [2.0, float("inf")]])
+    mask = torch.tensor([[1, 0], [1, 0]])
+    for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo"):
+        logp.grad = None
+        loss, stats = grpo_loss(logp, old, ref, adv, mask, beta=0.04, loss_type=loss_type)
+        loss.backward()
+        assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
+        assert all(torch.isfinite(v) for v in stats.values())
+
+
+def test_loss_errors():
+    logp = torch.zeros(1, 2)
+    with pytest.raises(ValueError, match="needs ref_logp"):
+        grpo_loss(logp, None, None, torch.zeros(1), torch.ones(1, 2), beta=0.04)
+    with pytest.raises(ValueError, match="loss_type"):
+        grpo_loss(logp, None, None, torch.zeros(1), torch.ones(1, 2), beta=0.0, loss_type="ppo")
+    with pytest.raises(ValueError, match="only used by loss_type='dapo'"):
+        grpo_loss(logp, None, None, torch.zeros(1), torch.ones(1, 2), beta=0.0, normalizer=4)
+    with pytest.raises(ValueError, match="advantages"):
+        grpo_loss(logp, None, None, torch.zeros(2), torch.ones(1, 2), beta=0.0)
+    with pytest.raises(ValueError, match="mask"):
+        grpo_loss(logp, None, None, torch.zeros(1), torch.ones(1, 3), beta=0.0)
+    with pytest.raises(ValueError, match="kl_estimator"):
+        grpo_loss(logp, None, torch.zeros(1, 2), torch.zeros(1), torch.ones(1, 2), kl_estimator="k9")
+
+
+def ref_loss(logp, old, ref, adv, mask, beta, el, eh, est, loss_type, lmax):
+    """Token by token, in plain floats."""
+    n, t = len(logp), len(logp[0])
+    obj = [[0.0] * t for _ in range(n)]
+    for i in range(n):
+        for j in range(t):
+            if not mask[i][j]:
+                continue
+            a = adv[i] if not isinstance(adv[i], list) else adv[i][j]
+            rho = math.exp(logp[i][j] - old[i][j])
+            o = min(rho * a, min(max(rho, 1 - el), 1 + eh) * a)
+            d = ref[i][j] - logp[i][j]
+            kl = {"k1": -d, "k2": 0.5 * d * d, "k3": math.exp(d) - d - 1}[est]
+            obj[i][j] = o - beta * kl
+    count = sum(map(sum, mask))
+    total = sum(map(sum, obj))
+    if loss_type == "grpo":
+        return -sum(sum(obj[i]) / max(sum(mask[i]), 1) for i in range(n)) / n
+    if loss_type == "dr_grpo":
+        return -total / (n * lmax)
+    return -total / max(count, 1)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_loss_matches_loop(seed):
+    g = torch.Generator().manual_seed(seed)
+    n, t = 3, 5
+    logp = torch.randn(n, t, generator=g, dtype=torch.float64) * 0.3 - 1
+    old = logp + torch.randn(n, t, generator=g, dtype=torch.float64) * 0.3
+    ref = logp + torch.randn(n, t, generator=g, dtype=torch.float64) * 0.5
+    mask = torch.rand(n, t, generator=g) < 0.7
+    mask[0] = False                                     # an empty sequence
+    adv = torch.randn(n, generator=g, dtype=torch.float64) if seed % 2 else torch.randn(n, t, generator=g, dtype=torch.float64)
+    for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo"):
+        for est in ("k1", "k2", "k3"):
+            fast, _ = grpo_loss(logp, old, ref, adv, mask, beta=0.1, epsilon_high=0.3,
+                                kl_estimator=est, loss_type=loss_type, max_completion_length=7)
+            slow = ref_loss(logp.tolist(), old.tolist(), ref.tolist(), adv.tolist(), mask.tolist(),
+                            0.1, 0.2, 0.3, est, loss_type, 7)
+            assert close(fast, slow, tol=1e-10), (loss_type, est)
+
+
+def test_masked_mean():
+    x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    m = torch.tensor([[1, 1, 0], [0, 0, 0]])
+    assert close(masked_mean(x, m), 1.5)                 # (1 + 2) / 2
+    assert close(masked_mean(x, m, dim=1), [1.5, 0.0])   # an empty row -> 0
+    assert close(masked_mean(x, torch.zeros(2, 3)), 0.0)
+
+
+# --------------------------------------------------------------------------- token log-probs
+
+
+@pytest.mark.parametrize("chunk_size", [1, 4, 5, 7, 15, 1000])   # N·T = 15: 4 and 7 don't divide it
+def test_token_logprobs_matches_log_softmax(chunk_size):
+    g = torch.Generator().manual_seed(chunk_size)
+    logits = torch.randn(3, 5, 11, generator=g, dtype=torch.float64, requires_grad=True)
+    tokens = torch.randint(0, 11, (3, 5), generator=g)
+    w = torch.randn(3, 5, generator=g, dtype=torch.float64)
+
+    fast = token_logprobs(logits, tokens, chunk_size=chunk_size)
+    (fast * w).sum().backward()
+    grad_fast, logits.grad = logits.grad, None
+
+    slow = torch.log_softmax(logits, -1).gather(-1, tokens[..., None]).squeeze(-1)
+    (slow * w).sum().backward()
+    assert torch.allclose(fast, slow, atol=1e-12)
+    assert torch.allclose(grad_fast, logits.grad, atol=1e-12)
+
+
+def test_token_logprobs_sliced_and_low_precision_logits():
+    # logits[:, 2:6] is a slice along T (not flattenable without a copy); bf16 in -> fp32 out
+    g = torch.Generator().manual_seed(0)
+    full = torch.randn(2, 8, 13, generator=g).to(torch.bfloat16).requires_grad_()
+    tokens = torch.randint(0, 13, (2, 4), generator=g)
+    fast = token_logprobs(full[:, 2:6], tokens, chunk_size=3)
+    slow = torch.log_softmax(full[:, 2:6].float(), -1).gather(-1, tokens[..., None]).squeeze(-1)
+    assert fast.dtype == torch.float32
+    assert torch.allclose(fast, slow, atol=1e-6)
+    fast.sum().backward()
+    assert full.grad.dtype == torch.bfloat16
+    assert (full.grad[:, :2] == 0).all() and (full.grad[:, 6:] == 0).all()
+    # each row's gradient is onehot - softmax: sums to 0
+    assert torch.allclose(full.grad[:, 2:6].float().sum(-1), torch.zeros(2, 4), atol=2e-2)
+
+
+def test_token_logprobs_gradcheck():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(2, 3, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    tokens = torch.randint(0, 5, (2, 3), generator=g)
+    assert torch.autograd.gradcheck(lambda x: token_logprobs(x, tokens, chunk_size=4), (logits,))
+
+
+def test_token_logprobs_saves_no_full_vocab_tensor():
+    # a naive log_softmax would save an [N, T, V] result for backward; ours saves only the logits
+    # themselves (no copy) and [N, T] tensors
+    logits = torch.randn(4, 6, 50, requires_grad=True)
+    tokens = torch.randint(0, 50, (4, 6))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x) or x, lambda x: x):
+        token_logprobs(logits, tokens, chunk_size=5)
+    big = [x for x in saved if x.numel() >= logits.numel()]
+    assert all(x.data_ptr() == logits.data_ptr() for x in big)
+    assert sum(x.numel() for x in saved if x.data_ptr() != logits.data_ptr()) <= 2 * 4 * 6
+
+
+def test_token_logprobs_errors():
+    with pytest.raises(ValueError, match="chunk_size"):
+        token_logprobs(torch.zeros(1, 2, 3), torch.zeros(1, 2, dtype=torch.long), chunk_size=0)
+    with pytest.raises(ValueError, match="tokens"):
+        token_logprobs(torch.zeros(1, 2, 3), torch.zeros(1, 3, dtype=torch.long))
+
+
+@pytest.mark.parametrize("chunk_size", [1, 4, 100])
+def test_token_entropy(chunk_size):
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(3, 5, 11, generator=g, dtype=torch.float64) * 3
+    direct = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
+    assert torch.allclose(token_entropy(logits, chunk_size=chunk_size), direct, atol=1e-12)
+    # uniform over 4 tokens: ln 4 = 1.38629
+    assert close(token_entropy(torch.zeros(1, 1, 4)), [[math.log(4)]], tol=1e-6)
