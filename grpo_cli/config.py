@@ -65,6 +65,26 @@ def hydra_app(config_name: str) -> Callable:
     return wrap
 
 
+def build(node: Any, **kwargs: Any) -> Any:
+    """`hydra.utils.instantiate(node)` with plain containers, re-raising our ConfigError unwrapped.
+
+    Hydra wraps anything a constructor raises in InstantiationException; a bad `data.path` must
+    still reach the user as our one-line error, not a traceback.
+    """
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    try:
+        return instantiate(node, _convert_="all", **kwargs)
+    except InstantiationException as err:
+        cause = err.__cause__
+        while cause is not None and not isinstance(cause, ConfigError):
+            cause = cause.__cause__
+        if cause is not None:
+            raise cause from None
+        raise
+
+
 def compose(config_name: str, overrides: list[str] | None = None) -> DictConfig:
     """The config Hydra would build for `grpo CONFIG_NAME OVERRIDES...`, without running a job."""
     from hydra import compose as hydra_compose

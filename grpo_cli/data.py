@@ -45,17 +45,10 @@ Example = dict[str, Any]
 
 
 def build_task(node: Any) -> "_Task":
-    """Instantiate a `data` config node. Hydra wraps errors raised inside a constructor in its own
-    InstantiationException; this re-raises our ConfigError/DataError so the CLI prints one line."""
-    from hydra.errors import InstantiationException
-    from hydra.utils import instantiate
+    """Instantiate a `data` config node; our ConfigError/DataError come out unwrapped."""
+    from grpo_cli.config import build
 
-    try:
-        return instantiate(node, _convert_="all")
-    except InstantiationException as err:
-        if isinstance(err.__cause__, ConfigError):
-            raise err.__cause__ from None
-        raise
+    return build(node)
 
 
 def load_task(name: str, **overrides: Any) -> "_Task":

@@ -20,12 +20,11 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from hydra.utils import instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from rich.table import Table
 
 from grpo_cli import checkpoint
-from grpo_cli.config import command_line_overrides, hydra_app, inherit, validate
+from grpo_cli.config import build, command_line_overrides, hydra_app, inherit, validate
 from grpo_cli.errors import ConfigError
 from grpo_cli.metrics import console, mean, progress
 from grpo_cli.rewards import answers_match, extract_answer
@@ -96,10 +95,12 @@ def run(cfg: DictConfig, out_dir: Path, overrides: list[str] = ()) -> dict:
         raise ConfigError(f"eval.k ({list(E.k)}) asks for more samples than eval.num_samples ({E.num_samples}); "
                           f"set eval.num_samples={max(E.k)}")
     policy, tokenizer, cfg = load_inference(cfg, list(overrides), checkpoints)
-    data = instantiate(cfg.data)
-    reward_fn = instantiate(cfg.reward, _convert_="all")
-    sampler = instantiate(cfg.sampler)
-    problems = list(data.heldout)[: E.limit] if E.limit else list(data.heldout)
+    data = build(cfg.data)
+    reward_fn = build(cfg.reward)
+    sampler = build(cfg.sampler)
+    # eval.limit caps the held-out problems; data.limit (when set) caps them too, as users expect
+    limits = [n for n in (E.limit, cfg.data.get("limit")) if n]
+    problems = list(data.heldout)[: min(limits)] if limits else list(data.heldout)
     out_dir.mkdir(parents=True, exist_ok=True)
     samples_path = out_dir / "eval_samples.jsonl"
     done = _read_done(samples_path)

@@ -12,13 +12,12 @@ import json
 from pathlib import Path
 
 import torch
-from hydra.utils import instantiate
 from omegaconf import DictConfig
 from rich.panel import Panel
 from rich.text import Text
 
 from grpo_cli import checkpoint
-from grpo_cli.config import command_line_overrides, hydra_app
+from grpo_cli.config import build, command_line_overrides, hydra_app
 from grpo_cli.evaluate import _adapter, load_inference
 from grpo_cli.metrics import console
 from grpo_cli.rewards import answers_match, extract_answer
@@ -36,12 +35,12 @@ def run(cfg: DictConfig, overrides: list[str] = ()) -> list[dict]:
     policy, tokenizer, cfg = load_inference(cfg, list(overrides), [ckpt])
     if ckpt is not None:
         checkpoint.load_adapter(policy, ckpt)
-    reward_fn = instantiate(cfg.reward, _convert_="all")
-    sampler = instantiate(cfg.sampler)
+    reward_fn = build(cfg.reward)
+    sampler = build(cfg.sampler)
     if S.prompt:
         problems = [{"messages": [{"role": "user", "content": S.prompt}], "question": S.prompt}]
     else:
-        problems = list(instantiate(cfg.data).heldout)[: S.num_prompts]
+        problems = list(build(cfg.data).heldout)[: S.num_prompts]
     torch.manual_seed(S.seed)
     with _adapter(policy, ckpt is not None):
         rollout = sampler.generate(policy, tokenizer, render_prompts(tokenizer, [p["messages"] for p in problems]), S.n)

@@ -24,11 +24,10 @@ import time
 from pathlib import Path
 
 import torch
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from grpo_cli import checkpoint
-from grpo_cli.config import hydra_app, validate
+from grpo_cli.config import build, hydra_app, validate
 from grpo_cli.metrics import MetricsLog, console, mean, peak_memory_mb, progress
 from grpo_cli.objective import grpo_loss, outcome_advantages, process_advantages
 from grpo_cli.policy import apply_lora, resolve_device, resolve_dtype
@@ -45,7 +44,7 @@ def main(cfg: DictConfig) -> None:
 def build_policy(cfg: DictConfig):
     """(policy with a fresh LoRA adapter, tokenizer, device) from the `model` group."""
     device = resolve_device(cfg.model.device)
-    base, tokenizer = instantiate(cfg.model.loader, dtype=resolve_dtype(cfg.model.dtype, device))
+    base, tokenizer = build(cfg.model.loader, dtype=resolve_dtype(cfg.model.dtype, device))
     policy = apply_lora(base.to(device), **cfg.model.lora)
     return policy, tokenizer, device
 
@@ -56,10 +55,10 @@ def run(cfg: DictConfig, run_dir: Path) -> Path:
     T, A = cfg.trainer, cfg.algo
     torch.manual_seed(T.seed)
     policy, tokenizer, device = build_policy(cfg)
-    data = instantiate(cfg.data)
-    reward_fn = instantiate(cfg.reward, _convert_="all")
-    sampler = instantiate(cfg.sampler)
-    optimizer = instantiate(cfg.optimizer)(params=[p for p in policy.parameters() if p.requires_grad])
+    data = build(cfg.data)
+    reward_fn = build(cfg.reward)
+    sampler = build(cfg.sampler)
+    optimizer = build(cfg.optimizer)(params=[p for p in policy.parameters() if p.requires_grad])
     optimizer.zero_grad(set_to_none=False)  # zero (not absent) grads: a step with every row skipped is still a step
     from transformers import get_scheduler
 
@@ -225,7 +224,8 @@ def update(policy, optimizer, scheduler, rollout: Rollout, advantages: torch.Ten
                                     ref_logp[b] if ref_logp is not None else None, advantages[b], m,
                                     beta=A.beta, epsilon_low=A.epsilon_low, epsilon_high=A.epsilon_high,
                                     kl_estimator=A.kl_estimator, loss_type=A.loss_type,
-                                    max_completion_length=rollout.completion_ids.shape[1], normalizer=n_tokens)
+                                    max_completion_length=rollout.completion_ids.shape[1],
+                                    normalizer=n_tokens if A.loss_type == "dapo" else None)
             # weight so that the accumulated gradient equals the full batch's (skipped rows count as 0)
             weight = accumulation_weight(A.loss_type, len(b), N, m.sum(), n_tokens)
             (loss * weight).backward()
