@@ -1,0 +1,245 @@
+"""Rewards: score a batch of completions, per completion (outcome) or per reasoning step (process).
+
+The `reward` config group builds one combiner; the trainer calls it once per rollout:
+
+    result = instantiate(cfg.reward)(prompts, completions, columns)   # -> RewardResult
+    advantages = outcome_advantages(result.rewards) if result.steps is None else process_advantages(...)
+
+`columns` holds the examples' other fields as lists (`answer`, ...) plus what the rollout knows:
+`completion_length` (tokens, list[int]) and `truncated` (list[bool]).
+
+A reward function is a plain callable, `fn(prompts, completions, **columns) -> list[float | None]`,
+built from YAML with `_partial_: true` so its options live there; it takes the columns it needs by
+name and ignores the rest through `**_`. None means "no score" (for example, no reference answer).
+
+`OutcomeReward` sums the functions' scores with weights (DeepSeekMath §4.1.2: one scalar reward per
+completion). `ProcessReward` takes a step scorer that returns `(char_end, reward)` per step
+(§4.1.3); the reward of a step goes to the token holding character `char_end - 1` of the
+completion, the step's last character. Where this departs from the paper: rule-based rewards by
+default (the paper trains a reward model), and a robustness layer the paper does not need: each
+function runs in a worker thread with a timeout, and one that raises, hangs or returns garbage
+costs its completions their score (None), never the run.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from grpo_cli.errors import ConfigError
+from grpo_cli.rewards.outcome import accuracy, answers_match, extract_answer, format_reward, length_penalty
+from grpo_cli.rewards.steps import split_steps, step_rewards, verify_steps
+
+__all__ = [
+    "OutcomeReward", "ProcessReward", "RewardResult", "accuracy", "answers_match", "extract_answer",
+    "format_reward", "length_penalty", "split_steps", "step_rewards", "verify_steps",
+]
+
+log = logging.getLogger(__name__)
+
+# column names that would collide with the positional arguments of a reward function
+_RESERVED = ("prompts", "completions")
+
+
+@dataclass
+class RewardResult:
+    """What one reward call gives the trainer.
+
+    rewards: per completion; None = no score (every function gave None or failed).
+    per_function: raw (unweighted) scores per function name, for `rewards/<name>/mean` metrics; a
+        process reward adds `steps`, each completion's mean step reward.
+    failures: function calls (one per function per batch) that raised, timed out or returned a
+        malformed result. A call that raised is retried one completion at a time, so only the
+        completions it fails on lose their score.
+    steps: process rewards only: per completion, [(char_end, reward), ...] in text order, char_end
+        exclusive; [] when the completion has no scored step. None for outcome rewards.
+    """
+
+    rewards: list[float | None]
+    per_function: dict[str, list[float | None]]
+    failures: int = 0
+    steps: list[list[tuple[int, float]]] | None = None
+
+
+class _Guarded:
+    """One scoring function run in a worker thread with a timeout; never raises.
+
+    A timed-out thread cannot be killed in Python, so it runs on as a daemon (it does not block
+    interpreter exit), and while it still runs the function is not called again: its next calls
+    give None at once instead of piling up threads.
+    """
+
+    def __init__(self, name: str, fn: Callable, timeout_s: float | None,
+                 convert: Callable[[Any, list[str]], list]):
+        self.name, self.fn, self.timeout_s, self.convert = name, fn, timeout_s, convert
+        self._thread: threading.Thread | None = None
+        self._warned = False
+
+    def _in_thread(self, work: Callable[[], Any]) -> Any:
+        if not self.timeout_s:
+            return work()
+        future: Future = Future()
+
+        def target() -> None:
+            future.set_running_or_notify_cancel()
+            try:
+                future.set_result(work())
+            except BaseException as err:  # handed to the caller through the future
+                future.set_exception(err)
+
+        self._thread = threading.Thread(target=target, daemon=True, name=f"reward-{self.name}")
+        self._thread.start()
+        return future.result(timeout=self.timeout_s)
+
+    def _warn(self, why: str) -> None:
+        if not self._warned:
+            self._warned = True
+            log.warning("reward %r %s; its completions get no score (warned once per function)",
+                        self.name, why)
+
+    def __call__(self, prompts: list[str], completions: list[str], columns: dict[str, list]) -> tuple[list, bool]:
+        """(one converted result per completion, None where lost; whether the call failed)."""
+        n = len(completions)
+        if self._thread is not None and self._thread.is_alive():
+            self._warn(f"is still running from an earlier call that passed timeout_s={self.timeout_s}")
+            return [None] * n, True
+        try:
+            return self.convert(self._in_thread(lambda: self.fn(prompts, completions, **columns)), completions), False
+        except FutureTimeout:
+            self._warn(f"took longer than timeout_s={self.timeout_s} s; raise reward.timeout_s if it is "
+                       f"just slow")
+            return [None] * n, True
+        except Exception as err:
+            self._warn(f"raised {err!r}; fix the function (it is retried one completion at a time)")
+
+        def one_by_one() -> list:
+            out = []
+            for i in range(n):
+                try:
+                    single = self.fn(prompts[i:i + 1], completions[i:i + 1],
+                                     **{k: v[i:i + 1] for k, v in columns.items()})
+                    out.append(self.convert(single, completions[i:i + 1])[0])
+                except Exception:
+                    out.append(None)
+            return out
+
+        try:
+            return self._in_thread(one_by_one), True
+        except (FutureTimeout, Exception):
+            return [None] * n, True
+
+
+def _scores(out: Any, completions: list[str]) -> list[float | None]:
+    """A reward function's output -> one float or None per completion; NaN and inf become None."""
+    out = list(out)
+    if len(out) != len(completions):
+        raise ValueError(f"returned {len(out)} scores for {len(completions)} completions; "
+                         f"a reward function must return one score (or None) per completion")
+    scores: list[float | None] = []
+    for value in out:
+        value = None if value is None else float(value)
+        scores.append(value if value is not None and math.isfinite(value) else None)
+    return scores
+
+
+def _steps(out: Any, completions: list[str]) -> list[list[tuple[int, float]] | None]:
+    """A step scorer's output -> sorted [(char_end, reward), ...] per completion, checked."""
+    out = list(out)
+    if len(out) != len(completions):
+        raise ValueError(f"returned steps for {len(out)} of {len(completions)} completions")
+    result = []
+    for steps, text in zip(out, completions):
+        checked = []
+        for end, reward in steps:
+            end, reward = int(end), float(reward)
+            if not 0 < end <= len(text):
+                raise ValueError(f"step char_end {end} is outside the completion (length {len(text)})")
+            if math.isfinite(reward):
+                checked.append((end, reward))
+        result.append(sorted(checked))
+    return result
+
+
+def _columns(columns: dict[str, list] | None) -> dict[str, list]:
+    return {k: list(v) for k, v in (columns or {}).items() if k not in _RESERVED}
+
+
+class OutcomeReward:
+    """Weighted sum of outcome reward functions: one scalar per completion.
+
+    A function missing from `weights` has weight 1.0. A completion's reward sums weight * score over
+    the functions that scored it; it is None only when none did. `timeout_s` bounds each function's
+    call on a batch; null or 0 runs the functions inline, without a thread or a timeout.
+    """
+
+    def __init__(self, functions: dict[str, Callable], weights: dict[str, float] | None = None,
+                 timeout_s: float | None = 10.0):
+        functions = dict(functions or {})
+        if not functions:
+            raise ConfigError("reward.functions is empty: add at least one, e.g. reward=arithmetic")
+        for name, fn in functions.items():
+            if not callable(fn):
+                raise ConfigError(f"reward.functions.{name} is not callable: give it a _target_ "
+                                  f"(and `_partial_: true` for a plain function)")
+        weights = {str(k): float(v) for k, v in dict(weights or {}).items()}
+        unknown = sorted(set(weights) - set(functions))
+        if unknown:
+            raise ConfigError(f"reward.weights.{unknown[0]} has no function of that name; remove it or "
+                              f"use one of: {', '.join(functions)}")
+        self.weights = {name: weights.get(name, 1.0) for name in functions}
+        self.timeout_s = timeout_s
+        self._calls = {name: _Guarded(str(name), fn, timeout_s, _scores) for name, fn in functions.items()}
+
+    def __call__(self, prompts: list[str], completions: list[str],
+                 columns: dict[str, list] | None = None) -> RewardResult:
+        columns = _columns(columns)
+        per_function: dict[str, list[float | None]] = {}
+        failures = 0
+        for name, call in self._calls.items():
+            per_function[name], failed = call(list(prompts), list(completions), columns)
+            failures += failed
+        rewards: list[float | None] = []
+        for i in range(len(completions)):
+            scored = [(self.weights[name], s[i]) for name, s in per_function.items() if s[i] is not None]
+            rewards.append(sum(w * s for w, s in scored) if scored else None)
+        return RewardResult(rewards=rewards, per_function=per_function, failures=failures)
+
+
+class ProcessReward:
+    """Per-step rewards from `scorer`; a completion's reward is the sum of its step rewards.
+
+    `scorer(prompts, completions, **columns)` returns, per completion, [(char_end, reward), ...].
+    `outcome` functions, when given, are scored for the metrics only (`per_function`); they do not
+    change the rewards (the rule verifier folds the final answer into the last step itself).
+    """
+
+    def __init__(self, scorer: Callable, outcome: dict[str, Callable] | None = None,
+                 timeout_s: float | None = 10.0):
+        if not callable(scorer):
+            raise ConfigError("reward.scorer is not callable: give it a _target_ (and `_partial_: true` "
+                              "for a plain function such as grpo_cli.rewards.steps.step_rewards)")
+        outcome = dict(outcome or {})
+        if "steps" in outcome:
+            raise ConfigError("reward.outcome.steps clashes with the step metric of the same name; rename it")
+        self.timeout_s = timeout_s
+        self._scorer = _Guarded("steps", scorer, timeout_s, _steps)
+        self._outcome = OutcomeReward(outcome, timeout_s=timeout_s) if outcome else None
+
+    def __call__(self, prompts: list[str], completions: list[str],
+                 columns: dict[str, list] | None = None) -> RewardResult:
+        columns = _columns(columns)
+        scored, failed = self._scorer(list(prompts), list(completions), columns)
+        steps = [s if s is not None else [] for s in scored]
+        rewards = [sum(r for _, r in s) if s else None for s in steps]
+        per_function = {"steps": [sum(r for _, r in s) / len(s) if s else None for s in steps]}
+        failures = int(failed)
+        if self._outcome is not None:
+            extra = self._outcome(prompts, completions, columns)
+            per_function.update(extra.per_function)
+            failures += extra.failures
+        return RewardResult(rewards=rewards, per_function=per_function, failures=failures, steps=steps)

@@ -1,0 +1,319 @@
+"""Reasoning steps: split a completion into steps and score each step by checking its arithmetic.
+
+DeepSeekMath's process supervision (arXiv 2402.03300, §4.1.3) rewards each step with a learned
+process reward model (PRM). This module is the rule-based stand-in: a step is scored by the
+arithmetic claims it makes, `expr = value` in the text or GSM8K calculator notes `<<expr=value>>`.
+All claims right -> `correct` (+1), any claim wrong -> `wrong` (-1), no claim -> `neutral` (0).
+When the example's `answer` is given, the final step also carries the outcome: `outcome_correct`
+(+1) or `outcome_wrong` (-1) is added to its reward, so a completion with clean arithmetic and a
+wrong final answer still ends low. A learned PRM lives in `grpo_cli.rewards.models`.
+
+Steps are character spans `(start, end)`, end exclusive; a scored step is `(char_end, reward)`
+where char_end is that span's end. The trainer gives the reward to the token that holds the
+step's last character, `char_end - 1` (DeepSeekMath's "end token of each step").
+
+The evaluator never calls `eval`: it parses with `ast` and walks an allowlist (numbers, + - * /
+// % ** and parentheses, unary minus), in exact `Fraction` arithmetic, with bounds on expression
+length, parenthesis depth, exponent and number size checked before the work is done, so
+`9**9**9**9` or 10,000 nested parentheses come back in microseconds as "cannot check" (no claim).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from decimal import ROUND_HALF_UP, Decimal
+from fractions import Fraction
+
+from grpo_cli.errors import ConfigError
+
+# an expression side longer than this is not a hand calculation; also bounds ast.parse's input
+_MAX_SIDE_CHARS = 200
+# nesting beyond this is not arithmetic a solution writes (ast.parse itself crashes near 200)
+_MAX_PAREN_DEPTH = 16
+# the largest number, in bits, an evaluation may hold (2**4096 ~ 10**1233)
+_MAX_BITS = 4096
+# the largest number literal, in characters
+_MAX_LITERAL_CHARS = 60
+# "=" signs read per step (each costs up to two side evaluations); a step with more is not hand
+# arithmetic, and this bounds the time a hostile completion takes (~10 ms)
+_MAX_EQUALS = 128
+
+# A GSM8K calculator note <<48/2=24>>; its inside holds no < or >.
+_NOTE = re.compile(r"<<([^<>]*)>>")
+# A run of characters arithmetic is written in: digits, $ , . %, operators, parentheses, =, and an
+# x or X between numbers ("0.2 x 50", "3x4"; not "3x-5", which is algebra); letters end a run, so
+# "3 apples + 4 = 7" holds no claim.
+_TIMES = r"(?:(?<=[\d)%])|(?<=[\d)%]\s))[xX](?=\s?[\d$(.])"
+_RUN = re.compile(rf"(?:[\d$.,%\t ()+\-*/×÷^=−–·]|{_TIMES})+")
+# "5 and 2/3" is a mixed number; rewritten as "(5+2/3)" before runs are read
+_DIGIT = re.compile(r"\d")
+_MIXED = re.compile(r"\b(\d+) and \(?(\d+/\d+)\)?")
+# One token of an expression side: a number (thousands commas, $ before, % after), an operator or
+# a parenthesis.
+_TOKEN = re.compile(
+    r"\s*(?:(?P<num>\$?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?%?|\$?\.\d+%?)"
+    r"|(?P<op>\*\*|//|[-+*/×÷^−–·%xX])|(?P<paren>[()]))"
+)
+# "b/c" written tight after a spaced "/" is one number: "3 / 1/4" means 3 / (1/4) = 12
+_TIGHT_FRACTION = re.compile(r"/(\d+)(?![\d.]|\s*(?:\*\*|\^|/))")
+_OPS = {"×": "*", "x": "*", "X": "*", "·": "*", "÷": "/", "^": "**", "−": "-", "–": "-"}
+# what may trail or lead a side without being part of it: sentence punctuation
+_EDGE = " \t,;:"
+
+
+class _Unverifiable(Exception):
+    """The side cannot be checked (not arithmetic, or too large to check safely)."""
+
+
+def split_steps(text: str, pattern: str | None = None) -> list[tuple[int, int]]:
+    """Character spans (start, end exclusive) of the steps of `text`, leading/trailing blanks trimmed.
+
+    Default: each non-blank line is a step. With `pattern` (a regex such as r"Step \\d+:"), a step
+    starts at each match; text before the first match, if not blank, is a step of its own.
+    """
+    if pattern is None:
+        cuts = [m.start() + 1 for m in re.finditer("\n", text)]
+        bounds = zip([0] + cuts, cuts + [len(text) + 1])
+        spans = [(a, b - 1) for a, b in bounds]
+    else:
+        try:
+            regex = re.compile(pattern)
+        except re.error as err:
+            raise ConfigError(f"step pattern {pattern!r} is not a valid regex ({err}); "
+                              f"fix the reward's `pattern` option") from None
+        starts = sorted({0} | {m.start() for m in regex.finditer(text)})
+        spans = list(zip(starts, starts[1:] + [len(text)]))
+    steps = []
+    for start, end in spans:
+        chunk = text[start:end]
+        stripped = chunk.strip()
+        if stripped:
+            begin = start + (len(chunk) - len(chunk.lstrip()))
+            steps.append((begin, begin + len(stripped)))
+    return steps
+
+
+def _compile_side(side: str, first: bool) -> tuple[str, list[Fraction], bool]:
+    """One side of a claim -> (python expression over names _n0.., their values, has a binary op)."""
+    # sentence punctuation around a side ("So, 3 + 4 = 7.") is not part of it; ".5" is a number
+    side = re.sub(r"^[.\s]+(?!\d)", "", side.strip(_EDGE))
+    # a trailing full stop ends the sentence, not the number
+    side = side[:-1].rstrip(_EDGE) if side.endswith(".") else side
+    if not side or len(side) > _MAX_SIDE_CHARS:
+        raise _Unverifiable
+    # a run that starts with an operator continues prose ("3 apples + 4 = 7"), except a sign
+    if first and (side[0] in "+*/×÷^·%xX" or (side[0] in "-−" and not side[1:2].strip())):
+        raise _Unverifiable
+    parts: list[str] = []
+    values: list[Fraction] = []
+    depth = binary = 0
+    pos, prev, spaced_div = 0, "(", False
+    while pos < len(side):
+        match = _TOKEN.match(side, pos)
+        if match is None or match.end() == pos:
+            raise _Unverifiable
+        pos = match.end()
+        if match.group("num"):
+            num = match.group("num").lstrip("$").replace(",", "")
+            percent = num.endswith("%")
+            num = num.rstrip("%")
+            if len(num) > _MAX_LITERAL_CHARS:
+                raise _Unverifiable
+            value = Fraction(num) / (100 if percent else 1)
+            tight = _TIGHT_FRACTION.match(side, pos) if spaced_div and not percent else None
+            if tight:
+                value, pos = value / int(tight.group(1)), tight.end()
+            values.append(value)
+            parts.append(f"_n{len(values) - 1}")
+            prev = "num"
+        elif match.group("op"):
+            op = _OPS.get(match.group("op"), match.group("op"))
+            # after an operator or "(" a minus is a sign; anything else is a binary operator
+            binary += not (op == "-" and prev in ("op", "("))
+            parts.append(op)
+            spaced_div = op == "/" and (match.group(0)[0].isspace() or side[pos:pos + 1].isspace())
+            prev = "op"
+        else:
+            paren = match.group("paren")
+            depth += 1 if paren == "(" else -1
+            if depth > _MAX_PAREN_DEPTH or depth < 0:
+                raise _Unverifiable
+            parts.append(paren)
+            prev = paren
+    return " ".join(parts), values, binary > 0
+
+
+def _evaluate(node: ast.AST, values: list[Fraction]) -> Fraction:
+    """Exact value of an allowlisted expression tree; _Unverifiable on anything else or too large."""
+    if isinstance(node, ast.Expression):
+        return _evaluate(node.body, values)
+    if isinstance(node, ast.Name) and node.id.startswith("_n"):
+        return values[int(node.id[2:])]
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return -_evaluate(node.operand, values)
+    if not isinstance(node, ast.BinOp):
+        raise _Unverifiable
+    a, b = _evaluate(node.left, values), _evaluate(node.right, values)
+    try:
+        if isinstance(node.op, ast.Add):
+            result = a + b
+        elif isinstance(node.op, ast.Sub):
+            result = a - b
+        elif isinstance(node.op, ast.Mult):
+            result = a * b
+        elif isinstance(node.op, ast.Div):
+            result = a / b
+        elif isinstance(node.op, ast.FloorDiv):
+            result = Fraction(a // b)
+        elif isinstance(node.op, ast.Mod):
+            result = a % b
+        elif isinstance(node.op, ast.Pow):
+            # integer exponents only; the result's size is known before computing it
+            if b.denominator != 1:
+                raise _Unverifiable
+            size = max(a.numerator.bit_length(), a.denominator.bit_length(), 1)
+            if a not in (0, 1, -1) and size * abs(b.numerator) > _MAX_BITS:
+                raise _Unverifiable
+            result = a ** b.numerator
+        else:
+            raise _Unverifiable
+    except ZeroDivisionError:
+        raise _Unverifiable from None
+    if max(result.numerator.bit_length(), result.denominator.bit_length()) > _MAX_BITS:
+        raise _Unverifiable
+    return Fraction(result)
+
+
+def _value(side: str, first: bool) -> tuple[Fraction, bool]:
+    """(exact value, has a binary operator) of one side of a claim."""
+    source, values, binary = _compile_side(side, first)
+    try:
+        tree = ast.parse(source, mode="eval")
+    except SyntaxError:
+        raise _Unverifiable from None
+    return _evaluate(tree, values), binary
+
+
+def _shown(side: str) -> Decimal | None:
+    """The number a side states, if it is one decimal literal ('$3.33' -> 3.33, '33.3%' -> 0.333)."""
+    text = side.strip(_EDGE).rstrip(".").strip(_EDGE).lstrip("$").replace(",", "")
+    percent = text.endswith("%")
+    text = text.rstrip("%")
+    try:
+        if not re.fullmatch(r"-?\d+(?:\.\d+)?|-?\.\d+", text):
+            return None
+        return Decimal(text) / 100 if percent else Decimal(text)
+    except ArithmeticError:
+        return None
+
+
+def _holds(lhs: Fraction, rhs: Fraction, rhs_text: str) -> bool:
+    """lhs == rhs exactly, or rhs is lhs rounded (half up) to the decimals rhs is written with.
+
+    "10/3 = 3.33" holds; "7/2 = 3" does not (3.5 rounds to 4). A whole-number rhs needs the exact
+    value ("10/3 = 3" is wrong): GSM8K writes rounded values with decimals.
+    """
+    if lhs == rhs:
+        return True
+    shown = _shown(rhs_text)
+    if shown is None or shown.as_tuple().exponent >= 0:
+        return False
+    exact = Decimal(lhs.numerator) / Decimal(lhs.denominator)
+    return exact.quantize(shown, rounding=ROUND_HALF_UP) == shown
+
+
+def _claims(text: str, need_operator: bool, label_first: bool = False, drop_first: bool = False,
+            drop_last: bool = False) -> list[bool]:
+    """Truth of each checkable `a = b` claim in `text` (chains a = b = c give two claims).
+
+    drop_first / drop_last: that side is glued to a word ("D3 = ...", "... = 5A") and is algebra.
+    label_first: a first side without an operator follows a word ("Week 2 = 35 + 35") and is a label.
+    """
+    results = []
+    sides = text.split("=")
+    if len(sides) < 2:
+        return results
+    evaluated: list[tuple[Fraction, bool] | None] = []
+    for i, side in enumerate(sides):
+        try:
+            evaluated.append(_value(side, first=i == 0))
+        except (_Unverifiable, ValueError, ArithmeticError, RecursionError, MemoryError):
+            evaluated.append(None)
+    if drop_first or (label_first and evaluated[0] is not None and not evaluated[0][1]):
+        evaluated[0] = None
+    if drop_last:
+        evaluated[-1] = None
+    # "half of 48 = 24" reads as "48 = 24": a run makes claims only if a side has an operator
+    if need_operator and not any(side[1] for side in evaluated if side is not None):
+        return results
+    for i in range(len(sides) - 1):
+        left, right = evaluated[i], evaluated[i + 1]
+        if left is not None and right is not None:
+            results.append(_holds(left[0], right[0], sides[i + 1]))
+    return results
+
+
+def check_claims(step: str) -> list[bool]:
+    """Truth of each arithmetic claim in one step: calculator notes first, then the prose.
+
+    Reading stops after _MAX_EQUALS "=" signs; the claims read so far decide the step.
+    """
+    results: list[bool] = []
+    budget = _MAX_EQUALS
+    for note in _NOTE.finditer(step):
+        budget -= note.group(1).count("=")
+        if budget < 0:
+            return results
+        results += _claims(note.group(1), need_operator=False)
+    # notes are masked so their insides are not read twice and "48/2 = <<...>>24" is not a claim
+    prose = _NOTE.sub(lambda m: "|" * len(m.group(0)), step)
+    prose = _MIXED.sub(r"(\1+\2)", prose)
+    for run in _RUN.finditer(prose):
+        chunk = run.group(0)
+        equals = chunk.count("=")
+        if not equals or not _DIGIT.search(chunk):
+            continue
+        budget -= equals
+        if budget < 0:
+            break
+        # runs absorb spaces and tabs, so the characters around one are not blanks
+        before = prose[run.start() - 1] if run.start() else " "
+        after = prose[run.end()] if run.end() < len(prose) else " "
+        results += _claims(
+            chunk, need_operator=True,
+            label_first=before.isalpha(),
+            drop_first=chunk[0] not in _EDGE and (before.isalnum() or before in "_:"),
+            drop_last=chunk[-1] not in _EDGE + "." and (after.isalnum() or after == "_"),
+        )
+    return results
+
+
+def verify_steps(text: str, answer=None, *, pattern: str | None = None, correct: float = 1.0,
+                 wrong: float = -1.0, neutral: float = 0.0, outcome_correct: float = 1.0,
+                 outcome_wrong: float = -1.0) -> list[tuple[int, float]]:
+    """(char_end, reward) for each step of `text`; the final step also carries the outcome.
+
+    A completion with no steps (blank) gets [] — no score, whatever `answer` is.
+    """
+    from grpo_cli.rewards.outcome import _reference, answers_match, extract_answer
+
+    scored = []
+    for start, end in split_steps(text, pattern):
+        claims = check_claims(text[start:end])
+        reward = neutral if not claims else (correct if all(claims) else wrong)
+        scored.append((end, float(reward)))
+    ref = _reference(answer)
+    if scored and ref is not None:
+        outcome = outcome_correct if answers_match(extract_answer(text), ref) else outcome_wrong
+        scored[-1] = (scored[-1][0], scored[-1][1] + float(outcome))
+    return scored
+
+
+def step_rewards(prompts, completions, answer=None, pattern=None, correct=1.0, wrong=-1.0, neutral=0.0,
+                 outcome_correct=1.0, outcome_wrong=-1.0, **_) -> list[list[tuple[int, float]]]:
+    """Process scorer for `ProcessReward`: `verify_steps` on each completion with its `answer`."""
+    answers = answer if answer is not None else [None] * len(completions)
+    return [verify_steps(c, a, pattern=pattern, correct=correct, wrong=wrong, neutral=neutral,
+                         outcome_correct=outcome_correct, outcome_wrong=outcome_wrong)
+            for c, a in zip(completions, answers, strict=True)]
