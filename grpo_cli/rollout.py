@@ -69,15 +69,17 @@ class Sampler:
         was_training = model.training
         model.eval()
         # prefill each unique prompt once (all but its last token, which generate feeds itself)
-        cache = None
+        prefill = {}
         if ids.shape[1] > 1:
             out = model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=position_ids(mask[:, :-1]),
                         use_cache=True)
-            cache = out.past_key_values
+            # transformers >= 5.2x calls the KV cache `cache`; earlier releases `past_key_values`
+            key = "cache" if "cache" in out else "past_key_values"
+            prefill[key] = out[key]
             if n > 1:
-                cache.batch_repeat_interleave(n)
+                prefill[key].batch_repeat_interleave(n)
         full = model.generate(input_ids=ids.repeat_interleave(n, 0), attention_mask=mask.repeat_interleave(n, 0),
-                              past_key_values=cache, max_new_tokens=max_new_tokens or self.max_new_tokens,
+                              **prefill, max_new_tokens=max_new_tokens or self.max_new_tokens,
                               eos_token_id=eos, pad_token_id=pad, num_return_sequences=1, **settings)
         model.train(was_training)
         completion = full[:, ids.shape[1]:]  # [N, T']

@@ -229,7 +229,7 @@ def update(policy, optimizer, scheduler, rollout: Rollout, advantages: torch.Ten
             # weight so that the accumulated gradient equals the full batch's (skipped rows count as 0)
             weight = accumulation_weight(A.loss_type, len(b), N, m.sum(), n_tokens)
             (loss * weight).backward()
-            totals["loss"] += float(loss) * weight / A.num_iterations
+            totals["loss"] += float(loss.detach()) * weight / A.num_iterations
             share = float(m.sum() / n_tokens) / A.num_iterations  # token share, for token-level stats
             for key in ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "ratio_mean"):
                 totals[key] += float(stats[key]) * share

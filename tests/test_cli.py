@@ -1,0 +1,105 @@
+"""The CLI as a user runs it: subcommands, Hydra features, recipes, config errors, sweeps."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from grpo_cli.config import CONF_DIR, RECIPES_DIR, compose, validate
+from grpo_cli.errors import ConfigError
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def grpo(*args: str, cwd: Path | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HYDRA_FULL_ERROR": "0"}
+    env.pop("HYDRA_FULL_ERROR")
+    return subprocess.run([sys.executable, "-m", "grpo_cli", *args], cwd=cwd or REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_help_lists_subcommands():
+    out = grpo("--help")
+    assert out.returncode == 0
+    for command in ("train", "eval", "sample"):
+        assert command in out.stdout
+
+
+def test_unknown_command_exits_2():
+    out = grpo("fly")
+    assert out.returncode == 2 and "unknown command" in out.stderr
+
+
+def test_cfg_job_with_recipe_prints_every_section(tmp_path):
+    out = grpo("train", "--cfg", "job", "+recipe=gsm8k", cwd=tmp_path)  # from another working directory
+    assert out.returncode == 0, out.stderr
+    cfg = OmegaConf.create(out.stdout)
+    for section in ("model", "reward", "sampler", "optimizer", "data", "algo", "trainer"):
+        assert section in cfg, section
+    assert cfg.data._target_.endswith("GSM8KTask")
+
+
+def test_invalid_value_exits_2_with_one_line(tmp_path):
+    out = grpo("train", "sampler.temperature=-1", f"hydra.run.dir={tmp_path}")
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    assert "sampler.temperature" in lines[0] and "set sampler.temperature=" in lines[0]
+
+
+def test_unknown_key_in_a_component_names_the_fix():
+    cfg = compose("train", ["+sampler.temprature=0.7"])
+    with pytest.raises(ConfigError, match=r"sampler.temprature is not a parameter of grpo_cli.rollout.Sampler"):
+        validate(cfg)
+
+
+def test_bad_data_path_is_one_line(tmp_path):
+    out = grpo("train", "data=gsm8k", f"data.path={tmp_path}/nope.jsonl", "model=tiny",
+               f"hydra.run.dir={tmp_path}/run")
+    assert out.returncode == 2, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and "nope.jsonl" in out.stderr
+
+
+@pytest.mark.parametrize("recipe", sorted(p.stem for p in RECIPES_DIR.glob("*.yaml")))
+def test_every_recipe_composes_and_instantiates(recipe, gsm8k_path):
+    cfg = compose("train", [f"+recipe={recipe}", f"data.path={gsm8k_path}"] if recipe != "arithmetic"
+                  else [f"+recipe={recipe}"])
+    validate(cfg)
+    for section in ("data", "reward", "sampler"):
+        assert instantiate(cfg[section], _convert_="all") is not None
+    assert callable(instantiate(cfg.optimizer))
+
+
+GROUPS = sorted((p.parent.name, p.stem) for p in CONF_DIR.glob("*/*.yaml"))
+
+
+@pytest.mark.parametrize("group,option", GROUPS)
+def test_every_group_option_composes(group, option, gsm8k_path):
+    overrides = [f"{group}={option}"]
+    if (group, option) in (("model", "hf"),):
+        overrides.append("model.name_or_path=some/model")
+    if group == "data" and option in ("gsm8k", "jsonl"):
+        overrides.append(f"data.path={gsm8k_path}")
+    if group == "reward" and option in ("orm", "prm"):
+        overrides.append("reward.name_or_path=some/model")
+    cfg = compose("train", overrides)
+    validate(cfg)
+
+
+def test_sweep_runs_two_jobs(tmp_path):
+    out = grpo("train", "-m", "model=tiny", "trainer.max_steps=1", "sampler.max_new_tokens=4",
+               "algo.group_size=2", "trainer.prompts_per_step=1", "trainer.tensorboard=false",
+               "algo.beta=0,0.04", f"hydra.sweep.dir={tmp_path}", timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    for job in ("0", "1"):
+        assert (tmp_path / job / "metrics.jsonl").exists()
+        assert (tmp_path / job / ".hydra" / "config.yaml").exists()
+        assert (tmp_path / job / "checkpoints" / "step_000001" / "adapter_model.safetensors").exists()
+    betas = {OmegaConf.load(tmp_path / j / ".hydra" / "config.yaml").algo.beta for j in ("0", "1")}
+    assert betas == {0, 0.04}
