@@ -23,6 +23,8 @@ costs its completions their score (None), never the run.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import math
 import threading
@@ -165,6 +167,26 @@ def _steps(out: Any, completions: list[str]) -> list[list[tuple[int, float]] | N
     return result
 
 
+def _check_options(path: str, fn: Callable) -> None:
+    """A `_partial_` function's YAML options must be its named parameters.
+
+    Reward functions take `**_` to ignore unknown columns, which would also swallow a misspelt
+    option silently; this catches it when the reward is built.
+    """
+    if not isinstance(fn, functools.partial):
+        return
+    try:
+        params = inspect.signature(fn.func).parameters
+    except (TypeError, ValueError):
+        return
+    named = [p for p, v in params.items() if v.kind not in (v.VAR_KEYWORD, v.VAR_POSITIONAL)]
+    for key in fn.keywords:
+        if key not in named:
+            allowed = ", ".join(p for p in named if p not in _RESERVED)
+            raise ConfigError(f"{path}.{key} is not a parameter of {getattr(fn.func, '__qualname__', fn.func)}; "
+                              f"remove it or use one of: {allowed}")
+
+
 def _columns(columns: dict[str, list] | None) -> dict[str, list]:
     return {k: list(v) for k, v in (columns or {}).items() if k not in _RESERVED}
 
@@ -186,6 +208,7 @@ class OutcomeReward:
             if not callable(fn):
                 raise ConfigError(f"reward.functions.{name} is not callable: give it a _target_ "
                                   f"(and `_partial_: true` for a plain function)")
+            _check_options(f"reward.functions.{name}", fn)
         weights = {str(k): float(v) for k, v in dict(weights or {}).items()}
         unknown = sorted(set(weights) - set(functions))
         if unknown:
@@ -223,6 +246,7 @@ class ProcessReward:
         if not callable(scorer):
             raise ConfigError("reward.scorer is not callable: give it a _target_ (and `_partial_: true` "
                               "for a plain function such as grpo_cli.rewards.steps.step_rewards)")
+        _check_options("reward.scorer", scorer)
         outcome = dict(outcome or {})
         if "steps" in outcome:
             raise ConfigError("reward.outcome.steps clashes with the step metric of the same name; rename it")
