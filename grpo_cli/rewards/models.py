@@ -1,0 +1,164 @@
+"""Learned reward models: an outcome reward model (ORM) and a process reward model (PRM).
+
+DeepSeekMath trains both from its policy's base (arXiv 2402.03300, §4.1: the ORM scores the whole
+completion, the PRM scores each step at the step's end token). Here both are Hugging Face models
+given by hub id or local folder, loaded on their first call (so a config that builds one costs
+nothing until it scores) and cached on the object:
+
+  - `SequenceClassifierReward` (reward=orm): `AutoModelForSequenceClassification` on
+    prompt + completion; with one logit the score is sigmoid(logit) (or the raw logit), with
+    several it is the softmax probability of label `label`.
+  - `TokenClassifierPRM` (reward=prm): `AutoModelForTokenClassification` on prompt + completion;
+    a step's reward is read at the token holding the step's last character (char_end - 1), as the
+    softmax probability of label `label` (sigmoid for one logit). We chose a token-classification
+    head over a causal LM's "good step" token probability (Math-Shepherd's scheme, which also
+    inserts a tag token after each step): it is what a PRM fine-tuned with transformers produces.
+    The causal-LM scheme is not implemented.
+
+Not done: sitting on the policy's own base weights as a second LoRA adapter (the paper's
+arrangement) — the reward model is a separate network, loaded in full.
+
+Both accept `model=` and `tokenizer=` objects directly (tests, or a model already in memory), run
+in batches under torch.no_grad with right padding, and return scores in the calling convention of
+`grpo_cli.rewards` (a list per completion; steps as (char_end, reward)).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from grpo_cli.errors import ConfigError
+from grpo_cli.rewards.steps import split_steps
+
+
+class _HFScorer:
+    """Lazy loading, input text and batching shared by the ORM and the PRM."""
+
+    auto_class = ""
+
+    def __init__(self, name_or_path: str | None = None, *, model=None, tokenizer=None,
+                 template: str = "{prompt}{completion}", label: int = 1, sigmoid: bool = True,
+                 batch_size: int = 8, device: str = "auto", dtype: str = "auto",
+                 trust_remote_code: bool = False, revision: str | None = None):
+        if name_or_path is None and model is None:
+            raise ConfigError(f"{type(self).__name__} needs a model: set name_or_path to a hub id or a "
+                              f"local folder (e.g. reward.scorer.name_or_path=org/model)")
+        if template.count("{completion}") != 1:
+            raise ConfigError(f"reward model template {template!r} must contain {{completion}} exactly once")
+        if batch_size < 1:
+            raise ConfigError(f"reward model batch_size ({batch_size}) must be >= 1; set batch_size=8")
+        self.name_or_path, self.template, self.label, self.sigmoid = name_or_path, template, label, sigmoid
+        self.batch_size, self.device, self.dtype = batch_size, device, dtype
+        self.trust_remote_code, self.revision = trust_remote_code, revision
+        self.model, self.tokenizer = model, tokenizer
+        # a timed-out first call may still be loading when the next call starts
+        self._lock = threading.Lock()
+
+    def _load(self):
+        with self._lock:
+            if self.tokenizer is None:
+                from transformers import AutoTokenizer
+
+                self.tokenizer = AutoTokenizer.from_pretrained(
+                    self.name_or_path, trust_remote_code=self.trust_remote_code, revision=self.revision)
+            if self.model is None:
+                import transformers
+
+                from grpo_cli.policy import resolve_device, resolve_dtype
+
+                device = resolve_device(self.device)
+                model = getattr(transformers, self.auto_class).from_pretrained(
+                    self.name_or_path, dtype=resolve_dtype(self.dtype, device),
+                    trust_remote_code=self.trust_remote_code, revision=self.revision)
+                self.model = model.to(device).eval()
+            if self.tokenizer.pad_token is None:
+                self.tokenizer.pad_token = self.tokenizer.eos_token
+            # sequence-classification heads find each row's last token through pad_token_id
+            if getattr(self.model.config, "pad_token_id", None) is None:
+                self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        return self.model, self.tokenizer
+
+    def _texts(self, prompts, completions) -> tuple[list[str], list[int]]:
+        """Model inputs and where each completion starts in its input, in characters."""
+        head = self.template.split("{completion}")[0]
+        texts, starts = [], []
+        for prompt, completion in zip(prompts, completions, strict=True):
+            starts.append(len(head.format(prompt=prompt)))
+            texts.append(self.template.format(prompt=prompt, completion=completion))
+        return texts, starts
+
+    def _score(self, logits: torch.Tensor) -> torch.Tensor:
+        """[..., num_labels] logits -> [...] scores."""
+        logits = logits.float()
+        if logits.shape[-1] == 1:
+            return torch.sigmoid(logits[..., 0]) if self.sigmoid else logits[..., 0]
+        if not -logits.shape[-1] <= self.label < logits.shape[-1]:
+            raise ConfigError(f"reward model label {self.label} is out of range for its "
+                              f"{logits.shape[-1]} labels; set label to 0..{logits.shape[-1] - 1}")
+        return torch.softmax(logits, dim=-1)[..., self.label]
+
+    @torch.no_grad()
+    def _batches(self, texts: list[str], offsets: bool):
+        """Yield (first row index, tokenizer encoding, logits) per batch, right-padded."""
+        model, tokenizer = self._load()
+        device = next(model.parameters()).device
+        for first in range(0, len(texts), self.batch_size):
+            enc = tokenizer(texts[first:first + self.batch_size], return_tensors="pt", padding=True,
+                            padding_side="right", return_offsets_mapping=offsets)
+            inputs = {k: v.to(device) for k, v in enc.items() if k in ("input_ids", "attention_mask")}
+            yield first, enc, model(**inputs).logits
+
+
+class SequenceClassifierReward(_HFScorer):
+    """ORM: one score per completion from a sequence-classification head (an outcome function)."""
+
+    auto_class = "AutoModelForSequenceClassification"
+
+    def __call__(self, prompts, completions, **_) -> list[float]:
+        texts, _starts = self._texts(prompts, completions)
+        scores: list[float] = []
+        for _first, _enc, logits in self._batches(texts, offsets=False):
+            scores += self._score(logits).tolist()  # [B, num_labels] -> [B]
+        return scores
+
+
+class TokenClassifierPRM(_HFScorer):
+    """PRM: a score per step, read at the step's last character (a `ProcessReward` scorer).
+
+    Steps are split as `grpo_cli.rewards.steps.split_steps(completion, pattern)`. The input text is
+    not truncated: completions are bounded by the sampler's max_new_tokens.
+    """
+
+    auto_class = "AutoModelForTokenClassification"
+
+    # spelled out (not **options) so config validation can check each key against it
+    def __init__(self, name_or_path: str | None = None, *, pattern: str | None = None, model=None,
+                 tokenizer=None, template: str = "{prompt}{completion}", label: int = 1, sigmoid: bool = True,
+                 batch_size: int = 8, device: str = "auto", dtype: str = "auto",
+                 trust_remote_code: bool = False, revision: str | None = None):
+        super().__init__(name_or_path, model=model, tokenizer=tokenizer, template=template, label=label,
+                         sigmoid=sigmoid, batch_size=batch_size, device=device, dtype=dtype,
+                         trust_remote_code=trust_remote_code, revision=revision)
+        self.pattern = pattern
+
+    def __call__(self, prompts, completions, **_) -> list[list[tuple[int, float]]]:
+        texts, starts = self._texts(prompts, completions)
+        spans = [split_steps(c, self.pattern) for c in completions]
+        result: list[list[tuple[int, float]]] = []
+        for first, enc, logits in self._batches(texts, offsets=True):
+            scores = self._score(logits).cpu()  # [B, T]
+            for row in range(scores.shape[0]):
+                i = first + row
+                # offset_mapping[t] = (start, end) characters of token t; pads are (0, 0)
+                token_ends = [end for _, end in enc["offset_mapping"][row].tolist()]
+                steps = []
+                for _, char_end in spans[i]:
+                    last_char = starts[i] + char_end - 1
+                    # the first token that ends past the step's last character holds it
+                    t = next((t for t, end in enumerate(token_ends) if end > last_char), None)
+                    if t is not None:
+                        steps.append((char_end, float(scores[row, t])))
+                result.append(steps)
+        return result
