@@ -12,7 +12,7 @@ import pytest
 
 from grpo_cli.errors import ConfigError
 from grpo_cli.rewards import OutcomeReward, ProcessReward, RewardResult
-from grpo_cli.rewards.outcome import accuracy, format_reward
+from grpo_cli.rewards.outcome import accuracy, format_reward, length_penalty
 from grpo_cli.rewards.steps import step_rewards
 
 
@@ -133,6 +133,13 @@ def test_math_verify_in_the_worker_thread():
 def test_outcome_config_errors(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         OutcomeReward(**kwargs)
+
+
+def test_config_error_inside_a_function_stops_the_run():
+    # a bad option fails on every call: the user gets the fix, not a run with no rewards
+    reward = OutcomeReward({"length": functools.partial(length_penalty, max_length=10, buffer=0)})
+    with pytest.raises(ConfigError, match="buffer"):
+        reward(["p"], ["x"], {"completion_length": [3]})
 
 
 def test_misspelt_option_is_caught():

@@ -92,6 +92,15 @@ def test_prm_scores_each_step_at_its_last_character(reward_models):
         assert [r for _, r in a] == pytest.approx([r for _, r in b], abs=1e-5)
 
 
+def test_orm_config_scores_with_the_model_alone(reward_models):
+    reward = instantiate(OmegaConf.merge(OmegaConf.load(REWARD_CONF / "orm.yaml"),
+                                         {"name_or_path": str(reward_models["orm"]), "device": "cpu"}))
+    result = reward(PROMPTS, COMPLETIONS, {"answer": ["2", "4", "4"]})
+    # accuracy is a metric (weight 0): the reward is the ORM's score, whatever accuracy says
+    assert result.rewards == pytest.approx(result.per_function["orm"])
+    assert result.per_function["accuracy"] == [1.0, 0.0, 0.0]
+
+
 def test_reward_model_needs_a_model():
     with pytest.raises(ConfigError, match="name_or_path"):
         SequenceClassifierReward()
@@ -105,12 +114,9 @@ def test_reward_model_needs_a_model():
 def test_reward_config_instantiates_and_scores(path, reward_models):
     cfg = OmegaConf.load(path)
     # the model-based options leave name_or_path required (???); point it at the tiny checkpoints
-    if path.stem == "orm":
-        cfg.functions.orm.name_or_path = str(reward_models["orm"])
-        cfg.functions.orm.device = "cpu"
-    if path.stem == "prm":
-        cfg.scorer.name_or_path = str(reward_models["prm"])
-        cfg.scorer.device = "cpu"
+    if path.stem in reward_models:
+        cfg.name_or_path = str(reward_models[path.stem])
+        cfg.device = "cpu"
     assert not OmegaConf.missing_keys(cfg)
     reward = instantiate(cfg)
     columns = {"answer": ["2", "4", "4"], "completion_length": [16, 16, 13], "truncated": [False, False, True]}

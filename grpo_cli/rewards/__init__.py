@@ -18,7 +18,8 @@ completion). `ProcessReward` takes a step scorer that returns `(char_end, reward
 completion, the step's last character. Where this departs from the paper: rule-based rewards by
 default (the paper trains a reward model), and a robustness layer the paper does not need: each
 function runs in a worker thread with a timeout, and one that raises, hangs or returns garbage
-costs its completions their score (None), never the run.
+costs its completions their score (None), never the run; a ConfigError (a bad option) stops it
+with the fix.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ class RewardResult:
 
 
 class _Guarded:
-    """One scoring function run in a worker thread with a timeout; never raises.
+    """One scoring function run in a worker thread with a timeout; raises only ConfigError.
 
     A timed-out thread cannot be killed in Python, so it runs on as a daemon (it does not block
     interpreter exit), and while it still runs the function is not called again: its next calls
@@ -116,6 +117,9 @@ class _Guarded:
             self._warn(f"took longer than timeout_s={self.timeout_s} s; raise reward.timeout_s if it is "
                        f"just slow")
             return [None] * n, True
+        except ConfigError:
+            # a bad option (a broken regex, buffer 0) fails every call: stop with the fix, not run on
+            raise
         except Exception as err:
             self._warn(f"raised {err!r}; fix the function (it is retried one completion at a time)")
 

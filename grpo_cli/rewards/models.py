@@ -5,12 +5,13 @@ completion, the PRM scores each step at the step's end token). Here both are Hug
 given by hub id or local folder, loaded on their first call (so a config that builds one costs
 nothing until it scores) and cached on the object:
 
-  - `SequenceClassifierReward` (reward=orm): `AutoModelForSequenceClassification` on
-    prompt + completion; with one logit the score is sigmoid(logit) (or the raw logit), with
-    several it is the softmax probability of label `label`.
-  - `TokenClassifierPRM` (reward=prm): `AutoModelForTokenClassification` on prompt + completion;
-    a step's reward is read at the token holding the step's last character (char_end - 1), as the
-    softmax probability of label `label` (sigmoid for one logit). We chose a token-classification
+  - `SequenceClassifierReward` (reward=orm, built by `outcome_reward_model`):
+    `AutoModelForSequenceClassification` on prompt + completion; with one logit the score is
+    sigmoid(logit) (or the raw logit), with several the softmax probability of label `label`.
+  - `TokenClassifierPRM` (reward=prm, built by `process_reward_model`):
+    `AutoModelForTokenClassification` on prompt + completion; a step's reward is read at the token
+    holding the step's last character (char_end - 1), as the softmax probability of label `label`
+    (sigmoid for one logit). We chose a token-classification
     head over a causal LM's "good step" token probability (Math-Shepherd's scheme, which also
     inserts a tag token after each step): it is what a PRM fine-tuned with transformers produces.
     The causal-LM scheme is not implemented.
@@ -44,7 +45,7 @@ class _HFScorer:
                  trust_remote_code: bool = False, revision: str | None = None):
         if name_or_path is None and model is None:
             raise ConfigError(f"{type(self).__name__} needs a model: set name_or_path to a hub id or a "
-                              f"local folder (e.g. reward.scorer.name_or_path=org/model)")
+                              f"local folder: reward.name_or_path=ORG/MODEL")
         if template.count("{completion}") != 1:
             raise ConfigError(f"reward model template {template!r} must contain {{completion}} exactly once")
         if batch_size < 1:
@@ -162,3 +163,39 @@ class TokenClassifierPRM(_HFScorer):
                         steps.append((char_end, float(scores[row, t])))
                 result.append(steps)
         return result
+
+
+def outcome_reward_model(name_or_path: str | None = None, *, template: str = "{prompt}{completion}",
+                         label: int = 1, sigmoid: bool = True, batch_size: int = 8, device: str = "auto",
+                         dtype: str = "auto", trust_remote_code: bool = False, revision: str | None = None,
+                         outcome: dict | None = None, timeout_s: float | None = 600.0, model=None, tokenizer=None):
+    """reward=orm: an `OutcomeReward` whose reward is the ORM's score alone.
+
+    Built by one flat config node so the model is `reward.name_or_path=...` on the command line;
+    `outcome` functions are scored with weight 0, for their `rewards/<name>/mean` metrics only.
+    """
+    from grpo_cli.rewards import OutcomeReward
+
+    orm = SequenceClassifierReward(name_or_path, model=model, tokenizer=tokenizer, template=template, label=label,
+                                   sigmoid=sigmoid, batch_size=batch_size, device=device, dtype=dtype,
+                                   trust_remote_code=trust_remote_code, revision=revision)
+    metrics = dict(outcome or {})
+    if "orm" in metrics:
+        raise ConfigError("reward.outcome.orm clashes with the model's own score of that name; rename it")
+    return OutcomeReward({"orm": orm, **metrics}, weights={"orm": 1.0, **{k: 0.0 for k in metrics}},
+                         timeout_s=timeout_s)
+
+
+def process_reward_model(name_or_path: str | None = None, *, pattern: str | None = None,
+                         template: str = "{prompt}{completion}", label: int = 1, sigmoid: bool = True,
+                         batch_size: int = 8, device: str = "auto", dtype: str = "auto",
+                         trust_remote_code: bool = False, revision: str | None = None, outcome: dict | None = None,
+                         timeout_s: float | None = 600.0, model=None, tokenizer=None):
+    """reward=prm: a `ProcessReward` over `TokenClassifierPRM`, from one flat config node
+    (`reward.name_or_path=...`); `outcome` functions are scored for metrics only."""
+    from grpo_cli.rewards import ProcessReward
+
+    prm = TokenClassifierPRM(name_or_path, pattern=pattern, model=model, tokenizer=tokenizer, template=template,
+                             label=label, sigmoid=sigmoid, batch_size=batch_size, device=device, dtype=dtype,
+                             trust_remote_code=trust_remote_code, revision=revision)
+    return ProcessReward(prm, outcome=outcome, timeout_s=timeout_s)

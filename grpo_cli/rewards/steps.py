@@ -15,7 +15,7 @@ step's last character, `char_end - 1` (DeepSeekMath's "end token of each step").
 The evaluator never calls `eval`: it parses with `ast` and walks an allowlist (numbers, + - * /
 // % ** and parentheses, unary minus), in exact `Fraction` arithmetic, with bounds on expression
 length, parenthesis depth, exponent and number size checked before the work is done, so
-`9**9**9**9` or 10,000 nested parentheses come back in microseconds as "cannot check" (no claim).
+`9**9**9**9` or 10,000 nested parentheses come back in milliseconds as "cannot check" (no claim).
 """
 
 from __future__ import annotations
