@@ -25,6 +25,15 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: unknown command {command!r}; use one of: {', '.join(COMMANDS)}", file=sys.stderr)
         sys.exit(2)
     import importlib
+    import os
+    import warnings
+
+    # library chatter (deprecation notices, weight-loading bars) hides our own one-line messages
+    for category in (FutureWarning, DeprecationWarning, UserWarning):
+        warnings.filterwarnings("ignore", category=category, module=r"(transformers|peft|torch|accelerate)\.")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TQDM_DISABLE", "1")
 
     module = importlib.import_module(COMMANDS[command][0])
     sys.argv = [f"grpo {command}", *rest]
