@@ -173,3 +173,24 @@ def test_process_rewards_give_per_token_advantages(tmp_path, monkeypatch):
     rows = torch.cat([adv for _, _, adv in seen])
     # some completion's advantage changes along its tokens: not one number broadcast over the sequence
     assert any(len(set(row[row != 0].tolist())) > 1 for row in rows)
+
+
+def test_sigterm_checkpoints_and_prints_the_resume_command(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "grpo_cli", "train", *TINY, "trainer.max_steps=1000",
+                             "trainer.save_every=1000", f"hydra.run.dir={tmp_path}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 120
+    while not (tmp_path / "metrics.jsonl").exists() and time.time() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    steps = [r["step"] for r in metrics(tmp_path)]
+    assert steps[-1] < 1000
+    assert (tmp_path / "checkpoints" / f"step_{steps[-1]:06d}" / "adapter_model.safetensors").exists()
+    assert f"resume with: grpo train resume={tmp_path}" in " ".join(out.split())
