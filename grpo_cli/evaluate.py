@@ -26,7 +26,7 @@ from rich.table import Table
 from grpo_cli import checkpoint
 from grpo_cli.config import build, command_line_overrides, hydra_app, inherit, validate
 from grpo_cli.errors import ConfigError
-from grpo_cli.metrics import console, mean, progress
+from grpo_cli.metrics import console, limit_heap_growth, mean, progress
 from grpo_cli.rewards import answers_match, extract_answer
 from grpo_cli.rollout import render_prompts
 
@@ -87,6 +87,7 @@ def load_inference(cfg: DictConfig, overrides: list[str], checkpoints: list[Path
 
 
 def run(cfg: DictConfig, out_dir: Path, overrides: list[str] = ()) -> dict:
+    limit_heap_growth()
     E = cfg.eval
     checkpoints = expand_checkpoints(cfg.checkpoint)
     if E.include_base and None not in checkpoints:

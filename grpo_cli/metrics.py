@@ -28,6 +28,24 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
+def limit_heap_growth(threshold: int = 128 * 1024) -> bool:
+    """Serve allocations above `threshold` bytes with mmap, so freed tensors go back to the OS.
+
+    glibc raises its mmap threshold each time a large block is freed (up to 32 MB), after which
+    activation-sized tensors come from the heap and fragment it: one LoRA update on 16 x 256
+    tokens peaked at 5.1 GB RSS that way, 2.6 GB with a fixed threshold (measured, README).
+    Does nothing off glibc. Returns whether it took effect.
+    """
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(-3, threshold))  # -3 = M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        return False
+
+
 def mean(values) -> float:
     """Mean of the numbers that are present (None/NaN left out); NaN when none are."""
     kept = [float(v) for v in values if v is not None and not math.isnan(float(v))]

@@ -19,7 +19,7 @@ from rich.text import Text
 from grpo_cli import checkpoint
 from grpo_cli.config import build, command_line_overrides, hydra_app
 from grpo_cli.evaluate import _adapter, load_inference
-from grpo_cli.metrics import console
+from grpo_cli.metrics import console, limit_heap_growth
 from grpo_cli.rewards import answers_match, extract_answer
 from grpo_cli.rollout import render_prompts
 
@@ -30,6 +30,7 @@ def main(cfg: DictConfig) -> None:
 
 
 def run(cfg: DictConfig, overrides: list[str] = ()) -> list[dict]:
+    limit_heap_growth()
     S = cfg.sample
     ckpt = checkpoint.resolve(cfg.checkpoint) if cfg.checkpoint else None
     policy, tokenizer, cfg = load_inference(cfg, list(overrides), [ckpt])

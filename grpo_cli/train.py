@@ -28,7 +28,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from grpo_cli import checkpoint
 from grpo_cli.config import build, hydra_app, validate
-from grpo_cli.metrics import MetricsLog, console, mean, peak_memory_mb, plot_training, progress
+from grpo_cli.metrics import (MetricsLog, console, limit_heap_growth, mean, peak_memory_mb, plot_training,
+                              progress)
 from grpo_cli.objective import grpo_loss, outcome_advantages, process_advantages
 from grpo_cli.policy import apply_lora, resolve_device, resolve_dtype
 from grpo_cli.rollout import Rollout, char_ends_to_token_index, render_prompts, sequence_logprobs
@@ -52,6 +53,7 @@ def build_policy(cfg: DictConfig):
 def run(cfg: DictConfig, run_dir: Path) -> Path:
     """Train as `cfg` says, writing into `run_dir`; returns the last checkpoint's folder."""
     validate(cfg)
+    limit_heap_growth()
     T, A = cfg.trainer, cfg.algo
     torch.manual_seed(T.seed)
     policy, tokenizer, device = build_policy(cfg)

@@ -15,7 +15,9 @@ MEMORY_PROBE = r"""
 import json, resource, sys, time, torch
 from grpo_cli import train
 from grpo_cli.config import compose
+from grpo_cli.metrics import limit_heap_growth
 from grpo_cli.rollout import Rollout
+limit_heap_growth()  # as train.run does
 cfg = compose("train", sys.argv[1:])
 policy, tokenizer, device = train.build_policy(cfg)
 if cfg.trainer.gradient_checkpointing:
