@@ -68,12 +68,15 @@ def test_arithmetic_answers_recomputed_from_the_question():
         # Python's own precedence is the one the questions promise
         assert int(example["answer"]) == eval(expr)
         check_solution(example)
-        assert example["messages"] == [{"role": "user", "content": example["question"]}]
+        # the default instruction wraps the question: "{question} Answer with just the number."
+        assert example["messages"] == [{"role": "user", "content": task.instruction.replace("{question}",
+                                                                                            example["question"])}]
+        assert example["question"] in example["messages"][0]["content"]
         assert set(example) == {"messages", "question", "answer", "solution"}
 
 
 def test_arithmetic_train_and_heldout_disjoint():
-    task = load_task("arithmetic", few_shot=3)
+    task = load_task("arithmetic", few_shot=3, min_digits=2)  # exactly 2 digits: 90 x 90 = 8,100 problems
     held = {e["question"] for e in task.heldout}
     shots = {q for q, _ in task.shots}
     assert len(held) == 500 and len(shots) == 3 and not held & shots

@@ -6,15 +6,16 @@ import pytest
 import torch
 
 from grpo_cli.errors import ConfigError
-from grpo_cli.policy import apply_lora, load_pretrained, locate_embedded_gguf, resolve_device, resolve_dtype
+from grpo_cli.policy import (apply_lora, load_pretrained, load_tiny_random, locate_embedded_gguf, resolve_device,
+                             resolve_dtype)
 from grpo_cli.rollout import Sampler, _finish, char_ends_to_token_index, render_prompts, sequence_logprobs
 
 CONVERSATIONS = [[{"role": "user", "content": "What is 2+3?"}], [{"role": "user", "content": "Hi"}]]
 
 
 @pytest.fixture(scope="module")
-def policy(tiny):
-    model, tokenizer = tiny
+def policy():
+    model, tokenizer = load_tiny_random()  # its own copy: peft injects LoRA layers into the model in place
     return apply_lora(model, 4, 8, 0.0, ["q_proj", "v_proj"]), tokenizer
 
 
@@ -92,8 +93,8 @@ def test_char_ends_map_to_the_token_holding_the_last_character():
     assert char_ends_to_token_index(WordTokenizer(), ids, [3, 10, 11, 15, 16, 17]) == [0, 1, 2, 3, 4, 5]
 
 
-def test_hf_loader_reads_a_local_folder(tiny, tmp_path):
-    model, tokenizer = tiny
+def test_hf_loader_reads_a_local_folder(tmp_path):
+    model, tokenizer = load_tiny_random()
     model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     loaded, loaded_tok = load_pretrained(str(tmp_path))
