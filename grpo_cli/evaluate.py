@@ -201,13 +201,22 @@ def results_table(results: list[dict]) -> Table:
     keys = sorted({k for r in results for k in r.get("pass@k", {})}, key=int)
     for col in ["checkpoint", "step", "problems", "accuracy", *[f"pass@{k}" for k in keys],
                 *[f"maj@{k}" for k in keys], "reward", "length", "truncated"]:
-        table.add_column(col, justify="left" if col == "checkpoint" else "right")
+        table.add_column(col, justify="left" if col == "checkpoint" else "right",
+                         overflow="fold")  # a narrow terminal wraps the path instead of cutting it
     for r in results:
-        table.add_row(Path(r["checkpoint"]).name if r["checkpoint"] else "base", str(r["step"] if r["step"] is not None else "-"),
+        table.add_row(_label(r["checkpoint"]), str(r["step"] if r["step"] is not None else "-"),
                       str(r["num_problems"]), f"{r['accuracy']:.3f}",
                       *[f"{r['pass@k'][k]:.3f}" for k in keys], *[f"{r['maj@k'][k]:.3f}" for k in keys],
                       f"{r['mean_reward']:.3f}", f"{r['mean_length']:.1f}", f"{r['truncation_rate']:.2f}")
     return table
+
+
+def _label(checkpoint_path: str | None) -> str:
+    """`RUN/step_NNNNNN` (the run folder's name tells sweep jobs apart), or `base`."""
+    if checkpoint_path is None:
+        return "base"
+    path = Path(checkpoint_path)
+    return f"{path.parent.parent.name}/{path.name}"
 
 
 def plot_accuracy(results: list[dict], path: Path) -> None:
@@ -216,11 +225,19 @@ def plot_accuracy(results: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = [r["step"] or 0 for r in results]
+    base = [r for r in results if r["checkpoint"] is None]
+    runs: dict[str, list[dict]] = {}  # one line per run folder, in step order
+    for r in results:
+        if r["checkpoint"] is not None:
+            runs.setdefault(str(Path(r["checkpoint"]).parent.parent), []).append(r)
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(steps, [r["accuracy"] for r in results], marker="o", label="greedy accuracy")
-    for k in results[0].get("pass@k", {}):
-        ax.plot(steps, [r["pass@k"][k] for r in results], marker=".", linestyle="--", label=f"pass@{k}")
+    for run, rows in runs.items():
+        rows = base + sorted(rows, key=lambda r: r["step"])  # the base model is step 0 of every run
+        name = "" if len(runs) == 1 else f"{Path(run).name}: "
+        steps = [r["step"] or 0 for r in rows]
+        ax.plot(steps, [r["accuracy"] for r in rows], marker="o", label=f"{name}greedy accuracy")
+        for k in rows[0].get("pass@k", {}):
+            ax.plot(steps, [r["pass@k"][k] for r in rows], marker=".", linestyle="--", label=f"{name}pass@{k}")
     ax.set_xlabel("training step (0 = base model)")
     ax.set_ylabel("held-out accuracy")
     ax.grid(alpha=0.3)
