@@ -13,7 +13,7 @@ ARGS ?=
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
 
-install: $(STAMP) ## create .venv and install grpo-cli, torch $(TORCH_VERSION) and the embedded model (idempotent)
+install: $(STAMP) ## create .venv and install grpo-cli, pinned torch and the embedded model (idempotent)
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
