@@ -194,3 +194,13 @@ def test_sigterm_checkpoints_and_prints_the_resume_command(tmp_path):
     assert steps[-1] < 1000
     assert (tmp_path / "checkpoints" / f"step_{steps[-1]:06d}" / "adapter_model.safetensors").exists()
     assert f"resume with: grpo train resume={tmp_path}" in " ".join(out.split())
+
+
+def test_gradient_checkpointing_gives_the_same_run(tmp_path):
+    """Recomputing activations changes memory and time, not the numbers."""
+    train.run(tiny_cfg("trainer.max_steps=2"), tmp_path / "plain")
+    train.run(tiny_cfg("trainer.max_steps=2", "trainer.gradient_checkpointing=true"), tmp_path / "ckpt")
+    a, b = metrics(tmp_path / "plain"), metrics(tmp_path / "ckpt")
+    for x, y in zip(a, b):
+        for key in ("reward", "loss", "kl", "grad_norm", "entropy"):
+            assert x[key] == pytest.approx(y[key], rel=1e-4, abs=1e-6), key
