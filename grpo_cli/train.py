@@ -197,7 +197,9 @@ def update(policy, optimizer, scheduler, rollout: Rollout, advantages: torch.Ten
     if A.mask_truncated_completions:
         mask[torch.tensor(rollout.truncated, device=device)] = 0.0
     N = mask.shape[0]
-    batches = lambda rows: [rows[i:i + T.micro_batch_size] for i in range(0, len(rows), T.micro_batch_size)]  # noqa: E731
+
+    def batches(rows: list[int]) -> list[list[int]]:
+        return [rows[i:i + T.micro_batch_size] for i in range(0, len(rows), T.micro_batch_size)]
 
     # reference log-probs (adapter off) once per rollout, and only when the KL term is on
     ref_logp = None
@@ -220,6 +222,8 @@ def update(policy, optimizer, scheduler, rollout: Rollout, advantages: torch.Ten
               "clip_ratio/region_mean": 0.0, "ratio_mean": 0.0, "entropy": 0.0}
     grad_norm = 0.0
     n_tokens = mask.sum().clamp(min=1)
+    # token-level statistics (kl, clip ratios, entropy) average over the tokens that were updated
+    active_tokens = mask[active].sum().clamp(min=1) if active else n_tokens
     policy.train()
     for _ in range(A.num_iterations):
         for b in batches(active):
@@ -235,10 +239,10 @@ def update(policy, optimizer, scheduler, rollout: Rollout, advantages: torch.Ten
             weight = accumulation_weight(A.loss_type, len(b), N, m.sum(), n_tokens)
             (loss * weight).backward()
             totals["loss"] += float(loss.detach()) * weight / A.num_iterations
-            share = float(m.sum() / n_tokens) / A.num_iterations  # token share, for token-level stats
+            share = float(m.sum() / active_tokens) / A.num_iterations
             for key in ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "ratio_mean"):
                 totals[key] += float(stats[key]) * share
-            totals["entropy"] += float((entropy * m).sum() / n_tokens) / A.num_iterations
+            totals["entropy"] += float((entropy * m).sum() / active_tokens) / A.num_iterations
         params = [p for p in policy.parameters() if p.requires_grad]
         max_norm = T.max_grad_norm if T.max_grad_norm is not None else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
