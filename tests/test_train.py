@@ -204,3 +204,13 @@ def test_gradient_checkpointing_gives_the_same_run(tmp_path):
     for x, y in zip(a, b):
         for key in ("reward", "loss", "kl", "grad_norm", "entropy"):
             assert x[key] == pytest.approx(y[key], rel=1e-4, abs=1e-6), key
+
+
+def test_masked_truncated_completions_get_no_update(tmp_path):
+    # random characters rarely reach EOS within 8 tokens: most completions are truncated
+    train.run(tiny_cfg("trainer.max_steps=1", "algo.beta=0", "algo.mask_truncated_completions=true"), tmp_path / "m")
+    train.run(tiny_cfg("trainer.max_steps=1", "algo.beta=0"), tmp_path / "u")
+    masked, unmasked = metrics(tmp_path / "m")[0], metrics(tmp_path / "u")[0]
+    complete = round(8 * (1 - masked["completions/clipped_ratio"]))  # 2 prompts x G=4, same rollout in both
+    assert complete < 8
+    assert masked["counts/backward_seqs"] <= complete < unmasked["counts/backward_seqs"]
