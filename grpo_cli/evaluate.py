@@ -29,6 +29,7 @@ from grpo_cli.errors import ConfigError
 from grpo_cli.metrics import console, limit_heap_growth, mean, progress
 from grpo_cli.rewards import answers_match, extract_answer
 from grpo_cli.rollout import render_prompts
+from grpo_cli.train import build_policy, score
 
 
 @hydra_app("eval")
@@ -71,8 +72,6 @@ def expand_checkpoints(spec) -> list[Path | None]:
 
 def load_inference(cfg: DictConfig, overrides: list[str], checkpoints: list[Path | None]):
     """(policy with LoRA, tokenizer, effective config): the first checkpoint's config fills in the rest."""
-    from grpo_cli.train import build_policy
-
     first = next((c for c in checkpoints if c is not None), None)
     if first is not None:
         saved = checkpoint.load_config(first)
@@ -159,11 +158,9 @@ def score_batch(policy, tokenizer, sampler, reward_fn, batch: list[dict], E: Dic
     n = E.num_samples
     # rewards for every completion: greedy ones first, then n samples per problem
     owners = list(range(len(batch))) + [i for i in range(len(batch)) for _ in range(n)]
-    columns = {k: [batch[i][k] for i in owners] for k in batch[0] if k not in ("messages", "question")}
     lengths = greedy.lengths + (sampled.lengths if sampled else [])
     truncated = greedy.truncated + (sampled.truncated if sampled else [])
-    rewards = reward_fn([batch[i]["question"] for i in owners], texts,
-                        {**columns, "completion_length": lengths, "truncated": truncated}).rewards
+    rewards = score(reward_fn, batch, owners, texts, lengths, truncated).rewards
     rows = []
     for i, problem in enumerate(batch):
         ref = str(problem["answer"])

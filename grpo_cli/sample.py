@@ -22,6 +22,7 @@ from grpo_cli.evaluate import _adapter, load_inference
 from grpo_cli.metrics import console, limit_heap_growth
 from grpo_cli.rewards import answers_match, extract_answer
 from grpo_cli.rollout import render_prompts
+from grpo_cli.train import score
 
 
 @hydra_app("sample")
@@ -46,12 +47,9 @@ def run(cfg: DictConfig, overrides: list[str] = ()) -> list[dict]:
     with _adapter(policy, ckpt is not None):
         rollout = sampler.generate(policy, tokenizer, render_prompts(tokenizer, [p["messages"] for p in problems]), S.n)
     owners = [i for i in range(len(problems)) for _ in range(S.n)]
-    keys = [k for k in problems[0] if k not in ("messages", "question")]
-    columns = {k: [problems[i][k] for i in owners] for k in keys}
     result = None
-    if "answer" in keys:  # rewards need a reference; a free prompt has none
-        result = reward_fn([problems[i]["question"] for i in owners], rollout.texts,
-                           {**columns, "completion_length": rollout.lengths, "truncated": rollout.truncated})
+    if "answer" in problems[0]:  # rewards need a reference; a free prompt has none
+        result = score(reward_fn, problems, owners, rollout.texts, rollout.lengths, rollout.truncated)
     records = []
     for j, text in enumerate(rollout.texts):
         problem = problems[owners[j]]

@@ -96,8 +96,8 @@ def run(cfg: DictConfig, run_dir: Path) -> Path:
             t_rollout = time.perf_counter() - t0
 
             # 3. score: one reward per completion, or step rewards (process supervision)
-            result = reward_fn([e["question"] for e in examples for _ in range(A.group_size)], rollout.texts,
-                               reward_columns(examples, A.group_size, rollout))
+            owners = [i for i in range(len(examples)) for _ in range(A.group_size)]
+            result = score(reward_fn, examples, owners, rollout.texts, rollout.lengths, rollout.truncated)
 
             # 4. advantages: normalized within each group of G
             advantages = compute_advantages(result, rollout, tokenizer, A)
@@ -120,6 +120,7 @@ def run(cfg: DictConfig, run_dir: Path) -> Path:
 
             # 7. checkpoint
             if step % T.save_every == 0 or step == T.max_steps or stop.requested:
+                # a record for inspection: resume does not need it, each step reseeds from (seed, step)
                 state["rng"] = {"torch": torch.get_rng_state().tolist(), "python": list(random.getstate()[1])}
                 last = checkpoint.save(run_dir, step, policy, optimizer, scheduler, state, cfg, T.keep_last)
             if stop.requested:
@@ -161,13 +162,17 @@ def _seed_step(seed: int, step: int) -> None:
     torch.manual_seed(s)
 
 
-def reward_columns(examples: list[dict], G: int, rollout: Rollout) -> dict[str, list]:
-    """The examples' other fields, repeated per completion, plus token lengths and truncation flags."""
+def score(reward_fn, examples: list[dict], owners: list[int], texts: list[str], lengths: list[int],
+          truncated: list[bool]):
+    """Call the reward on completions; completion j answers examples[owners[j]].
+
+    The reward sees each example's question and its other fields (`answer`, ...) as columns, plus
+    the completions' token lengths and truncation flags.
+    """
     keys = [k for k in examples[0] if k not in ("messages", "question")]
-    columns = {k: [e[k] for e in examples for _ in range(G)] for k in keys}
-    columns["completion_length"] = rollout.lengths
-    columns["truncated"] = rollout.truncated
-    return columns
+    columns = {k: [examples[i][k] for i in owners] for k in keys}
+    return reward_fn([examples[i]["question"] for i in owners], texts,
+                     {**columns, "completion_length": lengths, "truncated": truncated})
 
 
 def compute_advantages(result, rollout: Rollout, tokenizer, A: DictConfig) -> torch.Tensor:
