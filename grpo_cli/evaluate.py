@@ -24,12 +24,12 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from rich.table import Table
 
 from grpo_cli import checkpoint
-from grpo_cli.config import build, command_line_overrides, hydra_app, inherit, validate
+from grpo_cli.config import build, command_line_overrides, hydra_app
 from grpo_cli.errors import ConfigError
 from grpo_cli.metrics import console, limit_heap_growth, mean, progress
-from grpo_cli.rewards import answers_match, extract_answer
+from grpo_cli.policy import adapter_enabled, load_inference
+from grpo_cli.rewards import answers_match, extract_answer, score
 from grpo_cli.rollout import render_prompts
-from grpo_cli.train import build_policy, score
 
 
 @hydra_app("eval")
@@ -70,21 +70,6 @@ def expand_checkpoints(spec) -> list[Path | None]:
     return out
 
 
-def load_inference(cfg: DictConfig, overrides: list[str], checkpoints: list[Path | None]):
-    """(policy with LoRA, tokenizer, effective config): the first checkpoint's config fills in the rest."""
-    first = next((c for c in checkpoints if c is not None), None)
-    if first is not None:
-        saved = checkpoint.load_config(first)
-        cfg = inherit(cfg, saved, overrides)
-        for other in checkpoints:
-            if other is not None and checkpoint.load_config(other).model.get("name") != cfg.model.get("name"):
-                raise ConfigError(f"{other} was trained on another base model than {first}; evaluate them apart")
-    validate(cfg)
-    policy, tokenizer, _ = build_policy(cfg)
-    policy.eval()
-    return policy, tokenizer, cfg
-
-
 def run(cfg: DictConfig, out_dir: Path, overrides: list[str] = ()) -> dict:
     limit_heap_growth()
     E = cfg.eval
@@ -117,7 +102,7 @@ def run(cfg: DictConfig, out_dir: Path, overrides: list[str] = ()) -> dict:
             for start in range(0, len(todo), E.batch_size):
                 batch = [problems[i] for i in todo[start:start + E.batch_size]]
                 torch.manual_seed(E.seed + todo[start])  # deterministic for a fixed seed, whatever was skipped
-                with _adapter(policy, ckpt is not None):
+                with adapter_enabled(policy, ckpt is not None):
                     new = score_batch(policy, tokenizer, sampler, reward_fn, batch, E)
                 for i, row in zip(todo[start:start + E.batch_size], new):
                     row.update(checkpoint=name, index=i)
@@ -133,19 +118,6 @@ def run(cfg: DictConfig, out_dir: Path, overrides: list[str] = ()) -> dict:
         console.print(f"plot: {out_dir / 'accuracy.png'}")
     console.print(f"results: {out_dir / 'eval.json'}")
     return report
-
-
-class _adapter:
-    """LoRA on for a checkpoint, off for the base model."""
-
-    def __init__(self, policy, enabled: bool):
-        self.ctx = None if enabled else policy.disable_adapter()
-
-    def __enter__(self):
-        return self.ctx.__enter__() if self.ctx else None
-
-    def __exit__(self, *exc):
-        return self.ctx.__exit__(*exc) if self.ctx else False
 
 
 def score_batch(policy, tokenizer, sampler, reward_fn, batch: list[dict], E: DictConfig) -> list[dict]:

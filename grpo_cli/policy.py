@@ -13,6 +13,7 @@ The reference policy of the paper is the same network with the adapter disabled
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import string
@@ -149,3 +150,40 @@ def apply_lora(model, r: int, alpha: int, dropout: float, target_modules: list[s
     config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(target_modules),
                         task_type="CAUSAL_LM")
     return get_peft_model(model, config)
+
+
+def build_policy(model_cfg):
+    """(policy with a fresh LoRA adapter, tokenizer, device) from a composed `model` config node."""
+    from grpo_cli.config import build
+
+    device = resolve_device(model_cfg.device)
+    base, tokenizer = build(model_cfg.loader, dtype=resolve_dtype(model_cfg.dtype, device))
+    policy = apply_lora(base.to(device), **model_cfg.lora)
+    return policy, tokenizer, device
+
+
+def adapter_enabled(policy, enabled: bool = True):
+    """Context: the policy as it is (LoRA on), or the reference/base model (LoRA off) when not `enabled`."""
+    return contextlib.nullcontext() if enabled else policy.disable_adapter()
+
+
+def load_inference(cfg, overrides: list[str], checkpoints: list):
+    """(policy with LoRA in eval mode, tokenizer, effective config) for eval and sample.
+
+    The first checkpoint's saved config fills in model/data/reward/sampler unless the command line
+    overrides them; every checkpoint must share its base model.
+    """
+    from grpo_cli import checkpoint
+    from grpo_cli.config import inherit, validate
+
+    first = next((c for c in checkpoints if c is not None), None)
+    if first is not None:
+        saved = checkpoint.load_config(first)
+        cfg = inherit(cfg, saved, overrides)
+        for other in checkpoints:
+            if other is not None and checkpoint.load_config(other).model.get("name") != cfg.model.get("name"):
+                raise ConfigError(f"{other} was trained on another base model than {first}; evaluate them apart")
+    validate(cfg)
+    policy, tokenizer, _ = build_policy(cfg.model)
+    policy.eval()
+    return policy, tokenizer, cfg

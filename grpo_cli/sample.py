@@ -18,11 +18,10 @@ from rich.text import Text
 
 from grpo_cli import checkpoint
 from grpo_cli.config import build, command_line_overrides, hydra_app
-from grpo_cli.evaluate import _adapter, load_inference
 from grpo_cli.metrics import console, limit_heap_growth
-from grpo_cli.rewards import answers_match, extract_answer
+from grpo_cli.policy import adapter_enabled, load_inference
+from grpo_cli.rewards import answers_match, extract_answer, score
 from grpo_cli.rollout import render_prompts
-from grpo_cli.train import score
 
 
 @hydra_app("sample")
@@ -44,7 +43,7 @@ def run(cfg: DictConfig, overrides: list[str] = ()) -> list[dict]:
     else:
         problems = list(build(cfg.data).heldout)[: S.num_prompts]
     torch.manual_seed(S.seed)
-    with _adapter(policy, ckpt is not None):
+    with adapter_enabled(policy, ckpt is not None):
         rollout = sampler.generate(policy, tokenizer, render_prompts(tokenizer, [p["messages"] for p in problems]), S.n)
     owners = [i for i in range(len(problems)) for _ in range(S.n)]
     result = None

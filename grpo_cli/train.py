@@ -31,7 +31,8 @@ from grpo_cli.config import build, hydra_app, validate
 from grpo_cli.metrics import (MetricsLog, console, limit_heap_growth, mean, peak_memory_mb, plot_training,
                               progress)
 from grpo_cli.objective import grpo_loss, outcome_advantages, process_advantages
-from grpo_cli.policy import apply_lora, resolve_device, resolve_dtype
+from grpo_cli.policy import build_policy
+from grpo_cli.rewards import score
 from grpo_cli.rollout import Rollout, char_ends_to_token_index, render_prompts, sequence_logprobs
 
 
@@ -42,21 +43,13 @@ def main(cfg: DictConfig) -> None:
     run(cfg, Path(HydraConfig.get().runtime.output_dir))
 
 
-def build_policy(cfg: DictConfig):
-    """(policy with a fresh LoRA adapter, tokenizer, device) from the `model` group."""
-    device = resolve_device(cfg.model.device)
-    base, tokenizer = build(cfg.model.loader, dtype=resolve_dtype(cfg.model.dtype, device))
-    policy = apply_lora(base.to(device), **cfg.model.lora)
-    return policy, tokenizer, device
-
-
 def run(cfg: DictConfig, run_dir: Path) -> Path:
     """Train as `cfg` says, writing into `run_dir`; returns the last checkpoint's folder."""
     validate(cfg)
     limit_heap_growth()
     T, A = cfg.trainer, cfg.algo
     torch.manual_seed(T.seed)
-    policy, tokenizer, device = build_policy(cfg)
+    policy, tokenizer, device = build_policy(cfg.model)
     if T.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     data = build(cfg.data)
@@ -160,19 +153,6 @@ def _seed_step(seed: int, step: int) -> None:
     s = (seed * 1_000_003 + step) % 2**63
     random.seed(s)
     torch.manual_seed(s)
-
-
-def score(reward_fn, examples: list[dict], owners: list[int], texts: list[str], lengths: list[int],
-          truncated: list[bool]):
-    """Call the reward on completions; completion j answers examples[owners[j]].
-
-    The reward sees each example's question and its other fields (`answer`, ...) as columns, plus
-    the completions' token lengths and truncation flags.
-    """
-    keys = [k for k in examples[0] if k not in ("messages", "question")]
-    columns = {k: [examples[i][k] for i in owners] for k in keys}
-    return reward_fn([examples[i]["question"] for i in owners], texts,
-                     {**columns, "completion_length": lengths, "truncated": truncated})
 
 
 def compute_advantages(result, rollout: Rollout, tokenizer, A: DictConfig) -> torch.Tensor:

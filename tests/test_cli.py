@@ -55,7 +55,7 @@ def test_invalid_value_exits_2_with_one_line(tmp_path):
 
 def test_unknown_key_in_a_component_names_the_fix():
     cfg = compose("train", ["+sampler.temprature=0.7"])
-    with pytest.raises(ConfigError, match=r"sampler.temprature is not a parameter of grpo_cli.rollout.Sampler"):
+    with pytest.raises(ConfigError, match=r"sampler.temprature is not a parameter of grpo_cli.rollout.hf.HFSampler"):
         validate(cfg)
 
 

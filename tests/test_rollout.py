@@ -8,7 +8,8 @@ import torch
 from grpo_cli.errors import ConfigError
 from grpo_cli.policy import (apply_lora, load_pretrained, load_tiny_random, locate_embedded_gguf, resolve_device,
                              resolve_dtype)
-from grpo_cli.rollout import Sampler, _finish, char_ends_to_token_index, render_prompts, sequence_logprobs
+from grpo_cli.rollout import char_ends_to_token_index, finish, render_prompts, sequence_logprobs
+from grpo_cli.rollout.hf import HFSampler
 
 CONVERSATIONS = [[{"role": "user", "content": "What is 2+3?"}], [{"role": "user", "content": "Hi"}]]
 
@@ -22,7 +23,7 @@ def policy():
 def test_rollout_shapes_masks_and_truncation(policy):
     model, tokenizer = policy
     torch.manual_seed(0)
-    rollout = Sampler(max_new_tokens=10).generate(model, tokenizer, render_prompts(tokenizer, CONVERSATIONS), 3)
+    rollout = HFSampler(max_new_tokens=10).generate(model, tokenizer, render_prompts(tokenizer, CONVERSATIONS), 3)
     N, T = rollout.completion_ids.shape
     assert N == 6 and T <= 10
     # rows are grouped by prompt: the 3 rows of a group share their (left-padded) prompt
@@ -43,7 +44,7 @@ def test_shared_prefill_matches_plain_generate(policy):
     """Greedy with the prompt prefilled once and its cache repeated equals HF generate on G copies."""
     model, tokenizer = policy
     prompts = render_prompts(tokenizer, CONVERSATIONS)
-    ours = Sampler(max_new_tokens=8).generate(model, tokenizer, prompts, 2, greedy=True)
+    ours = HFSampler(max_new_tokens=8).generate(model, tokenizer, prompts, 2, greedy=True)
     tokenizer.padding_side = "left"
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     plain = model.generate(input_ids=enc.input_ids.repeat_interleave(2, 0),
@@ -69,7 +70,7 @@ def test_training_logprobs_equal_the_sampling_distribution(policy):
                          return_dict_in_generate=True, pad_token_id=tokenizer.pad_token_id,
                          eos_token_id=tokenizer.eos_token_id)
     completion = out.sequences[:, ids.shape[1]:]
-    rollout = _finish(tokenizer, ids, mask, completion, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    rollout = finish(tokenizer, ids, mask, completion, tokenizer.eos_token_id, tokenizer.pad_token_id)
     at_sampling = torch.stack(out.logits, 1).log_softmax(-1).gather(-1, completion[..., None]).squeeze(-1)
     with torch.no_grad():
         ours = sequence_logprobs(model, rollout)

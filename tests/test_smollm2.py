@@ -15,11 +15,12 @@ MEMORY_PROBE = r"""
 import json, resource, sys, time, torch
 from grpo_cli import train
 from grpo_cli.config import compose
+from grpo_cli.policy import build_policy
 from grpo_cli.metrics import limit_heap_growth
 from grpo_cli.rollout import Rollout
 limit_heap_growth()  # as train.run does
 cfg = compose("train", sys.argv[1:])
-policy, tokenizer, device = train.build_policy(cfg)
+policy, tokenizer, device = build_policy(cfg.model)
 if cfg.trainer.gradient_checkpointing:
     policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 optimizer = train.build(cfg.optimizer)(params=[p for p in policy.parameters() if p.requires_grad])

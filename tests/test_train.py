@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from grpo_cli import checkpoint, train
 from grpo_cli.config import compose
+from grpo_cli.policy import build_policy
 
 # random characters from the tiny model contain a digit often but not always: mixed rewards in a group
 DIGIT_REWARD = ("+reward.functions.digit={_target_:grpo_cli.rewards.outcome.format_reward,_partial_:true,"
@@ -36,7 +37,7 @@ def deterministic(record: dict) -> dict:
 
 def test_two_steps_move_lora_only_and_checkpoint_reloads(tmp_path):
     cfg = tiny_cfg("trainer.max_steps=2", "trainer.save_every=1")
-    base_before, _ = train.build_policy(cfg)[:2]
+    base_before, _ = build_policy(cfg.model)[:2]
     base_state = {k: v.clone() for k, v in base_before.state_dict().items() if "lora" not in k}
     last = train.run(cfg, tmp_path)
 
@@ -53,7 +54,7 @@ def test_two_steps_move_lora_only_and_checkpoint_reloads(tmp_path):
     # the adapter moved (LoRA B starts at zero), the base weights did not
     adapter = load_file(last / "adapter_model.safetensors")
     assert any(v.abs().sum() > 0 for k, v in adapter.items() if "lora_B" in k)
-    policy, tokenizer, _ = train.build_policy(cfg)
+    policy, tokenizer, _ = build_policy(cfg.model)
     for k, v in policy.state_dict().items():
         if "lora" not in k:
             assert torch.equal(v, base_state[k]), k
@@ -62,7 +63,7 @@ def test_two_steps_move_lora_only_and_checkpoint_reloads(tmp_path):
     checkpoint.load_adapter(policy, last)
     ids = torch.tensor([tokenizer("What is 2+3?").input_ids])
     reloaded = policy(input_ids=ids).logits
-    trained, _, _ = train.build_policy(cfg)
+    trained, _, _ = build_policy(cfg.model)
     checkpoint.load_adapter(trained, tmp_path / "checkpoints" / "step_000001")
     assert not torch.equal(trained(input_ids=ids).logits, reloaded)  # step 1 differs from step 2 ...
     checkpoint.load_adapter(trained, last)
@@ -127,7 +128,7 @@ def test_zero_advantage_groups_make_no_backward(tmp_path, monkeypatch):
 def test_micro_batches_accumulate_to_the_full_batch_gradient(loss_type):
     """Gradients of one 8-row pass equal the sum over micro-batches of 3 (ragged split 3+3+2)."""
     cfg = tiny_cfg(f"algo.loss_type={loss_type}", "algo.beta=0.04")
-    policy, tokenizer, _ = train.build_policy(cfg)
+    policy, tokenizer, _ = build_policy(cfg.model)
     with torch.no_grad():  # move LoRA B off zero so policy != reference
         for name, p in policy.named_parameters():
             if "lora_B" in name:

@@ -39,7 +39,7 @@ from grpo_cli.rewards.outcome import accuracy, answers_match, extract_answer, fo
 from grpo_cli.rewards.steps import split_steps, step_rewards, verify_steps
 
 __all__ = [
-    "OutcomeReward", "ProcessReward", "RewardResult", "accuracy", "answers_match", "extract_answer",
+    "OutcomeReward", "ProcessReward", "RewardResult", "score", "accuracy", "answers_match", "extract_answer",
     "format_reward", "length_penalty", "split_steps", "step_rewards", "verify_steps",
 ]
 
@@ -271,3 +271,16 @@ class ProcessReward:
             per_function.update(extra.per_function)
             failures += extra.failures
         return RewardResult(rewards=rewards, per_function=per_function, failures=failures, steps=steps)
+
+
+def score(reward_fn, examples: list[dict], owners: list[int], texts: list[str], lengths: list[int],
+          truncated: list[bool]) -> RewardResult:
+    """Call a built reward on completions; completion j answers examples[owners[j]].
+
+    The reward sees each example's question and its other fields (`answer`, ...) as columns, plus
+    the completions' token lengths and truncation flags.
+    """
+    keys = [k for k in examples[0] if k not in ("messages", "question")]
+    columns = {k: [examples[i][k] for i in owners] for k in keys}
+    return reward_fn([examples[i]["question"] for i in owners], texts,
+                     {**columns, "completion_length": lengths, "truncated": truncated})

@@ -1,17 +1,24 @@
-"""Rollouts: G completions per prompt from the policy -> a `Rollout` of padded token tensors.
+"""Rollouts: the `Rollout` record every sampler returns, the sampler contract, and the training-side
+log-probs of a rollout.
 
-Prompts are rendered with the tokenizer's chat template, left-padded (so every completion starts
-at the same column) and prefilled once per prompt: the prompt's KV cache is computed for the B
-unique prompts, repeated G times, and generation continues from it, so the G samples of a group
-share one prompt prefill (HF `generate` alone would prefill every copy).
+A sampler (the `sampler` config group, one `_target_`) implements
 
-Position ids follow HF generate (cumsum of the attention mask - 1), and `sequence_logprobs`
-uses the same ones, so the training forward scores exactly the tokens the sampler produced.
+    generate(policy, tokenizer, prompts, n, *, greedy=False, max_new_tokens=None, temperature=None) -> Rollout
+    sync(policy) -> None     # engines that hold their own copy of the weights refresh it here
+
+The trainer calls `sync` once per step before `generate` and never asks which engine it has.
+Engines: `hf.HFSampler` (transformers `generate` with a shared prompt prefill); a vLLM engine goes
+in `vllm.py` behind the same contract.
+
+Prompts are left-padded (every completion starts at the same column); position ids follow HF
+generate (cumsum of the attention mask - 1), and `sequence_logprobs` uses the same ones, so the
+training forward scores exactly the tokens the sampler produced.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -28,6 +35,9 @@ class Rollout:
     completion_mask: torch.Tensor  # [N, T] 1 up to and including the EOS token
     texts: list[str]  # N decoded completions, special tokens skipped
     truncated: list[bool]  # N: no EOS within max_new_tokens
+    # [N, T] log-prob of each sampled token under the engine's sampling distribution, for engines
+    # that return it (vLLM); None for HF generate, whose sampling policy is the trainer's own
+    sampling_logp: torch.Tensor | None = None
 
     @property
     def lengths(self) -> list[int]:
@@ -37,7 +47,17 @@ class Rollout:
         rows = torch.as_tensor(rows, dtype=torch.long)
         pick = rows.tolist()
         return Rollout(self.prompt_ids[rows], self.prompt_mask[rows], self.completion_ids[rows],
-                       self.completion_mask[rows], [self.texts[i] for i in pick], [self.truncated[i] for i in pick])
+                       self.completion_mask[rows], [self.texts[i] for i in pick], [self.truncated[i] for i in pick],
+                       None if self.sampling_logp is None else self.sampling_logp[rows])
+
+
+class Sampler(Protocol):
+    """What the trainer, eval and sample need from a rollout engine."""
+
+    def generate(self, policy, tokenizer, prompts: list[str], n: int, *, greedy: bool = False,
+                 max_new_tokens: int | None = None, temperature: float | None = None) -> Rollout: ...
+
+    def sync(self, policy) -> None: ...
 
 
 def render_prompts(tokenizer, conversations: list[list[dict]]) -> list[str]:
@@ -45,49 +65,8 @@ def render_prompts(tokenizer, conversations: list[list[dict]]) -> list[str]:
     return [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in conversations]
 
 
-class Sampler:
-    """Sampling settings (the `sampler` config group) and the generate call that uses them."""
-
-    def __init__(self, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, max_new_tokens: int = 64):
-        self.temperature = temperature
-        self.top_p = top_p
-        self.top_k = top_k
-        self.max_new_tokens = max_new_tokens
-
-    @torch.no_grad()
-    def generate(self, model, tokenizer, prompts: list[str], n: int, *, greedy: bool = False,
-                 max_new_tokens: int | None = None, temperature: float | None = None) -> Rollout:
-        """`n` completions for each prompt string (already chat-templated), rows grouped by prompt."""
-        device = next(model.parameters()).device
-        tokenizer.padding_side = "left"
-        enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-        ids, mask = enc.input_ids, enc.attention_mask  # [B, P]
-        eos = tokenizer.eos_token_id
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-        settings = dict(do_sample=False) if greedy else dict(
-            do_sample=True, temperature=temperature or self.temperature, top_p=self.top_p, top_k=self.top_k or None)
-        was_training = model.training
-        model.eval()
-        # prefill each unique prompt once (all but its last token, which generate feeds itself)
-        prefill = {}
-        if ids.shape[1] > 1:
-            out = model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=position_ids(mask[:, :-1]),
-                        use_cache=True)
-            # transformers >= 5.2x calls the KV cache `cache`; earlier releases `past_key_values`
-            key = "cache" if "cache" in out else "past_key_values"
-            prefill[key] = out[key]
-            if n > 1:
-                prefill[key].batch_repeat_interleave(n)
-        full = model.generate(input_ids=ids.repeat_interleave(n, 0), attention_mask=mask.repeat_interleave(n, 0),
-                              **prefill, max_new_tokens=max_new_tokens or self.max_new_tokens,
-                              eos_token_id=eos, pad_token_id=pad, num_return_sequences=1, **settings)
-        model.train(was_training)
-        completion = full[:, ids.shape[1]:]  # [N, T']
-        return _finish(tokenizer, ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0), completion, eos, pad)
-
-
-def _finish(tokenizer, prompt_ids, prompt_mask, completion, eos: int, pad: int) -> Rollout:
-    """Mask everything after the first EOS; a completion with no EOS is truncated."""
+def finish(tokenizer, prompt_ids, prompt_mask, completion, eos: int, pad: int) -> Rollout:
+    """A Rollout from raw completions: everything after the first EOS masked; no EOS = truncated."""
     is_eos = completion == eos
     has_eos = is_eos.any(1)
     first_eos = torch.where(has_eos, is_eos.int().argmax(1), completion.shape[1])  # [N]

@@ -1,0 +1,56 @@
+"""The HF-generate rollout engine: transformers `generate` on the policy itself, with a shared prefill.
+
+Each unique prompt's KV cache is computed once, repeated G times, and generation continues from it,
+so the G samples of a group share one prompt prefill (HF `generate` alone would prefill every copy).
+The engine samples from the policy object the trainer updates, so `sync` has nothing to do.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from grpo_cli.rollout import Rollout, finish, position_ids
+
+
+class HFSampler:
+    """Sampling settings (the `sampler` config group) and the generate call that uses them."""
+
+    def __init__(self, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, max_new_tokens: int = 64):
+        self.temperature = temperature
+        self.top_p = top_p
+        self.top_k = top_k
+        self.max_new_tokens = max_new_tokens
+
+    def sync(self, policy) -> None:
+        """Nothing to push: generation runs on the policy's own weights."""
+
+    @torch.no_grad()
+    def generate(self, model, tokenizer, prompts: list[str], n: int, *, greedy: bool = False,
+                 max_new_tokens: int | None = None, temperature: float | None = None) -> Rollout:
+        """`n` completions for each prompt string (already chat-templated), rows grouped by prompt."""
+        device = next(model.parameters()).device
+        tokenizer.padding_side = "left"
+        enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+        ids, mask = enc.input_ids, enc.attention_mask  # [B, P]
+        eos = tokenizer.eos_token_id
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+        settings = dict(do_sample=False) if greedy else dict(
+            do_sample=True, temperature=temperature or self.temperature, top_p=self.top_p, top_k=self.top_k or None)
+        was_training = model.training
+        model.eval()
+        # prefill each unique prompt once (all but its last token, which generate feeds itself)
+        prefill = {}
+        if ids.shape[1] > 1:
+            out = model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=position_ids(mask[:, :-1]),
+                        use_cache=True)
+            # transformers >= 5.2x calls the KV cache `cache`; earlier releases `past_key_values`
+            key = "cache" if "cache" in out else "past_key_values"
+            prefill[key] = out[key]
+            if n > 1:
+                prefill[key].batch_repeat_interleave(n)
+        full = model.generate(input_ids=ids.repeat_interleave(n, 0), attention_mask=mask.repeat_interleave(n, 0),
+                              **prefill, max_new_tokens=max_new_tokens or self.max_new_tokens,
+                              eos_token_id=eos, pad_token_id=pad, num_return_sequences=1, **settings)
+        model.train(was_training)
+        completion = full[:, ids.shape[1]:]  # [N, T']
+        return finish(tokenizer, ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0), completion, eos, pad)
