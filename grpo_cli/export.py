@@ -1,0 +1,158 @@
+"""`grpo export`: a checkpoint as a model folder that other tools load without grpo-cli.
+
+    grpo export checkpoint=outputs/train/DATE/TIME output=smollm2-arith         # merged, bfloat16
+    grpo export checkpoint=RUN output=DIR export.dtype=float32                    # exact logits, CPU
+    grpo export checkpoint=RUN/checkpoints/step_000020 output=DIR export.merge=false
+
+Merged (default): the LoRA update B·A·(alpha/r) is added into the base weights (peft's
+`merge_and_unload`) and the result is a plain Hugging Face folder: `model.safetensors`,
+`config.json`, the tokenizer with its chat template, and a `generation_config.json` that holds only
+the bos/eos/pad token ids, so `AutoModelForCausalLM.from_pretrained(DIR)`, a transformers pipeline
+and `vllm serve DIR` sample exactly as they are asked to (no repetition penalty, temperature or
+top-p sneaks in from the base model's defaults).
+
+`export.merge=false`: the peft adapter folder (`adapter_model.safetensors`, `adapter_config.json`)
+plus the tokenizer. The adapter config's `base_model_name_or_path` names the base: the absolute
+path of a local base folder (for the embedded SmolLM2 that is the dequantized safetensors cache
+`policy.load_embedded_gguf` writes), or the hub id; a base built in memory (`model=tiny`) has no
+files, so it is null and the caller passes the base model to `PeftModel.from_pretrained`.
+
+Both write `export.json`: the source checkpoint and step, the base model's identity (name, path or
+hub id, loader config), merge and dtype. Departures from the usual merge scripts: the merge runs
+on the CPU in float32 whatever the run trained in (merging in bf16 rounds the LoRA delta away), and
+only then are the weights cast to `export.dtype`; the folder is written beside the target and
+renamed into place, so a failed export never leaves half a model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from rich.table import Table
+
+from grpo_cli import __version__, checkpoint
+from grpo_cli.config import command_line_overrides, hydra_app, inherit, validate
+from grpo_cli.errors import ConfigError
+from grpo_cli.metrics import console, progress
+from grpo_cli.policy import build_policy
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@hydra_app("export")
+def main(cfg: DictConfig) -> None:
+    run(cfg, command_line_overrides())
+
+
+def check(cfg: DictConfig) -> tuple[Path, Path]:
+    """(checkpoint folder, output folder) after every check that needs no model: one line per problem."""
+    validate(cfg)
+    E = cfg.export
+    if E.dtype not in DTYPES:
+        raise ConfigError(f"export.dtype ({E.dtype!r}) must be one of {', '.join(DTYPES)}; set export.dtype=bfloat16")
+    for key in ("merge", "overwrite"):
+        if not isinstance(E[key], bool):
+            raise ConfigError(f"export.{key} ({E[key]!r}) must be true or false; set export.{key}=true")
+    ckpt = checkpoint.resolve(cfg.checkpoint)
+    out = Path(str(cfg.output)).expanduser().resolve()
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"output={out} is a file; pass a folder to create")
+    if out.is_dir() and any(out.iterdir()):
+        if not E.overwrite:
+            raise ConfigError(f"output={out} is not empty; pass a new folder or set export.overwrite=true "
+                              f"(the folder is replaced)")
+        if out == ckpt.resolve() or out in ckpt.resolve().parents:
+            raise ConfigError(f"output={out} holds the checkpoint {ckpt}; overwriting it would delete the "
+                              f"checkpoint: pass another folder")
+    return ckpt, out
+
+
+def base_identity(model_cfg: DictConfig, base_model) -> dict:
+    """Name, local folder or hub id, and loader config of the base weights a policy was built on."""
+    name_or_path = getattr(base_model.config, "_name_or_path", "") or None
+    if name_or_path and Path(name_or_path).is_dir():
+        name_or_path = str(Path(name_or_path).resolve())  # an absolute path loads from any working dir
+    loader = OmegaConf.to_container(model_cfg.loader, resolve=True)
+    return {"name": model_cfg.get("name"), "name_or_path": name_or_path,
+            "local": bool(name_or_path) and Path(name_or_path).is_dir(), "revision": loader.get("revision"),
+            "loader": loader}
+
+
+def generation_config(tokenizer):
+    """Only the special-token ids: serving tools then sample with exactly the settings they are given."""
+    from transformers import GenerationConfig
+
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                            pad_token_id=pad)
+
+
+def run(cfg: DictConfig, overrides: list[str] = ()) -> Path:
+    """Write the export of `cfg.checkpoint` into `cfg.output`; returns the output folder."""
+    ckpt, out = check(cfg)
+    E = cfg.export
+    # the checkpoint's own model section (dotted command-line overrides on top), built on the CPU in
+    # float32: the merge is exact there, and a GPU is not needed to export
+    cfg = inherit(cfg, OmegaConf.create({"model": checkpoint.load_config(ckpt).model}), list(overrides))
+    cfg.model.device, cfg.model.dtype = "cpu", "float32"
+    validate(cfg)
+    step = json.loads((ckpt / "trainer_state.json").read_text()).get("step")
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+
+    with progress("export") as bar:
+        task = bar.add_task("", total=4, info="base model")
+        policy, tokenizer, _ = build_policy(cfg.model)
+        base = base_identity(cfg.model, policy.get_base_model())
+        bar.update(task, advance=1, info="adapter")
+        checkpoint.load_adapter(policy, ckpt)
+        policy.eval()
+        bar.update(task, advance=1, info="merge" if E.merge else "adapter folder")
+        if E.merge:
+            model = policy.merge_and_unload().to(DTYPES[E.dtype])
+            model.generation_config = generation_config(tokenizer)
+            bar.update(task, advance=1, info="write")
+            model.save_pretrained(tmp)
+        else:
+            policy.peft_config["default"].base_model_name_or_path = base["name_or_path"]
+            if base["revision"]:
+                policy.peft_config["default"].revision = base["revision"]
+            bar.update(task, advance=1, info="write")
+            policy.to(DTYPES[E.dtype]).save_pretrained(tmp)
+            (tmp / "README.md").unlink(missing_ok=True)  # peft's empty model card
+        tokenizer.save_pretrained(tmp)
+        record = {"checkpoint": str(ckpt.resolve()), "step": step, "merged": E.merge, "dtype": E.dtype,
+                  "base_model": base, "grpo_cli_version": __version__}
+        (tmp / "export.json").write_text(json.dumps(record, indent=1) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+        bar.update(task, advance=1, info="done")
+
+    console.print(files_table(out, record))
+    how = (f"AutoModelForCausalLM.from_pretrained({str(out)!r})  ·  vllm serve {out}" if E.merge else
+           f"PeftModel.from_pretrained(base, {str(out)!r})")
+    console.print(f"exported {ckpt} (step {step}) to {out}\nload with: {how}")
+    return out
+
+
+def files_table(out: Path, record: dict) -> Table:
+    table = Table(title=f"grpo export · {'merged' if record['merged'] else 'adapter'} · {record['dtype']}")
+    table.add_column("file")
+    table.add_column("size", justify="right")
+    for path in sorted(out.iterdir()):
+        table.add_row(path.name, _size(path.stat().st_size))
+    return table
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return ""
