@@ -18,6 +18,8 @@ from typing import Any, Callable
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from grpo_cli.errors import ConfigError
+from grpo_cli.objective import KL_ESTIMATORS, LOSS_TYPES, SCALES, STDS
+from grpo_cli.policy import DTYPES
 
 _PKG = Path(__file__).resolve().parent
 
@@ -57,7 +59,8 @@ def hydra_app(config_name: str) -> Callable:
             except ConfigError as err:
                 if os.environ.get("HYDRA_FULL_ERROR") == "1":
                     raise
-                print(f"error: {err}", file=sys.stderr)
+                for line in str(err).splitlines():  # validate() reports every problem, one per line
+                    print(f"error: {line}", file=sys.stderr)
                 sys.exit(2)
 
         return hydra.main(version_base=None, config_path=str(CONF_DIR), config_name=config_name)(task)
@@ -99,6 +102,11 @@ def compose(config_name: str, overrides: list[str] | None = None) -> DictConfig:
 
 # ---- validation -------------------------------------------------------------------------------
 
+def _one_of(values) -> str:
+    values = list(values)
+    return ", ".join(values[:-1]) + " or " + values[-1]
+
+
 def _num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
@@ -117,13 +125,10 @@ RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("algo.epsilon_low", lambda v: _num(v) and 0 < v < 1, "must be in (0, 1); set algo.epsilon_low=0.2"),
     ("algo.epsilon_high", lambda v: v is None or (_num(v) and v > 0),
      "must be > 0 or null (null: same as epsilon_low); set algo.epsilon_high=null"),
-    ("algo.kl_estimator", lambda v: v in ("k1", "k2", "k3"), "must be k1, k2 or k3; set algo.kl_estimator=k3"),
-    ("algo.loss_type", lambda v: v in ("grpo", "bnpo", "dr_grpo", "dapo"),
-     "must be grpo, bnpo, dr_grpo or dapo; set algo.loss_type=grpo"),
-    ("algo.advantage_scale", lambda v: v in ("group", "batch", "none"),
-     "must be group, batch or none; set algo.advantage_scale=group"),
-    ("algo.advantage_std", lambda v: v in ("population", "sample"),
-     "must be population or sample; set algo.advantage_std=population"),
+    ("algo.kl_estimator", lambda v: v in KL_ESTIMATORS, f"must be {_one_of(KL_ESTIMATORS)}; set algo.kl_estimator=k3"),
+    ("algo.loss_type", lambda v: v in LOSS_TYPES, f"must be {_one_of(LOSS_TYPES)}; set algo.loss_type=grpo"),
+    ("algo.advantage_scale", lambda v: v in SCALES, f"must be {_one_of(SCALES)}; set algo.advantage_scale=group"),
+    ("algo.advantage_std", lambda v: v in STDS, f"must be {_one_of(STDS)}; set algo.advantage_std=population"),
     ("sampler.temperature", lambda v: _num(v) and v > 0,
      "must be > 0 (for greedy decoding use a small value such as 1e-5 or eval's greedy pass); "
      "set sampler.temperature=1.0"),
@@ -145,8 +150,7 @@ RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("model.lora.r", lambda v: _int(v) and v >= 1, "must be an integer >= 1; set model.lora.r=16"),
     ("model.device", lambda v: isinstance(v, str) and (v in ("auto", "cpu") or v.startswith("cuda")),
      "must be auto, cpu or cuda[:N]; set model.device=auto"),
-    ("model.dtype", lambda v: v in ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"),
-     "must be auto, float32, bfloat16 or float16; set model.dtype=auto"),
+    ("model.dtype", lambda v: v == "auto" or v in DTYPES, f"must be auto or {_one_of(DTYPES)}; set model.dtype=auto"),
 ]
 
 
@@ -159,8 +163,8 @@ def _get(cfg: DictConfig, key: str) -> tuple[bool, Any]:
     return True, node
 
 
-def _check_targets(node: Any, path: str) -> None:
-    """Each `_target_` node's keys must be parameters of the callable it names."""
+def _check_targets(node: Any, path: str, errors: list[str]) -> None:
+    """Each `_target_` node's keys must be parameters of the callable it names; problems go to `errors`."""
     if isinstance(node, DictConfig):
         target = node.get("_target_") if "_target_" in node else None
         if target is not None:
@@ -169,8 +173,8 @@ def _check_targets(node: Any, path: str) -> None:
             try:
                 obj = get_object(target)
             except Exception as err:  # ImportError, AttributeError, ...
-                raise ConfigError(f"{path}._target_ ({target}) cannot be imported: {err}; "
-                                  f"check the module path") from None
+                errors.append(f"{path}._target_ ({target}) cannot be imported: {err}; check the module path")
+                return
             keys = [k for k in node.keys() if not str(k).startswith("_")]
             try:
                 params = inspect.signature(obj).parameters
@@ -178,35 +182,35 @@ def _check_targets(node: Any, path: str) -> None:
                 params = {}
             takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
             if params and not takes_any:
-                unknown = [k for k in keys if k not in params]
-                if unknown:
-                    allowed = ", ".join(p for p in params if p not in ("self", "args", "kwargs"))
-                    raise ConfigError(f"{path}.{unknown[0]} is not a parameter of {target}; "
-                                      f"remove it or use one of: {allowed}")
+                allowed = ", ".join(p for p in params if p not in ("self", "args", "kwargs"))
+                errors.extend(f"{path}.{key} is not a parameter of {target}; remove it or use one of: {allowed}"
+                              for key in keys if key not in params)
         for k, child in node.items():
-            _check_targets(child, f"{path}.{k}")
+            _check_targets(child, f"{path}.{k}", errors)
     elif isinstance(node, ListConfig):
         for i, item in enumerate(node):
-            _check_targets(item, f"{path}[{i}]")
+            _check_targets(item, f"{path}[{i}]", errors)
 
 
 def validate(cfg: DictConfig) -> DictConfig:
-    """Raise ConfigError (one line: field, value, fix) on the first bad value; return cfg."""
+    """Check every rule and every `_target_` node; raise one ConfigError listing all problems
+    (one line each: field, value, fix), or return cfg."""
     try:
         OmegaConf.resolve(cfg)
     except Exception as err:
         raise ConfigError(f"the config does not resolve: {err}") from None
+    errors = []
     for key, ok, fix in RULES:
         present, value = _get(cfg, key)
         if present and not ok(value):
-            raise ConfigError(f"{key} ({value!r}) {fix}")
-    missing = OmegaConf.missing_keys(cfg)
-    if missing:
-        key = sorted(missing)[0]
-        raise ConfigError(f"{key} is required and has no value; set it on the command line: {key}=...")
+            errors.append(f"{key} ({value!r}) {fix}")
+    errors.extend(f"{key} is required and has no value; set it on the command line: {key}=..."
+                  for key in sorted(OmegaConf.missing_keys(cfg)))
     for section, node in cfg.items():
         if section != "hydra":
-            _check_targets(node, str(section))
+            _check_targets(node, str(section), errors)
+    if errors:
+        raise ConfigError("\n".join(errors))
     return cfg
 
 

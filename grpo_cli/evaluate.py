@@ -72,19 +72,19 @@ def expand_checkpoints(spec) -> list[Path | None]:
 
 def run(cfg: DictConfig, out_dir: Path, overrides: list[str] = ()) -> dict:
     limit_heap_growth()
-    E = cfg.eval
+    eval_cfg = cfg.eval
     checkpoints = expand_checkpoints(cfg.checkpoint)
-    if E.include_base and None not in checkpoints:
+    if eval_cfg.include_base and None not in checkpoints:
         checkpoints = [None, *checkpoints]
-    if E.num_samples and max(E.k) > E.num_samples:
-        raise ConfigError(f"eval.k ({list(E.k)}) asks for more samples than eval.num_samples ({E.num_samples}); "
-                          f"set eval.num_samples={max(E.k)}")
+    if eval_cfg.num_samples and max(eval_cfg.k) > eval_cfg.num_samples:
+        raise ConfigError(f"eval.k ({list(eval_cfg.k)}) asks for more samples than eval.num_samples ({eval_cfg.num_samples}); "
+                          f"set eval.num_samples={max(eval_cfg.k)}")
     policy, tokenizer, cfg = load_inference(cfg, list(overrides), checkpoints)
     data = build(cfg.data)
     reward_fn = build(cfg.reward)
     sampler = build(cfg.sampler)
     # eval.limit caps the held-out problems; data.limit (when set) caps them too, as users expect
-    limits = [n for n in (E.limit, cfg.data.get("limit")) if n]
+    limits = [n for n in (eval_cfg.limit, cfg.data.get("limit")) if n]
     problems = list(data.heldout)[: min(limits)] if limits else list(data.heldout)
     out_dir.mkdir(parents=True, exist_ok=True)
     samples_path = out_dir / "eval_samples.jsonl"
@@ -99,17 +99,17 @@ def run(cfg: DictConfig, out_dir: Path, overrides: list[str] = ()) -> dict:
         todo = [i for i in range(len(problems)) if (name, i) not in done]
         with progress(f"eval {Path(name).name if name else 'base'}") as bar, samples_path.open("a") as out:
             task = bar.add_task("", total=len(problems), completed=len(rows), info="")
-            for start in range(0, len(todo), E.batch_size):
-                batch = [problems[i] for i in todo[start:start + E.batch_size]]
-                torch.manual_seed(E.seed + todo[start])  # deterministic for a fixed seed, whatever was skipped
+            for start in range(0, len(todo), eval_cfg.batch_size):
+                batch = [problems[i] for i in todo[start:start + eval_cfg.batch_size]]
+                torch.manual_seed(eval_cfg.seed + todo[start])  # deterministic for a fixed seed, whatever was skipped
                 with adapter_enabled(policy, ckpt is not None):
-                    new = score_batch(policy, tokenizer, sampler, reward_fn, batch, E)
-                for i, row in zip(todo[start:start + E.batch_size], new):
+                    new = score_batch(policy, tokenizer, sampler, reward_fn, batch, eval_cfg)
+                for i, row in zip(todo[start:start + eval_cfg.batch_size], new):
                     row.update(checkpoint=name, index=i)
                     out.write(json.dumps(row) + "\n")
                     rows.append(row)
                 bar.update(task, completed=len(rows), info=f"acc {mean(r['correct'] for r in rows):.3f}")
-        results.append(summarize(name, rows, E))
+        results.append(summarize(name, rows, eval_cfg))
     report = {"results": results, "config": OmegaConf.to_container(cfg, resolve=True)}
     (out_dir / "eval.json").write_text(json.dumps(report, indent=1))
     console.print(results_table(results))
@@ -120,14 +120,14 @@ def run(cfg: DictConfig, out_dir: Path, overrides: list[str] = ()) -> dict:
     return report
 
 
-def score_batch(policy, tokenizer, sampler, reward_fn, batch: list[dict], E: DictConfig) -> list[dict]:
+def score_batch(policy, tokenizer, sampler, reward_fn, batch: list[dict], eval_cfg: DictConfig) -> list[dict]:
     """Greedy (and sampled) completions for a batch of problems, with answers, correctness and rewards."""
     prompts = render_prompts(tokenizer, [p["messages"] for p in batch])
-    greedy = sampler.generate(policy, tokenizer, prompts, 1, greedy=True, max_new_tokens=E.max_new_tokens)
-    sampled = (sampler.generate(policy, tokenizer, prompts, E.num_samples, max_new_tokens=E.max_new_tokens,
-                                temperature=E.temperature) if E.num_samples else None)
+    greedy = sampler.generate(policy, tokenizer, prompts, 1, greedy=True, max_new_tokens=eval_cfg.max_new_tokens)
+    sampled = (sampler.generate(policy, tokenizer, prompts, eval_cfg.num_samples, max_new_tokens=eval_cfg.max_new_tokens,
+                                temperature=eval_cfg.temperature) if eval_cfg.num_samples else None)
     texts = greedy.texts + (sampled.texts if sampled else [])
-    n = E.num_samples
+    n = eval_cfg.num_samples
     # rewards for every completion: greedy ones first, then n samples per problem
     owners = list(range(len(batch))) + [i for i in range(len(batch)) for _ in range(n)]
     lengths = greedy.lengths + (sampled.lengths if sampled else [])
@@ -146,7 +146,7 @@ def score_batch(policy, tokenizer, sampler, reward_fn, batch: list[dict], E: Dic
     return rows
 
 
-def summarize(name: str | None, rows: list[dict], E: DictConfig) -> dict:
+def summarize(name: str | None, rows: list[dict], eval_cfg: DictConfig) -> dict:
     rows = sorted(rows, key=lambda r: r["index"])
     every = [r["greedy"] for r in rows] + [s for r in rows for s in r["samples"]]
     step = None
@@ -157,11 +157,11 @@ def summarize(name: str | None, rows: list[dict], E: DictConfig) -> dict:
            "mean_reward": mean(c["reward"] for c in every),
            "mean_length": mean(c["length"] for c in every),
            "truncation_rate": mean(c["truncated"] for c in every)}
-    if E.num_samples:
+    if eval_cfg.num_samples:
         out["pass@k"] = {str(k): mean(pass_at_k(len(r["samples"]), sum(s["correct"] for s in r["samples"]), k)
-                                      for r in rows) for k in E.k}
+                                      for r in rows) for k in eval_cfg.k}
         out["maj@k"] = {str(k): mean(majority_correct([s["answer"] for s in r["samples"][:k]], r["reference"])
-                                     for r in rows) for k in E.k}
+                                     for r in rows) for k in eval_cfg.k}
     return out
 
 

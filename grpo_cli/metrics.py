@@ -85,6 +85,22 @@ class MetricsLog:
             self.writer.flush()
 
 
+def rollout_metrics(result, rollout, group_size: int) -> dict:
+    """Reward and completion statistics, named as TRL names them."""
+    rewards = torch.tensor([math.nan if r is None else float(r) for r in result.rewards]).view(-1, group_size)  # [B, G]
+    group_std = torch.stack([row[~row.isnan()].std(unbiased=False) if (~row.isnan()).sum() > 1
+                             else torch.tensor(0.0) for row in rewards])
+    lengths = rollout.lengths
+    out = {"reward": mean(result.rewards), "reward_std": float(group_std.mean()),
+           "frac_reward_zero_std": float((group_std < 1e-8).float().mean()),
+           "reward_failures": result.failures}
+    for name, values in result.per_function.items():
+        out[f"rewards/{name}/mean"] = mean(values)
+    out.update({"completions/mean_length": sum(lengths) / len(lengths), "completions/max_length": max(lengths),
+                "completions/clipped_ratio": sum(rollout.truncated) / len(lengths)})
+    return out
+
+
 def plot_training(run_dir: Path, keys: tuple[str, ...] = ("reward", "kl", "completions/mean_length")) -> Path | None:
     """RUN_DIR/training.png: each of `keys` against the step, from metrics.jsonl."""
     path = Path(run_dir) / "metrics.jsonl"

@@ -310,6 +310,62 @@ def grpo_loss(
     return loss, stats
 
 
+def micro_batch_weight(loss_type: str, rows: int, num_sequences: int, tokens: torch.Tensor | float,
+                       num_tokens: torch.Tensor | float) -> float:
+    """Factor for one micro-batch's loss so that the summed micro-batch gradients equal the batch's.
+
+    grpo and dr_grpo average over sequences: rows / num_sequences (a micro-batch of 3 of 8 rows: 3/8);
+    bnpo averages over tokens: tokens / num_tokens; dapo already divides by the batch's token count
+    (its `normalizer`): 1. Counts are of the whole batch (all ranks), skipped rows included.
+    """
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type ({loss_type!r}) must be one of {LOSS_TYPES}")
+    if loss_type in ("grpo", "dr_grpo"):
+        return rows / num_sequences
+    if loss_type == "bnpo":
+        return float(tokens / num_tokens)
+    return 1.0
+
+
+class GRPOLoss:
+    """`grpo_loss` with its hyper-parameters bound once (built from the `algo.loss` config node).
+
+    `for_batch(...)` binds what one update's batch knows (its sequence and token counts, the
+    padded completion length) and returns `loss_fn(logp, old_logp, ref_logp, advantages, mask)`,
+    whose loss is the micro-batch's share of the batch loss: the micro-batch losses of a batch add
+    up to the batch loss, so their gradients add up to the batch gradient.
+    """
+
+    def __init__(self, beta: float, epsilon_low: float, epsilon_high: float | None, kl_estimator: str,
+                 loss_type: str):
+        if loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type ({loss_type!r}) must be one of {LOSS_TYPES}")
+        if kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"kl_estimator ({kl_estimator!r}) must be one of {KL_ESTIMATORS}")
+        self.beta = beta
+        self.epsilon_low = epsilon_low
+        self.epsilon_high = epsilon_high
+        self.kl_estimator = kl_estimator
+        self.loss_type = loss_type
+
+    @property
+    def needs_reference(self) -> bool:
+        """β > 0: the loss reads reference log-probs; β = 0 skips the reference forward."""
+        return self.beta != 0
+
+    def for_batch(self, num_sequences: int, num_tokens: torch.Tensor, max_completion_length: int):
+        def loss_fn(logp, old_logp, ref_logp, advantages, mask):
+            loss, stats = grpo_loss(
+                logp, old_logp, ref_logp, advantages, mask, beta=self.beta, epsilon_low=self.epsilon_low,
+                epsilon_high=self.epsilon_high, kl_estimator=self.kl_estimator, loss_type=self.loss_type,
+                max_completion_length=max_completion_length,
+                normalizer=num_tokens if self.loss_type == "dapo" else None)
+            weight = micro_batch_weight(self.loss_type, logp.shape[0], num_sequences, mask.sum(), num_tokens)
+            return loss * weight, stats
+
+        return loss_fn
+
+
 # --------------------------------------------------------------------------- token log-probs
 
 

@@ -39,15 +39,18 @@ def resolve_device(device: str = "auto") -> torch.device:
     return torch.device(device)
 
 
+# the names `model.dtype` accepts besides `auto`
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """`auto` is bf16 on CUDA and fp32 on CPU (bf16 matmuls are 4-25x slower on AVX2 CPUs)."""
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-    if dtype not in names:
-        raise ConfigError(f"model.dtype ({dtype!r}) is unknown: use auto, float32, bfloat16 or float16")
-    return names[dtype]
+    if dtype not in DTYPES:
+        raise ConfigError(f"model.dtype ({dtype!r}) is unknown: use auto or {', '.join(DTYPES)}")
+    return DTYPES[dtype]
 
 
 def _default_cache_dir() -> Path:

@@ -31,21 +31,21 @@ def main(cfg: DictConfig) -> None:
 
 def run(cfg: DictConfig, overrides: list[str] = ()) -> list[dict]:
     limit_heap_growth()
-    S = cfg.sample
+    sample_cfg = cfg.sample
     ckpt = checkpoint.resolve(cfg.checkpoint) if cfg.checkpoint else None
     policy, tokenizer, cfg = load_inference(cfg, list(overrides), [ckpt])
     if ckpt is not None:
         checkpoint.load_adapter(policy, ckpt)
     reward_fn = build(cfg.reward)
     sampler = build(cfg.sampler)
-    if S.prompt:
-        problems = [{"messages": [{"role": "user", "content": S.prompt}], "question": S.prompt}]
+    if sample_cfg.prompt:
+        problems = [{"messages": [{"role": "user", "content": sample_cfg.prompt}], "question": sample_cfg.prompt}]
     else:
-        problems = list(build(cfg.data).heldout)[: S.num_prompts]
-    torch.manual_seed(S.seed)
+        problems = list(build(cfg.data).heldout)[: sample_cfg.num_prompts]
+    torch.manual_seed(sample_cfg.seed)
     with adapter_enabled(policy, ckpt is not None):
-        rollout = sampler.generate(policy, tokenizer, render_prompts(tokenizer, [p["messages"] for p in problems]), S.n)
-    owners = [i for i in range(len(problems)) for _ in range(S.n)]
+        rollout = sampler.generate(policy, tokenizer, render_prompts(tokenizer, [p["messages"] for p in problems]), sample_cfg.n)
+    owners = [i for i in range(len(problems)) for _ in range(sample_cfg.n)]
     result = None
     if "answer" in problems[0]:  # rewards need a reference; a free prompt has none
         result = score(reward_fn, problems, owners, rollout.texts, rollout.lengths, rollout.truncated)
@@ -60,13 +60,13 @@ def run(cfg: DictConfig, overrides: list[str] = ()) -> list[dict]:
                   "reward": result.rewards[j] if result else None,
                   "steps": result.steps[j] if result and result.steps is not None else None}
         records.append(record)
-        console.print(render(record, j % S.n))
-    if S.output:
-        Path(S.output).parent.mkdir(parents=True, exist_ok=True)
-        with open(S.output, "w") as f:
+        console.print(render(record, j % sample_cfg.n))
+    if sample_cfg.output:
+        Path(sample_cfg.output).parent.mkdir(parents=True, exist_ok=True)
+        with open(sample_cfg.output, "w") as f:
             for r in records:
                 f.write(json.dumps(r) + "\n")
-        console.print(f"wrote {len(records)} completions to {S.output}")
+        console.print(f"wrote {len(records)} completions to {sample_cfg.output}")
     return records
 
 

@@ -53,6 +53,29 @@ def test_invalid_value_exits_2_with_one_line(tmp_path):
     assert "sampler.temperature" in lines[0] and "set sampler.temperature=" in lines[0]
 
 
+def test_every_problem_is_reported_at_once(tmp_path):
+    out = grpo("train", "model=tiny", "algo.group_size=1", "sampler.temperature=-1", "trainer.prompts_per_step=0",
+               "+sampler.temprature=0.7", f"hydra.run.dir={tmp_path}")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 4, out.stderr  # three bad values and one unknown key, one line each
+    for key in ("algo.group_size", "sampler.temperature", "trainer.prompts_per_step", "sampler.temprature"):
+        assert sum(line.startswith(f"error: {key} ") for line in lines) == 1, key
+    assert all(" set " in line or "use one of" in line for line in lines)  # each names its fix
+    assert not (tmp_path / "metrics.jsonl").exists()  # stopped before any work
+
+
+def test_allowed_values_come_from_the_module_that_owns_them():
+    from grpo_cli.objective import KL_ESTIMATORS, LOSS_TYPES
+
+    for key, values in (("algo.loss_type", LOSS_TYPES), ("algo.kl_estimator", KL_ESTIMATORS)):
+        with pytest.raises(ConfigError) as err:
+            validate(compose("train", [f"{key}=nope"]))
+        assert all(v in str(err.value) for v in values), key
+        for value in values:
+            validate(compose("train", [f"{key}={value}"]))
+
+
 def test_unknown_key_in_a_component_names_the_fix():
     cfg = compose("train", ["+sampler.temprature=0.7"])
     with pytest.raises(ConfigError, match=r"sampler.temprature is not a parameter of grpo_cli.rollout.hf.HFSampler"):

@@ -302,7 +302,9 @@ def test_every_data_config_instantiates(name, tmp_path, request):
         rows = [{"question": f"q{i}", "answer": i} for i in range(300)]
         node.path = str(write_jsonl(tmp_path / "p.jsonl", rows))
     # the keys are parameters of the class (what `grpo train` checks before building anything)
-    _check_targets(node, "data")
+    errors: list[str] = []
+    _check_targets(node, "data", errors)
+    assert errors == []
     task = instantiate(node)
     assert isinstance(task, (ArithmeticTask, GSM8KTask, JsonlTask)) and task.train and task.heldout
     assert {"messages", "question", "answer"} <= set(task.train[0])

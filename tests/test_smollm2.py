@@ -13,7 +13,8 @@ pytestmark = pytest.mark.slow
 
 MEMORY_PROBE = r"""
 import json, resource, sys, time, torch
-from grpo_cli import train
+from grpo_cli import update
+from grpo_cli.config import build
 from grpo_cli.config import compose
 from grpo_cli.policy import build_policy
 from grpo_cli.metrics import limit_heap_growth
@@ -23,7 +24,7 @@ cfg = compose("train", sys.argv[1:])
 policy, tokenizer, device = build_policy(cfg.model)
 if cfg.trainer.gradient_checkpointing:
     policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-optimizer = train.build(cfg.optimizer)(params=[p for p in policy.parameters() if p.requires_grad])
+optimizer = build(cfg.optimizer)(params=[p for p in policy.parameters() if p.requires_grad])
 scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 N, P, T = 16, 64, 192  # 16 sequences x 256 tokens
@@ -33,7 +34,10 @@ rollout = Rollout(torch.randint(0, 49152, (N, P), generator=g), torch.ones(N, P,
                   [""] * N, [False] * N)
 advantages = torch.randn(N, generator=g)
 t0 = time.perf_counter()
-train.update(policy, optimizer, scheduler, rollout, advantages, cfg.algo, cfg.trainer)
+loss = build(cfg.algo.loss)
+batch = update.prepare(policy, rollout, advantages, loss, cfg.algo.num_iterations, cfg.trainer.micro_batch_size, False)
+update.update(policy, optimizer, scheduler, batch, loss, cfg.algo.num_iterations, cfg.trainer.micro_batch_size,
+              cfg.trainer.max_grad_norm)
 print(json.dumps({"rss_before_mb": before, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                   "update_s": time.perf_counter() - t0}))
 """

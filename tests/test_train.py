@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from grpo_cli import checkpoint, train
+from grpo_cli import checkpoint, train, update
+from grpo_cli.config import build
 from grpo_cli.config import compose
 from grpo_cli.policy import build_policy
 
@@ -89,7 +90,7 @@ class Counter:
 
     def __init__(self, monkeypatch):
         self.with_grad = self.no_grad = 0
-        real = train.sequence_logprobs
+        real = update.sequence_logprobs
 
         def counting(model, rollout, **kw):
             n = rollout.completion_ids.shape[0]
@@ -99,7 +100,7 @@ class Counter:
                 self.no_grad += n
             return real(model, rollout, **kw)
 
-        monkeypatch.setattr(train, "sequence_logprobs", counting)
+        monkeypatch.setattr(update, "sequence_logprobs", counting)
 
 
 def test_beta_zero_makes_no_reference_forward(tmp_path, monkeypatch):
@@ -133,7 +134,7 @@ def test_micro_batches_accumulate_to_the_full_batch_gradient(loss_type):
         for name, p in policy.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.1)
-    sampler = train.build(cfg.sampler)
+    sampler = build(cfg.sampler)
     torch.manual_seed(0)
     rollout = sampler.generate(policy, tokenizer, ["<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"] * 2, 4)
     advantages = torch.tensor([1.0, -1.0, 0.5, 0.0, 2.0, -0.5, 0.0, 1.5])
@@ -141,11 +142,11 @@ def test_micro_batches_accumulate_to_the_full_batch_gradient(loss_type):
     for micro in (8, 3):
         opt = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=0.0)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-        cfg.trainer.micro_batch_size = micro
-        cfg.trainer.max_grad_norm = None
         captured = {}
         opt.step = lambda: captured.update({n: p.grad.clone() for n, p in policy.named_parameters() if p.requires_grad})
-        train.update(policy, opt, sched, rollout, advantages, cfg.algo, cfg.trainer)
+        loss = build(cfg.algo.loss)
+        batch = update.prepare(policy, rollout, advantages, loss, 1, micro, False)
+        update.update(policy, opt, sched, batch, loss, 1, micro, None)
         grads[micro] = captured
     for name in grads[8]:
         assert torch.allclose(grads[8][name], grads[3][name], atol=1e-6, rtol=1e-4), name
@@ -154,14 +155,14 @@ def test_micro_batches_accumulate_to_the_full_batch_gradient(loss_type):
 def test_process_rewards_give_per_token_advantages(tmp_path, monkeypatch):
     """reward=gsm8k_process: step rewards land on their end tokens -> advantages vary along a completion."""
     seen = []
-    real = train.compute_advantages
+    real = train.advantages
 
-    def keep(result, rollout, tokenizer, A):
-        adv = real(result, rollout, tokenizer, A)
+    def keep(result, rollout, tokenizer, *args):
+        adv = real(result, rollout, tokenizer, *args)
         seen.append((result, rollout, adv))
         return adv
 
-    monkeypatch.setattr(train, "compute_advantages", keep)
+    monkeypatch.setattr(train, "advantages", keep)
     # a prompt-independent reward: the tiny model's random text gets step scores from the rule verifier;
     # newline-free random characters form one step per completion, so split on any 3 characters instead
     cfg = compose("train", [o for o in TINY if "digit" not in o] + [

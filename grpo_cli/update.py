@@ -1,0 +1,130 @@
+"""One step's learning, in two halves (as torchtune's GRPO recipe splits it):
+
+    batch = prepare(policy, rollout, advantages, loss, ...)   # everything the loss needs, no gradient
+    stats = update(policy, optimizer, scheduler, batch, ...)  # micro-batches -> loss -> backward -> step
+
+`prepare` gathers the token mask, the rows that carry a gradient, the reference log-probs (adapter
+off, only when β > 0) and the old-policy log-probs (only when μ > 1), all with dropout off, so that
+the update only loops over micro-batches. `advantages` turns a reward result into the [N] outcome
+or [N, T] process advantages the loss reads.
+
+Where it departs from the paper: rows whose advantage is zero everywhere are skipped when β = 0
+(they carry no gradient, so this changes time, not numbers); LoRA adapters instead of full weights.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from grpo_cli.objective import masked_mean, outcome_advantages, process_advantages
+from grpo_cli.policy import adapter_enabled
+from grpo_cli.rollout import Rollout, char_ends_to_token_index, sequence_logprobs
+
+
+def advantages(result, rollout: Rollout, tokenizer, group_size: int, scale: str, std: str) -> torch.Tensor:
+    """[N] outcome advantages, or [N, T] process advantages from step rewards at their end tokens."""
+    if result.steps is None:
+        rewards = torch.tensor([math.nan if r is None else r for r in result.rewards], dtype=torch.float32)
+        return outcome_advantages(rewards, group_size, scale=scale, std=std)
+    step_rewards, step_ends = [], []
+    for row, steps in enumerate(result.steps):
+        ids = rollout.completion_ids[row][rollout.completion_mask[row].bool()].tolist()
+        # several steps may end inside one token; keep the last reward per token so ends stay increasing
+        ends = char_ends_to_token_index(tokenizer, ids, [end for end, _ in steps]) if steps else []
+        by_token: dict[int, float] = {}
+        for t, (_, r) in zip(ends, steps):
+            by_token[t] = by_token.get(t, 0.0) + r
+        step_ends.append(sorted(by_token))
+        step_rewards.append([by_token[t] for t in sorted(by_token)])
+    return process_advantages(step_rewards, step_ends, group_size, rollout.completion_ids.shape[1])
+
+
+@dataclass
+class Batch:
+    """What the loss needs for one rollout, gathered before any gradient is taken."""
+
+    rollout: Rollout
+    advantages: torch.Tensor  # [N] outcome or [N, T] process, on the policy's device
+    mask: torch.Tensor  # [N, T] float; 1 on completion tokens that count in the loss
+    active: list[int]  # rows that go through forward/backward
+    ref_logp: torch.Tensor | None  # [N, T] reference policy (adapter off); None when β = 0
+    old_logp: torch.Tensor | None  # [N, T] sampling-time policy; None when μ = 1 (old = current)
+    num_sequences: int  # N of the whole batch: the grpo/dr_grpo mean is over it
+    num_tokens: torch.Tensor  # counted tokens of the whole batch: the bnpo/dapo mean is over them
+
+
+def micro_batches(rows: list[int], size: int) -> list[list[int]]:
+    """`rows` in consecutive chunks of at most `size`."""
+    return [rows[i:i + size] for i in range(0, len(rows), size)]
+
+
+@torch.no_grad()
+def prepare(policy, rollout: Rollout, advantages: torch.Tensor, loss, num_iterations: int, micro_batch_size: int,
+            mask_truncated_completions: bool) -> Batch:
+    """The Batch for `rollout`: masks, active rows, reference and old log-probs (dropout off)."""
+    device = rollout.completion_ids.device
+    advantages = advantages.to(device)
+    mask = rollout.completion_mask.float()  # [N, T]; 1 up to and including EOS
+    if mask_truncated_completions:
+        mask[torch.tensor(rollout.truncated, device=device)] = 0.0
+    n = mask.shape[0]
+    was_training = policy.training
+    policy.eval()  # the log-probs the ratio and the KL compare against are the policy's, not a dropout sample
+    ref_logp = None
+    if loss.needs_reference:
+        with adapter_enabled(policy, False):
+            ref_logp = torch.cat([sequence_logprobs(policy, rollout.select(b))
+                                  for b in micro_batches(list(range(n)), micro_batch_size)])
+    # rows with zero advantage everywhere carry no gradient when β = 0: skip their forward/backward
+    if loss.needs_reference:
+        active = list(range(n))
+    else:
+        carries = advantages.reshape(n, -1).ne(0).any(1) & mask.bool().any(1)  # [N]
+        active = carries.nonzero().flatten().tolist()
+    old_logp = None
+    if num_iterations > 1 and active:
+        old_logp = torch.zeros_like(mask)
+        for b in micro_batches(active, micro_batch_size):
+            old_logp[b] = sequence_logprobs(policy, rollout.select(b))
+    policy.train(was_training)
+    return Batch(rollout, advantages, mask, active, ref_logp, old_logp, n, mask.sum().clamp(min=1))
+
+
+def update(policy, optimizer, scheduler, batch: Batch, loss, num_iterations: int, micro_batch_size: int,
+           max_grad_norm: float | None) -> dict:
+    """μ = num_iterations optimizer steps over `batch` in micro-batches; returns the step's statistics.
+
+    Token-level statistics (kl, clip ratios, ratio, entropy) are averaged over the tokens that were
+    updated, whatever the loss reports; `loss` is the batch loss, averaged over the μ passes.
+    """
+    loss_fn = loss.for_batch(batch.num_sequences, batch.num_tokens, batch.rollout.completion_ids.shape[1])
+    active_tokens = batch.mask[batch.active].sum().clamp(min=1) if batch.active else batch.num_tokens
+    params = [p for p in policy.parameters() if p.requires_grad]
+    totals: dict[str, float] = {"loss": 0.0}
+    grad_norm = 0.0
+    policy.train()
+    for _ in range(num_iterations):
+        for rows in micro_batches(batch.active, micro_batch_size):
+            sub, mask = batch.rollout.select(rows), batch.mask[rows]
+            logp, entropy = sequence_logprobs(policy, sub, with_entropy=True)  # [n, T] each
+            old = batch.old_logp[rows] if batch.old_logp is not None else logp.detach()
+            ref = batch.ref_logp[rows] if batch.ref_logp is not None else None
+            micro_loss, stats = loss_fn(logp, old, ref, batch.advantages[rows], mask)
+            micro_loss.backward()
+            totals["loss"] += float(micro_loss.detach()) / num_iterations
+            share = float(mask.sum() / active_tokens) / num_iterations  # this micro-batch's share of the tokens
+            for key, value in {**stats, "entropy": masked_mean(entropy, mask)}.items():
+                totals[key] = totals.get(key, 0.0) + float(value) * share
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm else math.inf))
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=False)
+    if not batch.active:  # nothing was updated: the loss's statistics are 0 (its own keys, from an empty call)
+        empty = batch.mask[:0]  # [0, T]
+        _, stats = loss_fn(empty, empty, None, batch.advantages[:0], empty)
+        totals.update({key: 0.0 for key in [*stats, "entropy"]})
+    return {**totals, "grad_norm": grad_norm, "counts/backward_seqs": len(batch.active) * num_iterations,
+            "counts/ref_forward_seqs": batch.num_sequences if batch.ref_logp is not None else 0}

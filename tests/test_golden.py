@@ -1,0 +1,42 @@
+"""Golden numbers: 3 steps of the tiny model with a fixed seed, pinned.
+
+Self-comparing tests (resume = no resume, micro-batches = one batch) cannot see a change that
+shifts every run the same way; this one can. The config makes every term of the objective matter:
+μ = 2 (the second pass has ratio != 1), a clip range of 0.02 (10-30% of tokens clipped, see
+`clip_ratio/region_mean`), β = 0.04 with the k3 estimator, micro-batches of 3 (ragged: 3+3+2).
+Changing the clip range to 0.03 or the estimator to k2 moves these numbers by 1e-3 or more
+(tried when the test was written).
+
+To re-pin after an intended change of the math: run
+    .venv/bin/python -m pytest tests/test_golden.py -s
+read the printed records, check the change is the one you meant, paste them below and say why in
+the commit message.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from grpo_cli import train
+from test_train import metrics, tiny_cfg
+
+GOLDEN = [
+    {"step": 1, "loss": -0.0027142536046085297, "reward": 0.875, "kl": 0.0011169619545249518,
+     "grad_norm": 0.023981086909770966},
+    {"step": 2, "loss": 0.017765667289495468, "reward": 0.5, "kl": 0.007125399570213631,
+     "grad_norm": 0.42803850769996643},
+    {"step": 3, "loss": 0.0014453306794166565, "reward": 0.75, "kl": 0.021424425824079663,
+     "grad_norm": 0.20637303590774536},
+]
+
+
+def test_three_tiny_steps_match_the_pinned_numbers(tmp_path):
+    train.run(tiny_cfg("trainer.max_steps=3", "algo.num_iterations=2", "trainer.micro_batch_size=3",
+                       "algo.epsilon_low=0.02", "algo.beta=0.04", "algo.kl_estimator=k3", "trainer.seed=0"), tmp_path)
+    records = metrics(tmp_path)
+    for record in records:
+        print({key: record[key] for key in GOLDEN[0]})
+    assert all(r["clip_ratio/region_mean"] > 0 for r in records)  # the clip is active, so the pin guards it
+    for record, golden in zip(records, GOLDEN, strict=True):
+        for key, value in golden.items():
+            assert record[key] == pytest.approx(value, rel=1e-5, abs=1e-8), (record["step"], key)
