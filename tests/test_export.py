@@ -21,8 +21,9 @@ from grpo_cli.policy import build_policy, load_tiny_random
 REPO = Path(__file__).resolve().parent.parent
 # the digit reward gives the tiny model's random text mixed rewards in a group, so the adapter moves
 TINY = ["+reward.functions.digit={_target_:grpo_cli.rewards.outcome.format_reward,_partial_:true,pattern:'[0-9]'}",
-        "+reward.weights.digit=1.0", "model=tiny", "sampler.max_new_tokens=8", "algo.group_size=4", "trainer.prompts_per_step=2",
-        "trainer.micro_batch_size=4", "optimizer.lr=0.05", "trainer.warmup_steps=0", "trainer.max_steps=2"]
+        "+reward.weights.digit=1.0", "model=tiny", "sampler.max_new_tokens=8", "algo.group_size=4",
+        "trainer.prompts_per_step=2", "trainer.micro_batch_size=4", "optimizer.lr=0.05", "trainer.warmup_steps=0",
+        "trainer.max_steps=2"]
 PROMPT = [{"role": "user", "content": "What is 2 + 3?"}]
 
 
@@ -163,7 +164,8 @@ def test_embedded_smollm2_export_merged_and_adapter(tmp_path):
     from peft import AutoPeftModelForCausalLM
     from transformers import AutoModelForCausalLM
 
-    cfg = compose("train", ["model.device=cpu", "model.lora.r=4", "model.lora.target_modules=[q_proj,v_proj,down_proj]"])
+    cfg = compose("train", ["model.device=cpu", "model.lora.r=4",
+                            "model.lora.target_modules=[q_proj,v_proj,down_proj]"])
     policy, tokenizer, _ = build_policy(cfg.model)
     torch.manual_seed(0)
     with torch.no_grad():
