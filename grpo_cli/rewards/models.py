@@ -19,6 +19,12 @@ nothing until it scores) and cached on the object:
 Not done: sitting on the policy's own base weights as a second LoRA adapter (the paper's
 arrangement) — the reward model is a separate network, loaded in full.
 
+A folder that is not a classifier of the right kind (a causal LM, or an ORM given to reward=prm)
+is a ConfigError, not a silently random head: `check_classifier` reads its config.json when the
+scorer is built (local folders only, so a hub id still costs nothing until it scores), and loading
+refuses a checkpoint without weights for the head. `grpo rm` (grpo_cli/rewards/training.py) trains
+models of both kinds.
+
 Both accept `model=` and `tokenizer=` objects directly (tests, or a model already in memory), run
 in batches under torch.no_grad with right padding, and return scores in the calling convention of
 `grpo_cli.rewards` (a list per completion; steps as (char_end, reward)).
@@ -27,11 +33,36 @@ in batches under torch.no_grad with right padding, and return scores in the call
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import torch
 
 from grpo_cli.errors import ConfigError
 from grpo_cli.rewards.steps import split_steps
+
+
+# what each kind is called in errors, and how to get one
+_KIND = {"AutoModelForSequenceClassification": ("sequence-classification", "reward=orm", "grpo rm"),
+         "AutoModelForTokenClassification": ("token-classification", "reward=prm", "grpo rm labeler=mc")}
+
+
+def check_classifier(name_or_path: str, auto_class: str, trust_remote_code: bool = False,
+                     revision: str | None = None) -> None:
+    """ConfigError when the checkpoint's config names architectures and none is an `auto_class`
+    head (nor maps one through auto_map); a config that cannot be read is left to the loader."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, revision=revision)
+    except Exception:  # a missing folder or an unknown model type fails again, with its own message, when loading
+        return
+    archs = list(getattr(config, "architectures", None) or [])
+    suffix = auto_class.replace("AutoModel", "")  # ForSequenceClassification / ForTokenClassification
+    mapped = auto_class in (getattr(config, "auto_map", None) or {})
+    if archs and not mapped and not any(a.endswith(suffix) for a in archs):
+        what, option, command = _KIND[auto_class]
+        raise ConfigError(f"{name_or_path} holds a {archs[0]}, not a {what} model, which {option} needs; "
+                          f"train one with `{command}` and pass its RUN/model folder")
 
 
 class _HFScorer:
@@ -54,6 +85,8 @@ class _HFScorer:
         self.batch_size, self.device, self.dtype = batch_size, device, dtype
         self.trust_remote_code, self.revision = trust_remote_code, revision
         self.model, self.tokenizer = model, tokenizer
+        if model is None and Path(name_or_path).is_dir():
+            check_classifier(name_or_path, self.auto_class, trust_remote_code, revision)
         # a timed-out first call may still be loading when the next call starts
         self._lock = threading.Lock()
 
@@ -70,9 +103,14 @@ class _HFScorer:
                 from grpo_cli.policy import resolve_device, resolve_dtype
 
                 device = resolve_device(self.device)
-                model = getattr(transformers, self.auto_class).from_pretrained(
-                    self.name_or_path, dtype=resolve_dtype(self.dtype, device),
+                model, info = getattr(transformers, self.auto_class).from_pretrained(
+                    self.name_or_path, dtype=resolve_dtype(self.dtype, device), output_loading_info=True,
                     trust_remote_code=self.trust_remote_code, revision=self.revision)
+                if info.get("missing_keys"):  # transformers would start that head from random weights
+                    what, option, command = _KIND[self.auto_class]
+                    raise ConfigError(f"{self.name_or_path} has no weights for {sorted(info['missing_keys'])[0]}: "
+                                      f"it is not a trained {what} model, which {option} needs; train one with "
+                                      f"`{command}` and pass its RUN/model folder")
                 self.model = model.to(device).eval()
             if self.tokenizer.pad_token is None:
                 self.tokenizer.pad_token = self.tokenizer.eos_token
