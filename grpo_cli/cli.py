@@ -8,6 +8,7 @@ COMMANDS = {
     "train": ("grpo_cli.train", "train a policy with GRPO (Hydra app over conf/train.yaml)"),
     "eval": ("grpo_cli.evaluate", "evaluate saved checkpoints on held-out problems (conf/eval.yaml)"),
     "sample": ("grpo_cli.sample", "print completions of a checkpoint or the base model (conf/sample.yaml)"),
+    "rm": ("grpo_cli.rm", "train an outcome or process reward model on labeled or self-sampled rows (conf/rm.yaml)"),
     "export": ("grpo_cli.export", "write a checkpoint as a merged HF model or a peft adapter folder (conf/export.yaml)"),
 }
 

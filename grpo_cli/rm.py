@@ -1,0 +1,216 @@
+"""`grpo rm`: train an outcome (ORM) or process (PRM) reward model, from a labeled JSONL or from the
+policy's own samples, and report its held-out accuracy and AUC.
+
+    grpo rm                                                    # base SmolLM2 samples arithmetic, ORM
+    grpo rm checkpoint=outputs/train/DATE/TIME                 # sample from a trained policy instead
+    grpo rm rm.labeled=rows.jsonl                              # train on labeled rows (outcome or process)
+    grpo rm data=gsm8k data.path=train.jsonl sampler=default labeler=mc      # PRM, Math-Shepherd labels
+    grpo rm rm.init=outputs/rm/DATE/TIME/model rm.replay.folder=replay      # continue, 10% replay
+    grpo train reward=orm reward.name_or_path=outputs/rm/DATE/TIME/model    # use it
+
+Steps: sample `rm.samples_per_problem` completions on `rm.num_problems` training problems of `data`
+(the policy as `grpo sample` loads it) -> label them (`labeler`: outcome, mc, verifier) -> hold out
+the rows of a share of the prompts -> mix in replayed rows of earlier iterations (`rm.replay`) ->
+score the held-out rows with the starting model (a new head, or `rm.init`) -> train (LoRA + head,
+binary cross-entropy) -> score them again -> merge and save.
+
+Writes into the run folder: `model/` (the reward model: safetensors + tokenizer + rm.json),
+`labeled.jsonl` (this run's new rows, each with its split), `rm_eval.json` (held-out metrics before
+and after training, row counts, replay counts). The library pieces live in
+`grpo_cli.rewards.training`; the paper's iterations (sample, relabel, retrain with replay, reset the
+reference) inside `grpo train` are not built yet.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from rich.table import Table
+
+from grpo_cli import checkpoint
+from grpo_cli.config import build, command_line_overrides, hydra_app, validate
+from grpo_cli.errors import ConfigError
+from grpo_cli.metrics import console, limit_heap_growth, progress
+from grpo_cli.policy import adapter_enabled, load_inference, resolve_device, resolve_dtype
+from grpo_cli.rewards import training as T
+
+
+@hydra_app("rm")
+def main(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    run(cfg, Path(HydraConfig.get().runtime.output_dir), command_line_overrides())
+
+
+def _int_at_least(R: DictConfig, key: str, low: int, fix: int) -> None:
+    value = R[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(f"rm.{key} ({value!r}) must be an integer >= {low}; set rm.{key}={fix}")
+
+
+def check_settings(R: DictConfig) -> None:
+    """The rm section's values, each error naming the fix (before any model loads)."""
+    for key, low, fix in (("num_problems", 1, 64), ("samples_per_problem", 1, 4), ("prompts_per_batch", 1, 16),
+                          ("epochs", 1, 2), ("batch_size", 1, 8)):
+        _int_at_least(R, key, low, fix)
+    fraction = R.heldout_fraction
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction < 1:
+        raise ConfigError(f"rm.heldout_fraction ({fraction!r}) must be in [0, 1): the share of prompts whose rows "
+                          f"measure the model instead of training it; set rm.heldout_fraction=0.2")
+    if isinstance(R.lr, bool) or not isinstance(R.lr, (int, float)) or R.lr <= 0:
+        raise ConfigError(f"rm.lr ({R.lr!r}) must be > 0; set rm.lr=1e-4")
+    if not isinstance(R.template, str) or R.template.count("{completion}") != 1 or "{prompt}" not in R.template:
+        raise ConfigError(f"rm.template ({R.template!r}) must hold {{prompt}} and {{completion}} once each, as "
+                          f"reward.template does where the model scores; set rm.template='{{prompt}}{{completion}}'")
+    T.check_share(R.replay.share)
+    if R.replay.iteration is not None and (not isinstance(R.replay.iteration, int) or R.replay.iteration < 0):
+        raise ConfigError(f"rm.replay.iteration ({R.replay.iteration!r}) must be an integer >= 0 or null (the "
+                          f"next after the folder's last); set rm.replay.iteration=null")
+
+
+def run(cfg: DictConfig, out_dir: Path, overrides: list[str] = ()) -> dict:
+    """Train a reward model as `cfg` says, writing into `out_dir`; returns what rm_eval.json holds."""
+    limit_heap_growth()
+    started = time.time()
+    R = cfg.rm
+    check_settings(R)
+    labeler = None
+    if R.labeled:
+        rows, kind = T.read_labeled(R.labeled)
+    else:
+        labeler = build(cfg.labeler)
+        kind = labeler.kind
+    if R.init:
+        from grpo_cli.rewards.models import check_classifier
+
+        if not Path(str(R.init)).is_dir():
+            raise ConfigError(f"rm.init={R.init} is not a folder; pass the RUN/model folder of an earlier `grpo rm`")
+        check_classifier(str(R.init), T.AUTO_CLASS[kind])
+    ckpt = checkpoint.resolve(cfg.checkpoint) if cfg.checkpoint and not R.labeled else None
+    if ckpt is not None:  # sample from a trained policy: its model, data and sampler unless overridden
+        from grpo_cli.config import inherit
+
+        saved = OmegaConf.masked_copy(checkpoint.load_config(ckpt), ["model", "data", "sampler"])
+        cfg = inherit(cfg, saved, list(overrides))
+    validate(cfg)
+    R = cfg.rm
+    out_dir.mkdir(parents=True, exist_ok=True)
+    device = resolve_device(cfg.model.device)
+    dtype = resolve_dtype(cfg.model.dtype, device)
+
+    if not R.labeled:
+        rows = sample_and_label(cfg, ckpt, labeler, overrides)
+        if not rows:
+            raise ConfigError("the labeler kept no rows (no reference answers, or no step it could label); "
+                              "check data and labeler, or pass rm.labeled=FILE")
+        kind = T.check_rows(rows, "labeled samples")
+
+    train_rows, heldout = T.split_heldout(rows, R.heldout_fraction, R.seed)
+    replay = None
+    if R.replay.folder:
+        replay = T.ReplayBuffer(R.replay.folder, R.replay.share, R.seed)
+        iteration = R.replay.iteration if R.replay.iteration is not None else replay.next_iteration()
+        train_rows, replay_info = replay.mix(iteration, train_rows)
+    else:
+        replay_info = {"iteration": None, "new": len(train_rows), "replay": 0}
+    if not train_rows:
+        raise ConfigError("no rows left to train on; add rows or lower rm.heldout_fraction")
+
+    model, tokenizer = starting_model(cfg, kind, device, dtype)
+    evaluate = dict(kind=kind, template=R.template, batch_size=R.batch_size)
+    before = T.evaluate(model, tokenizer, heldout, **evaluate) if heldout else None
+    model = T.add_lora(model, **R.lora)
+    with progress(f"train {'ORM' if kind == 'outcome' else 'PRM'}") as bar:
+        task = bar.add_task("", total=R.epochs * len(train_rows), info="")
+
+        def advance(done: int, loss: float) -> None:
+            bar.update(task, advance=done, info=f"loss {loss:.3f}")
+
+        losses = T.train_classifier(model, tokenizer, train_rows, kind=kind, template=R.template, epochs=R.epochs,
+                                    batch_size=R.batch_size, lr=R.lr, weight_decay=R.weight_decay,
+                                    max_grad_norm=R.max_grad_norm, seed=R.seed, advance=advance)
+    model = model.merge_and_unload()
+    after = T.evaluate(model, tokenizer, heldout, **evaluate) if heldout else None
+    report = {
+        "kind": kind, "model": str(out_dir / "model"), "init": R.init,
+        "rows": {"labeled": len(rows), "train_new": replay_info["new"], "train_replay": replay_info["replay"],
+                 "heldout": len(heldout), "heldout_prompts": len({r["prompt"] for r in heldout})},
+        "replay": replay_info, "heldout_before": before, "heldout_after": after,
+        "train_loss_first": losses[0] if losses else None, "train_loss_last": losses[-1] if losses else None,
+        "seconds": round(time.time() - started, 1),
+    }
+    T.save_reward_model(model, tokenizer, out_dir / "model", {
+        "kind": kind, "template": R.template, "pattern": cfg.labeler.get("pattern") if labeler else None,
+        "base": cfg.model.get("name"), "heldout": after, "rows": report["rows"]})
+    held = {r["prompt"] for r in heldout}
+    T.write_jsonl(out_dir / "labeled.jsonl", [{**r, "split": "heldout" if r["prompt"] in held else "train"}
+                                              for r in rows])
+    if replay is not None:  # only after training succeeded, so a failed run leaves the buffer as it was
+        replay.add(replay_info["iteration"], rows)
+    report["config"] = OmegaConf.to_container(cfg, resolve=True)
+    (out_dir / "rm_eval.json").write_text(json.dumps(report, indent=1))
+    console.print(results_table(report))
+    option = "reward=orm" if kind == "outcome" else "reward=prm"
+    # soft_wrap: paths and the command stay on one line, to copy
+    console.print(f"reward model: {out_dir / 'model'}\nuse it: grpo train {option} reward.name_or_path={out_dir / 'model'}",
+                  soft_wrap=True)
+    return report
+
+
+def sample_and_label(cfg: DictConfig, ckpt: Path | None, labeler, overrides) -> list[dict]:
+    """Completions of the policy (checkpoint or base) on seeded training problems, labeled."""
+    R = cfg.rm
+    policy, tokenizer, _ = load_inference(cfg, list(overrides), [])
+    if ckpt is not None:
+        checkpoint.load_adapter(policy, ckpt)
+    problems = T.pick_problems(build(cfg.data).train, R.num_problems, R.seed)
+    sampler = build(cfg.sampler)
+    torch.manual_seed(R.seed)
+    with adapter_enabled(policy, ckpt is not None):
+        with progress("sample") as bar:
+            task = bar.add_task("", total=len(problems), info="")
+            samples = T.draw_samples(policy, tokenizer, sampler, problems, R.samples_per_problem,
+                                     R.prompts_per_batch, advance=lambda n: bar.update(task, advance=n))
+        with progress(f"label ({type(labeler).__name__})") as bar:
+            task = bar.add_task("", total=None, info="")
+            rows = labeler(samples, policy=policy, tokenizer=tokenizer, sampler=sampler,
+                           advance=lambda n: bar.update(task, advance=n))
+            bar.update(task, total=1, completed=1, info=f"{len(rows)} rows from {len(samples)} samples")
+    del policy
+    return rows
+
+
+def starting_model(cfg: DictConfig, kind: str, device, dtype):
+    """(model, tokenizer): `rm.init` loaded, or a new head on the base weights of `model`."""
+    if cfg.rm.init:
+        return T.load_classifier(cfg.rm.init, kind, device, dtype)
+    base, tokenizer = build(cfg.model.loader, dtype=dtype)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = T.new_classifier(kind, base.to(device), tokenizer, seed=cfg.rm.seed)
+    del base
+    return model, tokenizer
+
+
+def results_table(report: dict) -> Table:
+    unit = "rows" if report["kind"] == "outcome" else "steps"
+    table = Table(title=f"grpo rm: {report['kind']} reward model, held-out {unit} "
+                        f"({report['rows']['heldout_prompts']} prompts it did not train on)")
+    for col in ("model", "labels", "positives", "accuracy", "AUC", "BCE", "mean score"):
+        table.add_column(col, justify="left" if col == "model" else "right")
+    start = "start (rm.init)" if report["init"] else "start (new head)"
+    for name, m in ((start, report["heldout_before"]), ("trained", report["heldout_after"])):
+        if m is None:
+            table.add_row(name, "0", "-", "-", "-", "-", "-")
+            continue
+        fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+        table.add_row(name, str(m["labels"]), str(m["positives"]), fmt(m["accuracy"]), fmt(m["auc"]),
+                      fmt(m["loss"]), fmt(m["mean_score"]))
+    rows = report["rows"]
+    table.caption = (f"trained on {rows['train_new']} new + {rows['train_replay']} replayed rows; "
+                     f"accuracy at score 0.5, a label >= 0.5 counts as positive")
+    return table
