@@ -156,8 +156,8 @@ def run(cfg: DictConfig, out_dir: Path, overrides: list[str] = ()) -> dict:
     console.print(results_table(report))
     option = "reward=orm" if kind == "outcome" else "reward=prm"
     # soft_wrap: paths and the command stay on one line, to copy
-    console.print(f"reward model: {out_dir / 'model'}\nuse it: grpo train {option} reward.name_or_path={out_dir / 'model'}",
-                  soft_wrap=True)
+    folder = out_dir / "model"
+    console.print(f"reward model: {folder}\nuse it: grpo train {option} reward.name_or_path={folder}", soft_wrap=True)
     return report
 
 

@@ -177,7 +177,8 @@ def test_monte_carlo_labels_match_a_hand_count(estimate):
     # step 1: 2 of 4 continuations reach 14 -> hard 1, soft 0.5; step 2: 0 of 4 -> 0;
     # step 3 ends a finished completion: its own answer 15 != 14 -> 0, no continuations drawn
     step1 = {"hard": 1.0, "soft": 0.5}[estimate]
-    assert row == {"prompt": "Q", "completion": COMPLETION, "steps": [[9, step1], [20, 0.0], [28, 0.0]], "answer": "14"}
+    assert row == {"prompt": "Q", "completion": COMPLETION, "answer": "14",
+                   "steps": [[9, step1], [20, 0.0], [28, 0.0]]}
     assert [calls for calls in sampler.calls] == [([PROMPT + "3 + 4 = 7"], 4), ([PROMPT + "3 + 4 = 7\n7 * 2 = 15"], 4)]
 
     # a truncated completion did not end: its last step is continued too (1 of 4 reaches 14)
@@ -331,7 +332,8 @@ def test_checkpoint_scores_identically_after_save_and_load(kind, tiny, tmp_path)
         assert [v for s in result.steps for _, v in s] == pytest.approx(scores, abs=1e-6)
     # and the trainer's own loader continues from it with the same scores
     again, tok = T.load_classifier(tmp_path / "model", kind, torch.device("cpu"), torch.float32)
-    assert T.predict(again, tok, data, kind=kind, template="{prompt}{completion}")[0] == pytest.approx(scores, abs=1e-6)
+    reloaded, _ = T.predict(again, tok, data, kind=kind, template="{prompt}{completion}")
+    assert reloaded == pytest.approx(scores, abs=1e-6)
 
 
 # ---- bad input ---------------------------------------------------------------------------------
@@ -497,8 +499,8 @@ def test_grpo_rm_samples_from_a_checkpoint_and_labels_steps(tmp_path):
                          "rm.samples_per_problem=2", "rm.epochs=1", "sampler.max_new_tokens=8"])
     report = rm.run(cfg, tmp_path / "mc", [f"checkpoint={ckpt}"])
     assert report["kind"] == "process"
-    base = rm.run(compose("rm", [*TINY, "labeler=mc", "labeler.k=2", "rm.num_problems=4", "rm.samples_per_problem=2",
-                                 "rm.epochs=1", "sampler.max_new_tokens=8"]), tmp_path / "base")
+    rm.run(compose("rm", [*TINY, "labeler=mc", "labeler.k=2", "rm.num_problems=4", "rm.samples_per_problem=2",
+                          "rm.epochs=1", "sampler.max_new_tokens=8"]), tmp_path / "base")
     texts = lambda run: [json.loads(line)["completion"] for line in (run / "labeled.jsonl").read_text().splitlines()]  # noqa: E731
     # same problems and seed, different weights: the checkpoint's adapter was on when sampling
     assert texts(tmp_path / "mc") != texts(tmp_path / "base")

@@ -40,7 +40,6 @@ import torch
 from grpo_cli.errors import ConfigError
 from grpo_cli.rewards.steps import split_steps
 
-
 # what each kind is called in errors, and how to get one
 _KIND = {"AutoModelForSequenceClassification": ("sequence-classification", "reward=orm", "grpo rm"),
          "AutoModelForTokenClassification": ("token-classification", "reward=prm", "grpo rm labeler=mc")}

@@ -55,9 +55,10 @@ import json
 import math
 import os
 import random
+from collections.abc import Callable
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -99,7 +100,8 @@ def row_kind(row: Row, where: str) -> str:
         return "outcome"
     steps, n = row["steps"], len(row["completion"])
     if not isinstance(steps, list) or not steps:
-        raise DataError(f"{where}: \"steps\" must be a non-empty list of [char_end, label] pairs; fix or drop the line")
+        raise DataError(f"{where}: \"steps\" must be a non-empty list of [char_end, label] pairs; "
+                        f"fix or drop the line")
     last = 0
     for step in steps:
         if not (isinstance(step, (list, tuple)) and len(step) == 2 and isinstance(step[0], int)
@@ -136,7 +138,8 @@ def read_labeled(path: str | Path) -> tuple[list[Row], str]:
     """(rows, kind) of a labeled JSONL; DataError naming the file and line on a bad row."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"rm.labeled={path} is not a file; pass a JSONL of labeled rows (see grpo_cli/rewards/training.py)")
+        raise ConfigError(f"rm.labeled={path} is not a file; pass a JSONL of labeled rows "
+                          f"(their format: grpo_cli/rewards/training.py)")
     rows = []
     for i, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
@@ -391,7 +394,8 @@ class MonteCarloLabeler:
             prompts = [samples[i]["prompt"] + prefix for i, _, prefix in chunk]
             out = sampler.generate(policy, tokenizer, prompts, self.k, max_new_tokens=self.max_new_tokens)
             for c, (i, j, prefix) in enumerate(chunk):
-                labels[i][j] = self.estimate_label(prefix, out.texts[c * self.k:(c + 1) * self.k], samples[i]["answer"])
+                continuations = out.texts[c * self.k:(c + 1) * self.k]
+                labels[i][j] = self.estimate_label(prefix, continuations, samples[i]["answer"])
             if advance:
                 advance(len(chunk))
         rows = []
