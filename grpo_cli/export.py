@@ -51,6 +51,11 @@ def main(cfg: DictConfig) -> None:
 
 def check(cfg: DictConfig) -> tuple[Path, Path]:
     """(checkpoint folder, output folder) after every check that needs no model: one line per problem."""
+    missing = [f"{key} is required; pass {how}" for key, how in (
+        ("checkpoint", "a run folder or checkpoint of `grpo train`: checkpoint=outputs/train/DATE/TIME"),
+        ("output", "the folder to write: output=DIR")) if OmegaConf.is_missing(cfg, key)]
+    if missing:
+        raise ConfigError("\n".join(missing))
     validate(cfg)
     E = cfg.export
     if E.dtype not in DTYPES:

@@ -148,7 +148,10 @@ def test_cli_missing_output_and_non_empty_folder_exit_2_with_one_line(tiny_run, 
 
     missing = grpo(f"checkpoint={tiny_run}")
     assert missing.returncode == 2 and missing.stderr.strip().splitlines() == [
-        "error: output is required and has no value; set it on the command line: output=..."]
+        "error: output is required; pass the folder to write: output=DIR"]
+    both = grpo()
+    assert both.returncode == 2 and [line.split(";")[0] for line in both.stderr.strip().splitlines()] == [
+        "error: checkpoint is required", "error: output is required"]
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("")
     taken = grpo(f"checkpoint={tiny_run}", f"output={tmp_path}/full")
