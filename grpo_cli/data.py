@@ -35,23 +35,23 @@ import json
 import operator
 import random
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 from grpo_cli.errors import ConfigError, DataError
 
 Example = dict[str, Any]
 
 
-def build_task(node: Any) -> "_Task":
+def build_task(node: Any) -> _Task:
     """Instantiate a `data` config node; our ConfigError/DataError come out unwrapped."""
     from grpo_cli.config import build
 
     return build(node)
 
 
-def load_task(name: str, **overrides: Any) -> "_Task":
+def load_task(name: str, **overrides: Any) -> _Task:
     """The task conf/data/NAME.yaml builds, with keys replaced by `overrides` (for scripts and tests)."""
     from omegaconf import OmegaConf
 
@@ -110,7 +110,7 @@ class PromptStream:
                               f"own data and trainer.seed")
         self.position = int(state["position"])
 
-    def shard(self, rank: int, world_size: int) -> "StreamShard":
+    def shard(self, rank: int, world_size: int) -> StreamShard:
         return StreamShard(self, rank, world_size)
 
 
@@ -125,8 +125,9 @@ class StreamShard:
 
     def next(self, k: int) -> list[Example]:
         if k % self.world_size:
+            fix = k + self.world_size - k % self.world_size
             raise ConfigError(f"trainer.prompts_per_step ({k}) must divide by the number of ranks "
-                              f"({self.world_size}); set trainer.prompts_per_step={k + self.world_size - k % self.world_size}")
+                              f"({self.world_size}); set trainer.prompts_per_step={fix}")
         per_rank = k // self.world_size
         start = self.stream.position + self.rank * per_rank
         out = [self.stream[p] for p in range(start, start + per_rank)]

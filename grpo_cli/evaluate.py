@@ -77,7 +77,8 @@ def run(cfg: DictConfig, out_dir: Path, overrides: list[str] = ()) -> dict:
     if eval_cfg.include_base and None not in checkpoints:
         checkpoints = [None, *checkpoints]
     if eval_cfg.num_samples and max(eval_cfg.k) > eval_cfg.num_samples:
-        raise ConfigError(f"eval.k ({list(eval_cfg.k)}) asks for more samples than eval.num_samples ({eval_cfg.num_samples}); "
+        raise ConfigError(f"eval.k ({list(eval_cfg.k)}) asks for more samples than eval.num_samples "
+                          f"({eval_cfg.num_samples}); "
                           f"set eval.num_samples={max(eval_cfg.k)}")
     policy, tokenizer, cfg = load_inference(cfg, list(overrides), checkpoints)
     data = build(cfg.data)
@@ -124,7 +125,8 @@ def score_batch(policy, tokenizer, sampler, reward_fn, batch: list[dict], eval_c
     """Greedy (and sampled) completions for a batch of problems, with answers, correctness and rewards."""
     prompts = render_prompts(tokenizer, [p["messages"] for p in batch])
     greedy = sampler.generate(policy, tokenizer, prompts, 1, greedy=True, max_new_tokens=eval_cfg.max_new_tokens)
-    sampled = (sampler.generate(policy, tokenizer, prompts, eval_cfg.num_samples, max_new_tokens=eval_cfg.max_new_tokens,
+    sampled = (sampler.generate(policy, tokenizer, prompts, eval_cfg.num_samples,
+                                max_new_tokens=eval_cfg.max_new_tokens,
                                 temperature=eval_cfg.temperature) if eval_cfg.num_samples else None)
     texts = greedy.texts + (sampled.texts if sampled else [])
     n = eval_cfg.num_samples

@@ -436,7 +436,8 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, *, chunk_size: in
     Token ids must lie in [0, V) everywhere, pad positions included (mask them later, don't use -100).
     """
     if logits.dim() != 3 or tokens.shape != logits.shape[:2]:
-        raise ValueError(f"logits must be [N, T, V] and tokens [N, T], got {tuple(logits.shape)} and {tuple(tokens.shape)}")
+        raise ValueError(f"logits must be [N, T, V] and tokens [N, T], "
+                         f"got {tuple(logits.shape)} and {tuple(tokens.shape)}")
     _blocks(1, 1, chunk_size)                            # validates chunk_size
     return _TokenLogprobs.apply(logits, tokens.long(), chunk_size)
 

@@ -44,7 +44,8 @@ def run(cfg: DictConfig, overrides: list[str] = ()) -> list[dict]:
         problems = list(build(cfg.data).heldout)[: sample_cfg.num_prompts]
     torch.manual_seed(sample_cfg.seed)
     with adapter_enabled(policy, ckpt is not None):
-        rollout = sampler.generate(policy, tokenizer, render_prompts(tokenizer, [p["messages"] for p in problems]), sample_cfg.n)
+        prompts = render_prompts(tokenizer, [p["messages"] for p in problems])
+        rollout = sampler.generate(policy, tokenizer, prompts, sample_cfg.n)
     owners = [i for i in range(len(problems)) for _ in range(sample_cfg.n)]
     result = None
     if "answer" in problems[0]:  # rewards need a reference; a free prompt has none
@@ -55,8 +56,8 @@ def run(cfg: DictConfig, overrides: list[str] = ()) -> list[dict]:
         answer = extract_answer(text)
         record = {"question": problem["question"], "completion": text, "answer": answer,
                   "reference": problem.get("answer"), "truncated": rollout.truncated[j],
-                  "correct": (answers_match(answer, str(problem["answer"])) if answer is not None and "answer" in problem
-                              else None),
+                  "correct": (answers_match(answer, str(problem["answer"]))
+                              if answer is not None and "answer" in problem else None),
                   "reward": result.rewards[j] if result else None,
                   "steps": result.steps[j] if result and result.steps is not None else None}
         records.append(record)

@@ -16,9 +16,9 @@ the commit message.
 from __future__ import annotations
 
 import pytest
+from test_train import metrics, tiny_cfg
 
 from grpo_cli import train
-from test_train import metrics, tiny_cfg
 
 GOLDEN = [
     {"step": 1, "loss": -0.0027142536046085297, "reward": 0.875, "kl": 0.0011169619545249518,

@@ -427,7 +427,8 @@ def test_loss_matches_loop(seed):
     ref = logp + torch.randn(n, t, generator=g, dtype=torch.float64) * 0.5
     mask = torch.rand(n, t, generator=g) < 0.7
     mask[0] = False                                     # an empty sequence
-    adv = torch.randn(n, generator=g, dtype=torch.float64) if seed % 2 else torch.randn(n, t, generator=g, dtype=torch.float64)
+    shape = (n,) if seed % 2 else (n, t)
+    adv = torch.randn(*shape, generator=g, dtype=torch.float64)
     for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo"):
         for est in ("k1", "k2", "k3"):
             fast, _ = grpo_loss(logp, old, ref, adv, mask, beta=0.1, epsilon_high=0.3,

@@ -35,5 +35,6 @@ def test_wheel_in_a_fresh_venv_composes_a_recipe(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "GSM8KTask" in out.stdout and "algo:" in out.stdout
-    where = subprocess.check_output([str(py), "-c", "import grpo_cli; print(grpo_cli.__file__)"], cwd="/tmp", text=True)
+    where = subprocess.check_output([str(py), "-c", "import grpo_cli; print(grpo_cli.__file__)"], cwd="/tmp",
+                                    text=True)
     assert str(own) in where  # the wheel's copy, not the source tree

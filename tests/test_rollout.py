@@ -6,8 +6,14 @@ import pytest
 import torch
 
 from grpo_cli.errors import ConfigError
-from grpo_cli.policy import (apply_lora, load_pretrained, load_tiny_random, locate_embedded_gguf, resolve_device,
-                             resolve_dtype)
+from grpo_cli.policy import (
+    apply_lora,
+    load_pretrained,
+    load_tiny_random,
+    locate_embedded_gguf,
+    resolve_device,
+    resolve_dtype,
+)
 from grpo_cli.rollout import char_ends_to_token_index, finish, render_prompts, sequence_logprobs
 from grpo_cli.rollout.hf import HFSampler
 

@@ -29,10 +29,11 @@ import inspect
 import logging
 import math
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from grpo_cli.errors import ConfigError
 from grpo_cli.rewards.outcome import accuracy, answers_match, extract_answer, format_reward, length_penalty

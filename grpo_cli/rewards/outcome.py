@@ -113,10 +113,8 @@ def extract_answer(text: str) -> str | None:
             return _clean(frac.group(0))
         if number:
             return _number_text(number)
-    last = None
-    for last in _NUMBER.finditer(text):
-        pass
-    return _number_text(last) if last else None
+    numbers = list(_NUMBER.finditer(text))
+    return _number_text(numbers[-1]) if numbers else None
 
 
 def _as_fraction(text: str) -> Fraction | None:

@@ -43,7 +43,7 @@ class Rollout:
     def lengths(self) -> list[int]:
         return self.completion_mask.sum(1).tolist()
 
-    def select(self, rows: torch.Tensor | list[int]) -> "Rollout":
+    def select(self, rows: torch.Tensor | list[int]) -> Rollout:
         rows = torch.as_tensor(rows, dtype=torch.long)
         pick = rows.tolist()
         return Rollout(self.prompt_ids[rows], self.prompt_mask[rows], self.completion_ids[rows],
