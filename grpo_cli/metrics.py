@@ -1,15 +1,22 @@
-"""What the user sees and what the run leaves behind: a rich progress bar, metrics.jsonl, TensorBoard."""
+"""What the user sees and what the run leaves behind: a rich progress bar, metrics.jsonl, and the
+experiment trackers of `trainer.report_to` (TensorBoard, W&B, trackio, MLflow), each offline or on
+local files by default."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
+import os
 import resource
+import time
 from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from grpo_cli.errors import ConfigError
 
 console = Console(stderr=True)
 
@@ -54,19 +61,20 @@ def mean(values) -> float:
 
 
 class MetricsLog:
-    """One JSON object per step in RUN_DIR/metrics.jsonl, mirrored to TensorBoard when available."""
+    """One JSON object per step in RUN_DIR/metrics.jsonl, mirrored to the trackers of `report_to`.
 
-    def __init__(self, run_dir: Path, tensorboard: bool = True):
+    `report_to`: tracker names (`resolve_report_to` checks them); `project`: the wandb/trackio
+    project or MLflow experiment. `config` (the resolved run config as plain containers) goes to
+    each tracker as hyper-parameters once; every finite number of a step's record becomes a scalar
+    at that step. Call `close()` at the end of the run: trackers flush and mark their run finished.
+    """
+
+    def __init__(self, run_dir: Path, report_to: list[str], project: str | None = None, config: dict | None = None):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.writer = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.writer = SummaryWriter(str(Path(run_dir) / "tensorboard"))
-            except ImportError:  # the optional `tensorboard` extra is not installed
-                self.writer = None
+        run_dir = Path(run_dir).resolve()
+        self.trackers = [TRACKERS[name](run_dir, project, run_name(run_dir), config or {})
+                         for name in resolve_report_to(report_to)]
 
     def truncate(self, last_step: int) -> None:
         """On resume: drop lines of steps after the checkpoint, so the file reads as one run."""
@@ -78,11 +86,151 @@ class MetricsLog:
     def log(self, record: dict) -> None:
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
-        if self.writer is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
-                    self.writer.add_scalar(key, value, record["step"])
-            self.writer.flush()
+        scalars = {k: float(v) for k, v in record.items()
+                   if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+        for tracker in self.trackers:
+            tracker.log(scalars, record["step"])
+
+    def close(self) -> None:
+        for tracker in self.trackers:
+            tracker.close()
+        self.trackers = []
+
+
+# ---- experiment trackers ----------------------------------------------------------------------
+# Each one runs offline / on local files unless the tracker's own environment variable says
+# otherwise (WANDB_MODE=online, TRACKIO_SPACE_ID, MLFLOW_TRACKING_URI), so a run never needs the
+# network and never waits on it. A resumed run starts a new tracker run of the same name.
+
+def run_name(run_dir: Path) -> str:
+    """The tracker run name: the last two parts of the run folder (`DATE/TIME`, or `TIME/N` in a sweep)."""
+    return "/".join(Path(run_dir).parts[-2:])
+
+
+def flatten(config: dict, prefix: str = "") -> dict[str, object]:
+    """{"algo": {"beta": 0.04}} -> {"algo.beta": 0.04}; lists and None become strings (hparams take scalars)."""
+    out: dict[str, object] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten(value, name + "."))
+        else:
+            out[name] = value if isinstance(value, (bool, int, float, str)) else str(value)
+    return out
+
+
+class _TensorBoard:
+    """Event files in RUN/tensorboard: scalars per step, the config in the HPARAMS tab."""
+
+    def __init__(self, run_dir: Path, project: str, name: str, config: dict):
+        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard.summary import hparams
+
+        self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+        for summary in hparams(flatten(config), {}):  # the experiment, session-start and -end summaries
+            self.writer.file_writer.add_summary(summary)
+
+    def log(self, scalars: dict, step: int) -> None:
+        for key, value in scalars.items():
+            self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class _Wandb:
+    """An offline W&B run in RUN/wandb (`wandb sync RUN/wandb/offline-run-*` uploads it later)."""
+
+    def __init__(self, run_dir: Path, project: str, name: str, config: dict):
+        import wandb
+
+        # console="off": wandb would otherwise wrap stdout/stderr, under the rich progress bar
+        self.run = wandb.init(project=project, name=name, dir=str(run_dir), config=config,
+                              mode=os.environ.get("WANDB_MODE", "offline"),
+                              settings=wandb.Settings(console="off", quiet=True))
+
+    def log(self, scalars: dict, step: int) -> None:
+        self.run.log(scalars, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class _Trackio:
+    """A run in trackio's local store ($TRACKIO_DIR, default ~/.cache/huggingface/trackio): `trackio show`."""
+
+    def __init__(self, run_dir: Path, project: str, name: str, config: dict):
+        import trackio
+
+        self.run = trackio.init(project=project, name=name, config=config)
+
+    def log(self, scalars: dict, step: int) -> None:
+        self.run.log(scalars, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class _MLflow:
+    """An MLflow run in RUN/mlflow.db (SQLite; artifacts in RUN/mlflow-artifacts), unless
+    $MLFLOW_TRACKING_URI names another store. `mlflow ui --backend-store-uri sqlite:///RUN/mlflow.db`.
+
+    Not MLflow's file store: MLflow >= 3.13 refuses it unless MLFLOW_ALLOW_FILE_STORE=true.
+    """
+
+    def __init__(self, run_dir: Path, project: str, name: str, config: dict):
+        from mlflow import MlflowClient
+        from mlflow.entities import Param
+
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{run_dir / 'mlflow.db'}"
+        self.client = MlflowClient(tracking_uri=uri)
+        experiment = self.client.get_experiment_by_name(project)
+        experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(
+            project, artifact_location=(run_dir / "mlflow-artifacts").as_uri())
+        self.run_id = self.client.create_run(experiment_id, run_name=name).info.run_id
+        params = [Param(k, str(v)[:6000]) for k, v in flatten(config).items()]  # 6000: MLflow's value limit
+        for start in range(0, len(params), 100):  # log_batch takes at most 100 params a call
+            self.client.log_batch(self.run_id, params=params[start:start + 100])
+
+    def log(self, scalars: dict, step: int) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in scalars.items()])
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+
+# `trainer.report_to` name -> tracker, and the package it needs (the pip extra has the tracker's name)
+TRACKERS = {"tensorboard": _TensorBoard, "wandb": _Wandb, "trackio": _Trackio, "mlflow": _MLflow}
+PACKAGES = {"tensorboard": ["tensorboard"], "wandb": ["wandb"], "trackio": ["trackio"],
+            "mlflow": ["mlflow", "sqlalchemy", "alembic"]}  # mlflow's SQLite store needs SQLAlchemy + alembic
+
+
+def resolve_report_to(report_to) -> list[str]:
+    """`trainer.report_to` as a list of tracker names: `auto` (tensorboard when installed, else none),
+    one name, or a list. An unknown name or a tracker whose package is missing is a ConfigError
+    naming the fix; call it before the model loads."""
+    if report_to == "auto":
+        return ["tensorboard"] if importlib.util.find_spec("tensorboard") else []
+    names = [report_to] if isinstance(report_to, str) else list(report_to or [])
+    for name in names:
+        if name not in TRACKERS:
+            raise ConfigError(f"trainer.report_to: {name!r} is not a tracker; use any of "
+                              f"{', '.join(TRACKERS)} (or auto, or [] for none)")
+        missing = [package for package in PACKAGES[name] if importlib.util.find_spec(package) is None]
+        if missing:
+            raise ConfigError(f"trainer.report_to includes {name} but the {missing[0]} package is not installed: "
+                              f"pip install 'grpo-cli[{name}]', or leave {name} out of trainer.report_to")
+    return list(dict.fromkeys(names))
+
+
+
+def check_logging(trainer) -> list[str]:
+    """Check the `trainer` logging settings before the model loads; returns the trackers to open."""
+    return resolve_report_to(trainer.report_to)
 
 
 def rollout_metrics(result, rollout, group_size: int) -> dict:

@@ -30,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 from grpo_cli import checkpoint
 from grpo_cli.config import build, hydra_app, validate
 from grpo_cli.data import PromptStream
-from grpo_cli.metrics import MetricsLog, console, limit_heap_growth, peak_memory_mb, plot_training, progress, rollout_metrics
+from grpo_cli.metrics import MetricsLog, check_logging, console, limit_heap_growth, peak_memory_mb, plot_training, progress, rollout_metrics
 from grpo_cli.policy import build_policy
 from grpo_cli.rewards import score
 from grpo_cli.rollout import render_prompts
@@ -49,6 +49,7 @@ def run(cfg: DictConfig, run_dir: Path) -> Path:
     validate(cfg)
     limit_heap_growth()
     trainer, algo = cfg.trainer, cfg.algo
+    report_to = check_logging(trainer)  # a missing tracker package stops here, before the model loads
     torch.manual_seed(trainer.seed)
     loss = build(algo.loss)
     policy, tokenizer, device = build_policy(cfg.model)
@@ -71,7 +72,7 @@ def run(cfg: DictConfig, run_dir: Path) -> Path:
         prompts.load_state_dict(state["data"])
         run_dir = ckpt.parent.parent  # the same run goes on in its own folder: one metrics.jsonl, one checkpoints/
         console.print(f"resumed from {ckpt} at step {state['step']}")
-    log = MetricsLog(run_dir, tensorboard=trainer.tensorboard)
+    log = MetricsLog(run_dir, report_to, trainer.project, OmegaConf.to_container(cfg, resolve=True))
     log.truncate(state["step"])
     stop = _StopFlag()
     last = None
@@ -129,6 +130,7 @@ def run(cfg: DictConfig, run_dir: Path) -> Path:
                               f"resume with: grpo train resume={run_dir}")
                 break
     stop.restore()
+    log.close()
     if last is None:  # resumed at or past max_steps: nothing to do
         last = checkpoint.resolve(run_dir)
     console.print(f"checkpoint: {last}\ncurves: {plot_training(run_dir)}")

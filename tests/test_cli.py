@@ -117,7 +117,7 @@ def test_every_group_option_composes(group, option, gsm8k_path):
 
 def test_sweep_runs_two_jobs(tmp_path):
     out = grpo("train", "-m", "model=tiny", "trainer.max_steps=1", "sampler.max_new_tokens=4",
-               "algo.group_size=2", "trainer.prompts_per_step=1", "trainer.tensorboard=false",
+               "algo.group_size=2", "trainer.prompts_per_step=1", "trainer.report_to=[]",
                "algo.beta=0,0.04", f"hydra.sweep.dir={tmp_path}", timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     for job in ("0", "1"):

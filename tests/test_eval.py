@@ -47,7 +47,7 @@ def run_dir(tmp_path_factory):
     """A 2-step tiny training run with checkpoints at steps 1 and 2."""
     path = tmp_path_factory.mktemp("run")
     cfg = compose("train", [*TINY, "trainer.max_steps=2", "trainer.save_every=1", "algo.group_size=2",
-                            "trainer.prompts_per_step=1", "trainer.tensorboard=false"])
+                            "trainer.prompts_per_step=1", "trainer.report_to=[]"])
     train.run(cfg, path)
     return path
 

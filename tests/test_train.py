@@ -19,7 +19,7 @@ from grpo_cli.policy import build_policy
 DIGIT_REWARD = ("+reward.functions.digit={_target_:grpo_cli.rewards.outcome.format_reward,_partial_:true,"
                 "pattern:'[0-9]'}")
 TINY = ["model=tiny", "sampler.max_new_tokens=8", "algo.group_size=4", "trainer.prompts_per_step=2",
-        "trainer.micro_batch_size=4", "optimizer.lr=0.05", "trainer.warmup_steps=0", "trainer.tensorboard=false",
+        "trainer.micro_batch_size=4", "optimizer.lr=0.05", "trainer.warmup_steps=0", "trainer.report_to=[]",
         DIGIT_REWARD, "+reward.weights.digit=1.0"]
 
 
