@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+from rich.text import Text
 
 from grpo_cli.errors import ConfigError
 
@@ -227,10 +229,116 @@ def resolve_report_to(report_to) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+# ---- completions log --------------------------------------------------------------------------
 
 def check_logging(trainer) -> list[str]:
     """Check the `trainer` logging settings before the model loads; returns the trackers to open."""
+    every, rows, max_mb = trainer.log_completions_every, trainer.num_completions_to_print, trainer.completions_max_mb
+    if every is not None and not (isinstance(every, int) and not isinstance(every, bool) and every >= 1):
+        raise ConfigError(f"trainer.log_completions_every ({every!r}) must be an integer >= 1 or null (never); "
+                          f"set trainer.log_completions_every=10")
+    if not (isinstance(rows, int) and not isinstance(rows, bool) and rows >= 0):
+        raise ConfigError(f"trainer.num_completions_to_print ({rows!r}) must be an integer >= 0; "
+                          f"set trainer.num_completions_to_print=4")
+    if not (isinstance(max_mb, (int, float)) and not isinstance(max_mb, bool) and max_mb > 0):
+        raise ConfigError(f"trainer.completions_max_mb ({max_mb!r}) must be > 0; set trainer.completions_max_mb=100")
     return resolve_report_to(trainer.report_to)
+
+
+class CompletionsLog:
+    """What the model wrote, every `every` steps (TRL's log_completions): a rich table of `rows`
+    completions on the console, and every completion of the step appended to RUN/completions.jsonl.
+
+    One JSON line per completion: step, prompt_id (the prompt's position in the seeded training
+    stream: `PromptStream(data.train, seed)[prompt_id]` is the problem), question, completion,
+    reward (combined), rewards (raw, per function, as in metrics' rewards/NAME/mean), advantage,
+    truncated, length (tokens); process rewards add steps = [[char_end, step_reward], ...], and
+    their advantage is the first token's (the sum of the completion's normalized step rewards).
+    The file stops growing once it reaches `max_mb` (one line says so); the tables go on.
+    """
+
+    def __init__(self, run_dir: Path, every: int | None, rows: int, max_mb: float):
+        self.path = Path(run_dir) / "completions.jsonl"
+        self.every, self.rows, self.max_bytes = every, rows, int(max_mb * 2**20)
+        self.full = False
+
+    def truncate(self, last_step: int) -> None:
+        """On resume: drop lines of steps after the checkpoint, so the file reads as one run."""
+        if self.path.exists():
+            keep = [line for line in self.path.read_text().splitlines()
+                    if line and json.loads(line)["step"] <= last_step]
+            self.path.write_text("".join(line + "\n" for line in keep))
+
+    def log(self, step: int, first_prompt: int, examples: list[dict], rollout, result, advantages) -> None:
+        """Log step `step` if it is one of every `every`; examples[i] owns rows i*G .. i*G+G-1."""
+        if not self.every or step % self.every:
+            return
+        lines = self.records(step, first_prompt, examples, rollout, result, advantages)
+        if self.rows:
+            console.print(self.table(step, lines))
+        self.append(lines)
+
+    @staticmethod
+    def records(step: int, first_prompt: int, examples: list[dict], rollout, result, advantages) -> list[dict]:
+        G = len(rollout.texts) // len(examples)
+        adv = advantages.reshape(len(rollout.texts), -1)[:, 0].tolist()  # [N]; process: the first token's
+        lengths = rollout.lengths
+        out = []
+        for row, text in enumerate(rollout.texts):
+            line = {"step": step, "prompt_id": first_prompt + row // G, "question": examples[row // G].get("question"),
+                    "completion": text, "reward": result.rewards[row],
+                    "rewards": {name: values[row] for name, values in result.per_function.items()},
+                    "advantage": adv[row], "truncated": bool(rollout.truncated[row]), "length": int(lengths[row])}
+            if result.steps is not None:
+                line["steps"] = [[int(end), float(r)] for end, r in result.steps[row]]
+            out.append(line)
+        return out
+
+    def table(self, step: int, lines: list[dict]) -> Table:
+        """`rows` completions spread over the step's prompts: question, completion, rewards, advantage."""
+        picks = lines[:: max(1, len(lines) // self.rows)][: self.rows]
+        table = Table(title=f"step {step}: {len(picks)} of {len(lines)} completions (all in {self.path.name})",
+                      show_lines=True)
+        names = list(lines[0]["rewards"]) if lines else []
+        table.add_column("prompt", ratio=2, overflow="fold")
+        table.add_column("completion", ratio=4, overflow="fold")
+        for name in names:
+            table.add_column(name, justify="right")
+        table.add_column("reward", justify="right")
+        table.add_column("advantage", justify="right")
+        for line in picks:
+            prompt = Text(f"#{line['prompt_id']} {line['question']}")  # Text: no rich markup in user data
+            table.add_row(prompt, step_text(line["completion"], line.get("steps")),
+                          *[_number(line["rewards"][name]) for name in names], _number(line["reward"]),
+                          f"{line['advantage']:+.3f}")
+        return table
+
+    def append(self, lines: list[dict]) -> None:
+        if self.full or (self.path.exists() and self.path.stat().st_size >= self.max_bytes):
+            if not self.full:
+                console.print(f"[yellow]{self.path} reached trainer.completions_max_mb "
+                              f"({self.max_bytes / 2**20:g} MB): no more completions are written to it")
+            self.full = True
+            return
+        with self.path.open("a") as f:
+            f.writelines(json.dumps(line) + "\n" for line in lines)
+
+
+def step_text(completion: str, steps: list | None) -> Text:
+    """The completion; with process rewards each step is coloured by the sign of its reward, `[+r]` after it."""
+    text = Text()
+    start = 0
+    for end, reward in steps or []:
+        style = "green" if reward > 0 else "red" if reward < 0 else "dim"
+        text.append(completion[start:end], style=style)
+        text.append(f" [{reward:+.2f}] ", style=f"bold {style}")
+        start = end
+    text.append(completion[start:])
+    return text
+
+
+def _number(value) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 def rollout_metrics(result, rollout, group_size: int) -> dict:

@@ -30,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 from grpo_cli import checkpoint
 from grpo_cli.config import build, hydra_app, validate
 from grpo_cli.data import PromptStream
-from grpo_cli.metrics import MetricsLog, check_logging, console, limit_heap_growth, peak_memory_mb, plot_training, progress, rollout_metrics
+from grpo_cli.metrics import CompletionsLog, MetricsLog, check_logging, console, limit_heap_growth, peak_memory_mb, plot_training, progress, rollout_metrics
 from grpo_cli.policy import build_policy
 from grpo_cli.rewards import score
 from grpo_cli.rollout import render_prompts
@@ -73,7 +73,10 @@ def run(cfg: DictConfig, run_dir: Path) -> Path:
         run_dir = ckpt.parent.parent  # the same run goes on in its own folder: one metrics.jsonl, one checkpoints/
         console.print(f"resumed from {ckpt} at step {state['step']}")
     log = MetricsLog(run_dir, report_to, trainer.project, OmegaConf.to_container(cfg, resolve=True))
+    samples = CompletionsLog(run_dir, trainer.log_completions_every, trainer.num_completions_to_print,
+                             trainer.completions_max_mb)
     log.truncate(state["step"])
+    samples.truncate(state["step"])
     stop = _StopFlag()
     last = None
     console.print(f"run dir: {run_dir}")
@@ -108,12 +111,13 @@ def run(cfg: DictConfig, run_dir: Path) -> Path:
                            trainer.max_grad_norm)
             t_update = time.perf_counter() - t1
 
-            # 6. log
+            # 6. log: the metrics; every log_completions_every steps also what the model wrote
             record = {"step": step, **rollout_metrics(result, rollout, algo.group_size), **stats,
                       "learning_rate": scheduler.get_last_lr()[0], "time/rollout_s": t_rollout,
                       "time/update_s": t_update, "tokens_per_s": sum(rollout.lengths) / max(t_rollout, 1e-9),
                       "peak_memory_mb": peak_memory_mb(device)}
             log.log(record)
+            samples.log(step, prompts.position - len(examples), examples, rollout, result, adv)
             state["step"] = step
             state["data"] = prompts.state_dict()
             state["history"].append({k: v for k, v in record.items() if not k.startswith("time/")})

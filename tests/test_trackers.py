@@ -23,7 +23,8 @@ REPO = Path(__file__).resolve().parent.parent
 # the digit reward gives the tiny model's random text rewards that differ from step to step
 TINY = ["+reward.functions.digit={_target_:grpo_cli.rewards.outcome.format_reward,_partial_:true,pattern:'[0-9]'}",
         "+reward.weights.digit=1.0", "model=tiny", "sampler.max_new_tokens=8", "algo.group_size=4",
-        "trainer.prompts_per_step=2", "trainer.micro_batch_size=4", "trainer.max_steps=2"]
+        "trainer.prompts_per_step=2", "trainer.micro_batch_size=4", "trainer.max_steps=2",
+        "trainer.log_completions_every=null"]
 
 
 def needs(*packages: str):
