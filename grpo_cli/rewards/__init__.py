@@ -17,9 +17,9 @@ completion). `ProcessReward` takes a step scorer that returns `(char_end, reward
 (§4.1.3); the reward of a step goes to the token holding character `char_end - 1` of the
 completion, the step's last character. Where this departs from the paper: rule-based rewards by
 default (the paper trains a reward model), and a robustness layer the paper does not need: each
-function runs in a worker thread with a timeout, and one that raises, hangs or returns garbage
-costs its completions their score (None), never the run; a ConfigError (a bad option) stops it
-with the fix.
+function runs in a worker thread with a timeout, and one that raises (even SystemExit), hangs or
+returns garbage costs its completions their score (None), never the run; a ConfigError (a bad
+option) stops it with the fix, and KeyboardInterrupt (Ctrl-C) passes through.
 """
 
 from __future__ import annotations
@@ -70,12 +70,22 @@ class RewardResult:
     steps: list[list[tuple[int, float]]] | None = None
 
 
+def _failed(err: BaseException) -> bool:
+    """Whether an exception from a reward function is the function's failure (its completions lose their
+    score) rather than the user stopping the run. SystemExit counts as a failure: a library that calls
+    sys.exit() on odd input must not end training without a word."""
+    return not isinstance(err, (KeyboardInterrupt, ConfigError))
+
+
 class _Guarded:
-    """One scoring function run in a worker thread with a timeout; raises only ConfigError.
+    """One scoring function run in a worker thread with a timeout; raises only ConfigError and
+    KeyboardInterrupt.
 
     A timed-out thread cannot be killed in Python, so it runs on as a daemon (it does not block
     interpreter exit), and while it still runs the function is not called again: its next calls
-    give None at once instead of piling up threads.
+    give None at once instead of piling up threads. With timeout_s null the function runs inline
+    on the caller's thread and nothing bounds it: a hung function hangs the step; Ctrl-C (twice
+    during training) raises KeyboardInterrupt in it, which passes through.
     """
 
     def __init__(self, name: str, fn: Callable, timeout_s: float | None,
@@ -118,10 +128,9 @@ class _Guarded:
             self._warn(f"took longer than timeout_s={self.timeout_s} s; raise reward.timeout_s if it is "
                        f"just slow")
             return [None] * n, True
-        except ConfigError:
-            # a bad option (a broken regex, buffer 0) fails every call: stop with the fix, not run on
-            raise
-        except Exception as err:
+        except BaseException as err:
+            if not _failed(err):  # a bad option (a broken regex, buffer 0) fails every call: stop with the fix
+                raise
             self._warn(f"raised {err!r}; fix the function (it is retried one completion at a time)")
 
         def one_by_one() -> list:
@@ -131,13 +140,17 @@ class _Guarded:
                     single = self.fn(prompts[i:i + 1], completions[i:i + 1],
                                      **{k: v[i:i + 1] for k, v in columns.items()})
                     out.append(self.convert(single, completions[i:i + 1])[0])
-                except Exception:
+                except BaseException as err:
+                    if isinstance(err, KeyboardInterrupt):
+                        raise
                     out.append(None)
             return out
 
         try:
             return self._in_thread(one_by_one), True
-        except (FutureTimeout, Exception):
+        except BaseException as err:
+            if isinstance(err, KeyboardInterrupt):
+                raise
             return [None] * n, True
 
 
@@ -201,7 +214,8 @@ class OutcomeReward:
 
     A function missing from `weights` has weight 1.0. A completion's reward sums weight * score over
     the functions that scored it; it is None only when none did. `timeout_s` bounds each function's
-    call on a batch; null or 0 runs the functions inline, without a thread or a timeout.
+    call on a batch; null runs the functions inline, without a thread or a timeout (so math-verify can
+    use its own signal timeouts), and then nothing bounds a function that hangs: only Ctrl-C stops it.
     """
 
     def __init__(self, functions: dict[str, Callable], weights: dict[str, float] | None = None,
