@@ -31,7 +31,9 @@ Tasks:
 
 from __future__ import annotations
 
+import codecs
 import json
+import math
 import operator
 import random
 import re
@@ -396,22 +398,35 @@ def _clean_answer(text: str) -> str:
     return text.replace(",", "") if _GROUPED_NUMBER.fullmatch(text) else text
 
 
+def _not_finite(answer: str) -> bool:
+    """"NaN", "inf", "-Infinity", "1e999": text that Python reads as a number that is not finite."""
+    try:
+        return not math.isfinite(float(answer))
+    except ValueError:
+        return False
+
+
 def _read_jsonl(path: Path) -> list[Record]:
     records = []
-    try:
-        with path.open(encoding="utf-8") as lines:
-            for n, line in enumerate(lines, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise DataError(f"{path}:{n}: not valid JSON: {err}") from None
-                if not isinstance(record, dict):
-                    raise DataError(f"{path}:{n}: expected one JSON object per line, got {type(record).__name__}")
-                records.append((f"{path}:{n}", record))
-    except UnicodeDecodeError as err:
-        raise DataError(f"{path}: not UTF-8 text ({err}); is it really JSONL?") from None
+    # bytes, decoded line by line, so that bad bytes are reported by line, not by offset in the file
+    with path.open("rb") as lines:
+        for n, raw in enumerate(lines, 1):
+            if n == 1 and raw.startswith(codecs.BOM_UTF8):
+                raw = raw[len(codecs.BOM_UTF8):]  # the byte-order mark some Windows editors write
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise DataError(f"{path}:{n}: not UTF-8 text (byte 0x{raw[err.start]:02x} at byte {err.start + 1} "
+                                f"of the line); save the file as UTF-8") from None
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataError(f"{path}:{n}: not valid JSON: {err}") from None
+            if not isinstance(record, dict):
+                raise DataError(f"{path}:{n}: expected one JSON object per line, got {type(record).__name__}")
+            records.append((f"{path}:{n}", record))
     return records
 
 
@@ -485,10 +500,20 @@ class _RecordTask(_Task):
         # records whose answer the pattern does not find (or finds empty); counted, not fatal
         self.skipped = 0
 
+        if not train:
+            raise DataError(f"{source} holds no records (an empty file, or blank lines only); set data.path=... "
+                            f"to a file with one problem per line")
         rows = self._rows(train)
         if not rows:
+            if self._field_fix is not None:  # a task whose fields and pattern are fixed (GSM8K)
+                fix = f"no answer matches {answer_regex!r}; {self._field_fix}"
+            elif pattern is not None:
+                fix = (f"data.answer_regex ({answer_regex!r}) finds no answer in field {answer_field!r}; fix it or "
+                       f"set data.answer_regex=null")
+            else:
+                fix = f"check data.question_field ({question_field!r}) and data.answer_field ({answer_field!r})"
             raise DataError(f"{source} has no examples after answer extraction ({len(train)} records, "
-                            f"{self.skipped} without an answer); check data.answer_regex")
+                            f"{self.skipped} without a question or an answer); {fix}")
         order = list(range(len(rows)))
         random.Random(self.seed).shuffle(order)
         held_ids = [] if test is not None else sorted(order[:self.heldout_size])
@@ -503,13 +528,24 @@ class _RecordTask(_Task):
         reserved = held_keys | {_question_key(r.question) for r in shots}
         taken = set(held_ids) | set(shot_ids)
         kept = [r for j, r in enumerate(rows) if j not in taken and _question_key(r.question) not in reserved]
+        usable = len(kept)
         if limit is not None:
             kept = kept[:limit]
         if not kept or len(shots) < self.few_shot:
+            distinct = len({_question_key(r.question) for r in rows})
+            if usable and len(shots) == self.few_shot:  # only data.limit cut them all
+                fix = "set data.limit=null (all of them) or a number >= 1"
+            elif test is None and distinct > self.few_shot + 1:
+                # h held-out and f few-shot rows hold at most h + f questions, so h <= distinct - f - 1 leaves one
+                fix = (f"set data.heldout_size={distinct - self.few_shot - 1} or lower (or lower data.few_shot); "
+                       f"lines repeating a held-out or few-shot question are not trained on")
+            else:
+                fix = ("held-out, few-shot and training problems must have different questions, and a question "
+                       "repeated on many lines counts once; add problems with other questions")
             raise DataError(
-                f"{source} has no training examples after removing {len(held)} held-out and {len(shots)} "
-                f"few-shot problems and applying data.limit={limit} (from {len(rows)} usable records); "
-                f"lower data.heldout_size / data.few_shot or raise data.limit")
+                f"{source} has no training examples after removing {len(held)} held-out and {len(shots)} few-shot "
+                f"problems{'' if limit is None else f' and applying data.limit={limit}'} ({len(rows)} usable records, "
+                f"{distinct} distinct questions); {fix}")
         self.shots = [(r.question, self._shot_reply(r)) for r in shots]
         self.heldout = [self._example(r.question, r.answer, r.solution) for r in held]
         self.train = [self._example(r.question, r.answer, r.solution) for r in kept]
@@ -525,6 +561,9 @@ class _RecordTask(_Task):
         value = record[field]
         if isinstance(value, bool) or not isinstance(value, (str, int, float)):
             raise DataError(f"{where}: field {field!r} must be a string or a number, got {type(value).__name__}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise DataError(f"{where}: field {field!r} is {value} (often a missing value written as NaN); "
+                            f"fix or remove this line")
         return str(value)
 
     def _rows(self, records: list[Record]) -> list[_Row]:
@@ -537,6 +576,9 @@ class _RecordTask(_Task):
                 matches = list(self._pattern.finditer(raw))
                 raw = matches[-1].group(1 if self._pattern.groups else 0) if matches else ""
             answer = _clean_answer(raw)
+            if _not_finite(answer):  # no completion can be scored against NaN or inf
+                raise DataError(f"{where}: the answer is {answer!r}, not a finite number (often a missing value "
+                                f"written as NaN); fix or remove this line")
             if not answer or not question.strip():
                 self.skipped += 1
                 continue
