@@ -140,8 +140,12 @@ def run(cfg: DictConfig, overrides: list[str] = ()) -> Path:
         bar.update(task, advance=1, info="done")
 
     console.print(files_table(out, record))
-    how = (f"AutoModelForCausalLM.from_pretrained({str(out)!r})  ·  vllm serve {out}" if E.merge else
-           f"PeftModel.from_pretrained(base, {str(out)!r})")
+    if E.merge:
+        how = f"AutoModelForCausalLM.from_pretrained({str(out)!r})  ·  vllm serve {out}"
+    elif base["name_or_path"]:  # the adapter config names a base that loads by itself
+        how = f"AutoPeftModelForCausalLM.from_pretrained({str(out)!r})"
+    else:  # a base built in memory (model=tiny): the caller builds it
+        how = f"PeftModel.from_pretrained(base_model, {str(out)!r})"
     console.print(f"exported {ckpt} (step {step}) to {out}\nload with: {how}")
     return out
 
