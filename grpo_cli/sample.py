@@ -1,6 +1,7 @@
 """`grpo sample`: print what a checkpoint (or the base model) writes, with its answer and reward.
 
-    grpo sample checkpoint=outputs/train/DATE/TIME prompt="What is 17 + 25?"
+    grpo sample checkpoint=outputs/train/DATE/TIME sample.prompt="What is 17 + 25?"
+    grpo sample checkpoint=outputs/train/DATE/TIME 'sample.prompt="Is 3 < 4, yes or no?"'  # Hydra: quote , = < | [ ]
     grpo sample data=gsm8k data.path=train.jsonl sample.n=4 reward=gsm8k_process
 
 With process rewards each step is highlighted green/red/grey by the sign of its step reward.
@@ -18,6 +19,7 @@ from rich.text import Text
 
 from grpo_cli import checkpoint
 from grpo_cli.config import build, command_line_overrides, hydra_app
+from grpo_cli.errors import ConfigError
 from grpo_cli.metrics import console, limit_heap_growth
 from grpo_cli.policy import adapter_enabled, load_inference
 from grpo_cli.rewards import answers_match, extract_answer, score
@@ -32,14 +34,18 @@ def main(cfg: DictConfig) -> None:
 def run(cfg: DictConfig, overrides: list[str] = ()) -> list[dict]:
     limit_heap_growth()
     sample_cfg = cfg.sample
+    prompt = None if sample_cfg.prompt is None else str(sample_cfg.prompt)  # sample.prompt=17 is an int
+    if prompt is not None and not prompt.strip():
+        raise ConfigError(f"sample.prompt ({sample_cfg.prompt!r}) is empty; give the question, "
+                          f"sample.prompt=\"What is 17 + 25?\", or drop it to sample held-out problems")
     ckpt = checkpoint.resolve(cfg.checkpoint) if cfg.checkpoint else None
     policy, tokenizer, cfg = load_inference(cfg, list(overrides), [ckpt])
     if ckpt is not None:
         checkpoint.load_adapter(policy, ckpt)
     reward_fn = build(cfg.reward)
     sampler = build(cfg.sampler)
-    if sample_cfg.prompt:
-        problems = [{"messages": [{"role": "user", "content": sample_cfg.prompt}], "question": sample_cfg.prompt}]
+    if prompt is not None:
+        problems = [{"messages": [{"role": "user", "content": prompt}], "question": prompt}]
     else:
         problems = list(build(cfg.data).heldout)[: sample_cfg.num_prompts]
     torch.manual_seed(sample_cfg.seed)

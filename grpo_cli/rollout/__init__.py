@@ -17,11 +17,13 @@ training forward scores exactly the tokens the sampler produced.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from grpo_cli.errors import DataError
 from grpo_cli.objective import token_entropy, token_logprobs
 
 
@@ -60,9 +62,76 @@ class Sampler(Protocol):
     def sync(self, policy) -> None: ...
 
 
+class ChatPrompt(str):
+    """A chat-templated prompt that remembers which of its spans are message text.
+
+    `parts` are (text, is_message_text) pairs that join to the string itself. `encode_prompts`
+    tokenizes message text with special-token strings split into ordinary tokens, so "<|im_end|>"
+    typed in a question stays text; only the template's own markup becomes control tokens.
+    """
+
+    parts: tuple[tuple[str, bool], ...]
+
+    def __new__(cls, parts: list[tuple[str, bool]]) -> ChatPrompt:
+        prompt = super().__new__(cls, "".join(text for text, _ in parts))
+        prompt.parts = tuple(parts)
+        return prompt
+
+
+# stands in for message i while the template renders: private-use characters no template or tokenizer reads
+_MARK = re.compile("\ue000(\\d+)\ue001")
+
+
 def render_prompts(tokenizer, conversations: list[list[dict]]) -> list[str]:
-    """Chat-template each conversation, ending with the assistant's turn opened."""
-    return [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in conversations]
+    """Chat-template each conversation, ending with the assistant's turn opened.
+
+    A conversation whose message text holds a special-token string comes back as a ChatPrompt; every
+    other prompt is a plain string, tokenized exactly as before.
+    """
+    specials = [t.content for t in tokenizer.added_tokens_decoder.values() if t.special]
+    prompts = []
+    for conversation in conversations:
+        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        if any(s in str(m["content"]) for m in conversation for s in specials):
+            text = _mark_messages(tokenizer, conversation, text)
+        prompts.append(text)
+    return prompts
+
+
+def _mark_messages(tokenizer, conversation: list[dict], text: str) -> ChatPrompt:
+    """`text` split into template markup and message text: the template rendered once more with a mark
+    in place of each message's text shows where the messages go."""
+    marked = [{**m, "content": f"\ue000{i}\ue001"} for i, m in enumerate(conversation)]
+    skeleton = _MARK.split(tokenizer.apply_chat_template(marked, add_generation_prompt=True, tokenize=False))
+    for shape in (str, str.strip):  # some templates strip message text (Llama 3's does)
+        # split() alternates markup and the captured message index
+        parts = [(shape(str(conversation[int(piece)]["content"])), True) if k % 2 else (piece, False)
+                 for k, piece in enumerate(skeleton) if piece]
+        if "".join(t for t, _ in parts) == text:
+            return ChatPrompt(parts)
+    raise DataError(f"a prompt holds a special token string ({text[:100]!r}...) and this tokenizer's chat "
+                    f"template rewrites message text, so it cannot be kept as plain text; remove it from the data")
+
+
+def encode_prompts(tokenizer, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids [B, P] and attention mask [B, P] of chat-templated prompts, left-padded.
+
+    The message text of a ChatPrompt is tokenized with special-token strings kept as text.
+    """
+    rows = []
+    for prompt in prompts:
+        ids: list[int] = []
+        for text, is_message in getattr(prompt, "parts", None) or ((prompt, False),):
+            ids += tokenizer(text, add_special_tokens=False, split_special_tokens=is_message).input_ids
+        rows.append(ids)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
+        mask[i, width - len(row):] = 1
+    return ids, mask
 
 
 def finish(tokenizer, prompt_ids, prompt_mask, completion, eos: int, pad: int) -> Rollout:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from grpo_cli.rollout import Rollout, finish, position_ids
+from grpo_cli.rollout import Rollout, encode_prompts, finish, position_ids
 
 
 class HFSampler:
@@ -29,9 +29,7 @@ class HFSampler:
                  max_new_tokens: int | None = None, temperature: float | None = None) -> Rollout:
         """`n` completions for each prompt string (already chat-templated), rows grouped by prompt."""
         device = next(model.parameters()).device
-        tokenizer.padding_side = "left"
-        enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-        ids, mask = enc.input_ids, enc.attention_mask  # [B, P]
+        ids, mask = (t.to(device) for t in encode_prompts(tokenizer, prompts))  # [B, P], left-padded
         eos = tokenizer.eos_token_id
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
         settings = dict(do_sample=False) if greedy else dict(
