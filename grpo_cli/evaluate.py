@@ -24,7 +24,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from rich.table import Table
 
 from grpo_cli import checkpoint
-from grpo_cli.config import build, command_line_overrides, hydra_app
+from grpo_cli.config import build, command_line_overrides, hydra_app, validate
 from grpo_cli.errors import ConfigError
 from grpo_cli.metrics import console, limit_heap_growth, mean, progress
 from grpo_cli.policy import adapter_enabled, load_inference
@@ -72,6 +72,7 @@ def expand_checkpoints(spec) -> list[Path | None]:
 
 def run(cfg: DictConfig, out_dir: Path, overrides: list[str] = ()) -> dict:
     limit_heap_growth()
+    validate(OmegaConf.masked_copy(cfg, ["eval"]))  # eval's own values first: the checks below use them
     eval_cfg = cfg.eval
     checkpoints = expand_checkpoints(cfg.checkpoint)
     if eval_cfg.include_base and None not in checkpoints:

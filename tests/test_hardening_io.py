@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo_cli import evaluate, sample
+from grpo_cli import evaluate, policy, sample, train
 from grpo_cli.config import compose
 from grpo_cli.data import load_task
 from grpo_cli.errors import ConfigError, DataError
@@ -248,3 +248,65 @@ def test_readme_sample_line_composes():
     overrides = [a.replace('"', "") for a in shlex.split(line.split("#")[0])[2:]]
     cfg = compose("sample", [a for a in overrides if not a.startswith("checkpoint=")])
     assert cfg.sample.prompt == "What is 17 + 25?"
+
+
+# ---- eval and sample over tiny runs -----------------------------------------------------------
+
+TINY = ["model=tiny", "sampler.max_new_tokens=6", "data.heldout_size=20"]
+
+
+def tiny_run(path: Path, *overrides: str) -> Path:
+    train.run(compose("train", [*TINY, "trainer.max_steps=2", "trainer.save_every=1", "algo.group_size=2",
+                                "trainer.prompts_per_step=1", "trainer.report_to=[]", *overrides]), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A 2-step tiny run with checkpoints at steps 1 and 2. Tests copy it before they change anything."""
+    return tiny_run(tmp_path_factory.mktemp("run"))
+
+
+@pytest.fixture(scope="module")
+def wide_run(tmp_path_factory):
+    """The same run on another tiny base model: hidden size 64 instead of 32."""
+    return tiny_run(tmp_path_factory.mktemp("wide"), "model.loader.hidden_size=64")
+
+
+@pytest.fixture()
+def no_model(monkeypatch):
+    """Any model load fails the test: the errors below must come before one."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(policy, "build_policy", refuse)
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "eval_samples.jsonl").read_text().splitlines()]
+
+
+def eval_cfg(*overrides: str):
+    return compose("eval", [*TINY, *overrides])
+
+
+# ---- item 10: bad eval/sample values stop before the model loads --------------------------------
+
+@pytest.mark.parametrize("command, override, key", [
+    ("eval", "eval.limit=-1", "eval.limit"),
+    ("eval", "eval.batch_size=0", "eval.batch_size"),
+    ("eval", "eval.k=[0]", "eval.k"),
+    ("eval", "eval.k=[]", "eval.k"),  # max([]) would be a traceback in the eval.k <= num_samples check
+    ("eval", "eval.k=abc", "eval.k"),
+    ("sample", "sample.n=0", "sample.n"),
+    ("sample", "sample.num_prompts=0", "sample.num_prompts"),
+])
+def test_bad_values_stop_before_the_model_loads(command, override, key, no_model, capfd, tmp_path):
+    extra = ["eval.num_samples=4"] if command == "eval" else []  # so that eval.k is read
+    code, err = cli(capfd, command, override, *extra, tmp=tmp_path)
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith(f"error: {key} (") and f"; set {key}=" in err
