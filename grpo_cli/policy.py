@@ -170,22 +170,44 @@ def adapter_enabled(policy, enabled: bool = True):
     return contextlib.nullcontext() if enabled else policy.disable_adapter()
 
 
+# loader options that say where files are cached, not which weights load
+_NOT_IDENTITY = ("cache_dir",)
+
+
+def _base_identity(model_cfg) -> dict:
+    """{dotted key: value} of what decides the weights under a LoRA adapter and the adapter's shape."""
+    from omegaconf import OmegaConf
+
+    loader = OmegaConf.to_container(model_cfg.get("loader") or {}, resolve=True)
+    out = {f"loader.{k}": v for k, v in loader.items() if k not in _NOT_IDENTITY}
+    lora = model_cfg.get("lora") or {}
+    out.update({f"lora.{k}": OmegaConf.to_container(lora[k]) if OmegaConf.is_list(lora[k]) else lora[k]
+                for k in ("r", "alpha", "target_modules") if k in lora})  # lora.dropout is off in eval
+    return out
+
+
 def load_inference(cfg, overrides: list[str], checkpoints: list):
     """(policy with LoRA in eval mode, tokenizer, effective config) for eval and sample.
 
     The first checkpoint's saved config fills in model/data/reward/sampler unless the command line
-    overrides them; every checkpoint must share its base model.
+    overrides them. Every checkpoint must have been trained on the model built here: the same
+    `model.loader` node (which weights load) and the same LoRA shape, or its adapter would not fit
+    or, worse, fit other weights silently.
     """
     from grpo_cli import checkpoint
     from grpo_cli.config import inherit, validate
 
     first = next((c for c in checkpoints if c is not None), None)
     if first is not None:
-        saved = checkpoint.load_config(first)
-        cfg = inherit(cfg, saved, overrides)
-        for other in checkpoints:
-            if other is not None and checkpoint.load_config(other).model.get("name") != cfg.model.get("name"):
-                raise ConfigError(f"{other} was trained on another base model than {first}; evaluate them apart")
+        cfg = inherit(cfg, checkpoint.load_config(first), overrides)
+        ours = _base_identity(cfg.model)
+        for ckpt in (c for c in checkpoints if c is not None):
+            theirs = _base_identity(checkpoint.load_config(ckpt).model)
+            key = next((k for k in sorted(ours.keys() | theirs.keys()) if ours.get(k) != theirs.get(k)), None)
+            if key is not None:
+                raise ConfigError(f"{ckpt} was trained with model.{key}={theirs.get(key)!r}, not {ours.get(key)!r}: "
+                                  f"its adapter fits only that base model; drop the model override, or evaluate "
+                                  f"checkpoints of different base models apart")
     validate(cfg)
     policy, tokenizer, _ = build_policy(cfg.model)
     policy.eval()

@@ -10,6 +10,7 @@ import json
 import logging
 import re
 import shlex
+import shutil
 import sys
 from pathlib import Path
 
@@ -310,3 +311,38 @@ def test_bad_values_stop_before_the_model_loads(command, override, key, no_model
     code, err = cli(capfd, command, override, *extra, tmp=tmp_path)
     assert code == 2 and len(err.splitlines()) == 1, err
     assert err.startswith(f"error: {key} (") and f"; set {key}=" in err
+
+
+# ---- item 8: an adapter of another base model is refused in one line ---------------------------
+
+@pytest.mark.parametrize("override, setting", [
+    ("model.loader.hidden_size=64", "model.loader.hidden_size=32, not 64"),
+    ("model.loader.seed=1", "model.loader.seed=0, not 1"),  # same shapes: it would load and be silently wrong
+    ("model.lora.r=8", "model.lora.r=4, not 8"),
+])
+def test_eval_refuses_a_base_model_override(run_dir, override, setting, no_model, capfd, tmp_path):
+    # model=tiny: without it the composed model is eval.yaml's default, whose loader has no hidden_size
+    code, err = cli(capfd, "eval", f"checkpoint={run_dir}", "model=tiny", override, tmp=tmp_path)
+    assert code == 2 and err.splitlines() == [
+        f"error: {run_dir}/checkpoints/step_000001 was trained with {setting}: its adapter fits only that base "
+        f"model; drop the model override, or evaluate checkpoints of different base models apart"]
+
+
+def test_eval_refuses_runs_of_two_base_models(run_dir, wide_run, no_model, capfd, tmp_path):
+    code, err = cli(capfd, "eval", f"checkpoint=[{run_dir},{wide_run}]", tmp=tmp_path)
+    assert code == 2 and err.splitlines() == [
+        f"error: {wide_run}/checkpoints/step_000001 was trained with model.loader.hidden_size=64, not 32: its "
+        f"adapter fits only that base model; drop the model override, or evaluate checkpoints of different base "
+        f"models apart"]
+    code, err = cli(capfd, "sample", f"checkpoint={wide_run}", "model=tiny", tmp=tmp_path)
+    assert code == 2 and "step_000002 was trained with model.loader.hidden_size=64, not 32" in err
+
+
+def test_an_adapter_that_does_not_fit_is_one_line(run_dir, wide_run, capfd, tmp_path):
+    """A checkpoint whose config.yaml claims the base it was not trained on: the shapes disagree at load."""
+    ckpt = tmp_path / "liar" / "checkpoints" / "step_000001"
+    shutil.copytree(wide_run / "checkpoints" / "step_000001", ckpt)
+    shutil.copy(run_dir / "checkpoints" / "step_000001" / "config.yaml", ckpt / "config.yaml")
+    code, err = cli(capfd, "eval", f"checkpoint={ckpt}", "eval.limit=2", tmp=tmp_path / "out")
+    assert code == 2 and len(err.splitlines()) == 1 and "adapter weights do not fit this model" in err
+    assert str(ckpt / "adapter_model.safetensors") in err
