@@ -9,7 +9,8 @@ samples per problem at eval.temperature give unbiased pass@k (Chen et al. 2021) 
 (majority vote over the extracted answers of the first k samples). Problems come from the
 dataset's held-out split, never the training stream. Writes eval.json, eval_samples.jsonl (one line
 per checkpoint and problem; rerunning in the same folder skips what is there) and, for more than
-one checkpoint, accuracy.png.
+one checkpoint, accuracy.png. A checkpoint whose files are missing or corrupt is skipped with one
+warning line naming the file.
 """
 
 from __future__ import annotations
@@ -55,7 +56,10 @@ def majority_correct(answers: list[str | None], reference: str) -> bool:
 
 
 def expand_checkpoints(spec) -> list[Path | None]:
-    """`checkpoint=` as given: null (base model), a checkpoint, a run folder (all of its) or a list."""
+    """`checkpoint=` as given: null (base model), a checkpoint, a run folder (all of its) or a list.
+
+    A run folder gives every checkpoints/step_N folder, complete or not: `usable` says which fail.
+    """
     if spec is None:
         return [None]
     items = list(spec) if isinstance(spec, (list, ListConfig)) else [spec]
@@ -64,17 +68,52 @@ def expand_checkpoints(spec) -> list[Path | None]:
         path = Path(str(item))
         if not path.exists():
             raise ConfigError(f"checkpoint={path} does not exist; pass a checkpoint or run folder from `grpo train`")
-        out.extend([path] if (path / "trainer_state.json").exists() else checkpoint.list_checkpoints(path))
-        if not out:
+        if (path / "trainer_state.json").exists() or checkpoint.step_of(path) is not None:
+            out.append(path)
+            continue
+        found = [p for p in (path / "checkpoints").glob("step_*") if p.is_dir() and checkpoint.step_of(p) is not None]
+        if not found:
             raise ConfigError(f"{path} holds no checkpoints/step_* folders; pass a run folder of `grpo train`")
+        out.extend(sorted(found, key=checkpoint.step_of))
     return out
+
+
+def usable(checkpoints: list[Path | None]) -> dict[Path | None, int | None]:
+    """The checkpoints whose files all read (checkpoint.verify), with their steps; None (the base
+    model) always. Each one that fails is skipped with a warning line naming its file; if every
+    checkpoint asked for fails, that is an error (one line each)."""
+    steps: dict[Path | None, int | None] = {}
+    problems = []
+    for ckpt in checkpoints:
+        if ckpt is None:
+            steps[None] = None
+            continue
+        try:
+            checkpoint.verify(ckpt)
+        except ConfigError as err:
+            problems.append(f"{ckpt}: {err}")
+            continue
+        state = json.loads((ckpt / "trainer_state.json").read_text())
+        step = state.get("step") if isinstance(state, dict) else None
+        steps[ckpt] = step if isinstance(step, int) else checkpoint.step_of(ckpt)
+    if problems and not any(c is not None for c in steps):
+        raise ConfigError("\n".join(problems))
+    for problem in problems:
+        _warn(f"skipping {problem}")
+    return steps
+
+
+def _warn(line: str) -> None:
+    # soft_wrap: one line however narrow the terminal; markup off: paths may hold [brackets]
+    console.print(f"warning: {line}", style="yellow", markup=False, highlight=False, soft_wrap=True)
 
 
 def run(cfg: DictConfig, out_dir: Path, overrides: list[str] = ()) -> dict:
     limit_heap_growth()
     validate(OmegaConf.masked_copy(cfg, ["eval"]))  # eval's own values first: the checks below use them
     eval_cfg = cfg.eval
-    checkpoints = expand_checkpoints(cfg.checkpoint)
+    steps = usable(expand_checkpoints(cfg.checkpoint))
+    checkpoints = list(steps)
     if eval_cfg.include_base and None not in checkpoints:
         checkpoints = [None, *checkpoints]
     if eval_cfg.num_samples and max(eval_cfg.k) > eval_cfg.num_samples:
@@ -111,7 +150,7 @@ def run(cfg: DictConfig, out_dir: Path, overrides: list[str] = ()) -> dict:
                     out.write(json.dumps(row) + "\n")
                     rows.append(row)
                 bar.update(task, completed=len(rows), info=f"acc {mean(r['correct'] for r in rows):.3f}")
-        results.append(summarize(name, rows, eval_cfg))
+        results.append(summarize(name, steps.get(ckpt), rows, eval_cfg))
     report = {"results": results, "config": OmegaConf.to_container(cfg, resolve=True)}
     (out_dir / "eval.json").write_text(json.dumps(report, indent=1))
     console.print(results_table(results))
@@ -149,12 +188,9 @@ def score_batch(policy, tokenizer, sampler, reward_fn, batch: list[dict], eval_c
     return rows
 
 
-def summarize(name: str | None, rows: list[dict], eval_cfg: DictConfig) -> dict:
+def summarize(name: str | None, step: int | None, rows: list[dict], eval_cfg: DictConfig) -> dict:
     rows = sorted(rows, key=lambda r: r["index"])
     every = [r["greedy"] for r in rows] + [s for r in rows for s in r["samples"]]
-    step = None
-    if name is not None:
-        step = json.loads((Path(name) / "trainer_state.json").read_text())["step"]
     out = {"checkpoint": name, "step": step, "num_problems": len(rows),
            "accuracy": mean(r["correct"] for r in rows),
            "mean_reward": mean(c["reward"] for c in every),

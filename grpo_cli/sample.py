@@ -38,7 +38,8 @@ def run(cfg: DictConfig, overrides: list[str] = ()) -> list[dict]:
     if prompt is not None and not prompt.strip():
         raise ConfigError(f"sample.prompt ({sample_cfg.prompt!r}) is empty; give the question, "
                           f"sample.prompt=\"What is 17 + 25?\", or drop it to sample held-out problems")
-    ckpt = checkpoint.resolve(cfg.checkpoint) if cfg.checkpoint else None
+    # a run folder's newest checkpoint whose files read; a corrupt newer one is skipped with a warning line
+    ckpt = checkpoint.resolve(cfg.checkpoint, warn=_warn) if cfg.checkpoint else None
     policy, tokenizer, cfg = load_inference(cfg, list(overrides), [ckpt])
     if ckpt is not None:
         checkpoint.load_adapter(policy, ckpt)
@@ -75,6 +76,10 @@ def run(cfg: DictConfig, overrides: list[str] = ()) -> list[dict]:
                 f.write(json.dumps(r) + "\n")
         console.print(f"wrote {len(records)} completions to {sample_cfg.output}")
     return records
+
+
+def _warn(line: str) -> None:
+    console.print(f"warning: {line}", style="yellow", markup=False, highlight=False, soft_wrap=True)
 
 
 def render(record: dict, k: int) -> Panel:

@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from grpo_cli import evaluate, policy, sample, train
 from grpo_cli.config import compose
@@ -346,3 +348,58 @@ def test_an_adapter_that_does_not_fit_is_one_line(run_dir, wide_run, capfd, tmp_
     code, err = cli(capfd, "eval", f"checkpoint={ckpt}", "eval.limit=2", tmp=tmp_path / "out")
     assert code == 2 and len(err.splitlines()) == 1 and "adapter weights do not fit this model" in err
     assert str(ckpt / "adapter_model.safetensors") in err
+
+
+# ---- item 6: eval skips a corrupt checkpoint with one warning line, evaluates the rest ---------
+
+def truncate(file: Path) -> None:
+    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+
+
+def nan_weights(file: Path) -> None:
+    save_file({k: torch.full_like(v, float("nan")) for k, v in load_file(file).items()}, file)
+
+
+@pytest.mark.parametrize("name, damage", [
+    ("adapter_model.safetensors", truncate),
+    ("adapter_model.safetensors", nan_weights),
+    ("adapter_model.safetensors", Path.unlink),
+    ("trainer_state.json", lambda f: f.write_text("{garbage")),
+    ("trainer_state.json", Path.unlink),
+    ("config.yaml", lambda f: f.write_text("model: [unclosed")),
+], ids=["truncated", "nan", "adapter-missing", "state-garbage", "state-missing", "config-garbage"])
+def test_eval_skips_a_corrupt_checkpoint(run_dir, name, damage, capfd, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    damage(run / "checkpoints" / "step_000002" / name)
+    before = snapshot(run)
+    capfd.readouterr()
+    report = evaluate.run(eval_cfg(f"checkpoint={run}", "eval.limit=2"), tmp_path / "out", [f"checkpoint={run}"])
+    warnings = [line for line in capfd.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and f"{run}/checkpoints/step_000002/{name}" in warnings[0], warnings
+    assert [r["step"] for r in report["results"]] == [1]
+    assert [r["step"] for r in json.loads((tmp_path / "out" / "eval.json").read_text())["results"]] == [1]
+    assert snapshot(run) == before  # the run folder is only read
+
+
+def test_eval_of_only_corrupt_checkpoints_is_an_error(run_dir, no_model, capfd, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    for step in (1, 2):
+        truncate(run / "checkpoints" / f"step_00000{step}" / "adapter_model.safetensors")
+    code, err = cli(capfd, "eval", f"checkpoint={run}", tmp=tmp_path / "out")
+    lines = err.splitlines()
+    assert code == 2 and len(lines) == 2  # one line per checkpoint, each naming its file
+    for step, line in zip((1, 2), lines):
+        assert line.startswith(f"error: {run}/checkpoints/step_00000{step}: ")
+        assert f"step_00000{step}/adapter_model.safetensors cannot be read" in line
+
+
+def test_sample_of_a_run_skips_its_corrupt_latest_checkpoint(run_dir, capfd, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    truncate(run / "checkpoints" / "step_000002" / "adapter_model.safetensors")
+    capfd.readouterr()
+    records = sample.run(compose("sample", [*TINY, f"checkpoint={run}", "sample.n=1", "sample.num_prompts=1"]))
+    warnings = [line for line in capfd.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert len(records) == 1 and len(warnings) == 1 and "step_000002/adapter_model.safetensors" in warnings[0]
