@@ -8,15 +8,22 @@ Per checkpoint: greedy accuracy (pass@1 at temperature 0); with eval.num_samples
 samples per problem at eval.temperature give unbiased pass@k (Chen et al. 2021) and maj@k
 (majority vote over the extracted answers of the first k samples). Problems come from the
 dataset's held-out split, never the training stream. Writes eval.json, eval_samples.jsonl (one line
-per checkpoint and problem; rerunning in the same folder skips what is there) and, for more than
-one checkpoint, accuracy.png. A checkpoint whose files are missing or corrupt is skipped with one
-warning line naming the file.
+per checkpoint and problem) and, for more than one checkpoint, accuracy.png.
+
+Rerunning in the same folder reuses a row only if it was made the same way: each row carries a
+digest of the problem, the model section, the adapter file's bytes, the reward, the sampler and
+eval's generation settings. Rows made otherwise are not reported under the new settings: the old
+files move to `stale-TIME/` in the folder and those rows are recomputed. A checkpoint whose files
+are missing or corrupt is skipped with one warning line naming the file.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -129,7 +136,14 @@ def run(cfg: DictConfig, out_dir: Path, overrides: list[str] = ()) -> dict:
     problems = list(data.heldout)[: min(limits)] if limits else list(data.heldout)
     out_dir.mkdir(parents=True, exist_ok=True)
     samples_path = out_dir / "eval_samples.jsonl"
-    done = _read_done(samples_path)
+    settings = _settings(cfg)
+    # the digest each row must carry to be reused: (checkpoint, problem index) -> digest
+    wanted = {}
+    for ckpt in checkpoints:
+        adapter = _file_digest(ckpt / checkpoint.ADAPTER) if ckpt is not None else None
+        name = str(ckpt) if ckpt else None
+        wanted.update({(name, i): _digest(settings, adapter, p) for i, p in enumerate(problems)})
+    done = _reuse(out_dir, wanted)
 
     results = []
     for ckpt in checkpoints:
@@ -146,13 +160,15 @@ def run(cfg: DictConfig, out_dir: Path, overrides: list[str] = ()) -> dict:
                 with adapter_enabled(policy, ckpt is not None):
                     new = score_batch(policy, tokenizer, sampler, reward_fn, batch, eval_cfg)
                 for i, row in zip(todo[start:start + eval_cfg.batch_size], new):
-                    row.update(checkpoint=name, index=i)
+                    row.update(checkpoint=name, index=i, digest=wanted[(name, i)])
                     out.write(json.dumps(row) + "\n")
                     rows.append(row)
                 bar.update(task, completed=len(rows), info=f"acc {mean(r['correct'] for r in rows):.3f}")
         results.append(summarize(name, steps.get(ckpt), rows, eval_cfg))
     report = {"results": results, "config": OmegaConf.to_container(cfg, resolve=True)}
-    (out_dir / "eval.json").write_text(json.dumps(report, indent=1))
+    tmp = out_dir / "eval.json.tmp"
+    tmp.write_text(json.dumps(report, indent=1))
+    os.replace(tmp, out_dir / "eval.json")  # a kill while writing leaves the earlier eval.json whole
     console.print(results_table(results))
     if len(results) > 1:
         plot_accuracy(results, out_dir / "accuracy.png")
@@ -255,9 +271,66 @@ def plot_accuracy(results: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def _read_done(path: Path) -> dict:
-    """Rows already written by an earlier run into the same folder, keyed by (checkpoint, problem)."""
+# eval's settings that change a row (eval.limit, eval.k and eval.include_base only pick rows or summarize them)
+_ROW_SETTINGS = ("num_samples", "temperature", "max_new_tokens", "seed", "batch_size")
+
+
+def _settings(cfg: DictConfig) -> dict:
+    """What, besides the problem and the adapter, decides a row: the base model, reward, sampler and
+    eval's generation settings (batch_size too: it sets the seeds and the padding of each batch)."""
+    plain = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "reward", "sampler")}
+    return {**plain, "eval": {k: cfg.eval[k] for k in _ROW_SETTINGS}}
+
+
+def _digest(*parts) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _file_digest(path: Path) -> str:
+    """The adapter's bytes: a run folder trained again under the same path is another model."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()[:16]
+
+
+def _reuse(out_dir: Path, wanted: dict) -> dict:
+    """Rows of an earlier eval in `out_dir` that carry the digest this eval wants, by (checkpoint, index).
+
+    If the files hold other rows for the same checkpoints and problems (other data, reward, sampler,
+    eval settings or weights, or a line cut short by a crash), they move whole to `stale-TIME/` (one
+    warning line says where) and eval_samples.jsonl starts again from the reusable rows.
+    """
+    path = out_dir / "eval_samples.jsonl"
     if not path.exists():
         return {}
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return {(r["checkpoint"], r["index"]): r for r in rows}
+    done, stale = {}, 0
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+            key = (row["checkpoint"], row["index"])
+        except (ValueError, TypeError, KeyError):  # a line cut short by a kill, or not ours
+            stale += line.strip() != ""
+            continue
+        if key not in wanted:
+            continue  # another checkpoint or a problem past eval.limit: neither reused nor in the way
+        if row.get("digest") == wanted[key]:
+            done[key] = row
+        else:
+            stale += 1
+    if stale:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        aside, n = out_dir / f"stale-{stamp}", 1
+        while aside.exists():  # two reruns within a second must not overwrite each other's old files
+            aside, n = out_dir / f"stale-{stamp}-{n}", n + 1
+        aside.mkdir()
+        for name in ("eval_samples.jsonl", "eval.json", "accuracy.png"):
+            if (out_dir / name).exists():
+                (out_dir / name).rename(aside / name)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(row) + "\n" for row in done.values()))
+        os.replace(tmp, path)
+        _warn(f"{stale} rows of {path} were made with other data, reward, sampler, eval settings or weights; "
+              f"the old files moved to {aside}, {len(done)} matching rows are reused and the rest recomputed")
+    return done

@@ -403,3 +403,63 @@ def test_sample_of_a_run_skips_its_corrupt_latest_checkpoint(run_dir, capfd, tmp
     records = sample.run(compose("sample", [*TINY, f"checkpoint={run}", "sample.n=1", "sample.num_prompts=1"]))
     warnings = [line for line in capfd.readouterr().err.splitlines() if line.startswith("warning:")]
     assert len(records) == 1 and len(warnings) == 1 and "step_000002/adapter_model.safetensors" in warnings[0]
+
+
+# ---- item 7: eval reuses only rows made with the same settings ---------------------------------
+
+def test_rerun_with_the_same_settings_reuses_every_row(run_dir, tmp_path):
+    cfg = eval_cfg(f"checkpoint={run_dir}", "eval.limit=3", "eval.include_base=true")
+    first = evaluate.run(cfg, tmp_path, [])
+    written = (tmp_path / "eval_samples.jsonl").read_bytes()
+    assert len(rows(tmp_path)) == 3 * 3 and all(len(r["digest"]) == 16 for r in rows(tmp_path))
+    again = evaluate.run(cfg, tmp_path, [])
+    assert (tmp_path / "eval_samples.jsonl").read_bytes() == written and again["results"] == first["results"]
+    # a larger eval.limit keeps the 9 rows and adds problem 3 for each of the 3 models
+    evaluate.run(eval_cfg(f"checkpoint={run_dir}", "eval.limit=4", "eval.include_base=true"), tmp_path, [])
+    assert (tmp_path / "eval_samples.jsonl").read_bytes().startswith(written) and len(rows(tmp_path)) == 12
+    assert not list(tmp_path.glob("stale-*"))
+
+
+@pytest.mark.parametrize("override", ["data.seed=1", "eval.max_new_tokens=2", "sampler.top_k=3",
+                                      "reward.functions.accuracy.correct=2.0", "eval.batch_size=1"])
+def test_rerun_with_other_settings_recomputes(run_dir, tmp_path, override):
+    ckpt = f"checkpoint={run_dir}/checkpoints/step_000002"
+    evaluate.run(eval_cfg(ckpt, "eval.limit=3"), tmp_path, [])
+    old = snapshot(tmp_path)
+    old_rows = rows(tmp_path)
+    report = evaluate.run(eval_cfg(ckpt, "eval.limit=3", override), tmp_path, [override])
+    new_rows = rows(tmp_path)
+    assert len(new_rows) == 3 and {r["digest"] for r in new_rows}.isdisjoint(r["digest"] for r in old_rows)
+    # the old files moved aside whole, byte for byte
+    [aside] = tmp_path.glob("stale-*")
+    assert snapshot(aside) == {k: v for k, v in old.items() if k in ("eval_samples.jsonl", "eval.json")}
+    # what eval.json reports comes from the new rows
+    assert report["results"][0]["accuracy"] == pytest.approx(sum(r["correct"] for r in new_rows) / 3)
+    if override == "data.seed=1":  # other held-out problems
+        assert [r["question"] for r in new_rows] != [r["question"] for r in old_rows]
+    if override == "eval.max_new_tokens=2":
+        assert max(r["greedy"]["length"] for r in new_rows) <= 2 < max(r["greedy"]["length"] for r in old_rows)
+    if override.startswith("reward."):
+        assert {r["greedy"]["reward"] for r in new_rows} <= {0.0, 2.0}
+
+
+def test_retrained_weights_under_the_same_path_are_recomputed(run_dir, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    cfg = eval_cfg(f"checkpoint={run}/checkpoints/step_000002", "eval.limit=2")
+    evaluate.run(cfg, tmp_path / "out", [])
+    adapter = run / "checkpoints" / "step_000002" / "adapter_model.safetensors"
+    save_file({k: v + 0.5 for k, v in load_file(adapter).items()}, adapter)
+    evaluate.run(cfg, tmp_path / "out", [])
+    assert len(list((tmp_path / "out").glob("stale-*"))) == 1 and len(rows(tmp_path / "out")) == 2
+
+
+def test_a_line_cut_short_by_a_kill_is_recomputed(run_dir, tmp_path):
+    cfg = eval_cfg(f"checkpoint={run_dir}/checkpoints/step_000002", "eval.limit=3")
+    evaluate.run(cfg, tmp_path, [])
+    whole = rows(tmp_path)
+    text = (tmp_path / "eval_samples.jsonl").read_text()
+    (tmp_path / "eval_samples.jsonl").write_text(text[: len(text) - 40])  # the last row loses its end
+    evaluate.run(cfg, tmp_path, [])
+    # rows 0 and 1 reused as they were, row 2 recomputed (deterministic: the same values)
+    assert rows(tmp_path) == whole and len(list(tmp_path.glob("stale-*"))) == 1
