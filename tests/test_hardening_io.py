@@ -72,6 +72,23 @@ def test_system_exit_on_every_completion(timeout_s):
     assert OutcomeReward({"always": always}, timeout_s=timeout_s)(["p", "p"], ["x", "y"], {}).rewards == [None, None]
 
 
+def always_exits(prompts, completions, **_):
+    sys.exit(3)
+
+
+def test_a_training_run_survives_a_reward_that_exits(tmp_path):
+    # the run's only other reward scores every completion 0.5 (a format pattern any text matches)
+    cfg = compose("train", [*TINY, "trainer.max_steps=2", "algo.group_size=2", "trainer.prompts_per_step=1",
+                            "trainer.report_to=[]", "~reward.functions.accuracy", "~reward.weights",
+                            "+reward.functions.exits={_target_:test_hardening_io.always_exits,_partial_:true}",
+                            "+reward.functions.any={_target_:grpo_cli.rewards.outcome.format_reward,_partial_:true,"
+                            "pattern:'(?s).*',match:0.5}"])
+    train.run(cfg, tmp_path)
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    # both steps ran; each lost the exiting function's scores (1 failed call) and kept the other's 0.5
+    assert [(m["step"], m["reward_failures"], m["reward"]) for m in metrics] == [(1, 1, 0.5), (2, 1, 0.5)]
+
+
 def test_ctrl_c_and_config_errors_still_pass_through():
     def interrupted(prompts, completions, **_):
         raise KeyboardInterrupt
