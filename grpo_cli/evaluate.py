@@ -32,7 +32,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from rich.table import Table
 
 from grpo_cli import checkpoint
-from grpo_cli.config import build, command_line_overrides, hydra_app, validate
+from grpo_cli.config import build, command_line_overrides, hydra_app
 from grpo_cli.errors import ConfigError
 from grpo_cli.metrics import console, limit_heap_growth, mean, progress
 from grpo_cli.policy import adapter_enabled, load_inference
@@ -117,16 +117,17 @@ def _warn(line: str) -> None:
 
 def run(cfg: DictConfig, out_dir: Path, overrides: list[str] = ()) -> dict:
     limit_heap_growth()
-    validate(OmegaConf.masked_copy(cfg, ["eval"]))  # eval's own values first: the checks below use them
     eval_cfg = cfg.eval
     steps = usable(expand_checkpoints(cfg.checkpoint))
     checkpoints = list(steps)
     if eval_cfg.include_base and None not in checkpoints:
         checkpoints = [None, *checkpoints]
-    if eval_cfg.num_samples and max(eval_cfg.k) > eval_cfg.num_samples:
-        raise ConfigError(f"eval.k ({list(eval_cfg.k)}) asks for more samples than eval.num_samples "
-                          f"({eval_cfg.num_samples}); "
-                          f"set eval.num_samples={max(eval_cfg.k)}")
+    ks, n = eval_cfg.k, eval_cfg.num_samples
+    # a malformed eval.k or num_samples is left to load_inference's validate(), which reports every problem at once
+    ints = isinstance(ks, ListConfig) and len(ks) > 0 and all(isinstance(k, int) for k in ks) and isinstance(n, int)
+    if ints and n and max(ks) > n:
+        raise ConfigError(f"eval.k ({list(ks)}) asks for more samples than eval.num_samples ({n}); "
+                          f"set eval.num_samples={max(ks)}")
     policy, tokenizer, cfg = load_inference(cfg, list(overrides), checkpoints)
     data = build(cfg.data)
     reward_fn = build(cfg.reward)

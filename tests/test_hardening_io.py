@@ -486,8 +486,9 @@ def test_a_line_cut_short_by_a_kill_is_recomputed(run_dir, tmp_path):
 
 def test_the_real_command_line(tmp_path):
     """The in-process runs above, once as a user runs them: every bad value at once, exit 2, no traceback."""
-    out = subprocess.run([sys.executable, "-m", "grpo_cli", "eval", "eval.limit=-1", "eval.batch_size=0",
-                          f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, timeout=300,
-                         env={k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"})
+    out = subprocess.run([sys.executable, "-m", "grpo_cli", "eval", "eval.limit=-1", "eval.k=[]",
+                          "sampler.temperature=-1", f"hydra.run.dir={tmp_path}"], capture_output=True, text=True,
+                         timeout=300, env={k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"})
     assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert [line.split(" (")[0] for line in out.stderr.splitlines()] == ["error: eval.limit", "error: eval.batch_size"]
+    assert sorted(line.split(" (")[0] for line in out.stderr.splitlines()) == [
+        "error: eval.k", "error: eval.limit", "error: sampler.temperature"]
