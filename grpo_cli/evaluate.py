@@ -122,11 +122,11 @@ def run(cfg: DictConfig, out_dir: Path, overrides: list[str] = ()) -> dict:
     checkpoints = list(steps)
     if eval_cfg.include_base and None not in checkpoints:
         checkpoints = [None, *checkpoints]
-    ks, n = eval_cfg.k, eval_cfg.num_samples
+    ks, samples = eval_cfg.k, eval_cfg.num_samples
     # a malformed eval.k or num_samples is left to load_inference's validate(), which reports every problem at once
-    ints = isinstance(ks, ListConfig) and len(ks) > 0 and all(isinstance(k, int) for k in ks) and isinstance(n, int)
-    if ints and n and max(ks) > n:
-        raise ConfigError(f"eval.k ({list(ks)}) asks for more samples than eval.num_samples ({n}); "
+    ints = isinstance(samples, int) and isinstance(ks, ListConfig) and all(isinstance(k, int) for k in ks)
+    if ints and samples and ks and max(ks) > samples:
+        raise ConfigError(f"eval.k ({list(ks)}) asks for more samples than eval.num_samples ({samples}); "
                           f"set eval.num_samples={max(ks)}")
     policy, tokenizer, cfg = load_inference(cfg, list(overrides), checkpoints)
     data = build(cfg.data)
