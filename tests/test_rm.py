@@ -452,8 +452,12 @@ def test_cli_bad_inputs_exit_2_with_one_line(tmp_path):
 
 # ---- grpo rm end to end ------------------------------------------------------------------------
 
-def fake_checkpoint(path: Path) -> Path:
-    """A grpo train checkpoint of the tiny model whose LoRA weights are far from zero (no train run needed)."""
+def fake_checkpoint(run_dir: Path) -> Path:
+    """A grpo train checkpoint (written by checkpoint.save) of the tiny model whose LoRA weights are
+    far from zero, without a training run."""
+    from transformers import get_scheduler
+
+    from grpo_cli import checkpoint
     from grpo_cli.policy import build_policy
 
     cfg = compose("train", TINY)
@@ -463,10 +467,9 @@ def fake_checkpoint(path: Path) -> Path:
         for name, p in policy.named_parameters():
             if "lora_" in name:
                 p.copy_(torch.randn_like(p) * 2)
-    policy.save_pretrained(path)
-    OmegaConf.save(cfg, path / "config.yaml")
-    (path / "trainer_state.json").write_text(json.dumps({"step": 1}))
-    return path
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad])
+    scheduler = get_scheduler("constant", optimizer)
+    return checkpoint.save(run_dir, 1, policy, optimizer, scheduler, {"step": 1}, cfg)
 
 
 def test_grpo_rm_end_to_end_from_policy_samples(tmp_path):
