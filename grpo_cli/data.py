@@ -24,6 +24,8 @@ Tasks:
     stream is a pure function of (seed, i), generated on demand, so a 100k stream costs nothing.
   - `GSM8KTask`: GSM8K from a local JSONL/parquet file or folder, or the hub (`datasets`).
   - `JsonlTask`: any JSONL of problems, with configurable field names and answer extraction.
+  - `MultiStepTask`: ArithmeticTask's problems as chains ("Compute 3 + 9 - 3 - 1."), solved one
+    checkable `a op b = c` line per operation, for process supervision.
 
 `build_task(cfg.data)` instantiates a composed `data` node (our errors unwrapped from Hydra's);
 `load_task("arithmetic", seed=1)` builds one from its YAML with overrides, for scripts and tests.
@@ -654,3 +656,46 @@ class JsonlTask(_RecordTask):
                          seed=seed, heldout_size=heldout_size, system_prompt=system_prompt,
                          instruction=instruction, few_shot=few_shot)
         self.path = path
+
+
+# ---- multi-step arithmetic --------------------------------------------------------------------
+
+class MultiStepTask(ArithmeticTask):
+    """Arithmetic chains solved one operation per line, for process supervision.
+
+    "Compute 23 + 14 - 9 + 31." has the reference solution `23 + 14 = 37`, `37 - 9 = 28`,
+    `28 + 31 = 59`: one `a op b = c` line per operation (`solve`'s steps, * before + and -), each a
+    claim the rule-based step verifier (`grpo_cli.rewards.steps`) checks, and the last line's result
+    is the answer. ArithmeticTask's machinery draws the problems (operands, seeded streams, the
+    held-out and few-shot problems never drawn for train); what differs: the solution has no
+    `#### N` line (it would be a step the verifier cannot check), and with `nonnegative` a problem
+    whose running total dips below zero is redrawn whole, so the kept problems are uniform over
+    the non-negative ones (about 55% of three-operation +/- problems with 1-2 digit operands).
+    """
+
+    def __init__(self, *, num_operands: int, min_digits: int, max_digits: int, operators: Sequence[str],
+                 nonnegative: bool, seed: int, train_size: int, heldout_size: int, system_prompt: str | None,
+                 instruction: str, few_shot: int) -> None:
+        if not isinstance(nonnegative, bool):
+            raise ConfigError(f"data.nonnegative ({nonnegative!r}) must be true or false; set data.nonnegative=true")
+        # read by _draw, which the parent's constructor already calls
+        self.nonnegative = nonnegative
+        super().__init__(num_operands=num_operands, min_digits=min_digits, max_digits=max_digits,
+                         operators=operators, style="bare", seed=seed, train_size=train_size,
+                         heldout_size=heldout_size, system_prompt=system_prompt, instruction=instruction,
+                         few_shot=few_shot)
+
+    def _draw(self, rng: random.Random) -> _Problem:
+        for _ in range(_MAX_TRIES):
+            problem = super()._draw(rng)
+            _, steps = solve(problem.operands, problem.operators)
+            if not self.nonnegative or all(int(line.rsplit(" ", 1)[1]) >= 0 for line in steps):
+                return problem
+        raise ConfigError("every drawn problem had a negative running total; set data.nonnegative=false "
+                          "or add + to data.operators")
+
+    def _make(self, problem: _Problem, rng: random.Random) -> tuple[str, str, str]:
+        nums, ops = problem
+        result, steps = solve(nums, ops)
+        expr = " ".join([str(nums[0])] + [f"{op} {n}" for op, n in zip(ops, nums[1:])])
+        return f"Compute {expr}.", str(result), "\n".join(steps)

@@ -1,0 +1,147 @@
+"""The multi-step arithmetic task (grpo_cli.data.MultiStepTask) and the step verifier on its solutions."""
+
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+from omegaconf import OmegaConf
+
+from grpo_cli.config import CONF_DIR
+from grpo_cli.data import MultiStepTask, _Problem, load_task
+from grpo_cli.errors import ConfigError
+from grpo_cli.rewards import extract_answer, verify_steps
+
+LINE = re.compile(r"^(-?\d+) ([-+*]) (\d+) = (-?\d+)$")
+
+
+def running_totals(example) -> list[int]:
+    return [int(LINE.match(line).group(4)) for line in example["solution"].split("\n")]
+
+
+# ---- the problems -----------------------------------------------------------------------------
+
+def test_hand_worked_problems():
+    task = load_task("multistep")
+    rng = random.Random(0)
+    question, answer, solution = task._make(_Problem((23, 14, 9, 31), ("+", "-", "+")), rng)
+    # left to right: 23 + 14 = 37, 37 - 9 = 28, 28 + 31 = 59
+    assert question == "Compute 23 + 14 - 9 + 31."
+    assert (answer, solution) == ("59", "23 + 14 = 37\n37 - 9 = 28\n28 + 31 = 59")
+    # * first: 4 * 5 = 20, then 3 + 20 = 23, 23 - 6 = 17
+    made = task._make(_Problem((3, 4, 5, 6), ("+", "*", "-")), rng)
+    assert made[1:] == ("17", "4 * 5 = 20\n3 + 20 = 23\n23 - 6 = 17")
+    # the prompt: data.few_shot solved problems as earlier turns, then the question inside the instruction
+    example = task.train[0]
+    assert [m["role"] for m in example["messages"]] == ["user", "assistant"] * task.few_shot + ["user"]
+    assert example["messages"][-1]["content"] == task.instruction.replace("{question}", example["question"])
+    assert set(example) == {"messages", "question", "answer", "solution"}
+
+
+def test_deterministic_per_seed():
+    a, b, c = load_task("multistep", seed=5), load_task("multistep", seed=5), load_task("multistep", seed=6)
+    assert [a.train[i] for i in range(100)] == [b.train[i] for i in range(100)]
+    assert a.heldout == b.heldout and a.shots == b.shots
+    assert [a.train[i]["question"] for i in range(100)] != [c.train[i]["question"] for i in range(100)]
+    assert [e["question"] for e in a.heldout] != [e["question"] for e in c.heldout]
+    # item i is a pure function of (seed, i): read alone, out of order, it is the same
+    assert load_task("multistep", seed=5).train[4321] == a.train[4321]
+
+
+def test_heldout_and_few_shot_never_in_train():
+    # a space small enough that an unguarded stream would hit held-out problems all the time:
+    # 9^3 = 729 sums of three digits; 300 held out + 3 shots leave 426 for training
+    task = load_task("multistep", num_operands=3, operators=["+"], heldout_size=300, few_shot=3)
+    held = {e["question"] for e in task.heldout}
+    shots = {q for q, _ in task.shots}
+    assert len(held) == 300 and len(shots) == 3 and not held & shots
+    seen = {task.train[i]["question"] for i in range(4000)}
+    assert not seen & (held | shots)
+    # the stream did cover the space (so the check above had chances to fail): almost all 426 seen
+    assert len(seen) > 400
+    # the default task too
+    task = load_task("multistep")
+    held = {e["question"] for e in task.heldout} | {q for q, _ in task.shots}
+    assert not held & {task.train[i]["question"] for i in range(3000)}
+
+
+@pytest.mark.parametrize("overrides", [
+    {},
+    {"num_operands": 5, "max_digits": 2, "operators": ["+", "-", "*"], "nonnegative": False},
+    {"num_operands": 2, "min_digits": 2, "max_digits": 3, "operators": ["*"]},
+], ids=["default", "five-operands-with-star", "one-step"])
+def test_knobs(overrides):
+    task = load_task("multistep", **overrides)
+    config = OmegaConf.merge(OmegaConf.load(CONF_DIR / "data" / "multistep.yaml"), overrides)
+    for example in [task.train[i] for i in range(300)] + task.heldout[:100]:
+        expr = re.fullmatch(r"Compute ([-+* \d]+)\.", example["question"]).group(1)
+        numbers = [int(n) for n in re.findall(r"\d+", expr)]
+        assert len(numbers) == config.num_operands
+        assert all(config.min_digits <= len(str(n)) <= config.max_digits for n in numbers)
+        assert set(re.findall(r"[-+*]", expr)) <= set(config.operators)
+        # one line per operation; Python's precedence is the one the lines follow
+        assert len(example["solution"].split("\n")) == config.num_operands - 1
+        assert int(example["answer"]) == eval(expr) == running_totals(example)[-1]
+
+
+def test_nonnegative_redraws_negative_running_totals():
+    kept = load_task("multistep", operators=["-", "+"], max_digits=2)
+    assert all(min(running_totals(kept.train[i])) >= 0 for i in range(500))
+    # without it about 45% of these problems dip below zero somewhere (the knob is not a no-op)
+    free = load_task("multistep", operators=["-", "+"], max_digits=2, nonnegative=False)
+    dips = sum(min(running_totals(free.train[i])) < 0 for i in range(500))
+    assert 150 < dips < 350
+
+
+def test_bad_settings_name_the_field():
+    with pytest.raises(ConfigError, match=r"data.nonnegative \('yes'\) must be true or false; set data.nonn"):
+        load_task("multistep", nonnegative="yes")
+    with pytest.raises(ConfigError, match=r"data.num_operands \(1\) must be an integer >= 2"):
+        load_task("multistep", num_operands=1)
+    # only subtraction of a larger number: every draw goes negative
+    with pytest.raises(ConfigError, match=r"negative running total; set data.nonnegative=false"):
+        load_task("multistep", operators=["-"], min_digits=2, max_digits=2, num_operands=12, heldout_size=1)
+
+
+def test_task_class_is_an_arithmetic_task():
+    # the test that builds every conf/data/*.yaml checks it gets one of the known task classes
+    from grpo_cli.data import ArithmeticTask
+
+    assert issubclass(MultiStepTask, ArithmeticTask)
+
+
+# ---- the step verifier on the task's solutions ------------------------------------------------
+
+def test_hand_worked_solution_verifies():
+    solution = "23 + 14 = 37\n37 - 9 = 28\n28 + 31 = 59"
+    # lines end at 12, 12 + 1 + 11 = 24 and 24 + 1 + 12 = 37; each holds (+1); the last also has the
+    # right answer (+1) -> 2
+    assert verify_steps(solution, "59") == [(12, 1.0), (24, 1.0), (37, 2.0)]
+    # 37 - 9 is 28, not 29: that line -1; the next line still holds and the answer is still 59
+    assert verify_steps(solution.replace("= 28", "= 29"), "59") == [(12, 1.0), (24, -1.0), (37, 2.0)]
+    # 28 + 31 is 59, not 58: the line -1, and the answer (58) is wrong, -1 more -> -2
+    assert verify_steps(solution.replace("= 59", "= 58"), "59") == [(12, 1.0), (24, 1.0), (37, -2.0)]
+
+
+@pytest.mark.parametrize("overrides", [
+    {}, {"num_operands": 5, "max_digits": 3, "operators": ["+", "-", "*"], "nonnegative": False},
+], ids=["default", "five-operands-with-star-and-negatives"])
+def test_every_reference_line_correct_and_every_perturbed_line_wrong(overrides):
+    task = load_task("multistep", **overrides)
+    steps = task.num_operands - 1
+    for example in [task.train[i] for i in range(200)] + task.heldout[:100] + [
+            {"solution": s, "answer": s.rsplit(" ", 1)[1]} for _, s in task.shots]:
+        solution, answer = example["solution"], example["answer"]
+        assert extract_answer(solution) == answer
+        # every line holds (+1); the last also carries the right answer (+1)
+        assert [r for _, r in verify_steps(solution, answer)] == [1.0] * (steps - 1) + [2.0]
+        lines = solution.split("\n")
+        for k, line in enumerate(lines):
+            a, op, b, c = LINE.match(line).groups()
+            wrong = lines[:k] + [f"{a} {op} {b} = {int(c) + 1}"] + lines[k + 1:]
+            rewards = [r for _, r in verify_steps("\n".join(wrong), answer)]
+            # line k is wrong (-1); a wrong last line also makes the answer wrong (-1 more)
+            expected = [1.0] * (steps - 1) + [2.0]
+            expected[k] = -2.0 if k == steps - 1 else -1.0
+            assert rewards == expected, (solution, k)
