@@ -1,4 +1,5 @@
-"""The multi-step arithmetic task (grpo_cli.data.MultiStepTask) and the step verifier on its solutions."""
+"""The multi-step arithmetic task (grpo_cli.data.MultiStepTask), the step verifier on its solutions, and
+the two recipes of the process-vs-outcome experiment."""
 
 from __future__ import annotations
 
@@ -6,9 +7,10 @@ import random
 import re
 
 import pytest
+from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from grpo_cli.config import CONF_DIR
+from grpo_cli.config import CONF_DIR, compose, validate
 from grpo_cli.data import MultiStepTask, _Problem, load_task
 from grpo_cli.errors import ConfigError
 from grpo_cli.rewards import extract_answer, verify_steps
@@ -145,3 +147,44 @@ def test_every_reference_line_correct_and_every_perturbed_line_wrong(overrides):
             expected = [1.0] * (steps - 1) + [2.0]
             expected[k] = -2.0 if k == steps - 1 else -1.0
             assert rewards == expected, (solution, k)
+
+
+# ---- the experiment's recipes -----------------------------------------------------------------
+
+def test_recipes_differ_in_the_reward_alone():
+    outcome = OmegaConf.to_container(compose("train", ["+recipe=multistep_outcome"]))
+    process = OmegaConf.to_container(compose("train", ["+recipe=multistep_process"]))
+    assert outcome.pop("reward")["_target_"] == "grpo_cli.rewards.OutcomeReward"
+    assert process.pop("reward")["_target_"] == "grpo_cli.rewards.ProcessReward"
+    assert outcome == process
+    assert outcome["data"]["_target_"] == "grpo_cli.data.MultiStepTask"
+    # the same seeded runs: a sweep over trainer.seed changes both arms alike
+    outcome = compose("train", ["+recipe=multistep_outcome", "trainer.seed=2"])
+    process = compose("train", ["+recipe=multistep_process", "trainer.seed=2"])
+    assert outcome.trainer == process.trainer and outcome.trainer.seed == 2
+    validate(outcome), validate(process)
+
+
+def test_process_reward_scores_a_reference_and_a_slip():
+    reward = instantiate(OmegaConf.load(CONF_DIR / "reward" / "multistep_process.yaml"))
+    completions = ["3 + 9 = 12\n12 - 3 = 9\n9 - 1 = 8",      # the reference of 3 + 9 - 3 - 1
+                   "3 + 9 = 12\n12 - 3 = 8\n8 - 1 = 7",       # a slip in line 2, then true arithmetic
+                   "The answer is 8."]                        # no claim, right answer
+    result = reward(["Compute 3 + 9 - 3 - 1."] * 3, completions, {"answer": ["8"] * 3})
+    # lines end at 10, 10 + 1 + 10 = 21, 21 + 1 + 9 = 31
+    # reference: +1, +1, +1 and the answer +1 -> sum 4
+    # slip: +1, -1 (12 - 3 is 9), +1 (8 - 1 = 7 holds) and the answer 7 is wrong -1 -> 0 on the last line
+    # prose: neutral 0 and the answer +1
+    assert result.steps == [[(10, 1.0), (21, 1.0), (31, 2.0)], [(10, 1.0), (21, -1.0), (31, 0.0)], [(16, 1.0)]]
+    assert result.rewards == [4.0, 0.0, 1.0]
+    # the metric both recipes log, rewards/accuracy/mean
+    assert result.per_function["accuracy"] == [1.0, 0.0, 1.0]
+
+
+def test_outcome_reward_scores_the_answer_alone():
+    cfg = compose("train", ["+recipe=multistep_outcome"])
+    reward = instantiate(cfg.reward)
+    completions = ["3 + 9 = 12\n12 - 3 = 9\n9 - 1 = 8", "3 + 9 = 12\n12 - 3 = 8\n8 - 1 = 7", "The answer is 8."]
+    # 1 when the last number is 8: the slip scores like any wrong answer, the prose like the reference
+    assert reward(["q"] * 3, completions, {"answer": ["8"] * 3}).rewards == [1.0, 0.0, 1.0]
+
