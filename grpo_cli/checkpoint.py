@@ -6,18 +6,26 @@ A checkpoint folder `checkpoints/step_NNNNNN/` holds:
   scheduler.json                                    LR scheduler state
   trainer_state.json                                step, data position, RNG state, metrics so far
   config.yaml                                       the resolved run config
-It is written to `step_NNNNNN.tmp` and renamed into place, so a crash never leaves half a checkpoint.
+It is written to `step_NNNNNN.tmp`, flushed to disk (fsync) and renamed into place, so a crash never
+leaves half a checkpoint. Weights that are not finite are never written. Every file is checked when
+read (`verify`); a run folder resolves to its newest checkpoint that passes, and an error names the
+file at fault.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
+import time
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import load_file, save_file
+
+from grpo_cli.errors import CheckpointError
 
 STEP_DIR = "step_{:06d}"
 ADAPTER = "adapter_model.safetensors"
@@ -27,26 +35,79 @@ def checkpoint_dir(run_dir: Path, step: int) -> Path:
     return Path(run_dir) / "checkpoints" / STEP_DIR.format(step)
 
 
+_STEP = re.compile(r"step_(\d+)")
+# what every checkpoint folder holds; verify() reads each one
+FILES = (ADAPTER, "adapter_config.json", "optimizer.safetensors", "optimizer.json", "scheduler.json",
+         "trainer_state.json", "config.yaml")
+
+
+def step_of(path: Path) -> int | None:
+    """N for a folder named step_N (digits only), else None (`step_000002.tmp`, `step_2.bak`, ...)."""
+    match = _STEP.fullmatch(Path(path).name)
+    return int(match.group(1)) if match else None
+
+
 def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints of a run, oldest first."""
+    """Checkpoint folders of a run (named step_N, with a trainer_state.json), oldest first."""
     folder = Path(run_dir) / "checkpoints"
-    found = [p for p in folder.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")
+    found = [p for p in folder.glob("step_*") if p.is_dir() and step_of(p) is not None
              and (p / "trainer_state.json").exists()]
-    return sorted(found, key=lambda p: int(p.name.split("_")[1]))
+    return sorted(found, key=step_of)
 
 
-def resolve(path: str | Path) -> Path:
-    """A checkpoint folder as given, or the latest checkpoint of a run folder."""
+def verify(path: Path) -> None:
+    """Raise CheckpointError naming the first file of checkpoint `path` that is missing or unreadable."""
+    path = Path(path)
+    for name in FILES:
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"{file} is missing: the checkpoint is incomplete; use an earlier one")
+        try:
+            if name.endswith(".safetensors"):
+                tensors = load_file(file)
+                if name == ADAPTER and not all(bool(t.isfinite().all()) for t in tensors.values()):
+                    raise ValueError("it holds NaN or infinite weights")
+            elif name.endswith(".json"):
+                json.loads(file.read_text())
+            else:
+                OmegaConf.load(file)
+        except Exception as err:  # safetensors, JSON and YAML each raise their own kinds
+            raise CheckpointError(f"{file} cannot be read ({str(err).splitlines()[0][:200]}); "
+                                  f"use an earlier checkpoint") from None
+
+
+def resolve(path: str | Path, *, warn=None) -> Path:
+    """A checkpoint folder as given (verified), or the newest checkpoint of a run folder that verifies.
+
+    A corrupt newer checkpoint is passed over with one `warn(message)` line naming the file.
+    """
     path = Path(path)
     if (path / "trainer_state.json").exists():
+        verify(path)
         return path
     found = list_checkpoints(path)
     if not found:
-        from grpo_cli.errors import ConfigError
+        raise CheckpointError(f"{path} is neither a checkpoint (no trainer_state.json) nor a run folder with "
+                              f"checkpoints/step_*; pass a path printed by `grpo train`")
+    problems = []
+    for candidate in reversed(found):
+        try:
+            verify(candidate)
+        except CheckpointError as err:
+            problems.append(str(err))
+            if warn is not None:
+                warn(f"skipping {candidate.name}: {err}")
+            continue
+        return candidate
+    raise CheckpointError(f"no usable checkpoint in {path}: {problems[0]}")
 
-        raise ConfigError(f"{path} is neither a checkpoint (no trainer_state.json) nor a run folder with "
-                          f"checkpoints/step_*; pass a path printed by `grpo train`")
-    return found[-1]
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _optimizer_to_files(state: dict) -> tuple[dict[str, torch.Tensor], dict]:
@@ -81,7 +142,13 @@ def _json_default(value):
 
 def save(run_dir: Path, step: int, policy, optimizer, scheduler, trainer_state: dict, config: DictConfig,
          keep_last: int | None = None) -> Path:
-    """Write checkpoint `step` atomically; delete all but the newest `keep_last`. Returns its path."""
+    """Write checkpoint `step` atomically; delete all but the newest `keep_last`. Returns its path.
+
+    Refuses (RuntimeError) weights that are not finite: a NaN checkpoint would poison every resume.
+    """
+    trainable = [p for p in policy.parameters() if p.requires_grad]
+    if not all(bool(p.isfinite().all()) for p in trainable):
+        raise RuntimeError(f"refusing to save step {step}: the adapter weights are not finite")
     final = checkpoint_dir(run_dir, step)
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -94,8 +161,11 @@ def save(run_dir: Path, step: int, policy, optimizer, scheduler, trainer_state: 
     (tmp / "scheduler.json").write_text(json.dumps(scheduler.state_dict(), default=_json_default))
     (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1, default=_json_default))
     OmegaConf.save(config, tmp / "config.yaml", resolve=True)
+    for file in tmp.iterdir():  # on disk before the rename makes the checkpoint visible
+        _fsync(file)
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
+    _fsync(final.parent)
     if keep_last:
         for old in list_checkpoints(run_dir)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
@@ -106,13 +176,36 @@ def load_adapter(policy, path: Path) -> None:
     """Load a checkpoint's LoRA weights into `policy` (a peft model with the same adapter config)."""
     from peft import set_peft_model_state_dict
 
-    result = set_peft_model_state_dict(policy, load_file(Path(path) / ADAPTER))
+    file = Path(path) / ADAPTER
+    try:
+        weights = load_file(file)
+    except Exception as err:
+        raise CheckpointError(f"{file} cannot be read ({str(err).splitlines()[0][:200]})") from None
+    try:
+        result = set_peft_model_state_dict(policy, weights)
+    except RuntimeError as err:  # size mismatch: another base model or another LoRA rank
+        raise CheckpointError(f"{file}: adapter weights do not fit this model ({str(err).splitlines()[-1][:160]}); "
+                              f"use the model and model.lora settings the checkpoint was trained with") from None
     unexpected = getattr(result, "unexpected_keys", None)
     if unexpected:
-        from grpo_cli.errors import ConfigError
+        raise CheckpointError(f"{file}: adapter weights do not fit this model ({unexpected[0]} ...); "
+                              f"use the model the checkpoint was trained with")
 
-        raise ConfigError(f"{path}: adapter weights do not fit this model ({unexpected[0]} ...); "
-                          f"use the model the checkpoint was trained with")
+
+def set_aside_after(run_dir: Path, step: int) -> Path | None:
+    """Move the checkpoints newer than `step` (an abandoned branch) to checkpoints/abandoned-TIME/.
+
+    Resuming from an older checkpoint starts a new branch; its newer siblings would otherwise be
+    picked by `resolve`, eval and `keep_last`. Returns the folder they went to (None: nothing newer).
+    """
+    newer = [p for p in list_checkpoints(run_dir) if step_of(p) > step]
+    if not newer:
+        return None
+    aside = Path(run_dir) / "checkpoints" / f"abandoned-{time.strftime('%Y%m%d-%H%M%S')}"
+    aside.mkdir(parents=True, exist_ok=True)
+    for folder in newer:
+        folder.rename(aside / folder.name)
+    return aside
 
 
 def load_training_state(path: Path, optimizer, scheduler) -> dict:

@@ -9,10 +9,11 @@ COMMANDS = {
     "eval": ("grpo_cli.evaluate", "evaluate saved checkpoints on held-out problems (conf/eval.yaml)"),
     "sample": ("grpo_cli.sample", "print completions of a checkpoint or the base model (conf/sample.yaml)"),
     "rm": ("grpo_cli.rm", "train an outcome or process reward model on labeled or self-sampled rows (conf/rm.yaml)"),
-    "export": ("grpo_cli.export", "write a checkpoint as a merged HF model or a peft adapter folder (conf/export.yaml)"),
+    "export": ("grpo_cli.export", "write a checkpoint as a merged HF model or a peft adapter (conf/export.yaml)"),
 }
 
-USAGE = "usage: grpo {train,eval,sample} [HYDRA OVERRIDES...] [--help] [--cfg job] [-m]\n\ncommands:\n" + "".join(
+USAGE = "usage: grpo {" + ",".join(COMMANDS) + "} [HYDRA OVERRIDES...] [--help] [--cfg job] [-m]\n\n" \
+    "commands:\n" + "".join(
     f"  {name:<8}{text}\n" for name, (_, text) in COMMANDS.items()
 ) + "\nexamples:\n  grpo train +recipe=gsm8k data.path=train.jsonl\n  grpo train --help\n"
 
@@ -37,9 +38,13 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TQDM_DISABLE", "1")
 
-    module = importlib.import_module(COMMANDS[command][0])
-    sys.argv = [f"grpo {command}", *rest]
-    module.main()
+    try:
+        module = importlib.import_module(COMMANDS[command][0])
+        sys.argv = [f"grpo {command}", *rest]
+        module.main()
+    except KeyboardInterrupt:  # Ctrl-C while importing or composing, before a command's own handling
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

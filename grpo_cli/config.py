@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -18,7 +19,7 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from grpo_cli.errors import ConfigError
+from grpo_cli.errors import ConfigError, RunError
 from grpo_cli.objective import KL_ESTIMATORS, LOSS_TYPES, SCALES, STDS
 from grpo_cli.policy import DTYPES
 
@@ -47,7 +48,11 @@ def register_recipes() -> None:
 
 
 def hydra_app(config_name: str) -> Callable:
-    """Decorator: a Hydra main over conf/CONFIG_NAME.yaml whose ConfigErrors end in one line, exit 2."""
+    """Decorator: a Hydra main over conf/CONFIG_NAME.yaml whose errors end in one line each, no traceback.
+
+    ConfigError (a setting, an input file): exit 2. RunError and OSError (disk full, a read-only
+    folder): exit 1. Ctrl-C outside the training loop's own handler (during a model load): exit 130.
+    """
     import hydra
 
     register_recipes()
@@ -63,10 +68,74 @@ def hydra_app(config_name: str) -> Callable:
                 for line in str(err).splitlines():  # validate() reports every problem, one per line
                     print(f"error: {line}", file=sys.stderr)
                 sys.exit(2)
+            except (RunError, OSError) as err:
+                if os.environ.get("HYDRA_FULL_ERROR") == "1":
+                    raise
+                print(f"error: {err}", file=sys.stderr)
+                sys.exit(1)
+            except KeyboardInterrupt:
+                print("interrupted", file=sys.stderr)
+                sys.exit(130)
+            except Exception as err:
+                # a Ctrl-C inside a lazy import comes back as transformers' ModuleNotFoundError
+                if _caused_by_interrupt(err) and os.environ.get("HYDRA_FULL_ERROR") != "1":
+                    print("interrupted", file=sys.stderr)
+                    sys.exit(130)
+                raise
 
-        return hydra.main(version_base=None, config_path=str(CONF_DIR), config_name=config_name)(task)
+        app = hydra.main(version_base=None, config_path=str(CONF_DIR), config_name=config_name)(task)
+
+        @functools.wraps(fn)
+        def entry() -> Any:
+            _precompose(config_name, sys.argv[1:])
+            return app()
+
+        return entry
 
     return wrap
+
+
+def _caused_by_interrupt(err: BaseException) -> bool:
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, KeyboardInterrupt):
+            return True
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def _precompose(config_name: str, argv: list[str]) -> None:
+    """Compose the command line's overrides once before Hydra does, so that an override Hydra cannot
+    apply (`trainer.foo=1`, `+recipe=nope`) ends in one `error:` line, exit 2, not Hydra's report.
+
+    Skipped for sweeps (-m) and Hydra's own flags (--help, --cfg, ...), which Hydra handles itself.
+    """
+    if any(a.startswith("-") for a in argv) or os.environ.get("HYDRA_FULL_ERROR") == "1":
+        return
+    try:
+        compose(config_name, [a for a in argv if not a.startswith("hydra.")])
+    except Exception as err:  # Hydra's ConfigCompositionException, OverrideParseException, ...
+        text = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+        text = text.split(" Config search path:")[0]
+        unknown = re.match(r"Could not override '([^']+)'", text)
+        if unknown:
+            import difflib
+
+            key = unknown.group(1)
+            keys = _flat_keys(compose(config_name))
+            close = difflib.get_close_matches(key, keys, n=1)
+            text = f"{key} is not a setting; " + (f"did you mean {close[0]}?" if close
+                                                     else "`--cfg job` lists the settings")
+        print(f"error: {text[:400]}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _flat_keys(node: Any, prefix: str = "") -> list[str]:
+    """Dotted paths of every leaf of a config node."""
+    if isinstance(node, DictConfig):
+        return [k for key in node for k in _flat_keys(node._get_node(key), f"{prefix}{key}.")]
+    return [prefix[:-1]]
 
 
 def build(node: Any, **kwargs: Any) -> Any:
@@ -116,6 +185,18 @@ def _int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _schedulers() -> list[str]:
+    from transformers.trainer_utils import SchedulerType
+
+    return [s.value for s in SchedulerType]
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 # (dotted key, check, what is wrong and the fix). A key absent from the config is skipped, so
 # one rule table serves train, eval and sample.
 RULES: list[tuple[str, Callable[[Any], bool], str]] = [
@@ -138,6 +219,38 @@ RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("sampler.max_new_tokens", lambda v: _int(v) and v >= 1,
      "must be an integer >= 1; set sampler.max_new_tokens=64"),
     ("optimizer.lr", lambda v: _num(v) and v > 0, "must be > 0; set optimizer.lr=1e-4"),
+    ("optimizer.betas",
+     lambda v: isinstance(v, ListConfig) and len(v) == 2 and all(_num(b) and 0 <= b < 1 for b in v),
+     "must be two numbers in [0, 1); set optimizer.betas=[0.9,0.99]"),
+    ("optimizer.weight_decay", lambda v: _num(v) and v >= 0, "must be >= 0; set optimizer.weight_decay=0.0"),
+    ("trainer.seed", lambda v: _int(v) and v >= 0, "must be an integer >= 0; set trainer.seed=0"),
+    ("trainer.lr_scheduler", lambda v: v in _schedulers(),
+     "must be a transformers scheduler name (constant, constant_with_warmup, linear, cosine, ...); "
+     "set trainer.lr_scheduler=constant_with_warmup"),
+    ("trainer.warmup_steps", lambda v: _int(v) and v >= 0, "must be an integer >= 0; set trainer.warmup_steps=0"),
+    ("trainer.gradient_checkpointing", lambda v: isinstance(v, bool),
+     "must be true or false; set trainer.gradient_checkpointing=false"),
+    ("trainer.max_nonfinite_steps", lambda v: _int(v) and v >= 1,
+     "must be an integer >= 1; set trainer.max_nonfinite_steps=3"),
+    ("reward.timeout_s", lambda v: v is None or (_num(v) and v > 0),
+     "must be > 0 seconds or null (wait forever); set reward.timeout_s=10"),
+    ("sampler.max_prompt_tokens", lambda v: _int(v) and v >= 1,
+     "must be an integer >= 1; set sampler.max_prompt_tokens=1024"),
+    ("eval.limit", lambda v: v is None or (_int(v) and v >= 1),
+     "must be an integer >= 1 or null (all); set eval.limit=200"),
+    ("eval.batch_size", lambda v: _int(v) and v >= 1, "must be an integer >= 1; set eval.batch_size=32"),
+    ("eval.num_samples", lambda v: _int(v) and v >= 0,
+     "must be an integer >= 0 (0: greedy only); set eval.num_samples=0"),
+    ("eval.k", lambda v: isinstance(v, ListConfig) and len(v) > 0 and all(_int(k) and k >= 1 for k in v),
+     "must be a list of integers >= 1; set eval.k=[1,4]"),
+    ("eval.temperature", lambda v: _num(v) and v > 0, "must be > 0; set eval.temperature=1.0"),
+    ("eval.max_new_tokens", lambda v: v is None or (_int(v) and v >= 1),
+     "must be an integer >= 1 or null (sampler.max_new_tokens); set eval.max_new_tokens=null"),
+    ("eval.seed", lambda v: _int(v) and v >= 0, "must be an integer >= 0; set eval.seed=0"),
+    ("eval.include_base", lambda v: isinstance(v, bool), "must be true or false; set eval.include_base=false"),
+    ("sample.seed", lambda v: _int(v) and v >= 0, "must be an integer >= 0; set sample.seed=0"),
+    ("sample.n", lambda v: _int(v) and v >= 1, "must be an integer >= 1; set sample.n=4"),
+    ("sample.num_prompts", lambda v: _int(v) and v >= 1, "must be an integer >= 1; set sample.num_prompts=2"),
     ("trainer.max_steps", lambda v: _int(v) and v >= 1, "must be an integer >= 1; set trainer.max_steps=10"),
     ("trainer.prompts_per_step", lambda v: _int(v) and v >= 1,
      "must be an integer >= 1; set trainer.prompts_per_step=4"),
@@ -149,10 +262,40 @@ RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("trainer.max_grad_norm", lambda v: v is None or (_num(v) and v > 0),
      "must be > 0 or null (no clipping); set trainer.max_grad_norm=1.0"),
     ("model.lora.r", lambda v: _int(v) and v >= 1, "must be an integer >= 1; set model.lora.r=16"),
+    ("model.lora.alpha", lambda v: _num(v) and v > 0, "must be a number > 0 (often 2 x r); set model.lora.alpha=32"),
+    ("model.lora.dropout", lambda v: _num(v) and 0 <= v < 1, "must be in [0, 1); set model.lora.dropout=0.0"),
+    ("model.lora.target_modules", lambda v: isinstance(v, ListConfig) and len(v) > 0
+     and all(isinstance(m, str) and m for m in v),
+     "must be a non-empty list of module names; set model.lora.target_modules=[q_proj,v_proj]"),
     ("model.device", lambda v: isinstance(v, str) and (v in ("auto", "cpu") or v.startswith("cuda")),
      "must be auto, cpu or cuda[:N]; set model.device=auto"),
+    ("model.device", lambda v: not (isinstance(v, str) and v.startswith("cuda")) or _cuda(),
+     "asks for CUDA but torch sees no GPU here; set model.device=auto (CPU when there is no GPU)"),
     ("model.dtype", lambda v: v == "auto" or v in DTYPES, f"must be auto or {_one_of(DTYPES)}; set model.dtype=auto"),
 ]
+
+
+# sections of plain settings (no `_target_`): their keys are the ones their YAML file defines, so a
+# typo such as `+trainer.max_step=100` is an error instead of a setting nobody reads
+PLAIN_SECTIONS = {"trainer": "train.yaml", "algo": "algo/grpo.yaml", "eval": "eval.yaml", "sample": "sample.yaml"}
+
+
+def _unknown_keys(cfg: DictConfig) -> list[str]:
+    import difflib
+
+    errors = []
+    for section, file in PLAIN_SECTIONS.items():
+        if section not in cfg or not isinstance(cfg[section], DictConfig):
+            continue
+        known_node = OmegaConf.load(CONF_DIR / file)
+        known = set((known_node[section] if section in known_node else known_node).keys())
+        for key in cfg[section]:
+            if key not in known:
+                close = difflib.get_close_matches(str(key), sorted(known), n=1)
+                hint = (f"did you mean {section}.{close[0]}?" if close
+                        else f"`--cfg job` lists the {section} keys")
+                errors.append(f"{section}.{key} is not a setting; {hint}")
+    return errors
 
 
 def _get(cfg: DictConfig, key: str) -> tuple[bool, Any]:
@@ -186,6 +329,13 @@ def _check_targets(node: Any, path: str, errors: list[str]) -> None:
                 allowed = ", ".join(p for p in params if p not in ("self", "args", "kwargs"))
                 errors.extend(f"{path}.{key} is not a parameter of {target}; remove it or use one of: {allowed}"
                               for key in keys if key not in params)
+            # a function whose required arguments come at call time (a reward function's prompts and
+            # completions) must be built as a partial, or building it calls it without them
+            required = [name for name, p in params.items() if p.default is inspect.Parameter.empty
+                        and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and name not in keys]
+            if inspect.isfunction(obj) and required and not node.get("_partial_", False):
+                errors.append(f"{path} ({target}) needs {', '.join(required)} when it is called; "
+                              f"add `_partial_: true` to {path}")
         for k, child in node.items():
             _check_targets(child, f"{path}.{k}", errors)
     elif isinstance(node, ListConfig):
@@ -207,9 +357,10 @@ def validate(cfg: DictConfig) -> DictConfig:
             errors.append(f"{key} ({value!r}) {fix}")
     errors.extend(f"{key} is required and has no value; set it on the command line: {key}=..."
                   for key in sorted(OmegaConf.missing_keys(cfg)))
-    for section, node in cfg.items():
-        if section != "hydra":
-            _check_targets(node, str(section), errors)
+    errors.extend(_unknown_keys(cfg))
+    for section in cfg:
+        if section != "hydra" and not OmegaConf.is_missing(cfg, section):
+            _check_targets(cfg[section], str(section), errors)
     if errors:
         raise ConfigError("\n".join(errors))
     return cfg

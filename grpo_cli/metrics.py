@@ -62,6 +62,34 @@ def mean(values) -> float:
     return sum(kept) / len(kept) if kept else float("nan")
 
 
+def truncate_jsonl(path: Path, last_step: int) -> int:
+    """Keep the lines of `path` whose "step" is <= last_step; returns how many unreadable lines were dropped.
+
+    A line that does not parse (the partial last line of a killed run) is dropped, not fatal. The
+    file is replaced atomically (written beside it, flushed, renamed), so a kill during the rewrite
+    leaves the old file, never an empty one.
+    """
+    path = Path(path)
+    if not path.exists():
+        return 0
+    keep, bad = [], 0
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            if json.loads(line)["step"] <= last_step:
+                keep.append(line)
+        except (ValueError, KeyError, TypeError):
+            bad += line.strip() != ""
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w") as f:
+        f.write("".join(line + "\n" for line in keep))
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+    if bad:
+        console.print(f"[yellow]{path}: dropped {bad} unreadable line(s) (a run killed mid-write)")
+    return bad
+
+
 class MetricsLog:
     """One JSON object per step in RUN_DIR/metrics.jsonl, mirrored to the trackers of `report_to`.
 
@@ -80,10 +108,7 @@ class MetricsLog:
 
     def truncate(self, last_step: int) -> None:
         """On resume: drop lines of steps after the checkpoint, so the file reads as one run."""
-        if not self.path.exists():
-            return
-        keep = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= last_step]
-        self.path.write_text("".join(line + "\n" for line in keep))
+        truncate_jsonl(self.path, last_step)
 
     def log(self, record: dict) -> None:
         with self.path.open("a") as f:
@@ -97,6 +122,13 @@ class MetricsLog:
         for tracker in self.trackers:
             tracker.close()
         self.trackers = []
+
+    def __enter__(self) -> MetricsLog:
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.close()
+        return False
 
 
 # ---- experiment trackers ----------------------------------------------------------------------
@@ -264,10 +296,7 @@ class CompletionsLog:
 
     def truncate(self, last_step: int) -> None:
         """On resume: drop lines of steps after the checkpoint, so the file reads as one run."""
-        if self.path.exists():
-            keep = [line for line in self.path.read_text().splitlines()
-                    if line and json.loads(line)["step"] <= last_step]
-            self.path.write_text("".join(line + "\n" for line in keep))
+        truncate_jsonl(self.path, last_step)
 
     def log(self, step: int, first_prompt: int, examples: list[dict], rollout, result, advantages) -> None:
         """Log step `step` if it is one of every `every`; examples[i] owns rows i*G .. i*G+G-1."""
@@ -343,7 +372,8 @@ def _number(value) -> str:
 
 def rollout_metrics(result, rollout, group_size: int) -> dict:
     """Reward and completion statistics, named as TRL names them."""
-    rewards = torch.tensor([math.nan if r is None else float(r) for r in result.rewards]).view(-1, group_size)  # [B, G]
+    # [B, G]; NaN = no score
+    rewards = torch.tensor([math.nan if r is None else float(r) for r in result.rewards]).view(-1, group_size)
     group_std = torch.stack([row[~row.isnan()].std(unbiased=False) if (~row.isnan()).sum() > 1
                              else torch.tensor(0.0) for row in rewards])
     lengths = rollout.lengths

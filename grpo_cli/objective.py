@@ -71,17 +71,16 @@ def outcome_advantages(
             f"number of rewards ({n}) is not a multiple of group_size ({group_size}): "
             "each prompt needs exactly group_size completions, stored contiguously"
         )
-    if not rewards.is_floating_point():
-        rewards = rewards.to(torch.get_default_dtype())
-
-    r = rewards.reshape(-1, group_size)                  # [groups, G]
+    dtype = rewards.dtype if rewards.is_floating_point() else torch.get_default_dtype()
+    # float64 inside: the variance of rewards of ±1e30 overflows float32 (and would zero the advantages)
+    r = rewards.to(torch.float64).reshape(-1, group_size)  # [groups, G]
     valid = ~torch.isnan(r)                              # [groups, G]; False = no score
     r0 = torch.where(valid, r, 0.0)
     count = valid.sum(1, keepdim=True)                   # [groups, 1]
     mean = r0.sum(1, keepdim=True) / count.clamp(min=1)  # [groups, 1]; 0 for an all-NaN group
     centered = torch.where(valid, r0 - mean, 0.0)        # [groups, G]; 0 where no score
     if scale == "none":
-        return centered.view(-1)
+        return centered.view(-1).to(dtype)
 
     ddof = 1 if std == "sample" else 0
     if scale == "group":
@@ -91,7 +90,7 @@ def outcome_advantages(
         scored = r0[valid]                               # [scored rewards]
         centered_batch = scored - scored.mean() if scored.numel() else scored
         var = centered_batch.pow(2).sum() / max(scored.numel() - ddof, 1)
-    return (centered / (var.sqrt() + eps)).view(-1)
+    return (centered / (var.sqrt() + eps)).view(-1).to(dtype)
 
 
 def process_advantages(

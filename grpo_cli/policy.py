@@ -152,7 +152,13 @@ def apply_lora(model, r: int, alpha: int, dropout: float, target_modules: list[s
 
     config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(target_modules),
                         task_type="CAUSAL_LM")
-    return get_peft_model(model, config)
+    try:
+        return get_peft_model(model, config)
+    except ValueError as err:  # peft: "Target modules {...} not found in the base model"
+        linear = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                         if isinstance(module, torch.nn.Linear)})
+        raise ConfigError(f"model.lora.target_modules ({list(target_modules)}): {str(err).splitlines()[0][:120]}; "
+                          f"this model's linear layers are: {', '.join(linear)}") from None
 
 
 def build_policy(model_cfg):

@@ -28,12 +28,24 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from grpo_cli import checkpoint
-from grpo_cli.config import build, hydra_app, validate
+from grpo_cli.config import build, command_line_overrides, hydra_app, validate
 from grpo_cli.data import PromptStream
-from grpo_cli.metrics import CompletionsLog, MetricsLog, check_logging, console, limit_heap_growth, peak_memory_mb, plot_training, progress, rollout_metrics
+from grpo_cli.errors import RunError
+from grpo_cli.metrics import (
+    CompletionsLog,
+    MetricsLog,
+    check_logging,
+    console,
+    limit_heap_growth,
+    peak_memory_mb,
+    plot_training,
+    progress,
+    rollout_metrics,
+)
 from grpo_cli.policy import build_policy
 from grpo_cli.rewards import score
 from grpo_cli.rollout import render_prompts
+from grpo_cli.runs import claim, resume_config
 from grpo_cli.update import advantages, prepare, update
 
 
@@ -41,12 +53,29 @@ from grpo_cli.update import advantages, prepare, update
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
-    run(cfg, Path(HydraConfig.get().runtime.output_dir))
+    run(cfg, Path(HydraConfig.get().runtime.output_dir), command_line_overrides())
 
 
-def run(cfg: DictConfig, run_dir: Path) -> Path:
-    """Train as `cfg` says, writing into `run_dir`; returns the last checkpoint's folder."""
+def run(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) -> Path:
+    """Train as `cfg` says, writing into `run_dir`; returns the last checkpoint's folder.
+
+    With `resume=`, the run's own saved config is used, changed only by the command line's
+    `overrides` that runs.resume_config allows (None: every key of cfg is compared).
+    """
     validate(cfg)
+    ckpt = None
+    if cfg.resume:
+        ckpt = checkpoint.resolve(cfg.resume, warn=lambda line: console.print(f"[yellow]{line}"))
+        cfg = validate(resume_config(cfg, checkpoint.load_config(ckpt), overrides))
+        run_dir = ckpt.parent.parent  # the same run goes on in its own folder: one metrics.jsonl, one checkpoints/
+    lock = claim(run_dir, resuming=ckpt is not None)
+    try:
+        return _train(cfg, run_dir, ckpt)
+    finally:
+        lock.release()
+
+
+def _train(cfg: DictConfig, run_dir: Path, ckpt: Path | None) -> Path:
     limit_heap_growth()
     trainer, algo = cfg.trainer, cfg.algo
     report_to = check_logging(trainer)  # a missing tracker package stops here, before the model loads
@@ -65,13 +94,14 @@ def run(cfg: DictConfig, run_dir: Path) -> Path:
     scheduler = get_scheduler(trainer.lr_scheduler, optimizer, num_warmup_steps=trainer.warmup_steps,
                               num_training_steps=trainer.max_steps * algo.num_iterations)
     state = {"step": 0, "history": []}
-    if cfg.resume:
-        ckpt = checkpoint.resolve(cfg.resume)
+    if ckpt is not None:
         checkpoint.load_adapter(policy, ckpt)
         state = checkpoint.load_training_state(ckpt, optimizer, scheduler)
         prompts.load_state_dict(state["data"])
-        run_dir = ckpt.parent.parent  # the same run goes on in its own folder: one metrics.jsonl, one checkpoints/
         console.print(f"resumed from {ckpt} at step {state['step']}")
+        aside = checkpoint.set_aside_after(run_dir, state["step"])
+        if aside is not None:
+            console.print(f"[yellow]the checkpoints after step {state['step']} (an abandoned branch) moved to {aside}")
     log = MetricsLog(run_dir, report_to, trainer.project, OmegaConf.to_container(cfg, resolve=True))
     samples = CompletionsLog(run_dir, trainer.log_completions_every, trainer.num_completions_to_print,
                              trainer.completions_max_mb)
@@ -79,9 +109,11 @@ def run(cfg: DictConfig, run_dir: Path) -> Path:
     samples.truncate(state["step"])
     stop = _StopFlag()
     last = None
+    nonfinite_in_a_row = 0
     console.print(f"run dir: {run_dir}")
 
-    with progress("train") as bar:
+    # leaving the block (also on an error) closes the trackers' run and puts the signal handlers back
+    with progress("train") as bar, log, stop:
         task = bar.add_task("train", total=trainer.max_steps, completed=state["step"], info="")
         for step in range(state["step"] + 1, trainer.max_steps + 1):
             _seed_step(trainer.seed, step)  # sampling randomness is a function of (seed, step): exact resume
@@ -92,8 +124,7 @@ def run(cfg: DictConfig, run_dir: Path) -> Path:
 
             # 2. rollout: G completions per prompt with the current policy (LoRA on)
             sampler.sync(policy)
-            rollout = sampler.generate(policy, tokenizer, render_prompts(tokenizer, [e["messages"] for e in examples]),
-                                       algo.group_size)
+            rollout = _sample(sampler, policy, tokenizer, examples, algo.group_size, step)
             t_rollout = time.perf_counter() - t0
 
             # 3. score: one reward per completion, or step rewards (process supervision)
@@ -110,6 +141,11 @@ def run(cfg: DictConfig, run_dir: Path) -> Path:
             stats = update(policy, optimizer, scheduler, batch, loss, algo.num_iterations, trainer.micro_batch_size,
                            trainer.max_grad_norm)
             t_update = time.perf_counter() - t1
+            nonfinite_in_a_row = nonfinite_in_a_row + 1 if stats["nonfinite_skipped"] else 0
+            if stats["nonfinite_skipped"]:
+                console.print(f"[yellow]step {step}: non-finite loss or gradient, optimizer step skipped "
+                              f"({nonfinite_in_a_row} in a row; the run stops at "
+                              f"trainer.max_nonfinite_steps={trainer.max_nonfinite_steps})")
 
             # 6. log: the metrics; every log_completions_every steps also what the model wrote
             record = {"step": step, **rollout_metrics(result, rollout, algo.group_size), **stats,
@@ -122,7 +158,8 @@ def run(cfg: DictConfig, run_dir: Path) -> Path:
             state["data"] = prompts.state_dict()
             state["history"].append({k: v for k, v in record.items() if not k.startswith("time/")})
             bar.update(task, completed=step, info=f"reward {record['reward']:.3f}  kl {record['kl']:.4f}  "
-                                                  f"loss {record['loss']:+.4f}  len {record['completions/mean_length']:.0f}")
+                                                  f"loss {record['loss']:+.4f}  "
+                                                  f"len {record['completions/mean_length']:.0f}")
 
             # 7. checkpoint
             if step % trainer.save_every == 0 or step == trainer.max_steps or stop.requested:
@@ -133,12 +170,27 @@ def run(cfg: DictConfig, run_dir: Path) -> Path:
                 console.print(f"stopped by {stop.requested} after step {step}; checkpoint: {last}\n"
                               f"resume with: grpo train resume={run_dir}")
                 break
-    stop.restore()
-    log.close()
+            if nonfinite_in_a_row >= trainer.max_nonfinite_steps:
+                raise RunError(f"{nonfinite_in_a_row} steps in a row had a non-finite loss or gradient (last: step "
+                               f"{step}); the last good checkpoint is {last or 'none'}: lower optimizer.lr or "
+                               f"check the rewards, and start a new run")
     if last is None:  # resumed at or past max_steps: nothing to do
         last = checkpoint.resolve(run_dir)
     console.print(f"checkpoint: {last}\ncurves: {plot_training(run_dir)}")
     return last
+
+
+def _sample(sampler, policy, tokenizer, examples: list[dict], group_size: int, step: int):
+    """G completions per example; a policy whose logits went NaN/inf is a RunError, not a traceback."""
+    try:
+        return sampler.generate(policy, tokenizer, render_prompts(tokenizer, [e["messages"] for e in examples]),
+                                group_size)
+    except RuntimeError as err:
+        if "inf" in str(err) or "nan" in str(err):  # torch.multinomial on non-finite probabilities
+            raise RunError(f"step {step}: sampling failed because the policy's probabilities are not finite "
+                           f"({str(err).splitlines()[0]}); an update diverged: lower optimizer.lr and start a new "
+                           f"run from an earlier checkpoint's settings") from None
+        raise
 
 
 def _seed_step(seed: int, step: int) -> None:
@@ -148,7 +200,8 @@ def _seed_step(seed: int, step: int) -> None:
 
 
 class _StopFlag:
-    """SIGINT/SIGTERM ask the loop to finish the current step, checkpoint and exit; a second SIGINT aborts."""
+    """SIGINT/SIGTERM ask the loop to finish the current step, checkpoint and exit; a second one aborts
+    (KeyboardInterrupt), which also frees a step stuck in a reward that has no timeout."""
 
     def __init__(self):
         self.requested: str | None = None
@@ -157,15 +210,19 @@ class _StopFlag:
             signal.signal(s, self._handle)
 
     def _handle(self, signum, frame):
-        if self.requested and signum == signal.SIGINT:
+        if self.requested:
             raise KeyboardInterrupt
         self.requested = signal.Signals(signum).name
         console.print(f"[yellow]{self.requested}: finishing this step, then writing a checkpoint "
-                      f"(Ctrl-C again to abort)")
+                      f"(send it again to abort)")
 
-    def restore(self):
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
         for s, handler in self._old.items():
             signal.signal(s, handler)
+        return False
 
 
 if __name__ == "__main__":

@@ -99,12 +99,17 @@ def update(policy, optimizer, scheduler, batch: Batch, loss, num_iterations: int
 
     Token-level statistics (kl, clip ratios, ratio, entropy) are averaged over the tokens that were
     updated, whatever the loss reports; `loss` is the batch loss, averaged over the μ passes.
+
+    A pass whose loss or gradient norm is NaN/inf takes no optimizer (or scheduler) step, and one
+    whose step would leave a weight non-finite is undone: `nonfinite_skipped` counts them, and the
+    weights stay what they were.
     """
     loss_fn = loss.for_batch(batch.num_sequences, batch.num_tokens, batch.rollout.completion_ids.shape[1])
     active_tokens = batch.mask[batch.active].sum().clamp(min=1) if batch.active else batch.num_tokens
     params = [p for p in policy.parameters() if p.requires_grad]
     totals: dict[str, float] = {"loss": 0.0}
     grad_norm = 0.0
+    skipped = 0
     policy.train()
     for _ in range(num_iterations):
         for rows in micro_batches(batch.active, micro_batch_size):
@@ -119,12 +124,23 @@ def update(policy, optimizer, scheduler, batch: Batch, loss, num_iterations: int
             for key, value in {**stats, "entropy": masked_mean(entropy, mask)}.items():
                 totals[key] = totals.get(key, 0.0) + float(value) * share
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm else math.inf))
-        optimizer.step()
-        scheduler.step()
+        if math.isfinite(grad_norm) and math.isfinite(totals["loss"]):
+            before = [p.detach().clone() for p in params]  # LoRA weights only: a few MB
+            optimizer.step()
+            if all(bool(p.isfinite().all()) for p in params):
+                scheduler.step()
+            else:  # a finite gradient times the rate overflowed: keep the weights as they were
+                with torch.no_grad():
+                    for p, b in zip(params, before):
+                        p.copy_(b)
+                skipped += 1
+        else:
+            skipped += 1
         optimizer.zero_grad(set_to_none=False)
     if not batch.active:  # nothing was updated: the loss's statistics are 0 (its own keys, from an empty call)
         empty = batch.mask[:0]  # [0, T]
         _, stats = loss_fn(empty, empty, None, batch.advantages[:0], empty)
         totals.update({key: 0.0 for key in [*stats, "entropy"]})
-    return {**totals, "grad_norm": grad_norm, "counts/backward_seqs": len(batch.active) * num_iterations,
+    return {**totals, "grad_norm": grad_norm, "nonfinite_skipped": skipped,
+            "counts/backward_seqs": len(batch.active) * num_iterations,
             "counts/ref_forward_seqs": batch.num_sequences if batch.ref_logp is not None else 0}

@@ -11,8 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from grpo_cli import checkpoint, train, update
-from grpo_cli.config import build
-from grpo_cli.config import compose
+from grpo_cli.config import build, compose
 from grpo_cli.policy import build_policy
 
 # random characters from the tiny model contain a digit often but not always: mixed rewards in a group
@@ -33,7 +32,8 @@ def metrics(run_dir: Path) -> list[dict]:
 
 def deterministic(record: dict) -> dict:
     """A metrics line without the wall-clock numbers."""
-    return {k: v for k, v in record.items() if not k.startswith("time/") and k not in ("tokens_per_s", "peak_memory_mb")}
+    wall_clock = ("tokens_per_s", "peak_memory_mb")
+    return {k: v for k, v in record.items() if not k.startswith("time/") and k not in wall_clock}
 
 
 def test_two_steps_move_lora_only_and_checkpoint_reloads(tmp_path):
@@ -143,7 +143,11 @@ def test_micro_batches_accumulate_to_the_full_batch_gradient(loss_type):
         opt = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=0.0)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
         captured = {}
-        opt.step = lambda: captured.update({n: p.grad.clone() for n, p in policy.named_parameters() if p.requires_grad})
+
+        def capture(captured=captured):
+            captured.update({n: p.grad.clone() for n, p in policy.named_parameters() if p.requires_grad})
+
+        opt.step = capture
         loss = build(cfg.algo.loss)
         batch = update.prepare(policy, rollout, advantages, loss, 1, micro, False)
         update.update(policy, opt, sched, batch, loss, 1, micro, None)
@@ -166,7 +170,8 @@ def test_process_rewards_give_per_token_advantages(tmp_path, monkeypatch):
     # a prompt-independent reward: the tiny model's random text gets step scores from the rule verifier;
     # newline-free random characters form one step per completion, so split on any 3 characters instead
     cfg = compose("train", [o for o in TINY if "digit" not in o] + [
-        "reward=gsm8k_process", "trainer.max_steps=2", "sampler.max_new_tokens=12", "reward.scorer.pattern='(?s).{3}'"])
+        "reward=gsm8k_process", "trainer.max_steps=2", "sampler.max_new_tokens=12",
+        "reward.scorer.pattern='(?s).{3}'"])
     train.run(cfg, tmp_path)
     assert len(seen) == 2
     for result, rollout, adv in seen:

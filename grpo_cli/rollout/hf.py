@@ -15,7 +15,9 @@ from grpo_cli.rollout import Rollout, encode_prompts, finish, position_ids
 class HFSampler:
     """Sampling settings (the `sampler` config group) and the generate call that uses them."""
 
-    def __init__(self, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, max_new_tokens: int = 64):
+    def __init__(self, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, max_new_tokens: int = 64,
+                 max_prompt_tokens: int = 1024):
+        self.max_prompt_tokens = max_prompt_tokens
         self.temperature = temperature
         self.top_p = top_p
         self.top_k = top_k
@@ -29,6 +31,7 @@ class HFSampler:
                  max_new_tokens: int | None = None, temperature: float | None = None) -> Rollout:
         """`n` completions for each prompt string (already chat-templated), rows grouped by prompt."""
         device = next(model.parameters()).device
+        check_prompts(model, tokenizer, prompts, self.max_prompt_tokens, max_new_tokens or self.max_new_tokens)
         ids, mask = (t.to(device) for t in encode_prompts(tokenizer, prompts))  # [B, P], left-padded
         eos = tokenizer.eos_token_id
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
@@ -52,3 +55,28 @@ class HFSampler:
         model.train(was_training)
         completion = full[:, ids.shape[1]:]  # [N, T']
         return finish(tokenizer, ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0), completion, eos, pad)
+
+
+def check_prompts(model, tokenizer, prompts: list[str], max_prompt_tokens: int, max_new_tokens: int) -> None:
+    """DataError naming the first prompt over `max_prompt_tokens`, or one that cannot fit the model's context.
+
+    A prompt longer than 64 characters per allowed token is refused before it is tokenized at all: a
+    10 MB question must not reach the tokenizer, let alone the model.
+    """
+    from grpo_cli.errors import ConfigError, DataError
+
+    context = getattr(model.config, "max_position_embeddings", None)
+    if context is not None and max_prompt_tokens + max_new_tokens > context:
+        raise ConfigError(f"sampler.max_prompt_tokens ({max_prompt_tokens}) + max_new_tokens ({max_new_tokens}) "
+                          f"exceed the model's context of {context} tokens; set sampler.max_prompt_tokens="
+                          f"{max(context - max_new_tokens, 1)}")
+    for prompt in prompts:
+        too_long = len(prompt) > 64 * max_prompt_tokens
+        if not too_long:
+            count = len(tokenizer(prompt, add_special_tokens=False).input_ids)
+            too_long = count > max_prompt_tokens
+        if too_long:
+            size = f"{len(prompt):,} characters" if len(prompt) > 64 * max_prompt_tokens else f"{count} tokens"
+            raise DataError(f"a prompt of {size} is longer than sampler.max_prompt_tokens ({max_prompt_tokens}): "
+                            f"{prompt[:100]!r}...; drop such problems from the data or raise "
+                            f"sampler.max_prompt_tokens")

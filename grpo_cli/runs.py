@@ -1,0 +1,117 @@
+"""Run folders: who owns one, and what a resumed run keeps.
+
+A run folder (`outputs/train/DATE/TIME`, or `hydra.run.dir`) holds one run: `metrics.jsonl`,
+`completions.jsonl`, `checkpoints/step_N/`. `claim()` makes one process its owner for as long as
+it trains (an advisory lock on RUN/.lock: a second `grpo train` on the same folder stops with the
+owner's pid), and refuses a fresh run in a folder that already holds one, since starting over
+would truncate its metrics under its old checkpoints.
+
+`resume_config()` is the one place that says what a resumed run may change: only settings that
+cannot change the math (how long to train, how often to save and log, where to report). Anything
+else it refuses with a line naming the key, so `grpo train resume=RUN` never continues a run with
+another model, group size or learning rate than it was trained with.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from grpo_cli.errors import ConfigError
+
+# settings a resumed run may change; everything else comes from the run's saved config
+RESUMABLE = ("resume", "trainer.max_steps", "trainer.save_every", "trainer.keep_last", "trainer.report_to",
+             "trainer.project", "trainer.log_completions_every", "trainer.num_completions_to_print",
+             "trainer.completions_max_mb", "trainer.max_nonfinite_steps")
+
+
+class RunLock:
+    """An exclusive advisory lock on RUN/.lock, held until `release()` or the process ends (even by kill -9)."""
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / ".lock"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.read(self.fd, 32).decode(errors="replace").strip() or "?"
+            os.close(self.fd)
+            raise ConfigError(f"{run_dir} is in use by another grpo train (pid {owner}); wait for it to finish "
+                              f"or choose another folder: hydra.run.dir=...") from None
+        os.ftruncate(self.fd, 0)
+        os.write(self.fd, str(os.getpid()).encode())
+
+    def release(self) -> None:
+        if self.fd is not None:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = None
+
+
+def holds_a_run(run_dir: Path) -> bool:
+    """Metrics or checkpoints from an earlier run are in this folder."""
+    run_dir = Path(run_dir)
+    metrics = run_dir / "metrics.jsonl"
+    return (metrics.exists() and metrics.stat().st_size > 0) or any((run_dir / "checkpoints").glob("step_*"))
+
+
+def claim(run_dir: Path, resuming: bool) -> RunLock:
+    """Lock `run_dir` for this process; a fresh run may not start in a folder that holds a run."""
+    lock = RunLock(run_dir)
+    if not resuming and holds_a_run(run_dir):
+        lock.release()
+        raise ConfigError(f"{run_dir} already holds a run (metrics.jsonl or checkpoints/); continue it with "
+                          f"resume={run_dir}, or start a new one in another folder: hydra.run.dir=...")
+    return lock
+
+
+def _flat(node: DictConfig, prefix: str = "") -> dict[str, object]:
+    out: dict[str, object] = {}
+    for key, value in node.items():
+        if isinstance(value, DictConfig):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+    return out
+
+
+def _resumable(key: str) -> bool:
+    return any(key == r or key.startswith(r + ".") for r in RESUMABLE)
+
+
+def resume_config(cfg: DictConfig, saved: DictConfig, overrides: list[str] | None) -> DictConfig:
+    """The config a resumed run goes on with: the run's `saved` config plus the allowed changes.
+
+    `overrides` are the command line's (`key=value`, `+key=value`, `group=option`): only those keys
+    are compared with the saved run, so `grpo train resume=RUN` alone continues the run as it was.
+    None (a library call) compares every key of `cfg`. A changed key that is not RESUMABLE is an
+    error naming it; trainer settings the saved config lacks (newer than the run) keep cfg's value.
+    """
+    new, old = _flat(OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))), _flat(saved)
+    names = sorted(new) if overrides is None else [o.lstrip("+~").split("=", 1)[0] for o in overrides]
+    asked: set[str] = set()
+    errors = []
+    for name in names:  # one line per override, however many keys a group override changes
+        keys = [k for k in new if k == name or k.startswith(name + ".")]
+        asked.update(keys)
+        changed = [k for k in keys if k in old and new[k] != old[k] and not _resumable(k)]
+        if changed:
+            more = f" (and {len(changed) - 1} more keys under {name})" if len(changed) > 1 else ""
+            key = changed[0]
+            errors.append(f"{key} was {old[key]!r} in the run and is {new[key]!r} now{more}: a resumed run keeps its "
+                          f"own settings; drop that override (a resume may change only "
+                          f"{', '.join(r for r in RESUMABLE if r != 'resume')})")
+    if errors:
+        raise ConfigError("\n".join(errors))
+    merged = saved.copy()
+    # trainer settings newer than the run (absent from its config) take today's value; other absent
+    # keys belong to another group option (another model's loader) and stay out
+    newer = {k for k in set(new) - set(old) if k.startswith("trainer.")}
+    for key in sorted(asked | newer):
+        if _resumable(key) or key in newer:
+            OmegaConf.update(merged, key, new[key], force_add=True)
+    return merged
