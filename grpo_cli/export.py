@@ -57,18 +57,19 @@ def check(cfg: DictConfig) -> tuple[Path, Path]:
     if missing:
         raise ConfigError("\n".join(missing))
     validate(cfg)
-    E = cfg.export
-    if E.dtype not in DTYPES:
-        raise ConfigError(f"export.dtype ({E.dtype!r}) must be one of {', '.join(DTYPES)}; set export.dtype=bfloat16")
+    export_cfg = cfg.export
+    if export_cfg.dtype not in DTYPES:
+        raise ConfigError(f"export.dtype ({export_cfg.dtype!r}) must be one of {', '.join(DTYPES)}; "
+                          f"set export.dtype=bfloat16")
     for key in ("merge", "overwrite"):
-        if not isinstance(E[key], bool):
-            raise ConfigError(f"export.{key} ({E[key]!r}) must be true or false; set export.{key}=true")
+        if not isinstance(export_cfg[key], bool):
+            raise ConfigError(f"export.{key} ({export_cfg[key]!r}) must be true or false; set export.{key}=true")
     ckpt = checkpoint.resolve(cfg.checkpoint)
     out = Path(str(cfg.output)).expanduser().resolve()
     if out.exists() and not out.is_dir():
         raise ConfigError(f"output={out} is a file; pass a folder to create")
     if out.is_dir() and any(out.iterdir()):
-        if not E.overwrite:
+        if not export_cfg.overwrite:
             raise ConfigError(f"output={out} is not empty; pass a new folder or set export.overwrite=true "
                               f"(the folder is replaced)")
         if out == ckpt.resolve() or out in ckpt.resolve().parents:
@@ -100,7 +101,7 @@ def generation_config(tokenizer):
 def run(cfg: DictConfig, overrides: list[str] = ()) -> Path:
     """Write the export of `cfg.checkpoint` into `cfg.output`; returns the output folder."""
     ckpt, out = check(cfg)
-    E = cfg.export
+    export_cfg = cfg.export
     # the checkpoint's own model section (dotted command-line overrides on top), built on the CPU in
     # float32: the merge is exact there, and a GPU is not needed to export
     cfg = inherit(cfg, OmegaConf.create({"model": checkpoint.load_config(ckpt).model}), list(overrides))
@@ -117,9 +118,9 @@ def run(cfg: DictConfig, overrides: list[str] = ()) -> Path:
         bar.update(task, advance=1, info="adapter")
         checkpoint.load_adapter(policy, ckpt)
         policy.eval()
-        bar.update(task, advance=1, info="merge" if E.merge else "adapter folder")
-        if E.merge:
-            model = policy.merge_and_unload().to(DTYPES[E.dtype])
+        bar.update(task, advance=1, info="merge" if export_cfg.merge else "adapter folder")
+        if export_cfg.merge:
+            model = policy.merge_and_unload().to(DTYPES[export_cfg.dtype])
             model.generation_config = generation_config(tokenizer)
             bar.update(task, advance=1, info="write")
             model.save_pretrained(tmp)
@@ -128,11 +129,11 @@ def run(cfg: DictConfig, overrides: list[str] = ()) -> Path:
             if base["revision"]:
                 policy.peft_config["default"].revision = base["revision"]
             bar.update(task, advance=1, info="write")
-            policy.to(DTYPES[E.dtype]).save_pretrained(tmp)
+            policy.to(DTYPES[export_cfg.dtype]).save_pretrained(tmp)
             (tmp / "README.md").unlink(missing_ok=True)  # peft's empty model card
         tokenizer.save_pretrained(tmp)
-        record = {"checkpoint": str(ckpt.resolve()), "step": step, "merged": E.merge, "dtype": E.dtype,
-                  "base_model": base, "grpo_cli_version": __version__}
+        record = {"checkpoint": str(ckpt.resolve()), "step": step, "merged": export_cfg.merge,
+                  "dtype": export_cfg.dtype, "base_model": base, "grpo_cli_version": __version__}
         (tmp / "export.json").write_text(json.dumps(record, indent=1) + "\n")
         if out.exists():
             shutil.rmtree(out)
@@ -140,7 +141,7 @@ def run(cfg: DictConfig, overrides: list[str] = ()) -> Path:
         bar.update(task, advance=1, info="done")
 
     console.print(files_table(out, record))
-    if E.merge:
+    if export_cfg.merge:
         how = f"AutoModelForCausalLM.from_pretrained({str(out)!r})  ·  vllm serve {out}"
     elif base["name_or_path"]:  # the adapter config names a base that loads by itself
         how = f"AutoPeftModelForCausalLM.from_pretrained({str(out)!r})"
