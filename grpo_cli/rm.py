@@ -18,7 +18,7 @@ Writes into the run folder: `model/` (the reward model: safetensors + tokenizer 
 `labeled.jsonl` (this run's new rows, each with its split), `rm_eval.json` (held-out metrics before
 and after training, row counts, replay counts). The library pieces live in
 `grpo_cli.rewards.training`; the paper's iterations (sample, relabel, retrain with replay, reset the
-reference) inside `grpo train` are not built yet.
+reference) run inside `grpo train` (iterative.iterations, grpo_cli/iterative.py) with the same pieces.
 """
 
 from __future__ import annotations
@@ -46,27 +46,9 @@ def main(cfg: DictConfig) -> None:
     run(cfg, Path(HydraConfig.get().runtime.output_dir), command_line_overrides())
 
 
-def _int_at_least(R: DictConfig, key: str, low: int, fix: int) -> None:
-    value = R[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ConfigError(f"rm.{key} ({value!r}) must be an integer >= {low}; set rm.{key}={fix}")
-
-
 def check_settings(R: DictConfig) -> None:
     """The rm section's values, each error naming the fix (before any model loads)."""
-    for key, low, fix in (("num_problems", 1, 64), ("samples_per_problem", 1, 4), ("prompts_per_batch", 1, 16),
-                          ("epochs", 1, 2), ("batch_size", 1, 8)):
-        _int_at_least(R, key, low, fix)
-    fraction = R.heldout_fraction
-    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction < 1:
-        raise ConfigError(f"rm.heldout_fraction ({fraction!r}) must be in [0, 1): the share of prompts whose rows "
-                          f"measure the model instead of training it; set rm.heldout_fraction=0.2")
-    if isinstance(R.lr, bool) or not isinstance(R.lr, (int, float)) or R.lr <= 0:
-        raise ConfigError(f"rm.lr ({R.lr!r}) must be > 0; set rm.lr=1e-4")
-    if not isinstance(R.template, str) or R.template.count("{completion}") != 1 or "{prompt}" not in R.template:
-        raise ConfigError(f"rm.template ({R.template!r}) must hold {{prompt}} and {{completion}} once each, as "
-                          f"reward.template does where the model scores; set rm.template='{{prompt}}{{completion}}'")
-    T.check_share(R.replay.share)
+    T.check_settings(R)  # the settings grpo train's iterations share (conf/rm/default.yaml)
     if R.replay.iteration is not None and (not isinstance(R.replay.iteration, int) or R.replay.iteration < 0):
         raise ConfigError(f"rm.replay.iteration ({R.replay.iteration!r}) must be an integer >= 0 or null (the "
                           f"next after the folder's last); set rm.replay.iteration=null")
@@ -121,27 +103,19 @@ def run(cfg: DictConfig, out_dir: Path, overrides: list[str] = ()) -> dict:
         raise ConfigError("no rows left to train on; add rows or lower rm.heldout_fraction")
 
     model, tokenizer = starting_model(cfg, kind, device, dtype)
-    evaluate = dict(kind=kind, template=R.template, batch_size=R.batch_size)
-    before = T.evaluate(model, tokenizer, heldout, **evaluate) if heldout else None
-    model = T.add_lora(model, **R.lora)
     with progress(f"train {'ORM' if kind == 'outcome' else 'PRM'}") as bar:
         task = bar.add_task("", total=R.epochs * len(train_rows), info="")
 
         def advance(done: int, loss: float) -> None:
             bar.update(task, advance=done, info=f"loss {loss:.3f}")
 
-        losses = T.train_classifier(model, tokenizer, train_rows, kind=kind, template=R.template, epochs=R.epochs,
-                                    batch_size=R.batch_size, lr=R.lr, weight_decay=R.weight_decay,
-                                    max_grad_norm=R.max_grad_norm, seed=R.seed, advance=advance)
-    model = model.merge_and_unload()
-    after = T.evaluate(model, tokenizer, heldout, **evaluate) if heldout else None
+        model, trained = T.retrain(model, tokenizer, train_rows, heldout, R, kind, advance=advance)
+    after = trained["heldout_after"]
     report = {
         "kind": kind, "model": str(out_dir / "model"), "init": R.init,
         "rows": {"labeled": len(rows), "train_new": replay_info["new"], "train_replay": replay_info["replay"],
                  "heldout": len(heldout), "heldout_prompts": len({r["prompt"] for r in heldout})},
-        "replay": replay_info, "heldout_before": before, "heldout_after": after,
-        "train_loss_first": losses[0] if losses else None, "train_loss_last": losses[-1] if losses else None,
-        "seconds": round(time.time() - started, 1),
+        "replay": replay_info, **trained, "seconds": round(time.time() - started, 1),
     }
     T.save_reward_model(model, tokenizer, out_dir / "model", {
         "kind": kind, "template": R.template, "pattern": cfg.labeler.get("pattern") if labeler else None,
@@ -186,14 +160,7 @@ def sample_and_label(cfg: DictConfig, ckpt: Path | None, labeler, overrides) -> 
 
 def starting_model(cfg: DictConfig, kind: str, device, dtype):
     """(model, tokenizer): `rm.init` loaded, or a new head on the base weights of `model`."""
-    if cfg.rm.init:
-        return T.load_classifier(cfg.rm.init, kind, device, dtype)
-    base, tokenizer = build(cfg.model.loader, dtype=dtype)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    model = T.new_classifier(kind, base.to(device), tokenizer, seed=cfg.rm.seed)
-    del base
-    return model, tokenizer
+    return T.starting_classifier(cfg.rm.init, kind, cfg.model.loader, device, dtype, seed=cfg.rm.seed)
 
 
 def results_table(report: dict) -> Table:

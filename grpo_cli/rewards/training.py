@@ -267,6 +267,29 @@ class ReplayBuffer:
                                   f"recorded {count}; restore {self.path(int(i)).name} or start a new run")
 
 
+def _int_at_least(R, key: str, low: int, fix: int) -> None:
+    value = R[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(f"rm.{key} ({value!r}) must be an integer >= {low}; set rm.{key}={fix}")
+
+
+def check_settings(R) -> None:
+    """The `rm` settings (conf/rm/default.yaml), each error naming the fix (before any model loads)."""
+    for key, low, fix in (("num_problems", 1, 64), ("samples_per_problem", 1, 4), ("prompts_per_batch", 1, 16),
+                          ("epochs", 1, 2), ("batch_size", 1, 8)):
+        _int_at_least(R, key, low, fix)
+    fraction = R.heldout_fraction
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction < 1:
+        raise ConfigError(f"rm.heldout_fraction ({fraction!r}) must be in [0, 1): the share of prompts whose rows "
+                          f"measure the model instead of training it; set rm.heldout_fraction=0.2")
+    if isinstance(R.lr, bool) or not isinstance(R.lr, (int, float)) or R.lr <= 0:
+        raise ConfigError(f"rm.lr ({R.lr!r}) must be > 0; set rm.lr=1e-4")
+    if not isinstance(R.template, str) or R.template.count("{completion}") != 1 or "{prompt}" not in R.template:
+        raise ConfigError(f"rm.template ({R.template!r}) must hold {{prompt}} and {{completion}} once each, as "
+                          f"reward.template does where the model scores; set rm.template='{{prompt}}{{completion}}'")
+    check_share(R.replay.share)
+
+
 # ---- samples and labelers ----------------------------------------------------------------------
 
 def pick_problems(dataset, count: int, seed: int) -> list[dict]:
@@ -454,6 +477,22 @@ def load_classifier(path: str | Path, kind: str, device: torch.device, dtype: to
     return model.to(device), tokenizer
 
 
+def starting_classifier(init: str | Path | None, kind: str, loader, device: torch.device, dtype: torch.dtype,
+                        seed: int = 0):
+    """(model, tokenizer): the reward model in folder `init`, or a new head on the base LM that the
+    `model.loader` config node `loader` builds (DeepSeekMath starts reward models from the policy's base)."""
+    from grpo_cli.config import build
+
+    if init:
+        return load_classifier(init, kind, device, dtype)
+    base, tokenizer = build(loader, dtype=dtype)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = new_classifier(kind, base.to(device), tokenizer, seed=seed)
+    del base
+    return model, tokenizer
+
+
 def head_names(model) -> list[str]:
     """The classification head's module names: children with weights beside the backbone."""
     return [name for name, child in model.named_children()
@@ -624,3 +663,23 @@ def evaluate(model, tokenizer, rows: list[Row], *, kind: str, template: str, bat
     """Accuracy, AUC, BCE and mean score of the reward model on labeled rows (per step for a PRM)."""
     scores, labels = predict(model, tokenizer, rows, kind=kind, template=template, batch_size=batch_size)
     return classification_metrics(scores, labels)
+
+
+def retrain(model, tokenizer, train_rows: list[Row], heldout: list[Row], R, kind: str, seed: int | None = None,
+            advance: Callable[[int, float], None] | None = None) -> tuple[Any, dict]:
+    """(merged model, report): score `heldout` with `model`, train it on `train_rows` (LoRA on the
+    backbone + the whole head, settings `R` = the `rm` config section), merge, score `heldout` again.
+
+    Shared by `grpo rm` and the iterations of `grpo train`. The report holds `heldout_before`,
+    `heldout_after` (`evaluate`'s metrics; None without held-out rows) and the first and last batch loss.
+    """
+    settings = dict(kind=kind, template=R.template, batch_size=R.batch_size)
+    before = evaluate(model, tokenizer, heldout, **settings) if heldout else None
+    model = add_lora(model, **R.lora)
+    losses = train_classifier(model, tokenizer, train_rows, kind=kind, template=R.template, epochs=R.epochs,
+                              batch_size=R.batch_size, lr=R.lr, weight_decay=R.weight_decay,
+                              max_grad_norm=R.max_grad_norm, seed=R.seed if seed is None else seed, advance=advance)
+    model = model.merge_and_unload()
+    after = evaluate(model, tokenizer, heldout, **settings) if heldout else None
+    return model, {"heldout_before": before, "heldout_after": after, "train_loss_first": losses[0] if losses else None,
+                   "train_loss_last": losses[-1] if losses else None}
