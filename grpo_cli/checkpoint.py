@@ -6,6 +6,7 @@ A checkpoint folder `checkpoints/step_NNNNNN/` holds:
   scheduler.json                                    LR scheduler state
   trainer_state.json                                step, data position, RNG state, metrics so far
   config.yaml                                       the resolved run config
+  reference/adapter_model.safetensors, ...          iterative RL only: the reference policy's adapter
 It is written to `step_NNNNNN.tmp`, flushed to disk (fsync) and renamed into place, so a crash never
 leaves half a checkpoint. Weights that are not finite are never written. Every file is checked when
 read (`verify`); a run folder resolves to its newest checkpoint that passes, and an error names the
@@ -29,6 +30,8 @@ from grpo_cli.errors import CheckpointError
 
 STEP_DIR = "step_{:06d}"
 ADAPTER = "adapter_model.safetensors"
+# the folder peft's save_pretrained gives a second adapter (grpo_cli.policy.REFERENCE)
+REFERENCE_DIR = "reference"
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
@@ -58,14 +61,15 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
 def verify(path: Path) -> None:
     """Raise CheckpointError naming the first file of checkpoint `path` that is missing or unreadable."""
     path = Path(path)
-    for name in FILES:
+    extra = (f"{REFERENCE_DIR}/{ADAPTER}", f"{REFERENCE_DIR}/adapter_config.json")
+    for name in FILES + (extra if (path / REFERENCE_DIR).is_dir() else ()):
         file = path / name
         if not file.is_file():
             raise CheckpointError(f"{file} is missing: the checkpoint is incomplete; use an earlier one")
         try:
             if name.endswith(".safetensors"):
                 tensors = load_file(file)
-                if name == ADAPTER and not all(bool(t.isfinite().all()) for t in tensors.values()):
+                if name.endswith(ADAPTER) and not all(bool(t.isfinite().all()) for t in tensors.values()):
                     raise ValueError("it holds NaN or infinite weights")
             elif name.endswith(".json"):
                 json.loads(file.read_text())
@@ -190,6 +194,20 @@ def load_adapter(policy, path: Path) -> None:
     if unexpected:
         raise CheckpointError(f"{file}: adapter weights do not fit this model ({unexpected[0]} ...); "
                               f"use the model the checkpoint was trained with")
+
+
+def load_reference(policy, path: Path) -> bool:
+    """Make the checkpoint's reference adapter (iterative RL) the policy's reference; False if it has none."""
+    from peft import set_peft_model_state_dict
+
+    from grpo_cli.policy import REFERENCE, set_reference
+
+    file = Path(path) / REFERENCE_DIR / ADAPTER
+    if not file.exists():
+        return False
+    set_reference(policy)  # creates the adapter; the weights come next
+    set_peft_model_state_dict(policy, load_file(file), adapter_name=REFERENCE)
+    return True
 
 
 def set_aside_after(run_dir: Path, step: int) -> Path | None:

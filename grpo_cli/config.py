@@ -261,6 +261,11 @@ RULES: list[tuple[str, Callable[[Any], bool], str]] = [
      "must be an integer >= 1 or null (keep all); set trainer.keep_last=3"),
     ("trainer.max_grad_norm", lambda v: v is None or (_num(v) and v > 0),
      "must be > 0 or null (no clipping); set trainer.max_grad_norm=1.0"),
+    ("iterative.iterations", lambda v: _int(v) and v >= 0,
+     "must be an integer >= 0 (0: off); set iterative.iterations=0"),
+    ("iterative.steps", lambda v: _int(v) and v >= 1, "must be an integer >= 1; set iterative.steps=10"),
+    ("iterative.temperature", lambda v: v is None or (_num(v) and v > 0),
+     "must be > 0 or null (sampler.temperature); set iterative.temperature=null"),
     ("model.lora.r", lambda v: _int(v) and v >= 1, "must be an integer >= 1; set model.lora.r=16"),
     ("model.lora.alpha", lambda v: _num(v) and v > 0, "must be a number > 0 (often 2 x r); set model.lora.alpha=32"),
     ("model.lora.dropout", lambda v: _num(v) and 0 <= v < 1, "must be in [0, 1); set model.lora.dropout=0.0"),
@@ -277,7 +282,8 @@ RULES: list[tuple[str, Callable[[Any], bool], str]] = [
 
 # sections of plain settings (no `_target_`): their keys are the ones their YAML file defines, so a
 # typo such as `+trainer.max_step=100` is an error instead of a setting nobody reads
-PLAIN_SECTIONS = {"trainer": "train.yaml", "algo": "algo/grpo.yaml", "eval": "eval.yaml", "sample": "sample.yaml"}
+PLAIN_SECTIONS = {"trainer": "train.yaml", "iterative": "train.yaml", "algo": "algo/grpo.yaml", "eval": "eval.yaml",
+                  "sample": "sample.yaml"}
 
 
 def _unknown_keys(cfg: DictConfig) -> list[str]:

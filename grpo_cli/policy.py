@@ -7,13 +7,15 @@ Loaders (picked by the `model` config group, each a `_target_`):
   - `load_tiny_random`: a seeded, randomly initialised Llama with a character tokenizer, built in
     process; for tests and smoke runs (no files, no network).
 
-The reference policy of the paper is the same network with the adapter disabled
-(`with policy.disable_adapter(): ...`), so no second copy of the weights is held.
+The reference policy of the paper is the same network with the adapter disabled (`reference(policy)`),
+so no second copy of the weights is held; in iterative RL (`set_reference`) it is a frozen copy of the
+adapter, a second LoRA adapter on the same base.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib.util
 import os
 import string
@@ -174,6 +176,45 @@ def build_policy(model_cfg):
 def adapter_enabled(policy, enabled: bool = True):
     """Context: the policy as it is (LoRA on), or the reference/base model (LoRA off) when not `enabled`."""
     return contextlib.nullcontext() if enabled else policy.disable_adapter()
+
+
+# the peft adapter that holds the reference policy once `set_reference` has run (iterative RL)
+REFERENCE = "reference"
+
+
+def set_reference(policy) -> None:
+    """reference <- policy: copy the trained adapter `default` into a frozen adapter `reference`.
+
+    A copy of the LoRA weights (a few MB), not a merge into the base: the base stays shared by
+    policy, reference and eval's adapter-off pass, and however many iterations run there are two
+    adapters (the second is made once, then overwritten). The active adapter stays `default`, so
+    the optimizer's parameters are untouched.
+    """
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+    if REFERENCE not in policy.peft_config:
+        policy.add_adapter(REFERENCE, copy.deepcopy(policy.peft_config["default"]))
+        policy.set_adapter("default")
+    set_peft_model_state_dict(policy, get_peft_model_state_dict(policy, adapter_name="default"),
+                              adapter_name=REFERENCE)
+    for name, p in policy.named_parameters():
+        if f".{REFERENCE}." in name:
+            p.requires_grad_(False)
+
+
+@contextlib.contextmanager
+def reference(policy):
+    """Context: the reference policy. The `reference` adapter when `set_reference` made one, else the
+    base model (adapter off, the initial policy: LoRA B starts at zero)."""
+    if REFERENCE not in policy.peft_config:
+        with policy.disable_adapter():
+            yield policy
+        return
+    policy.set_adapter(REFERENCE)
+    try:
+        yield policy
+    finally:
+        policy.set_adapter("default")  # also puts requires_grad back: default trainable, reference frozen
 
 
 # loader options that say where files are cached, not which weights load

@@ -11,9 +11,10 @@ clipped objective with a k3 KL to the reference policy (the same model with the 
 update.advantages/prepare/update, objective (the math), checkpoint, metrics.
 
 Departures from the paper: the policy trains a LoRA adapter instead of all weights (so the
-reference model costs no memory); the reference policy is the initial model for the whole run (the
-paper's iterative variant resets it each RL iteration, which is future work here); one "step" is
-one exploration stage followed by μ optimizer steps.
+reference model costs no memory); the reference policy is the initial model for the whole run unless
+iterative.iterations > 0 (the paper's iterative RL: grpo_cli/iterative.py retrains the reward model
+and resets the reference at each iteration's first step); one "step" is one exploration stage
+followed by μ optimizer steps.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from grpo_cli import checkpoint
 from grpo_cli.config import build, command_line_overrides, hydra_app, validate
 from grpo_cli.data import PromptStream
 from grpo_cli.errors import RunError
+from grpo_cli.iterative import Iterations
+from grpo_cli.iterative import check_settings as check_iterative
 from grpo_cli.metrics import (
     CompletionsLog,
     MetricsLog,
@@ -62,11 +65,12 @@ def run(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) -> P
     With `resume=`, the run's own saved config is used, changed only by the command line's
     `overrides` that runs.resume_config allows (None: every key of cfg is compared).
     """
-    validate(cfg)
+    check_iterative(validate(cfg))
     ckpt = None
     if cfg.resume:
         ckpt = checkpoint.resolve(cfg.resume, warn=lambda line: console.print(f"[yellow]{line}"))
         cfg = validate(resume_config(cfg, checkpoint.load_config(ckpt), overrides))
+        check_iterative(cfg)
         run_dir = ckpt.parent.parent  # the same run goes on in its own folder: one metrics.jsonl, one checkpoints/
     lock = claim(run_dir, resuming=ckpt is not None)
     try:
@@ -85,7 +89,9 @@ def _train(cfg: DictConfig, run_dir: Path, ckpt: Path | None) -> Path:
     if trainer.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     prompts = PromptStream(build(cfg.data).train, trainer.seed)
-    reward_fn = build(cfg.reward)
+    # the reward function of each step: build(cfg.reward), or in iterative RL the reward model retrained at each
+    # iteration's first step (which also resets the reference policy to the current one)
+    iterations = Iterations(cfg, run_dir)
     sampler = build(cfg.sampler)
     optimizer = build(cfg.optimizer)(params=[p for p in policy.parameters() if p.requires_grad])
     optimizer.zero_grad(set_to_none=False)  # zero (not absent) grads: a step with every row skipped is still a step
@@ -98,6 +104,7 @@ def _train(cfg: DictConfig, run_dir: Path, ckpt: Path | None) -> Path:
         checkpoint.load_adapter(policy, ckpt)
         state = checkpoint.load_training_state(ckpt, optimizer, scheduler)
         prompts.load_state_dict(state["data"])
+        iterations.load_state_dict(state, policy, ckpt)
         console.print(f"resumed from {ckpt} at step {state['step']}")
         aside = checkpoint.set_aside_after(run_dir, state["step"])
         if aside is not None:
@@ -118,6 +125,10 @@ def _train(cfg: DictConfig, run_dir: Path, ckpt: Path | None) -> Path:
         for step in range(state["step"] + 1, trainer.max_steps + 1):
             _seed_step(trainer.seed, step)  # sampling randomness is a function of (seed, step): exact resume
             t0 = time.perf_counter()
+
+            # 0. iterative RL, at an iteration's first step: sample from the policy, label, retrain the reward
+            #    model with replay, reference <- policy (DeepSeekMath Algorithm 1); otherwise the run's reward
+            reward_fn = iterations.reward_for(step, policy, tokenizer)
 
             # 1. prompts: the next prompts_per_step examples of the seeded, resumable stream
             examples = prompts.next(trainer.prompts_per_step)
@@ -148,14 +159,15 @@ def _train(cfg: DictConfig, run_dir: Path, ckpt: Path | None) -> Path:
                               f"trainer.max_nonfinite_steps={trainer.max_nonfinite_steps})")
 
             # 6. log: the metrics; every log_completions_every steps also what the model wrote
-            record = {"step": step, **rollout_metrics(result, rollout, algo.group_size), **stats,
-                      "learning_rate": scheduler.get_last_lr()[0], "time/rollout_s": t_rollout,
+            record = {"step": step, **iterations.metrics(step), **rollout_metrics(result, rollout, algo.group_size),
+                      **stats, "learning_rate": scheduler.get_last_lr()[0], "time/rollout_s": t_rollout,
                       "time/update_s": t_update, "tokens_per_s": sum(rollout.lengths) / max(t_rollout, 1e-9),
                       "peak_memory_mb": peak_memory_mb(device)}
             log.log(record)
             samples.log(step, prompts.position - len(examples), examples, rollout, result, adv)
             state["step"] = step
             state["data"] = prompts.state_dict()
+            state.update(iterations.state_dict())
             state["history"].append({k: v for k, v in record.items() if not k.startswith("time/")})
             bar.update(task, completed=step, info=f"reward {record['reward']:.3f}  kl {record['kl']:.4f}  "
                                                   f"loss {record['loss']:+.4f}  "

@@ -4,9 +4,9 @@
     stats = update(policy, optimizer, scheduler, batch, ...)  # micro-batches -> loss -> backward -> step
 
 `prepare` gathers the token mask, the rows that carry a gradient, the reference log-probs (adapter
-off, only when β > 0) and the old-policy log-probs (only when μ > 1), all with dropout off, so that
-the update only loops over micro-batches. `advantages` turns a reward result into the [N] outcome
-or [N, T] process advantages the loss reads.
+off, or its frozen copy in iterative RL; only when β > 0) and the old-policy log-probs (only when
+μ > 1), all with dropout off, so that the update only loops over micro-batches. `advantages` turns
+a reward result into the [N] outcome or [N, T] process advantages the loss reads.
 
 Where it departs from the paper: rows whose advantage is zero everywhere are skipped when β = 0
 (they carry no gradient, so this changes time, not numbers); LoRA adapters instead of full weights.
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from grpo_cli.objective import masked_mean, outcome_advantages, process_advantages
-from grpo_cli.policy import adapter_enabled
+from grpo_cli.policy import reference
 from grpo_cli.rollout import Rollout, char_ends_to_token_index, sequence_logprobs
 
 
@@ -75,7 +75,7 @@ def prepare(policy, rollout: Rollout, advantages: torch.Tensor, loss, num_iterat
     policy.eval()  # the log-probs the ratio and the KL compare against are the policy's, not a dropout sample
     ref_logp = None
     if loss.needs_reference:
-        with adapter_enabled(policy, False):
+        with reference(policy):  # the base model (adapter off), or the adapter copied at the iteration's start
             ref_logp = torch.cat([sequence_logprobs(policy, rollout.select(b))
                                   for b in micro_batches(list(range(n)), micro_batch_size)])
     # rows with zero advantage everywhere carry no gradient when β = 0: skip their forward/backward

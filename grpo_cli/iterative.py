@@ -1,0 +1,223 @@
+"""Iterative RL inside `grpo train` (DeepSeekMath, arXiv 2402.03300, §4.2 and Algorithm 1).
+
+    grpo train +recipe=iterative                     # 3 iterations x 10 steps, a learned ORM, SmolLM2 on CPU
+    grpo train +recipe=iterative iterative.iterations=2 trainer.max_steps=20
+
+`Iterations` gives the training loop its reward function for each step. With iterative.iterations
+= 0 (the default) that is `build(cfg.reward)` for the whole run and nothing else happens. With I > 0
+iterations of M = iterative.steps steps, the first step of iteration i (step i*M + 1) first:
+  1. draws rm.num_problems training problems (seeded by trainer.seed, rm.seed and i; the prompt
+     stream's position is not touched) and rm.samples_per_problem completions of each from the
+     current policy (adapter on), at iterative.temperature;
+  2. labels them (`labeler`) and holds out the rows of rm.heldout_fraction of the prompts: fresh
+     samples of the current policy the reward model has not seen;
+  3. mixes the new training rows with a replay share (rm.replay.share) of earlier iterations' rows
+     (`ReplayBuffer`, RUN/rm/replay/iteration_NNN.jsonl);
+  4. continues training the reward model (the previous iteration's; at iteration 0
+     reward.name_or_path, or a new head on the policy's base when that is null) on the mix, scoring
+     the held-out rows before and after; saves it to RUN/rm/iteration_NNN/, and the steps of
+     iteration i are scored by it;
+  5. sets the reference policy to the current policy (`policy.set_reference`: a frozen copy of the
+     LoRA adapter; two adapters however many iterations run), so the KL of that step is 0.
+One record per iteration (rows, replay counts, held-out accuracy/AUC before and after) goes to
+RUN/iterations.jsonl and a table; every step's metrics carry `iteration`. Checkpoints hold the
+iteration count, the reward model's folder (relative to RUN), the replay state and the reference
+adapter (checkpoint `reference/`), so a resume mid-iteration or at a boundary is exact.
+
+Departures from Algorithm 1: the paper resets the reference at the start of an iteration and
+retrains the reward model at its end, starting from a given model; here both happen at the start of
+an iteration, so iteration 0 trains the first reward model on the initial policy's samples (a given
+reward.name_or_path is trained further there too). The reward model's samples may use their own
+temperature (a rarely-right policy at temperature 1 gives almost only negative labels).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+from rich.table import Table
+
+from grpo_cli import checkpoint
+from grpo_cli.config import build
+from grpo_cli.errors import ConfigError, RunError
+from grpo_cli.metrics import console
+from grpo_cli.policy import resolve_dtype, set_reference
+from grpo_cli.rewards import training as T
+
+# the reward config each labeler kind needs, as `reward=OPTION` names it
+_REWARD = {"outcome": ("grpo_cli.rewards.models.outcome_reward_model", "orm"),
+           "process": ("grpo_cli.rewards.models.process_reward_model", "prm")}
+
+
+def check_settings(cfg: DictConfig) -> None:
+    """What iterative RL needs beyond each value's own rule: one ConfigError listing every problem."""
+    it = cfg.get("iterative")
+    if not it or not it.iterations:
+        return
+    errors = []
+    if cfg.trainer.max_steps != it.iterations * it.steps:
+        errors.append(f"trainer.max_steps ({cfg.trainer.max_steps}) must equal iterative.iterations x iterative.steps "
+                      f"({it.iterations} x {it.steps}); set trainer.max_steps={it.iterations * it.steps}")
+    from hydra.utils import get_object
+
+    kind = getattr(get_object(cfg.labeler._target_), "kind", None)
+    target, option = _REWARD.get(kind, (None, None))
+    if target is None:
+        errors.append(f"labeler ({cfg.labeler._target_}) gives neither outcome nor process labels; "
+                      f"use labeler=outcome")
+    elif cfg.reward.get("_target_") != target:
+        errors.append(f"iterative RL retrains the reward model, so the reward must be one: the labeler gives {kind} "
+                      f"labels, so set reward={option} (reward.name_or_path=null starts from a new head)")
+    try:
+        T.check_settings(cfg.rm)
+    except ConfigError as err:
+        errors.append(str(err))
+    if errors:
+        raise ConfigError("\n".join(errors))
+
+
+class Iterations:
+    """The reward function of each step and, in iterative RL, the boundaries between iterations."""
+
+    def __init__(self, cfg: DictConfig, run_dir: Path):
+        self.cfg, self.run_dir = cfg, Path(run_dir)
+        it = cfg.get("iterative")
+        self.count = int(it.iterations) if it else 0
+        if not self.count:  # an ordinary run: one reward function, built now (a bad one fails before step 1)
+            self._reward = build(cfg.reward)
+            return
+        self.steps, self.temperature = int(it.steps), it.temperature
+        self.labeler = build(cfg.labeler)
+        self.replay = T.ReplayBuffer(self.run_dir / "rm" / "replay", cfg.rm.replay.share, cfg.rm.seed)
+        self.done = 0  # iterations whose boundary has run
+        start = cfg.reward.get("name_or_path")
+        self.model: str | None = str(start) if start else None  # the reward model now scoring
+        self.history: list[dict] = []
+        self._reward = None
+        self._dataset = None
+
+    def iteration(self, step: int) -> int:
+        return (step - 1) // self.steps
+
+    def metrics(self, step: int) -> dict:
+        """What every step's metrics record carries: its iteration (nothing in an ordinary run)."""
+        return {"iteration": self.iteration(step)} if self.count else {}
+
+    def reward_for(self, step: int, policy, tokenizer):
+        """The reward function that scores `step`; at an iteration's first step, first the boundary."""
+        if self.count and (step - 1) % self.steps == 0 and self.iteration(step) >= self.done:
+            self.boundary(self.iteration(step), step, policy, tokenizer)
+        if self._reward is None:  # resumed mid-iteration: the reward model the checkpoint names
+            self._reward = build(self.cfg.reward, name_or_path=self.model)
+        return self._reward
+
+    def _seed(self, i: int) -> int:
+        return ((self.cfg.trainer.seed * 1_000_003 + self.cfg.rm.seed) * 1_000_003 + i) % 2**63
+
+    def boundary(self, i: int, step: int, policy, tokenizer) -> dict:
+        """Sample, label, retrain the reward model with replay, reference <- policy; returns the record."""
+        cfg, R = self.cfg, self.cfg.rm
+        started = time.time()
+        seed = self._seed(i)
+        if self._dataset is None:
+            self._dataset = build(cfg.data).train
+        sampler = build(cfg.sampler, **({"temperature": self.temperature} if self.temperature else {}))
+        console.print(f"iteration {i} (steps {step}-{step + self.steps - 1}): sampling {R.num_problems} problems x "
+                      f"{R.samples_per_problem} from the current policy for the reward model")
+        # the step's own sampling stays a function of (seed, step): the boundary draws from a forked RNG
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            problems = T.pick_problems(self._dataset, R.num_problems, seed)
+            samples = T.draw_samples(policy, tokenizer, sampler, problems, R.samples_per_problem, R.prompts_per_batch)
+            rows = self.labeler(samples, policy=policy, tokenizer=tokenizer, sampler=sampler)
+            sampled = time.time()
+            if not rows:
+                raise RunError(f"iteration {i}: the labeler kept no rows of {len(samples)} samples (no reference "
+                               f"answers, or no step it could label); check data and labeler")
+            kind = T.check_rows(rows, f"iteration {i} labels")
+            train_rows, heldout = T.split_heldout(rows, R.heldout_fraction, seed)
+            mix, info = self.replay.mix(i, train_rows)
+            if not mix:
+                raise RunError(f"iteration {i}: no rows to train the reward model on; raise rm.num_problems or "
+                               f"lower rm.heldout_fraction")
+            device = next(policy.parameters()).device
+            model, rm_tokenizer = T.starting_classifier(self.model, kind, cfg.model.loader, device,
+                                                        resolve_dtype(cfg.model.dtype, device), seed=seed)
+            model, trained = T.retrain(model, rm_tokenizer, mix, heldout, R, kind, seed=seed)
+        folder = self.run_dir / "rm" / f"iteration_{i:03d}"
+        T.save_reward_model(model, rm_tokenizer, folder, {"kind": kind, "template": R.template, "iteration": i,
+                                                          "step": step, "heldout": trained["heldout_after"]})
+        del model
+        held = {r["prompt"] for r in heldout}
+        T.write_jsonl(folder / "labeled.jsonl", [{**r, "split": "heldout" if r["prompt"] in held else "train"}
+                                                 for r in rows])
+        self.replay.add(i, rows)  # after training, as grpo rm does: a failed boundary leaves the buffer as it was
+        set_reference(policy)
+        positives = sum(r["label"] >= 0.5 for r in rows) if kind == "outcome" else None
+        record = {"iteration": i, "step": step, "samples": len(samples), "rows": len(rows), "positives": positives,
+                  "train_new": info["new"], "train_replay": info["replay"], "replay_share": info["share"],
+                  "heldout": len(heldout), "rm_start": self.model, "rm": str(folder.relative_to(self.run_dir)),
+                  **trained, "time/sample_s": round(sampled - started, 1),
+                  "time/rm_s": round(time.time() - sampled, 1)}
+        self.history.append(record)
+        self._write_history()
+        self.model, self.done, self._reward = str(folder), i + 1, None
+        console.print(history_table(self.history))
+        return record
+
+    def _write_history(self) -> None:
+        T.write_jsonl(self.run_dir / "iterations.jsonl", self.history)
+
+    def state_dict(self) -> dict:
+        """{"iterative": ...} for trainer_state.json ({} in an ordinary run). Paths relative to the run folder."""
+        if not self.count:
+            return {}
+        model = Path(self.model) if self.model else None
+        if model is not None and model.is_relative_to(self.run_dir):
+            model = model.relative_to(self.run_dir)
+        return {"iterative": {"done": self.done, "rm": None if model is None else str(model),
+                              "replay": {**self.replay.state_dict(), "folder": "rm/replay"},
+                              "history": self.history}}
+
+    def load_state_dict(self, state: dict, policy, ckpt: Path) -> None:
+        """Restore from a checkpoint's trainer_state and reference adapter (nothing in an ordinary run)."""
+        if not self.count:
+            return
+        it = state.get("iterative")
+        if it is None:
+            raise ConfigError(f"{ckpt} holds no iterative state; it was not trained with iterative.iterations > 0")
+        self.done, self.history = int(it["done"]), list(it["history"])
+        if self.done:  # the reward model of the last boundary, in the run folder
+            self.model = str(self.run_dir / it["rm"])
+        self.replay.load_state_dict(it["replay"])
+        self._write_history()  # a resume from an older checkpoint drops the later iterations' records
+        self._reward = None
+        if self.done and not checkpoint.load_reference(policy, ckpt):
+            raise ConfigError(f"{ckpt} has no reference/ adapter after {self.done} iterations; use another checkpoint")
+
+
+def history_table(history: list[dict]) -> Table:
+    """One row per iteration: the reward model on fresh held-out samples of the policy, before/after retraining."""
+    table = Table(title="iterative RL: the reward model on held-out samples of the current policy")
+    for col in ("iteration", "step", "rows (right)", "train new + replay", "held-out", "before: acc / AUC",
+                "after: acc / AUC", "time"):
+        table.add_column(col, justify="right")
+    fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+    for r in history:
+        b, a = r["heldout_before"] or {}, r["heldout_after"] or {}
+        table.add_row(str(r["iteration"]), str(r["step"]), f"{r['rows']} ({r['positives']})",
+                      f"{r['train_new']} + {r['train_replay']}", str(r["heldout"]),
+                      f"{fmt(b.get('accuracy'))} / {fmt(b.get('auc'))}",
+                      f"{fmt(a.get('accuracy'))} / {fmt(a.get('auc'))}",
+                      f"{r['time/sample_s'] + r['time/rm_s']:.0f} s")
+    return table
+
+
+def read_history(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "iterations.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+

@@ -1,0 +1,170 @@
+"""Iterative RL in `grpo train` (grpo_cli/iterative.py) on the tiny random model: the reference is the
+policy at each boundary, the KL is 0 at each iteration's first step, two adapters whatever the number
+of iterations, exact resume mid-iteration and at a boundary, replay counts by hand, config errors.
+
+The tiny model's random completions are never right, so every label is 0; the reward model's scores
+still differ between completions, so the policy moves within an iteration (checked below).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_train import TINY, deterministic, metrics
+
+from grpo_cli import checkpoint, iterative, train
+from grpo_cli.config import compose, validate
+from grpo_cli.errors import CheckpointError, ConfigError
+from grpo_cli.policy import reference
+
+REPO = Path(__file__).resolve().parent.parent
+# 3 iterations x 2 steps; per boundary 4 problems x 2 samples = 8 rows, 0.25 x 4 prompts = 1 held out (2 rows)
+ITERATIVE = [o for o in TINY if "digit" not in o] + [
+    "reward=orm", "reward.name_or_path=null", "reward.device=cpu", "iterative.iterations=3", "iterative.steps=2",
+    "trainer.max_steps=6", "rm.num_problems=4", "rm.samples_per_problem=2", "rm.heldout_fraction=0.25",
+    "rm.epochs=1", "rm.batch_size=4", "rm.lora.r=4", "rm.lora.alpha=8", "rm.lr=1e-2", "algo.beta=0.04",
+    "trainer.keep_last=null"]
+
+
+def cfg(*overrides: str):
+    return compose("train", [*ITERATIVE, *overrides])
+
+
+def iterations(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "iterations.jsonl").read_text().splitlines()]
+
+
+def logprobs(policy, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.log_softmax(policy(input_ids=ids).logits, -1)
+
+
+def test_reference_is_the_policy_at_each_boundary_kl_0_and_two_adapters(tmp_path, monkeypatch):
+    seen = []
+    real = iterative.set_reference
+
+    def checked(policy):
+        ids = torch.tensor([[5, 17, 30, 41, 9, 60]])
+        moved = None
+        if "reference" in policy.peft_config:  # boundaries 1 and 2: the policy trained since the last reset
+            with reference(policy):
+                old = logprobs(policy, ids)
+            moved = not torch.equal(old, logprobs(policy, ids))
+        real(policy)
+        with reference(policy):
+            ref = logprobs(policy, ids)
+        seen.append({"moved": moved, "equal": torch.equal(ref, logprobs(policy, ids)),
+                     "adapters": sorted(policy.peft_config),
+                     "trainable": sorted(n for n, p in policy.named_parameters() if p.requires_grad)})
+
+    monkeypatch.setattr(iterative, "set_reference", checked)
+    train.run(cfg("trainer.save_every=2"), tmp_path)
+
+    assert [s["equal"] for s in seen] == [True, True, True]  # log-probs identical, bit for bit
+    assert [s["moved"] for s in seen] == [None, True, True]  # ... and not because nothing trains
+    # memory stays bounded: the reference adapter is made once and overwritten, 2 adapters after 3 iterations
+    assert all(s["adapters"] == ["default", "reference"] for s in seen)
+    assert all(s["trainable"] and all(".default." in n for n in s["trainable"]) for s in seen)
+    assert sorted(p.name for p in (tmp_path / "checkpoints" / "step_000006").iterdir() if p.is_dir()) == ["reference"]
+
+    records = metrics(tmp_path)
+    assert [r["iteration"] for r in records] == [0, 0, 1, 1, 2, 2]
+    # the first step of each iteration compares the policy with an identical reference: k3 = e^0 - 0 - 1 = 0
+    assert [records[i]["kl"] for i in (0, 2, 4)] == [0.0, 0.0, 0.0]
+    assert all(records[i]["kl"] > 0 for i in (1, 3, 5))
+
+    history = iterations(tmp_path)
+    assert [h["iteration"] for h in history] == [0, 1, 2] and [h["step"] for h in history] == [1, 3, 5]
+    # 8 rows, 2 held out, 6 new; replay round(6 x 0.1 / 0.9 = 0.67) = 1 row, from earlier iterations only
+    assert [(h["rows"], h["heldout"], h["train_new"], h["train_replay"]) for h in history] == \
+        [(8, 2, 6, 0), (8, 2, 6, 1), (8, 2, 6, 1)]
+    assert [h["rm_start"] for h in history] == [None, str(tmp_path / "rm/iteration_000"),
+                                                str(tmp_path / "rm/iteration_001")]
+    assert sorted(p.name for p in (tmp_path / "rm").iterdir()) == ["iteration_000", "iteration_001",
+                                                                   "iteration_002", "replay"]
+    assert sorted(p.name for p in (tmp_path / "rm" / "replay").iterdir()) == [
+        "iteration_000.jsonl", "iteration_001.jsonl", "iteration_002.jsonl"]
+    state = json.loads((tmp_path / "checkpoints/step_000006/trainer_state.json").read_text())["iterative"]
+    assert state["done"] == 3 and state["rm"] == "rm/iteration_002" and state["replay"]["rows"] == {
+        "0": 8, "1": 8, "2": 8}
+
+    # a corrupt reference adapter is named by verify, and resolve falls back to the checkpoint before
+    (tmp_path / "checkpoints/step_000006/reference/adapter_model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match="reference/adapter_model.safetensors cannot be read"):
+        checkpoint.verify(tmp_path / "checkpoints/step_000006")
+    assert checkpoint.resolve(tmp_path) == tmp_path / "checkpoints/step_000004"
+
+
+def test_resume_at_a_boundary_and_mid_iteration_is_exact(tmp_path):
+    run = tmp_path / "run"
+    train.run(cfg("trainer.save_every=1"), run)
+    straight = {"metrics": [deterministic(r) for r in metrics(run)],
+                "adapter": load_file(run / "checkpoints/step_000006/adapter_model.safetensors"),
+                "reference": load_file(run / "checkpoints/step_000006/reference/adapter_model.safetensors"),
+                "rm": load_file(run / "rm/iteration_002/model.safetensors"),
+                "history": [{k: v for k, v in h.items() if not k.startswith("time/")} for h in iterations(run)]}
+    shutil.copytree(run, tmp_path / "first")
+    # step 2 ends iteration 0 (the next step is a boundary); step 3 is inside iteration 1
+    for at in (2, 3):
+        train.run(cfg("trainer.save_every=1", f"resume={run / 'checkpoints' / f'step_{at:06d}'}"), run)
+        assert [deterministic(r) for r in metrics(run)] == straight["metrics"], at
+        for name, path in (("adapter", "checkpoints/step_000006/adapter_model.safetensors"),
+                           ("reference", "checkpoints/step_000006/reference/adapter_model.safetensors"),
+                           ("rm", "rm/iteration_002/model.safetensors")):
+            again = load_file(run / path)
+            assert again.keys() == straight[name].keys(), (at, name)
+            assert all(torch.equal(again[k], straight[name][k]) for k in again), (at, name)
+        assert [{k: v for k, v in h.items() if not k.startswith("time/")} for h in iterations(run)] == \
+            straight["history"], at
+        shutil.rmtree(run / "checkpoints")  # the next resume starts from the uninterrupted run's checkpoints
+        shutil.copytree(tmp_path / "first" / "checkpoints", run / "checkpoints")
+
+
+def test_iterations_off_is_an_ordinary_run(tmp_path):
+    train.run(compose("train", [*TINY, "trainer.max_steps=1"]), tmp_path)
+    assert "iteration" not in metrics(tmp_path)[0]
+    assert not (tmp_path / "checkpoints/step_000001/reference").exists() and not (tmp_path / "rm").exists()
+    assert "iterative" not in json.loads((tmp_path / "checkpoints/step_000001/trainer_state.json").read_text())
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["trainer.max_steps=5"], r"trainer.max_steps \(5\) must equal iterative.iterations x iterative.steps \(3 x 2\); "
+                              r"set trainer.max_steps=6"),
+    (["rm.replay.share=1.5"], r"rm.replay.share \(1.5\) must be in \[0, 1\]"),
+    (["rm.replay.share=-0.1"], r"rm.replay.share \(-0.1\) must be in \[0, 1\]"),
+    (["labeler=verifier"], r"the labeler gives process labels, so set reward=prm"),
+    (["rm.epochs=0"], r"rm.epochs \(0\) must be an integer >= 1"),
+])
+def test_bad_iterative_settings(overrides, message):
+    config = validate(cfg(*overrides))
+    with pytest.raises(ConfigError, match=message):
+        iterative.check_settings(config)
+
+
+def test_a_rule_reward_is_refused_and_off_checks_nothing():
+    config = compose("train", ["iterative.iterations=1", "trainer.max_steps=10"])
+    with pytest.raises(ConfigError, match="the labeler gives outcome labels, so set reward=orm"):
+        iterative.check_settings(validate(config))
+    iterative.check_settings(validate(compose("train", ["trainer.max_steps=7", "rm.replay.share=2"])))  # off
+
+
+def test_cli_reports_every_iterative_problem_in_one_line_each(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "grpo_cli", "train", *ITERATIVE, "trainer.max_steps=7",
+                          "labeler=verifier", "iterative.steps=0", f"hydra.run.dir={tmp_path}"],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines() == [
+        "error: iterative.steps (0) must be an integer >= 1; set iterative.steps=10"]
+    out = subprocess.run([sys.executable, "-m", "grpo_cli", "train", *ITERATIVE, "trainer.max_steps=7",
+                          "labeler=verifier", f"hydra.run.dir={tmp_path}"],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 2 and all(line.startswith("error: ") for line in lines), out.stderr
+    assert "set trainer.max_steps=6" in lines[0] and "set reward=prm" in lines[1]
