@@ -203,16 +203,15 @@ class Iterations:
 def history_table(history: list[dict]) -> Table:
     """One row per iteration: the reward model on fresh held-out samples of the policy, before/after retraining."""
     table = Table(title="iterative RL: the reward model on held-out samples of the current policy")
-    for col in ("iteration", "step", "rows (right)", "train new + replay", "held-out", "before: acc / AUC",
-                "after: acc / AUC", "time"):
+    for col in ("iter", "step", "rows (right)", "new+replay", "held-out", "before acc/AUC", "after acc/AUC", "time"):
         table.add_column(col, justify="right")
     fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
     for r in history:
         b, a = r["heldout_before"] or {}, r["heldout_after"] or {}
         table.add_row(str(r["iteration"]), str(r["step"]), f"{r['rows']} ({r['positives']})",
-                      f"{r['train_new']} + {r['train_replay']}", str(r["heldout"]),
-                      f"{fmt(b.get('accuracy'))} / {fmt(b.get('auc'))}",
-                      f"{fmt(a.get('accuracy'))} / {fmt(a.get('auc'))}",
+                      f"{r['train_new']}+{r['train_replay']}", str(r["heldout"]),
+                      f"{fmt(b.get('accuracy'))}/{fmt(b.get('auc'))}",
+                      f"{fmt(a.get('accuracy'))}/{fmt(a.get('auc'))}",
                       f"{r['time/sample_s'] + r['time/rm_s']:.0f} s")
     return table
 

@@ -124,11 +124,11 @@ def _train(cfg: DictConfig, run_dir: Path, ckpt: Path | None) -> Path:
         task = bar.add_task("train", total=trainer.max_steps, completed=state["step"], info="")
         for step in range(state["step"] + 1, trainer.max_steps + 1):
             _seed_step(trainer.seed, step)  # sampling randomness is a function of (seed, step): exact resume
-            t0 = time.perf_counter()
 
             # 0. iterative RL, at an iteration's first step: sample from the policy, label, retrain the reward
             #    model with replay, reference <- policy (DeepSeekMath Algorithm 1); otherwise the run's reward
             reward_fn = iterations.reward_for(step, policy, tokenizer)
+            t0 = time.perf_counter()
 
             # 1. prompts: the next prompts_per_step examples of the seeded, resumable stream
             examples = prompts.next(trainer.prompts_per_step)
