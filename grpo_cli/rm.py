@@ -36,7 +36,7 @@ from grpo_cli.config import build, command_line_overrides, hydra_app, validate
 from grpo_cli.errors import ConfigError
 from grpo_cli.metrics import console, limit_heap_growth, progress
 from grpo_cli.policy import adapter_enabled, load_inference, resolve_device, resolve_dtype
-from grpo_cli.rewards import training as T
+from grpo_cli.rewards import training
 
 
 @hydra_app("rm")
@@ -46,11 +46,12 @@ def main(cfg: DictConfig) -> None:
     run(cfg, Path(HydraConfig.get().runtime.output_dir), command_line_overrides())
 
 
-def check_settings(R: DictConfig) -> None:
+def check_settings(rm_cfg: DictConfig) -> None:
     """The rm section's values, each error naming the fix (before any model loads)."""
-    T.check_settings(R)  # the settings grpo train's iterations share (conf/rm/default.yaml)
-    if R.replay.iteration is not None and (not isinstance(R.replay.iteration, int) or R.replay.iteration < 0):
-        raise ConfigError(f"rm.replay.iteration ({R.replay.iteration!r}) must be an integer >= 0 or null (the "
+    training.check_settings(rm_cfg)  # the settings grpo train's iterations share (conf/rm/default.yaml)
+    iteration = rm_cfg.replay.iteration
+    if iteration is not None and (not isinstance(iteration, int) or iteration < 0):
+        raise ConfigError(f"rm.replay.iteration ({rm_cfg.replay.iteration!r}) must be an integer >= 0 or null (the "
                           f"next after the folder's last); set rm.replay.iteration=null")
 
 
@@ -58,44 +59,45 @@ def run(cfg: DictConfig, out_dir: Path, overrides: list[str] = ()) -> dict:
     """Train a reward model as `cfg` says, writing into `out_dir`; returns what rm_eval.json holds."""
     limit_heap_growth()
     started = time.time()
-    R = cfg.rm
-    check_settings(R)
+    rm_cfg = cfg.rm
+    check_settings(rm_cfg)
     labeler = None
-    if R.labeled:
-        rows, kind = T.read_labeled(R.labeled)
+    if rm_cfg.labeled:
+        rows, kind = training.read_labeled(rm_cfg.labeled)
     else:
         labeler = build(cfg.labeler)
         kind = labeler.kind
-    if R.init:
+    if rm_cfg.init:
         from grpo_cli.rewards.models import check_classifier
 
-        if not Path(str(R.init)).is_dir():
-            raise ConfigError(f"rm.init={R.init} is not a folder; pass the RUN/model folder of an earlier `grpo rm`")
-        check_classifier(str(R.init), T.AUTO_CLASS[kind])
-    ckpt = checkpoint.resolve(cfg.checkpoint) if cfg.checkpoint and not R.labeled else None
+        if not Path(str(rm_cfg.init)).is_dir():
+            raise ConfigError(f"rm.init={rm_cfg.init} is not a folder; "
+                              f"pass the RUN/model folder of an earlier `grpo rm`")
+        check_classifier(str(rm_cfg.init), training.AUTO_CLASS[kind])
+    ckpt = checkpoint.resolve(cfg.checkpoint) if cfg.checkpoint and not rm_cfg.labeled else None
     if ckpt is not None:  # sample from a trained policy: its model, data and sampler unless overridden
         from grpo_cli.config import inherit
 
         saved = OmegaConf.masked_copy(checkpoint.load_config(ckpt), ["model", "data", "sampler"])
         cfg = inherit(cfg, saved, list(overrides))
     validate(cfg)
-    R = cfg.rm
+    rm_cfg = cfg.rm
     out_dir.mkdir(parents=True, exist_ok=True)
     device = resolve_device(cfg.model.device)
     dtype = resolve_dtype(cfg.model.dtype, device)
 
-    if not R.labeled:
+    if not rm_cfg.labeled:
         rows = sample_and_label(cfg, ckpt, labeler, overrides)
         if not rows:
             raise ConfigError("the labeler kept no rows (no reference answers, or no step it could label); "
                               "check data and labeler, or pass rm.labeled=FILE")
-        kind = T.check_rows(rows, "labeled samples")
+        kind = training.check_rows(rows, "labeled samples")
 
-    train_rows, heldout = T.split_heldout(rows, R.heldout_fraction, R.seed)
+    train_rows, heldout = training.split_heldout(rows, rm_cfg.heldout_fraction, rm_cfg.seed)
     replay = None
-    if R.replay.folder:
-        replay = T.ReplayBuffer(R.replay.folder, R.replay.share, R.seed)
-        iteration = R.replay.iteration if R.replay.iteration is not None else replay.next_iteration()
+    if rm_cfg.replay.folder:
+        replay = training.ReplayBuffer(rm_cfg.replay.folder, rm_cfg.replay.share, rm_cfg.seed)
+        iteration = rm_cfg.replay.iteration if rm_cfg.replay.iteration is not None else replay.next_iteration()
         train_rows, replay_info = replay.mix(iteration, train_rows)
     else:
         replay_info = {"iteration": None, "new": len(train_rows), "replay": 0}
@@ -104,24 +106,24 @@ def run(cfg: DictConfig, out_dir: Path, overrides: list[str] = ()) -> dict:
 
     model, tokenizer = starting_model(cfg, kind, device, dtype)
     with progress(f"train {'ORM' if kind == 'outcome' else 'PRM'}") as bar:
-        task = bar.add_task("", total=R.epochs * len(train_rows), info="")
+        task = bar.add_task("", total=rm_cfg.epochs * len(train_rows), info="")
 
         def advance(done: int, loss: float) -> None:
             bar.update(task, advance=done, info=f"loss {loss:.3f}")
 
-        model, trained = T.retrain(model, tokenizer, train_rows, heldout, R, kind, advance=advance)
+        model, trained = training.retrain(model, tokenizer, train_rows, heldout, rm_cfg, kind, advance=advance)
     after = trained["heldout_after"]
     report = {
-        "kind": kind, "model": str(out_dir / "model"), "init": R.init,
+        "kind": kind, "model": str(out_dir / "model"), "init": rm_cfg.init,
         "rows": {"labeled": len(rows), "train_new": replay_info["new"], "train_replay": replay_info["replay"],
                  "heldout": len(heldout), "heldout_prompts": len({r["prompt"] for r in heldout})},
         "replay": replay_info, **trained, "seconds": round(time.time() - started, 1),
     }
-    T.save_reward_model(model, tokenizer, out_dir / "model", {
-        "kind": kind, "template": R.template, "pattern": cfg.labeler.get("pattern") if labeler else None,
+    training.save_reward_model(model, tokenizer, out_dir / "model", {
+        "kind": kind, "template": rm_cfg.template, "pattern": cfg.labeler.get("pattern") if labeler else None,
         "base": cfg.model.get("name"), "heldout": after, "rows": report["rows"]})
     held = {r["prompt"] for r in heldout}
-    T.write_jsonl(out_dir / "labeled.jsonl", [{**r, "split": "heldout" if r["prompt"] in held else "train"}
+    training.write_jsonl(out_dir / "labeled.jsonl", [{**r, "split": "heldout" if r["prompt"] in held else "train"}
                                               for r in rows])
     if replay is not None:  # only after training succeeded, so a failed run leaves the buffer as it was
         replay.add(replay_info["iteration"], rows)
@@ -137,18 +139,18 @@ def run(cfg: DictConfig, out_dir: Path, overrides: list[str] = ()) -> dict:
 
 def sample_and_label(cfg: DictConfig, ckpt: Path | None, labeler, overrides) -> list[dict]:
     """Completions of the policy (checkpoint or base) on seeded training problems, labeled."""
-    R = cfg.rm
+    rm_cfg = cfg.rm
     policy, tokenizer, _ = load_inference(cfg, list(overrides), [])
     if ckpt is not None:
         checkpoint.load_adapter(policy, ckpt)
-    problems = T.pick_problems(build(cfg.data).train, R.num_problems, R.seed)
+    problems = training.pick_problems(build(cfg.data).train, rm_cfg.num_problems, rm_cfg.seed)
     sampler = build(cfg.sampler)
-    torch.manual_seed(R.seed)
+    torch.manual_seed(rm_cfg.seed)
     with adapter_enabled(policy, ckpt is not None):
         with progress("sample") as bar:
             task = bar.add_task("", total=len(problems), info="")
-            samples = T.draw_samples(policy, tokenizer, sampler, problems, R.samples_per_problem,
-                                     R.prompts_per_batch, advance=lambda n: bar.update(task, advance=n))
+            samples = training.draw_samples(policy, tokenizer, sampler, problems, rm_cfg.samples_per_problem,
+                                     rm_cfg.prompts_per_batch, advance=lambda n: bar.update(task, advance=n))
         with progress(f"label ({type(labeler).__name__})") as bar:
             task = bar.add_task("", total=None, info="")
             rows = labeler(samples, policy=policy, tokenizer=tokenizer, sampler=sampler,
@@ -160,7 +162,7 @@ def sample_and_label(cfg: DictConfig, ckpt: Path | None, labeler, overrides) -> 
 
 def starting_model(cfg: DictConfig, kind: str, device, dtype):
     """(model, tokenizer): `rm.init` loaded, or a new head on the base weights of `model`."""
-    return T.starting_classifier(cfg.rm.init, kind, cfg.model.loader, device, dtype, seed=cfg.rm.seed)
+    return training.starting_classifier(cfg.rm.init, kind, cfg.model.loader, device, dtype, seed=cfg.rm.seed)
 
 
 def results_table(report: dict) -> Table:
