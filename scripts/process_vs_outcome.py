@@ -4,7 +4,8 @@
     .venv/bin/python scripts/process_vs_outcome.py --seeds 0 --steps 2 --limit 20 --out /tmp/pvo   # smoke run
 
 1. `grpo train +recipe=multistep_{outcome,process} trainer.seed=S` for each seed, one after the other, each in
-   OUT/train/ARM_sS (a run whose last checkpoint exists is skipped, so a rerun continues where it stopped);
+   OUT/train/ARM_sS (a finished run is skipped and an interrupted one resumed, so a rerun continues where it
+   stopped);
 2. one `grpo eval` over the base model and every run's last checkpoint (greedy, the first --limit held-out
    problems; OUT/eval/eval_samples.jsonl keeps every completion, and a rerun skips what is there);
 3. from those completions: per run, held-out accuracy and the step statistics the rule-based verifier gives;
@@ -46,6 +47,16 @@ def grpo(*args: str, log: Path) -> float:
 def last_checkpoint(run: Path) -> Path | None:
     found = sorted((run / "checkpoints").glob("step_*"))
     return found[-1] if found else None
+
+
+def finished(run: Path) -> bool:
+    """Has the run reached its own trainer.max_steps?"""
+    ckpt, config = last_checkpoint(run), run / ".hydra" / "config.yaml"
+    if ckpt is None or not config.exists():
+        return False
+    from omegaconf import OmegaConf
+
+    return int(ckpt.name[5:]) >= OmegaConf.load(config).trainer.max_steps
 
 
 def step_stats(text: str, reference_solution: str) -> dict:
@@ -171,14 +182,16 @@ def main() -> None:
     for seed in seeds:
         for arm in ARMS:
             run = out / "train" / f"{arm}_s{seed}"
-            wall = None
-            if last_checkpoint(run) is None or (args.steps and int(last_checkpoint(run).name[5:]) < args.steps):
-                print(f"train {arm} seed {seed} -> {run}", flush=True)
-                wall = grpo("train", f"+recipe=multistep_{arm}", f"trainer.seed={seed}", f"hydra.run.dir={run}",
-                            *extra, log=out / "logs" / f"train_{arm}_s{seed}.log")
-                (run / "wall_s.json").write_text(json.dumps({"wall_s": wall}))
-            elif (run / "wall_s.json").exists():
-                wall = json.loads((run / "wall_s.json").read_text())["wall_s"]
+            timing = run / "wall_s.json"
+            if not finished(run):
+                # an interrupted run continues from its last checkpoint; its wall time then misses the lost steps
+                resume = last_checkpoint(run) is not None
+                print(f"train {arm} seed {seed} -> {run}" + (" (resumed)" if resume else ""), flush=True)
+                how = [f"resume={run}"] if resume else [f"+recipe=multistep_{arm}", f"trainer.seed={seed}",
+                                                        f"hydra.run.dir={run}", *extra]
+                wall = grpo("train", *how, log=out / "logs" / f"train_{arm}_s{seed}.log")
+                timing.write_text(json.dumps({"wall_s": wall, "resumed": resume}))
+            wall = json.loads(timing.read_text())["wall_s"] if timing.exists() else None
             runs.append({"arm": arm, "seed": seed, "run": str(run), "wall_s": wall,
                          "checkpoint": str(last_checkpoint(run)), "step": int(last_checkpoint(run).name[5:])})
 
