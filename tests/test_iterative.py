@@ -168,3 +168,17 @@ def test_cli_reports_every_iterative_problem_in_one_line_each(tmp_path):
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 2 and all(line.startswith("error: ") for line in lines), out.stderr
     assert "set trainer.max_steps=6" in lines[0] and "set reward=prm" in lines[1]
+
+
+def test_a_process_reward_model_iterates_too(tmp_path):
+    """reward=prm with Math-Shepherd labels: each boundary trains a token-classification PRM on step rows."""
+    # random characters have no newlines: split steps every 3 characters, the same for labeler and reward
+    steps = "'(?s).{3}'"
+    train.run(cfg("reward=prm", "reward.name_or_path=null", "labeler=mc", "labeler.k=2", f"labeler.pattern={steps}",
+                  f"reward.pattern={steps}", "iterative.iterations=2", "trainer.max_steps=4"), tmp_path)
+    history = iterations(tmp_path)
+    assert [h["iteration"] for h in history] == [0, 1] and all(h["positives"] is None for h in history)
+    assert all(h["heldout_after"]["labels"] > h["heldout"] for h in history)  # one label per step, several per row
+    config = json.loads((tmp_path / "rm/iteration_001/config.json").read_text())
+    assert config["architectures"] == ["LlamaForTokenClassification"]
+    assert [r["kl"] for r in metrics(tmp_path)][::2] == [0.0, 0.0]
