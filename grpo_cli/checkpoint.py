@@ -26,7 +26,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import load_file, save_file
 
-from grpo_cli.errors import CheckpointError
+from grpo_cli.errors import CheckpointError, RunError
 
 STEP_DIR = "step_{:06d}"
 ADAPTER = "adapter_model.safetensors"
@@ -156,17 +156,23 @@ def save(run_dir: Path, step: int, policy, optimizer, scheduler, trainer_state: 
     final = checkpoint_dir(run_dir, step)
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    policy.save_pretrained(tmp, safe_serialization=True)
-    (tmp / "README.md").unlink(missing_ok=True)  # peft's model card: not part of the checkpoint
-    tensors, plain = _optimizer_to_files(optimizer.state_dict())
-    save_file(tensors, tmp / "optimizer.safetensors")
-    (tmp / "optimizer.json").write_text(json.dumps(plain, default=_json_default))
-    (tmp / "scheduler.json").write_text(json.dumps(scheduler.state_dict(), default=_json_default))
-    (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1, default=_json_default))
-    OmegaConf.save(config, tmp / "config.yaml", resolve=True)
-    for file in tmp.iterdir():  # on disk before the rename makes the checkpoint visible
-        _fsync(file)
+    try:
+        tmp.mkdir(parents=True)
+        policy.save_pretrained(tmp, safe_serialization=True)
+        (tmp / "README.md").unlink(missing_ok=True)  # peft's model card: not part of the checkpoint
+        tensors, plain = _optimizer_to_files(optimizer.state_dict())
+        save_file(tensors, tmp / "optimizer.safetensors")
+        (tmp / "optimizer.json").write_text(json.dumps(plain, default=_json_default))
+        (tmp / "scheduler.json").write_text(json.dumps(scheduler.state_dict(), default=_json_default))
+        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1, default=_json_default))
+        OmegaConf.save(config, tmp / "config.yaml", resolve=True)
+        for file in tmp.rglob("*"):  # on disk before the rename makes the checkpoint visible
+            if file.is_file():
+                _fsync(file)
+    except Exception as err:  # disk full, a read-only folder (safetensors raises its own error type)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise RunError(f"cannot write checkpoint {final} ({str(err).splitlines()[0][:200]}); the earlier "
+                       f"checkpoints are intact: free space and resume with: grpo train resume={run_dir}") from None
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
     _fsync(final.parent)

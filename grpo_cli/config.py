@@ -88,11 +88,26 @@ def hydra_app(config_name: str) -> Callable:
         @functools.wraps(fn)
         def entry() -> Any:
             _precompose(config_name, sys.argv[1:])
+            _check_output_dir(sys.argv[1:])
             return app()
 
         return entry
 
     return wrap
+
+
+def _check_output_dir(argv: list[str]) -> None:
+    """Hydra creates the run folder before any of our code runs; a folder it cannot create (a
+    read-only file system, no permission) would end in its traceback, so check first."""
+    sweep = any(a in ("-m", "--multirun") for a in argv)
+    key = "hydra.sweep.dir=" if sweep else "hydra.run.dir="
+    given = [a.split("=", 1)[1] for a in argv if a.startswith(key)]
+    folder = Path(given[-1] if given else ("multirun" if sweep else "outputs")).absolute()
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    if not os.access(existing, os.W_OK):
+        print(f"error: cannot write the run folder {folder} ({existing} is read-only or not writable); "
+              f"choose another: {key}...", file=sys.stderr)
+        sys.exit(2)
 
 
 def _caused_by_interrupt(err: BaseException) -> bool:

@@ -293,17 +293,50 @@ def test_truncate_jsonl_replaces_the_file_atomically(tmp_path):
 
 # ---- 12. disk full, read-only folders, Ctrl-C during the model load ---------------------------
 
-def test_a_read_only_run_folder_is_one_line(tmp_path):
-    if os.geteuid() == 0:
-        pytest.skip("root writes through read-only permissions; see test_disk_full_is_one_line")
-    folder = tmp_path / "ro"
-    folder.mkdir()
-    folder.chmod(0o500)
-    one_line_error(grpo("train", *TINY, "trainer.max_steps=1", f"hydra.run.dir={folder}/run"), code=1)
+@pytest.fixture()
+def tmpfs(tmp_path):
+    """Mount a small tmpfs (needs root, as on this project's machines and CI); yields a mount function."""
+    mounted = []
+
+    def mount(name: str, options: str) -> Path:
+        where = tmp_path / name
+        where.mkdir()
+        out = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True)
+        if out.returncode:
+            pytest.skip(f"cannot mount a tmpfs here ({out.stderr.decode().strip()}); needs root")
+        mounted.append(where)
+        return where
+
+    yield mount
+    for where in mounted:
+        subprocess.run(["umount", "-l", str(where)])
 
 
-def test_disk_full_is_one_line(tmp_path, monkeypatch, capsys):
-    """An OSError (here ENOSPC from the checkpoint writer) ends the command in one line, exit 1."""
+def test_a_read_only_run_folder_is_one_line(tmpfs):
+    folder = tmpfs("ro", "size=1m,ro")
+    line = one_line_error(grpo("train", *TINY, "trainer.max_steps=1", f"hydra.run.dir={folder}/run"))
+    assert "read-only" in line and "hydra.run.dir=" in line
+
+
+def test_a_full_disk_is_one_line_and_the_last_checkpoint_survives(tmpfs, tmp_path):
+    disk = tmpfs("small", "size=512k")
+    run = disk / "run"
+    common = [*TINY, "trainer.save_every=1", "trainer.keep_last=null", "trainer.report_to=[]",
+              "trainer.log_completions_every=null"]
+    assert grpo("train", *common, "trainer.max_steps=2", f"hydra.run.dir={run}").returncode == 0
+    free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
+    (disk / "filler").write_bytes(b"\0" * max(free - 8192, 0))  # leave 8 KiB: less than one checkpoint
+    good = snapshot(run / "checkpoints" / "step_000002")
+    # Hydra's own folder for the resumed command is elsewhere: Hydra writes it before our code runs
+    line = one_line_error(grpo("train", f"resume={run}", "trainer.max_steps=6", f"hydra.run.dir={tmp_path}/h"),
+                          code=1)
+    assert "No space left on device" in line
+    assert snapshot(run / "checkpoints" / "step_000002") == good
+    checkpoint.verify(run / "checkpoints" / "step_000002")
+
+
+def test_disk_full_in_process_is_one_line(tmp_path, monkeypatch, capsys):
+    """An OSError (here an injected ENOSPC from the checkpoint writer) ends the command in one line, exit 1."""
     import errno
 
     from grpo_cli.config import hydra_app
@@ -348,6 +381,31 @@ def test_ctrl_c_during_the_model_load_is_one_line(tmp_path):
         time.sleep(0.1)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == "interrupted"
+
+
+def test_a_second_sigterm_stops_a_step_stuck_in_a_reward_without_timeout(tmp_path):
+    (tmp_path / "hang.py").write_text(
+        "import pathlib, time\n"
+        "def reward(prompts, completions, marker, **_):\n"
+        "    pathlib.Path(marker).write_text('in reward')\n"
+        "    time.sleep(600)\n"
+        "    return [0.0] * len(completions)\n")
+    marker = tmp_path / "in_reward"
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    env["PYTHONPATH"] = str(tmp_path)
+    proc = subprocess.Popen([sys.executable, "-m", "grpo_cli", "train", *TINY, "reward.timeout_s=null",
+                             f"+reward.functions.hang={{_target_:hang.reward,_partial_:true,marker:'{marker}'}}",
+                             "+reward.weights.hang=1.0", f"hydra.run.dir={tmp_path}/run"],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not marker.exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)  # the first asks for a checkpoint after the step, which never ends
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)  # the second aborts
+    _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err[-2000:]
     assert "Traceback" not in err and err.strip().splitlines()[-1] == "interrupted"
 
