@@ -405,11 +405,14 @@ def inherit(cfg: DictConfig, saved: DictConfig, overrides: list[str]) -> DictCon
 
     A group override on the command line (`data=gsm8k`) keeps the composed section; dotted
     overrides (`data.limit=50`) are applied on top of the saved section. A different base model is
-    an error: a LoRA adapter only fits the weights it was trained on.
+    an error: a LoRA adapter only fits the weights it was trained on. The reward of an iterative run
+    is not inherited: its reward model was retrained at every iteration (RUN/rm/iteration_NNN), so
+    the command's own reward (a rule reward by default) scores the completions.
     """
     cfg = cfg.copy()
+    iterative = bool(OmegaConf.select(saved, "iterative.iterations", default=0))
     for section in INHERITED:
-        if section not in saved:
+        if section not in saved or (section == "reward" and iterative):
             continue
         group_override = any(o.lstrip("+~").split("=")[0] == section for o in overrides)
         if section == "model" and group_override and cfg.model.get("name") != saved.model.get("name"):

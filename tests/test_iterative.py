@@ -182,3 +182,16 @@ def test_a_process_reward_model_iterates_too(tmp_path):
     config = json.loads((tmp_path / "rm/iteration_001/config.json").read_text())
     assert config["architectures"] == ["LlamaForTokenClassification"]
     assert [r["kl"] for r in metrics(tmp_path)][::2] == [0.0, 0.0]
+
+
+def test_eval_of_an_iterative_run_scores_with_its_own_rule_reward(tmp_path):
+    """An iterative run's saved reward is a reward model that changed every iteration (and is null in its
+    config): eval does not inherit it, it scores with the eval command's reward (arithmetic by default)."""
+    from grpo_cli import evaluate
+
+    run = tmp_path / "run"
+    train.run(cfg("iterative.iterations=1", "trainer.max_steps=2"), run)
+    eval_cfg = compose("eval", ["model=tiny", "sampler.max_new_tokens=8", f"checkpoint={run}", "eval.limit=3"])
+    report = evaluate.run(eval_cfg, tmp_path / "eval", [f"checkpoint={run}"])
+    assert report["config"]["reward"]["_target_"] == "grpo_cli.rewards.OutcomeReward"  # not the learned ORM
+    assert report["results"][0]["num_problems"] == 3
