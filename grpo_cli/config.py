@@ -249,6 +249,8 @@ RULES: list[tuple[str, Callable[[Any], bool], str]] = [
      "must be an integer >= 1; set trainer.max_nonfinite_steps=3"),
     ("reward.timeout_s", lambda v: v is None or (_num(v) and v > 0),
      "must be > 0 seconds or null (wait forever); set reward.timeout_s=10"),
+    ("sampler.batch_size", lambda v: v is None or (_int(v) and v >= 1),
+     "must be an integer >= 1 or null (one call per step); set sampler.batch_size=null"),
     ("sampler.max_prompt_tokens", lambda v: _int(v) and v >= 1,
      "must be an integer >= 1; set sampler.max_prompt_tokens=1024"),
     ("eval.limit", lambda v: v is None or (_int(v) and v >= 1),

@@ -141,3 +141,31 @@ def test_sampling_ignores_the_models_shipped_generation_defaults(tiny):
     # with those defaults leaking, top_k=1 would make the 4 samples of a prompt identical
     assert torch.equal(runs[0], runs[1])
     assert len({tuple(row.tolist()) for row in runs[1][:4]}) > 1
+
+
+def test_sampler_batch_size_cuts_at_whole_groups_and_changes_nothing_greedy(tiny, monkeypatch):
+    model, tokenizer = tiny
+    conversations = [[{"role": "user", "content": q}] for q in ("What is 2+3?", "Hi", "A much longer question here?")]
+    prompts = render_prompts(tokenizer, conversations)
+    calls = []
+    real = model.generate
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs["input_ids"].shape[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(model, "generate", counting)
+    whole = HFSampler(max_new_tokens=6).generate(model, tokenizer, prompts, 2, greedy=True)
+    assert calls == [6]
+    calls.clear()
+    # batch_size 5 with n=2: 5 // 2 = 2 prompts (4 sequences) per call, whole groups only -> calls of 4 and 2
+    cut = HFSampler(max_new_tokens=6, batch_size=5).generate(model, tokenizer, prompts, 2, greedy=True)
+    assert calls == [4, 2]
+    assert cut.texts == whole.texts and cut.truncated == whole.truncated
+    assert cut.completion_ids.shape == whole.completion_ids.shape
+    # the re-padded rows score the same tokens: real positions hold the same ids
+    for a, b, ma, mb in zip(cut.prompt_ids, whole.prompt_ids, cut.prompt_mask, whole.prompt_mask):
+        assert torch.equal(a[ma.bool()], b[mb.bool()])
+    assert torch.equal(cut.completion_ids * cut.completion_mask, whole.completion_ids * whole.completion_mask)
+    assert torch.allclose(sequence_logprobs(model, cut) * cut.completion_mask,
+                          sequence_logprobs(model, whole) * whole.completion_mask, atol=1e-5)

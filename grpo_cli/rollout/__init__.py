@@ -45,6 +45,29 @@ class Rollout:
     def lengths(self) -> list[int]:
         return self.completion_mask.sum(1).tolist()
 
+    @staticmethod
+    def concat(parts: list[Rollout], pad: int) -> Rollout:
+        """Rows of several rollouts in order: prompts re-padded on the left, completions on the right."""
+        if len(parts) == 1:
+            return parts[0]
+        width_p = max(r.prompt_ids.shape[1] for r in parts)
+        width_t = max(r.completion_ids.shape[1] for r in parts)
+
+        def left(x, width, value):  # [n, w] -> [n, width], padding before the prompt
+            return torch.nn.functional.pad(x, (width - x.shape[1], 0), value=value)
+
+        def right(x, width, value):  # [n, w] -> [n, width], padding after the completion
+            return torch.nn.functional.pad(x, (0, width - x.shape[1]), value=value)
+
+        logp = None
+        if all(r.sampling_logp is not None for r in parts):
+            logp = torch.cat([right(r.sampling_logp, width_t, 0.0) for r in parts])
+        return Rollout(torch.cat([left(r.prompt_ids, width_p, pad) for r in parts]),
+                       torch.cat([left(r.prompt_mask, width_p, 0) for r in parts]),
+                       torch.cat([right(r.completion_ids, width_t, pad) for r in parts]),
+                       torch.cat([right(r.completion_mask, width_t, 0) for r in parts]),
+                       [t for r in parts for t in r.texts], [t for r in parts for t in r.truncated], logp)
+
     def select(self, rows: torch.Tensor | list[int]) -> Rollout:
         rows = torch.as_tensor(rows, dtype=torch.long)
         pick = rows.tolist()

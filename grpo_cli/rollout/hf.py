@@ -18,8 +18,9 @@ class HFSampler:
     """Sampling settings (the `sampler` config group) and the generate call that uses them."""
 
     def __init__(self, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, max_new_tokens: int = 64,
-                 max_prompt_tokens: int = 1024):
+                 max_prompt_tokens: int = 1024, batch_size: int | None = None):
         self.max_prompt_tokens = max_prompt_tokens
+        self.batch_size = batch_size
         self.temperature = temperature
         self.top_p = top_p
         self.top_k = top_k
@@ -28,10 +29,22 @@ class HFSampler:
     def sync(self, policy) -> None:
         """Nothing to push: generation runs on the policy's own weights."""
 
-    @torch.no_grad()
     def generate(self, model, tokenizer, prompts: list[str], n: int, *, greedy: bool = False,
                  max_new_tokens: int | None = None, temperature: float | None = None) -> Rollout:
-        """`n` completions for each prompt string (already chat-templated), rows grouped by prompt."""
+        """`n` completions for each prompt string (already chat-templated), rows grouped by prompt.
+
+        At most `batch_size` sequences go through one `generate` call, cut at whole groups (at least
+        one prompt's n completions per call), so a large step does not hold every KV cache at once.
+        """
+        per_call = len(prompts) if self.batch_size is None else max(1, self.batch_size // n)
+        parts = [self._generate(model, tokenizer, prompts[i:i + per_call], n, greedy, max_new_tokens, temperature)
+                 for i in range(0, len(prompts), per_call)]
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        return Rollout.concat(parts, pad)
+
+    @torch.no_grad()
+    def _generate(self, model, tokenizer, prompts: list[str], n: int, greedy: bool, max_new_tokens: int | None,
+                  temperature: float | None) -> Rollout:
         device = next(model.parameters()).device
         check_prompts(model, tokenizer, prompts, self.max_prompt_tokens, max_new_tokens or self.max_new_tokens)
         ids, mask = (t.to(device) for t in encode_prompts(tokenizer, prompts))  # [B, P], left-padded
