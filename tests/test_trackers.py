@@ -118,7 +118,7 @@ def test_a_missing_tracker_package_stops_before_the_model_loads(tmp_path, monkey
     monkeypatch.setattr(train, "build_policy", lambda *_: pytest.fail("the model was loaded"))
     with pytest.raises(ConfigError, match=r"^trainer.report_to includes wandb but the wandb package is not installed: "
                                           r"pip install 'grpo-cli\[wandb\]'"):
-        two_steps(tmp_path, "trainer.report_to=[tensorboard,wandb]")
+        two_steps(tmp_path, "trainer.report_to=[wandb]")  # alone: tensorboard may be absent too (CI)
     with pytest.raises(ConfigError, match=r"'neptune' is not a tracker; use any of tensorboard, wandb, trackio"):
         two_steps(tmp_path, "trainer.report_to=[neptune]")
 
