@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 
@@ -132,9 +133,15 @@ def test_hostile_input_is_fast_and_scored(text):
     verify_steps("1 + 1 = 2", answer="2")  # imports and regex compilation are not the case's time
     # CPU time of this thread, not wall time: other processes on a busy 2-core machine stretch the wall
     # clock 3-7x (seen: 354-723 ms wall for these cases) without the verifier doing more work
-    start = time.thread_time()
-    scores = verify_steps(text, answer="1")
-    elapsed = time.thread_time() - start
+    # and no garbage collection of earlier tests' objects inside the measured call
+    gc.collect()
+    gc.disable()
+    try:
+        start = time.thread_time()
+        scores = verify_steps(text, answer="1")
+        elapsed = time.thread_time() - start
+    finally:
+        gc.enable()
     assert elapsed < 0.1, f"{elapsed * 1000:.0f} ms of CPU"
     assert len(scores) == 1 and isinstance(scores[0][1], float)
 
