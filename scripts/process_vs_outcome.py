@@ -166,7 +166,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", default="0,1,2", help="training seeds (trainer.seed), comma-separated")
     parser.add_argument("--steps", type=int, default=None, help="trainer.max_steps (default: the recipes')")
-    parser.add_argument("--limit", type=int, default=200, help="held-out problems to evaluate")
+    parser.add_argument("--limit", type=int, default=100, help="held-out problems to evaluate")
     parser.add_argument("--out", type=Path, default=REPO / "outputs" / "process_vs_outcome")
     parser.add_argument("--plot", type=Path, default=REPO / "docs" / "process_vs_outcome.png")
     parser.add_argument("--window", type=int, default=5, help="moving-average window of the training curves")

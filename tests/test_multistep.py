@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from grpo_cli.config import CONF_DIR, compose, validate
 from grpo_cli.data import MultiStepTask, _Problem, load_task
 from grpo_cli.errors import ConfigError
-from grpo_cli.rewards import extract_answer, verify_steps
+from grpo_cli.rewards import chain_steps, extract_answer, verify_steps
 
 LINE = re.compile(r"^(-?\d+) ([-+*]) (\d+) = (-?\d+)$")
 
@@ -138,6 +138,7 @@ def test_every_reference_line_correct_and_every_perturbed_line_wrong(overrides):
         assert extract_answer(solution) == answer
         # every line holds (+1); the last also carries the right answer (+1)
         assert [r for _, r in verify_steps(solution, answer)] == [1.0] * (steps - 1) + [2.0]
+        assert [r for _, r in chain_steps(solution, solution, answer)] == [1.0] * (steps - 1) + [2.0]
         lines = solution.split("\n")
         for k, line in enumerate(lines):
             a, op, b, c = LINE.match(line).groups()
@@ -147,6 +148,8 @@ def test_every_reference_line_correct_and_every_perturbed_line_wrong(overrides):
             expected = [1.0] * (steps - 1) + [2.0]
             expected[k] = -2.0 if k == steps - 1 else -1.0
             assert rewards == expected, (solution, k)
+            # the chain judge agrees: only the changed line is off the reference
+            assert [r for _, r in chain_steps("\n".join(wrong), solution, answer)] == expected, (solution, k)
 
 
 # ---- the experiment's recipes -----------------------------------------------------------------
@@ -169,16 +172,36 @@ def test_process_reward_scores_a_reference_and_a_slip():
     reward = instantiate(OmegaConf.load(CONF_DIR / "reward" / "multistep_process.yaml"))
     completions = ["3 + 9 = 12\n12 - 3 = 9\n9 - 1 = 8",      # the reference of 3 + 9 - 3 - 1
                    "3 + 9 = 12\n12 - 3 = 8\n8 - 1 = 7",       # a slip in line 2, then true arithmetic
-                   "The answer is 8."]                        # no claim, right answer
-    result = reward(["Compute 3 + 9 - 3 - 1."] * 3, completions, {"answer": ["8"] * 3})
+                   "The answer is 8.",                        # no claim, right answer
+                   "3 + 1 = 4"]                               # true, but not a step of this problem
+    solutions = ["3 + 9 = 12\n12 - 3 = 9\n9 - 1 = 8"] * 4
+    result = reward(["Compute 3 + 9 - 3 - 1."] * 4, completions, {"answer": ["8"] * 4, "solution": solutions})
     # lines end at 10, 10 + 1 + 10 = 21, 21 + 1 + 9 = 31
     # reference: +1, +1, +1 and the answer +1 -> sum 4
-    # slip: +1, -1 (12 - 3 is 9), +1 (8 - 1 = 7 holds) and the answer 7 is wrong -1 -> 0 on the last line
+    # slip: +1, -1 (12 - 3 is 9); 8 - 1 = 7 holds but is not the reference's third step (9 - 1 = 8): -1,
+    # and the answer 7 is wrong: -1 more -> -2 on the last line, sum -2
     # prose: neutral 0 and the answer +1
-    assert result.steps == [[(10, 1.0), (21, 1.0), (31, 2.0)], [(10, 1.0), (21, -1.0), (31, 0.0)], [(16, 1.0)]]
-    assert result.rewards == [4.0, 0.0, 1.0]
+    # the gamed line (what step_rewards paid +1 for): off the chain -1, answer 4 wrong -1 -> -2
+    assert result.steps == [[(10, 1.0), (21, 1.0), (31, 2.0)], [(10, 1.0), (21, -1.0), (31, -2.0)], [(16, 1.0)],
+                            [(9, -2.0)]]
+    assert result.rewards == [4.0, -2.0, 1.0, -2.0]
     # the metric both recipes log, rewards/accuracy/mean
-    assert result.per_function["accuracy"] == [1.0, 0.0, 1.0]
+    assert result.per_function["accuracy"] == [1.0, 0.0, 1.0, 0.0]
+
+
+def test_chain_steps_needs_the_reference_step_in_order():
+    solution = "6 - 3 = 3\n3 + 8 = 11\n11 - 7 = 4"
+    # the first step alone, then stop: +1, and the answer 3 is wrong -1 -> 0
+    assert chain_steps("6 - 3 = 3", solution, "4") == [(9, 0.0)]
+    # the right steps in the wrong order: line 1 is not step 1, line 2 is not step 2 (each -1)
+    assert [r for _, r in chain_steps("3 + 8 = 11\n6 - 3 = 3", solution, "4")] == [-1.0, -2.0]
+    # spacing and a trailing period do not matter; a closing line with no claim is neutral (0 + answer 1)
+    assert [r for _, r in chain_steps("6-3=3.\n3 +8 = 11\n11 - 7 = 4.\nSo the answer is 4.", solution, "4")] == [
+        1.0, 1.0, 1.0, 1.0]
+    # a true claim past the last reference step is not a step of this solution: -1 (plus the answer, +1)
+    assert [r for _, r in chain_steps(solution + "\n4 + 0 = 4", solution, "4")] == [1.0, 1.0, 1.0, 0.0]
+    # a right step with a wrong extra claim on the same line is wrong
+    assert [r for _, r in chain_steps("6 - 3 = 3 = 4", solution)] == [-1.0]
 
 
 def test_outcome_reward_scores_the_answer_alone():

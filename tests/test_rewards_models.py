@@ -119,7 +119,9 @@ def test_reward_config_instantiates_and_scores(path, reward_models):
         cfg.device = "cpu"
     assert not OmegaConf.missing_keys(cfg)
     reward = instantiate(cfg)
-    columns = {"answer": ["2", "4", "4"], "completion_length": [16, 16, 13], "truncated": [False, False, True]}
+    columns = {"answer": ["2", "4", "4"], "completion_length": [16, 16, 13], "truncated": [False, False, True],
+               # the reference chain multistep_process judges lines against
+               "solution": ["1 + 1 = 2", "2 + 2 = 4", "2 + 2 = 4"]}
     result = reward(PROMPTS, COMPLETIONS, columns)
     assert isinstance(result, RewardResult)
     assert len(result.rewards) == 3 and result.failures == 0

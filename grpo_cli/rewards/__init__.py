@@ -37,11 +37,12 @@ from typing import Any
 
 from grpo_cli.errors import ConfigError
 from grpo_cli.rewards.outcome import accuracy, answers_match, extract_answer, format_reward, length_penalty
-from grpo_cli.rewards.steps import split_steps, step_rewards, verify_steps
+from grpo_cli.rewards.steps import chain_step_rewards, chain_steps, split_steps, step_rewards, verify_steps
 
 __all__ = [
     "OutcomeReward", "ProcessReward", "RewardResult", "score", "accuracy", "answers_match", "extract_answer",
-    "format_reward", "length_penalty", "split_steps", "step_rewards", "verify_steps",
+    "chain_step_rewards", "chain_steps", "format_reward", "length_penalty", "split_steps", "step_rewards",
+    "verify_steps",
 ]
 
 log = logging.getLogger(__name__)

@@ -8,6 +8,12 @@ When the example's `answer` is given, the final step also carries the outcome: `
 (+1) or `outcome_wrong` (-1) is added to its reward, so a completion with clean arithmetic and a
 wrong final answer still ends low. A learned PRM lives in `grpo_cli.rewards.models`.
 
+Arithmetic that holds is not a step that helps: on `data=multistep` a policy trained with
+`step_rewards` learned to write one true line that has nothing to do with the problem ("6 + 3 = 9"
+for "6 - 3 + 8 - 7") and stop (README, Process vs outcome). Where the example has a reference
+`solution` of one `a op b = c` line per step, `chain_step_rewards` is the stricter judge a PRM is
+meant to be: the k-th line with a claim is correct only when it is the reference's k-th step.
+
 Steps are character spans `(start, end)`, end exclusive; a scored step is `(char_end, reward)`
 where char_end is that span's end. The trainer gives the reward to the token that holds the
 step's last character, `char_end - 1` (DeepSeekMath's "end token of each step").
@@ -317,3 +323,55 @@ def step_rewards(prompts, completions, answer=None, pattern=None, correct=1.0, w
     return [verify_steps(c, a, pattern=pattern, correct=correct, wrong=wrong, neutral=neutral,
                          outcome_correct=outcome_correct, outcome_wrong=outcome_wrong)
             for c, a in zip(completions, answers, strict=True)]
+
+
+# one `a op b = c` claim, as the reference solutions of data=multistep write them
+_CHAIN_CLAIM = re.compile(r"(-?\d+)\s*([-+*])\s*(-?\d+)\s*=\s*(-?\d+)")
+
+
+def _chain_step(match: re.Match) -> tuple[int, str, int, int]:
+    a, op, b, c = match.groups()
+    return int(a), op, int(b), int(c)
+
+
+def chain_steps(text: str, solution: str, answer=None, *, correct: float = 1.0, wrong: float = -1.0,
+                neutral: float = 0.0, outcome_correct: float = 1.0,
+                outcome_wrong: float = -1.0) -> list[tuple[int, float]]:
+    """(char_end, reward) for each line of `text`, judged against the reference chain `solution`.
+
+    A line with no arithmetic claim is `neutral`. The k-th line that has one is `correct` when its
+    first `a op b = c` is the reference's k-th step (same numbers, same operator, true result) and
+    every claim in it holds; otherwise `wrong` (an off-chain or extra step is wrong even when its
+    arithmetic holds). The final line also carries the outcome, as in `verify_steps`.
+    """
+    from grpo_cli.rewards.outcome import _reference, answers_match, extract_answer
+
+    reference = [_chain_step(m) for m in map(_CHAIN_CLAIM.search, solution.split("\n")) if m]
+    scored, k = [], 0
+    for start, end in split_steps(text):
+        line = text[start:end]
+        claims = check_claims(line)
+        found = _CHAIN_CLAIM.search(line)
+        if not claims and found is None:
+            scored.append((end, float(neutral)))
+            continue
+        on_chain = found is not None and k < len(reference) and _chain_step(found) == reference[k]
+        scored.append((end, float(correct if on_chain and all(claims) else wrong)))
+        k += 1
+    ref = _reference(answer)
+    if scored and ref is not None:
+        outcome = outcome_correct if answers_match(extract_answer(text), ref) else outcome_wrong
+        scored[-1] = (scored[-1][0], scored[-1][1] + float(outcome))
+    return scored
+
+
+def chain_step_rewards(prompts, completions, solution=None, answer=None, correct=1.0, wrong=-1.0, neutral=0.0,
+                       outcome_correct=1.0, outcome_wrong=-1.0, **_) -> list[list[tuple[int, float]]]:
+    """Process scorer for `ProcessReward` on data with reference chains: `chain_steps` per completion."""
+    if solution is None:
+        raise ValueError("chain_step_rewards judges lines against each example's reference `solution`, and this "
+                         "data has none; use data=multistep, or grpo_cli.rewards.steps.step_rewards")
+    answers = answer if answer is not None else [None] * len(completions)
+    return [chain_steps(c, s, a, correct=correct, wrong=wrong, neutral=neutral,
+                        outcome_correct=outcome_correct, outcome_wrong=outcome_wrong)
+            for c, s, a in zip(completions, solution, answers, strict=True)]
