@@ -10,6 +10,10 @@ a reward result into the [N] outcome or [N, T] process advantages the loss reads
 
 Where it departs from the paper: rows whose advantage is zero everywhere are skipped when β = 0
 (they carry no gradient, so this changes time, not numbers); LoRA adapters instead of full weights.
+
+With N ranks (grpo_cli.distributed) each rank holds its slice of the batch; the counts the loss
+divides by and the outcome rewards the advantages normalize over are the whole batch's, and the
+gradients are summed once per optimizer step, so N ranks take the 1-rank step on the same batch.
 """
 
 from __future__ import annotations
@@ -19,16 +23,23 @@ from dataclasses import dataclass
 
 import torch
 
+from grpo_cli.distributed import SINGLE, World
 from grpo_cli.objective import masked_mean, outcome_advantages, process_advantages
 from grpo_cli.policy import reference
 from grpo_cli.rollout import Rollout, char_ends_to_token_index, sequence_logprobs
 
 
-def advantages(result, rollout: Rollout, tokenizer, group_size: int, scale: str, std: str) -> torch.Tensor:
-    """[N] outcome advantages, or [N, T] process advantages from step rewards at their end tokens."""
+def advantages(result, rollout: Rollout, tokenizer, group_size: int, scale: str, std: str,
+               world: World = SINGLE) -> torch.Tensor:
+    """[N] outcome advantages, or [N, T] process advantages from step rewards at their end tokens.
+
+    Outcome rewards of every rank are gathered first (scale=batch reads them all) and this rank's
+    slice of the advantages is returned; process rewards are normalized per group, on this rank.
+    """
     if result.steps is None:
         rewards = torch.tensor([math.nan if r is None else r for r in result.rewards], dtype=torch.float32)
-        return outcome_advantages(rewards, group_size, scale=scale, std=std)
+        everyone = world.cat(rewards)  # [N · world size], rank order
+        return outcome_advantages(everyone, group_size, scale=scale, std=std)[world.slice(everyone.numel())]
     step_rewards, step_ends = [], []
     for row, steps in enumerate(result.steps):
         ids = rollout.completion_ids[row][rollout.completion_mask[row].bool()].tolist()
@@ -52,8 +63,10 @@ class Batch:
     active: list[int]  # rows that go through forward/backward
     ref_logp: torch.Tensor | None  # [N, T] reference policy (adapter off); None when β = 0
     old_logp: torch.Tensor | None  # [N, T] sampling-time policy; None when μ = 1 (old = current)
-    num_sequences: int  # N of the whole batch: the grpo/dr_grpo mean is over it
-    num_tokens: torch.Tensor  # counted tokens of the whole batch: the bnpo/dapo mean is over them
+    num_sequences: int  # N of the whole batch (all ranks): the grpo/dr_grpo mean is over it
+    num_tokens: torch.Tensor  # counted tokens of the whole batch (all ranks): the bnpo/dapo mean is over them
+    max_length: int  # the longest padded completion of all ranks: dr_grpo's constant divisor
+    world: World = SINGLE
 
 
 def micro_batches(rows: list[int], size: int) -> list[list[int]]:
@@ -63,7 +76,7 @@ def micro_batches(rows: list[int], size: int) -> list[list[int]]:
 
 @torch.no_grad()
 def prepare(policy, rollout: Rollout, advantages: torch.Tensor, loss, num_iterations: int, micro_batch_size: int,
-            mask_truncated_completions: bool) -> Batch:
+            mask_truncated_completions: bool, world: World = SINGLE) -> Batch:
     """The Batch for `rollout`: masks, active rows, reference and old log-probs (dropout off)."""
     device = rollout.completion_ids.device
     advantages = advantages.to(device)
@@ -90,7 +103,11 @@ def prepare(policy, rollout: Rollout, advantages: torch.Tensor, loss, num_iterat
         for b in micro_batches(active, micro_batch_size):
             old_logp[b] = sequence_logprobs(policy, rollout.select(b))
     policy.train(was_training)
-    return Batch(rollout, advantages, mask, active, ref_logp, old_logp, n, mask.sum().clamp(min=1))
+    # [3]: sequences, counted tokens, padded length; one reduction gives the whole batch's
+    counts = world.sum(torch.tensor([n, mask.sum().item(), 0.0], dtype=torch.float64))
+    length = world.max(torch.tensor([mask.shape[1]]))
+    return Batch(rollout, advantages, mask, active, ref_logp, old_logp, int(counts[0]),
+                 counts[1].to(mask.dtype).to(device).clamp(min=1), int(length[0]), world)
 
 
 def update(policy, optimizer, scheduler, batch: Batch, loss, num_iterations: int, micro_batch_size: int,
@@ -104,14 +121,23 @@ def update(policy, optimizer, scheduler, batch: Batch, loss, num_iterations: int
     whose step would leave a weight non-finite is undone: `nonfinite_skipped` counts them, and the
     weights stay what they were.
     """
-    loss_fn = loss.for_batch(batch.num_sequences, batch.num_tokens, batch.rollout.completion_ids.shape[1])
-    active_tokens = batch.mask[batch.active].sum().clamp(min=1) if batch.active else batch.num_tokens
+    world = batch.world
+    loss_fn = loss.for_batch(batch.num_sequences, batch.num_tokens, batch.max_length)
+    # tokens updated on all ranks: the token-level statistics are averaged over them
+    local_tokens = batch.mask[batch.active].sum() if batch.active else batch.mask.new_zeros(())
+    active_tokens = world.sum(local_tokens.detach().clone()).clamp(min=1)
     params = [p for p in policy.parameters() if p.requires_grad]
-    totals: dict[str, float] = {"loss": 0.0}
+    # the loss's statistics (its own keys, from an empty call) plus entropy: 0-dim tensors summed on the device,
+    # no host transfer per micro-batch; every rank has the same keys, even one with no active row
+    empty = batch.mask[:0]  # [0, T]
+    _, stats = loss_fn(empty, empty, empty, batch.advantages[:0], empty)
+    totals = {key: batch.mask.new_zeros(()) for key in [*stats, "entropy"]}
+    loss_total = 0.0
     grad_norm = 0.0
     skipped = 0
     policy.train()
     for _ in range(num_iterations):
+        pass_loss = batch.mask.new_zeros(())
         for rows in micro_batches(batch.active, micro_batch_size):
             sub, mask = batch.rollout.select(rows), batch.mask[rows]
             logp, entropy = sequence_logprobs(policy, sub, with_entropy=True)  # [n, T] each
@@ -119,15 +145,19 @@ def update(policy, optimizer, scheduler, batch: Batch, loss, num_iterations: int
             ref = batch.ref_logp[rows] if batch.ref_logp is not None else None
             micro_loss, stats = loss_fn(logp, old, ref, batch.advantages[rows], mask)
             micro_loss.backward()
-            totals["loss"] += float(micro_loss.detach()) / num_iterations
-            share = float(mask.sum() / active_tokens) / num_iterations  # this micro-batch's share of the tokens
+            pass_loss = pass_loss + micro_loss.detach()
+            share = mask.sum() / active_tokens / num_iterations  # this micro-batch's share of the tokens
             for key, value in {**stats, "entropy": masked_mean(entropy, mask)}.items():
-                totals[key] = totals.get(key, 0.0) + float(value) * share
+                totals[key] = totals[key] + value.detach() * share
+        # the batch gradient: this rank's micro-batch losses are its share of the batch loss
+        world.sum_gradients(params)
+        pass_loss = float(world.sum(pass_loss))  # one transfer per optimizer step
+        loss_total += pass_loss / num_iterations
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm else math.inf))
-        if math.isfinite(grad_norm) and math.isfinite(totals["loss"]):
+        if math.isfinite(grad_norm) and math.isfinite(pass_loss):
             before = [p.detach().clone() for p in params]  # LoRA weights only: a few MB
             optimizer.step()
-            if all(bool(p.isfinite().all()) for p in params):
+            if bool(torch.stack([p.isfinite().all() for p in params]).all()):
                 scheduler.step()
             else:  # a finite gradient times the rate overflowed: keep the weights as they were
                 with torch.no_grad():
@@ -137,10 +167,10 @@ def update(policy, optimizer, scheduler, batch: Batch, loss, num_iterations: int
         else:
             skipped += 1
         optimizer.zero_grad(set_to_none=False)
-    if not batch.active:  # nothing was updated: the loss's statistics are 0 (its own keys, from an empty call)
-        empty = batch.mask[:0]  # [0, T]
-        _, stats = loss_fn(empty, empty, None, batch.advantages[:0], empty)
-        totals.update({key: 0.0 for key in [*stats, "entropy"]})
-    return {**totals, "grad_norm": grad_norm, "nonfinite_skipped": skipped,
-            "counts/backward_seqs": len(batch.active) * num_iterations,
+    # the token statistics: this rank's token-weighted share, summed over ranks (one transfer); 0 when no
+    # token was updated
+    values = world.sum(torch.stack([totals[k].float() for k in totals])).tolist()
+    counts = world.sum(torch.tensor([len(batch.active)]))
+    return {"loss": loss_total, **dict(zip(totals, values)), "grad_norm": grad_norm,
+            "nonfinite_skipped": skipped, "counts/backward_seqs": int(counts[0]) * num_iterations,
             "counts/ref_forward_seqs": batch.num_sequences if batch.ref_logp is not None else 0}

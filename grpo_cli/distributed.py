@@ -1,0 +1,164 @@
+"""Data parallelism: N ranks, one process each, started by `torchrun` or `accelerate launch`.
+
+    torchrun --nproc-per-node 2 $(which grpo) train ...            # gloo on CPU, NCCL on CUDA
+
+How the work is split, and why this way (TRL shards through accelerate, verl through a central
+controller, nanoGPT wraps the model in DDP; this follows none of them exactly):
+- every rank draws the same global `trainer.prompts_per_step` prompts from the same seeded stream and
+  keeps its own contiguous slice, so the stream's state is the same on every rank (resume needs one
+  saved state) and each group of G completions lives on one rank: group normalization stays local;
+- outcome rewards are gathered before the advantages are computed, so `advantage_scale=batch` sees the
+  whole batch and the advantages are exactly the 1-rank ones;
+- loss weights use the global sequence and token counts (`World.sum` of the local ones), so the
+  local losses add up to the 1-rank batch loss and their gradients to its gradient;
+- gradients are summed with one `all_reduce` of the flattened LoRA gradients per optimizer step, not
+  with DDP: DDP reduces inside each backward, and ranks run different numbers of backwards here (rows
+  whose advantage is 0 are skipped, so a rank can have none). A rank with no active row still joins
+  the one reduction, so nothing waits forever. The adapter is a few MB: one reduction costs little;
+- the adapter starts from rank 0's weights (broadcast), each rank samples with its own seed, a
+  function of (seed, step, rank);
+- rank 0 alone writes (metrics reduced over ranks, completions of its own slice, checkpoints,
+  plots); the run folder's time stamp is rank 0's (`start_time`), so every rank names the same folder.
+
+A single process (no WORLD_SIZE in the environment, or 1) gets `SINGLE`, whose collectives return
+their input: the code paths are the same, and the 1-rank numbers are unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import datetime
+
+import torch
+
+_START: datetime | None = None
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place among the ranks; collectives are no-ops for a single process."""
+
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    # where collectives run: NCCL reduces CUDA tensors only, gloo CPU ones
+    device: str = "cpu"
+
+    @property
+    def main(self) -> bool:
+        """Rank 0: the one that writes files and prints."""
+        return self.rank == 0
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks, in place; returns `tensor`."""
+        return self._reduce(tensor, torch.distributed.ReduceOp.SUM) if self.size > 1 else tensor
+
+    def max(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Maximum over ranks, in place; returns `tensor`."""
+        return self._reduce(tensor, torch.distributed.ReduceOp.MAX) if self.size > 1 else tensor
+
+    def _reduce(self, tensor: torch.Tensor, op) -> torch.Tensor:
+        there = tensor.to(self.device)
+        torch.distributed.all_reduce(there, op=op)
+        if there is not tensor:
+            tensor.copy_(there)
+        return tensor
+
+    def cat(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's `tensor` (same shape on each) concatenated along dim 0, in rank order."""
+        if self.size == 1:
+            return tensor
+        there = tensor.to(self.device).contiguous()
+        parts = [torch.empty_like(there) for _ in range(self.size)]
+        torch.distributed.all_gather(parts, there)
+        return torch.cat(parts).to(tensor.device)
+
+    def gather(self, obj) -> list:
+        """Every rank's `obj` (picklable Python data, made and read by this code), in rank order."""
+        if self.size == 1:
+            return [obj]
+        out = [None] * self.size
+        torch.distributed.all_gather_object(out, obj)
+        return out
+
+    def broadcast(self, obj):
+        """Rank 0's `obj` on every rank."""
+        if self.size == 1:
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def sum_gradients(self, params: list[torch.Tensor]) -> None:
+        """Each parameter's gradient <- its sum over ranks: one all_reduce of them all, flattened.
+
+        A parameter with no gradient on this rank (no backward yet) counts as zeros, so every rank
+        joins the same reduction whatever it ran.
+        """
+        if self.size == 1 or not params:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])  # [sum of numel]; LoRA weights: a few MB
+        self._reduce(flat, torch.distributed.ReduceOp.SUM)
+        offset = 0
+        for p, g in zip(params, grads):
+            n = g.numel()
+            p.grad = flat[offset:offset + n].view_as(p).to(p.dtype)
+            offset += n
+
+    def copy_from_main(self, params: list[torch.Tensor]) -> None:
+        """Rank 0's values of `params` on every rank (the same adapter init everywhere)."""
+        if self.size == 1:
+            return
+        with torch.no_grad():
+            for p in params:
+                there = p.data.to(self.device)
+                torch.distributed.broadcast(there, src=0)
+                p.data.copy_(there)
+
+    def slice(self, n: int) -> slice:
+        """This rank's contiguous share of `n` items (n divisible by the world size)."""
+        share = n // self.size
+        return slice(self.rank * share, (self.rank + 1) * share)
+
+
+SINGLE = World()
+
+
+def world_size() -> int:
+    """The number of ranks the launcher asked for (WORLD_SIZE), 1 without a launcher."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_world() -> World:
+    """Join the process group the launcher set up (NCCL on CUDA, one device per LOCAL_RANK; gloo on
+    CPU); `SINGLE` without a launcher. Safe to call more than once."""
+    if world_size() == 1:
+        return SINGLE
+    import torch.distributed as dist
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if not dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(local_rank)
+            dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+        else:
+            dist.init_process_group("gloo")
+    device = f"cuda:{local_rank}" if dist.get_backend() == "nccl" else "cpu"
+    return World(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+def start_time() -> datetime:
+    """When this run started: rank 0's clock on every rank (run folders are named from it)."""
+    global _START
+    if _START is None:
+        now = datetime.now()
+        _START = init_world().broadcast(now) if world_size() > 1 else now
+    return _START
+
+
+def close() -> None:
+    """Leave the process group (at exit; torch warns when a group is left open)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

@@ -1,0 +1,144 @@
+"""Data parallelism (grpo_cli.distributed) on 2 gloo ranks: N ranks take the 1-rank step on the same batch."""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from grpo_cli import update
+from grpo_cli.distributed import SINGLE, World
+from grpo_cli.objective import GRPOLoss
+from grpo_cli.policy import apply_lora, load_tiny_random
+from grpo_cli.rewards import RewardResult
+from grpo_cli.rollout import Rollout
+
+G = 4  # completions per prompt
+ROWS = 16  # the global batch: 4 groups; 2 ranks hold 8 rows (2 groups) each
+MICRO = 3  # ragged micro-batches (3 + 3 + 2 per rank, 3 x 5 + 1 on one rank)
+CASES = [(loss, beta, mu, scale, "mixed")
+         for loss, beta, mu, scale in itertools.product(["grpo", "bnpo", "dr_grpo", "dapo"], [0.0, 0.04], [1, 2],
+                                                         ["group", "batch"])]
+# rank 1's groups all have equal rewards: with β = 0 it has no active row and runs no backward at all
+CASES += [(loss, 0.0, mu, scale, "dead_rank")
+          for loss, mu, scale in itertools.product(["grpo", "dapo"], [1, 2], ["group", "batch"])]
+
+
+def _name(case) -> str:
+    return "_".join(str(x) for x in case)
+
+
+def _policy():
+    model, tokenizer = load_tiny_random()
+    policy = apply_lora(model, r=4, alpha=8, dropout=0.0, target_modules=["q_proj", "v_proj"])
+    with torch.no_grad():  # seeded, and B off zero: the policy differs from the reference and A gets a gradient
+        g = torch.Generator().manual_seed(1)
+        for name, p in sorted(policy.named_parameters()):
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return policy, tokenizer
+
+
+def _batch(kind: str) -> tuple[Rollout, RewardResult]:
+    """The global batch: 16 rows of random tokens, completions of 1-7 tokens, rewards per `kind`."""
+    g = torch.Generator().manual_seed(0)
+    p_len, t_len = 5, 7
+    prompt_ids = torch.randint(3, 60, (ROWS, p_len), generator=g)
+    prompt_mask = torch.ones(ROWS, p_len, dtype=torch.long)
+    prompt_mask[::3, 0] = 0  # some prompts left-padded
+    lengths = torch.randint(1, t_len + 1, (ROWS,), generator=g)
+    completion_mask = (torch.arange(t_len)[None, :] < lengths[:, None]).long()  # [16, 7]
+    completion_ids = torch.where(completion_mask.bool(), torch.randint(3, 60, (ROWS, t_len), generator=g), 0)
+    rewards = torch.randint(0, 3, (ROWS,), generator=g).float().tolist()
+    if kind == "dead_rank":
+        rewards[8:] = [1.0] * 8
+    rollout = Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, [""] * ROWS,
+                      [bool(n == t_len) for n in lengths.tolist()])
+    return rollout, RewardResult(rewards=rewards, per_function={})
+
+
+def _local(rollout: Rollout, result: RewardResult, world: World) -> tuple[Rollout, RewardResult]:
+    rows = list(range(ROWS))[world.slice(ROWS)]
+    return rollout.select(rows), RewardResult(rewards=[result.rewards[i] for i in rows], per_function={})
+
+
+def _step(case, world: World) -> tuple[dict, dict]:
+    """One `update` of `case` on this rank's share of the batch; (LoRA weights, stats)."""
+    loss_type, beta, mu, scale, kind = case
+    torch.manual_seed(0)
+    policy, tokenizer = _policy()
+    rollout, result = _local(*_batch(kind), world)
+    loss = GRPOLoss(beta=beta, epsilon_low=0.2, epsilon_high=None, kl_estimator="k3", loss_type=loss_type)
+    params = [p for p in policy.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(params, lr=0.5)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    adv = update.advantages(result, rollout, tokenizer, G, scale, "population", world)
+    batch = update.prepare(policy, rollout, adv, loss, mu, MICRO, True, world)
+    stats = update.update(policy, optimizer, scheduler, batch, loss, mu, MICRO, 1.0)
+    weights = {n: p.detach().clone() for n, p in policy.named_parameters() if p.requires_grad}
+    return weights, stats
+
+
+def _worker(rank: int, size: int, init_file: str, out: str) -> None:
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=size)
+    try:
+        world = World(rank, size, rank)
+        for case in CASES:
+            weights, stats = _step(case, world)
+            save_file(weights, str(Path(out) / f"{_name(case)}_r{rank}.safetensors"))
+            save_file({k: torch.tensor(float(v)) for k, v in stats.items()},
+                      str(Path(out) / f"{_name(case)}_stats_r{rank}.safetensors"))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """Run every case on 2 gloo ranks (spawned processes); the folder of their results."""
+    out = tmp_path_factory.mktemp("dp")
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_worker, args=(r, 2, str(out / "init"), str(out))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+    assert [p.exitcode for p in procs] == [0, 0], "a rank failed or hung"
+    return out
+
+
+@pytest.mark.parametrize("case", CASES, ids=_name)
+def test_two_ranks_take_the_one_rank_step(two_ranks, case):
+    one, one_stats = _step(case, SINGLE)
+    ranks = [load_file(str(two_ranks / f"{_name(case)}_r{r}.safetensors")) for r in range(2)]
+    for name, w in one.items():
+        # the ranks agree exactly (the same summed gradient, the same step) and with the 1-rank step
+        assert torch.equal(ranks[0][name], ranks[1][name]), name
+        assert torch.allclose(ranks[0][name], w, atol=1e-6, rtol=0), (name, (ranks[0][name] - w).abs().max())
+    # the step moved the weights (a step that changes nothing would pass the comparison above)
+    policy, _ = _policy()
+    start = {n: p for n, p in policy.named_parameters() if p.requires_grad}
+    assert any(not torch.allclose(start[n], w, atol=1e-4) for n, w in one.items())
+    stats = load_file(str(two_ranks / f"{_name(case)}_stats_r0.safetensors"))
+    for key in ("loss", "kl", "ratio_mean", "entropy", "grad_norm", "counts/backward_seqs"):
+        assert stats[key].item() == pytest.approx(float(one_stats[key]), rel=1e-5, abs=1e-7), key
+
+
+def test_dead_rank_case_really_has_no_active_row_on_rank_1():
+    rollout, result = _local(*_batch("dead_rank"), World(1, 2, 1))
+    adv = update.advantages(result, rollout, None, G, "group", "population")
+    loss = GRPOLoss(beta=0.0, epsilon_low=0.2, epsilon_high=None, kl_estimator="k3", loss_type="grpo")
+    policy, _ = _policy()
+    assert update.prepare(policy, rollout, adv, loss, 1, MICRO, True).active == []
+    rollout, result = _local(*_batch("dead_rank"), World(0, 2, 0))
+    adv = update.advantages(result, rollout, None, G, "group", "population")
+    assert update.prepare(policy, rollout, adv, loss, 1, MICRO, True).active != []
+
+
+def test_world_slice_covers_the_batch_once():
+    shares = [list(range(16))[World(r, 4, r).slice(16)] for r in range(4)]
+    assert shares == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
