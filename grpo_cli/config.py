@@ -88,12 +88,32 @@ def hydra_app(config_name: str) -> Callable:
         @functools.wraps(fn)
         def entry() -> Any:
             _precompose(config_name, sys.argv[1:])
+            sys.argv += rank_overrides(config_name, sys.argv[1:])
             _check_output_dir(sys.argv[1:])
             return app()
 
         return entry
 
     return wrap
+
+
+def rank_overrides(config_name: str, argv: list[str]) -> list[str]:
+    """Overrides that make N ranks (torchrun) one run: every rank's run folder is the one rank 0's clock
+    names (Hydra's ${now:} is read on each rank), and only rank 0 writes Hydra's .hydra/ and log file."""
+    from grpo_cli.distributed import init_world, start_time, world_size
+
+    if world_size() == 1:
+        return []
+    world = init_world()
+    extra = []
+    if not any(arg.startswith("hydra.run.dir=") for arg in argv):
+        hydra_node = OmegaConf.load(CONF_DIR / f"{config_name}.yaml").hydra
+        pattern = OmegaConf.to_container(hydra_node.run, resolve=False)["dir"]
+        when = start_time()
+        extra.append("hydra.run.dir=" + re.sub(r"\$\{now:([^}]*)\}", lambda m: when.strftime(m.group(1)), pattern))
+    if not world.main:
+        extra += ["hydra.output_subdir=null", "hydra/job_logging=disabled"]
+    return extra
 
 
 def _check_output_dir(argv: list[str]) -> None:

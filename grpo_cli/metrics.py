@@ -37,6 +37,28 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait until the GPU has run the work queued so far, so that a timer read next counts it (CUDA kernels
+    run asynchronously: without this a step's time is when its last kernel was queued). Nothing on CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a step's peak-memory count (CUDA); nothing on CPU (`peak_memory_mb` is the process's peak there)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def step_memory(device: torch.device) -> dict:
+    """`memory/peak_allocated_gb` (tensors) and `memory/peak_reserved_gb` (held by PyTorch's caching allocator,
+    what other processes cannot use) since `reset_peak_memory`, on CUDA; {} on CPU."""
+    if device.type != "cuda":
+        return {}
+    return {"memory/peak_allocated_gb": torch.cuda.max_memory_allocated(device) / 2**30,
+            "memory/peak_reserved_gb": torch.cuda.max_memory_reserved(device) / 2**30}
+
+
 def limit_heap_growth(threshold: int = 4 * 2**20) -> bool:
     """Serve allocations above `threshold` bytes with mmap, so freed tensors go back to the OS.
 
@@ -298,11 +320,20 @@ class CompletionsLog:
         """On resume: drop lines of steps after the checkpoint, so the file reads as one run."""
         truncate_jsonl(self.path, last_step)
 
-    def log(self, step: int, first_prompt: int, examples: list[dict], rollout, result, advantages) -> None:
-        """Log step `step` if it is one of every `every`; examples[i] owns rows i*G .. i*G+G-1."""
+    def log(self, step: int, first_prompt: int, examples: list[dict], rollout, result, advantages,
+            world=None) -> None:
+        """Log step `step` if it is one of every `every`; examples[i] owns rows i*G .. i*G+G-1.
+
+        With N ranks (`world`), every rank calls this with its own slice and rank 0 writes them all, in
+        rank order, each line with its `rank`.
+        """
         if not self.every or step % self.every:
             return
         lines = self.records(step, first_prompt, examples, rollout, result, advantages)
+        if world is not None and world.size > 1:
+            lines = [{**line, "rank": rank} for rank, part in enumerate(world.gather(lines)) for line in part]
+            if not world.main:
+                return
         if self.rows:
             console.print(self.table(step, lines))
         self.append(lines)

@@ -15,6 +15,9 @@ reference model costs no memory); the reference policy is the initial model for 
 iterative.iterations > 0 (the paper's iterative RL: grpo_cli/iterative.py retrains the reward model
 and resets the reference at each iteration's first step); one "step" is one exploration stage
 followed by μ optimizer steps.
+
+Under torchrun (`torchrun --nproc-per-node N $(which grpo) train ...`) each rank runs this loop on its
+slice of every step's prompts; grpo_cli.distributed says how the work is split and why.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ from omegaconf import DictConfig, OmegaConf
 from grpo_cli import checkpoint
 from grpo_cli.config import build, command_line_overrides, hydra_app, validate
 from grpo_cli.data import PromptStream
-from grpo_cli.errors import RunError
+from grpo_cli.distributed import World, init_world
+from grpo_cli.errors import ConfigError, RunError
 from grpo_cli.iterative import Iterations
 from grpo_cli.iterative import check_settings as check_iterative
 from grpo_cli.metrics import (
@@ -43,7 +47,10 @@ from grpo_cli.metrics import (
     peak_memory_mb,
     plot_training,
     progress,
+    reset_peak_memory,
     rollout_metrics,
+    step_memory,
+    synchronize,
 )
 from grpo_cli.policy import build_policy
 from grpo_cli.rewards import score
@@ -66,26 +73,54 @@ def run(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) -> P
     `overrides` that runs.resume_config allows (None: every key of cfg is compared).
     """
     check_iterative(validate(cfg))
+    world = init_world()
+    check_world(cfg, world)
     ckpt = None
     if cfg.resume:
         ckpt = checkpoint.resolve(cfg.resume, warn=lambda line: console.print(f"[yellow]{line}"))
         cfg = validate(resume_config(cfg, checkpoint.load_config(ckpt), overrides))
         check_iterative(cfg)
         run_dir = ckpt.parent.parent  # the same run goes on in its own folder: one metrics.jsonl, one checkpoints/
-    lock = claim(run_dir, resuming=ckpt is not None)
+    # rank 0 holds the run folder; its verdict (a folder in use, a finished run) stops every rank alike
+    lock, refused = None, None
+    if world.main:
+        try:
+            lock = claim(run_dir, resuming=ckpt is not None)
+        except ConfigError as err:
+            refused = str(err)
+    refused = world.broadcast(refused)
+    if refused:
+        raise ConfigError(refused)
     try:
-        return _train(cfg, run_dir, ckpt)
+        return _train(cfg, run_dir, ckpt, world)
     finally:
-        lock.release()
+        if lock is not None:
+            lock.release()
 
 
-def _train(cfg: DictConfig, run_dir: Path, ckpt: Path | None) -> Path:
+def check_world(cfg: DictConfig, world: World) -> None:
+    """What N ranks need of the config, checked before the model loads."""
+    if world.size == 1:
+        return
+    per_step = cfg.trainer.prompts_per_step
+    if per_step % world.size:
+        fit = per_step + world.size - per_step % world.size
+        raise ConfigError(f"trainer.prompts_per_step ({per_step}) must divide by the number of ranks ({world.size}): "
+                          f"each rank takes an equal share of whole groups; set trainer.prompts_per_step={fit}")
+    if cfg.iterative.iterations:
+        raise ConfigError(f"iterative RL (iterative.iterations={cfg.iterative.iterations}) runs in one process only "
+                          f"for now; launch it without torchrun, or set iterative.iterations=0")
+
+
+def _train(cfg: DictConfig, run_dir: Path, ckpt: Path | None, world: World) -> Path:
     limit_heap_growth()
+    console.quiet = not world.main  # one rank speaks; the others' numbers reach it through the reductions
     trainer, algo = cfg.trainer, cfg.algo
     report_to = check_logging(trainer)  # a missing tracker package stops here, before the model loads
     torch.manual_seed(trainer.seed)
     loss = build(algo.loss)
     policy, tokenizer, device = build_policy(cfg.model)
+    world.copy_from_main([p for p in policy.parameters() if p.requires_grad])  # one adapter init on every rank
     if trainer.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     prompts = PromptStream(build(cfg.data).train, trainer.seed)
@@ -106,14 +141,22 @@ def _train(cfg: DictConfig, run_dir: Path, ckpt: Path | None) -> Path:
         prompts.load_state_dict(state["data"])
         iterations.load_state_dict(state, policy, ckpt)
         console.print(f"resumed from {ckpt} at step {state['step']}")
-        aside = checkpoint.set_aside_after(run_dir, state["step"])
+        saved_world = state.get("world_size", 1)
+        if saved_world != world.size:
+            console.print(f"[yellow]this run was saved by {saved_world} rank(s) and goes on with {world.size}: the "
+                          f"prompts and the global batch stay the same, the completions sampled from here on differ "
+                          f"from an uninterrupted run's (each rank's sampling seed depends on its rank)")
+        aside = checkpoint.set_aside_after(run_dir, state["step"]) if world.main else None
         if aside is not None:
             console.print(f"[yellow]the checkpoints after step {state['step']} (an abandoned branch) moved to {aside}")
-    log = MetricsLog(run_dir, report_to, trainer.project, OmegaConf.to_container(cfg, resolve=True))
+    # rank 0 writes the files; the other ranks' writers do nothing
+    log = (MetricsLog(run_dir, report_to, trainer.project, OmegaConf.to_container(cfg, resolve=True)) if world.main
+           else _Silent())
     samples = CompletionsLog(run_dir, trainer.log_completions_every, trainer.num_completions_to_print,
-                             trainer.completions_max_mb)
-    log.truncate(state["step"])
-    samples.truncate(state["step"])
+                             trainer.completions_max_mb)  # every rank gives its completions, rank 0 writes
+    if world.main:
+        log.truncate(state["step"])
+        samples.truncate(state["step"])
     stop = _StopFlag()
     last = None
     nonfinite_in_a_row = 0
@@ -123,19 +166,22 @@ def _train(cfg: DictConfig, run_dir: Path, ckpt: Path | None) -> Path:
     with progress("train") as bar, log, stop:
         task = bar.add_task("train", total=trainer.max_steps, completed=state["step"], info="")
         for step in range(state["step"] + 1, trainer.max_steps + 1):
-            _seed_step(trainer.seed, step)  # sampling randomness is a function of (seed, step): exact resume
+            _seed_step(trainer.seed, step, world.rank)  # sampling is a function of (seed, step, rank): exact resume
 
             # 0. iterative RL, at an iteration's first step: sample from the policy, label, retrain the reward
             #    model with replay, reference <- policy (DeepSeekMath Algorithm 1); otherwise the run's reward
             reward_fn = iterations.reward_for(step, policy, tokenizer)
+            synchronize(device)  # the timers below count GPU work, not just its queueing
+            reset_peak_memory(device)
             t0 = time.perf_counter()
 
-            # 1. prompts: the next prompts_per_step examples of the seeded, resumable stream
-            examples = prompts.next(trainer.prompts_per_step)
+            # 1. prompts: the next prompts_per_step examples of the seeded, resumable stream (this rank's slice)
+            examples = prompts.next(trainer.prompts_per_step)[world.slice(trainer.prompts_per_step)]
 
             # 2. rollout: G completions per prompt with the current policy (LoRA on)
             sampler.sync(policy)
             rollout = _sample(sampler, policy, tokenizer, examples, algo.group_size, step)
+            synchronize(device)
             t_rollout = time.perf_counter() - t0
 
             # 3. score: one reward per completion, or step rewards (process supervision)
@@ -143,14 +189,16 @@ def _train(cfg: DictConfig, run_dir: Path, ckpt: Path | None) -> Path:
             result = score(reward_fn, examples, owners, rollout.texts, rollout.lengths, rollout.truncated)
 
             # 4. advantages: normalized within each group of G
-            adv = advantages(result, rollout, tokenizer, algo.group_size, algo.advantage_scale, algo.advantage_std)
+            adv = advantages(result, rollout, tokenizer, algo.group_size, algo.advantage_scale, algo.advantage_std,
+                             world)
 
             # 5. update: reference and old log-probs first, then μ passes of the clipped objective
             t1 = time.perf_counter()
             batch = prepare(policy, rollout, adv, loss, algo.num_iterations, trainer.micro_batch_size,
-                            algo.mask_truncated_completions)
+                            algo.mask_truncated_completions, world)
             stats = update(policy, optimizer, scheduler, batch, loss, algo.num_iterations, trainer.micro_batch_size,
                            trainer.max_grad_norm)
+            synchronize(device)
             t_update = time.perf_counter() - t1
             nonfinite_in_a_row = nonfinite_in_a_row + 1 if stats["nonfinite_skipped"] else 0
             if stats["nonfinite_skipped"]:
@@ -159,13 +207,17 @@ def _train(cfg: DictConfig, run_dir: Path, ckpt: Path | None) -> Path:
                               f"trainer.max_nonfinite_steps={trainer.max_nonfinite_steps})")
 
             # 6. log: the metrics; every log_completions_every steps also what the model wrote
-            record = {"step": step, **iterations.metrics(step), **rollout_metrics(result, rollout, algo.group_size),
+            record = {"step": step, **iterations.metrics(step),
+                      **rollout_metrics(*_everyone(world, result, rollout), algo.group_size),
                       **stats, "learning_rate": scheduler.get_last_lr()[0], "time/rollout_s": t_rollout,
-                      "time/update_s": t_update, "tokens_per_s": sum(rollout.lengths) / max(t_rollout, 1e-9),
-                      "peak_memory_mb": peak_memory_mb(device)}
+                      "time/update_s": t_update,
+                      "tokens_per_s": record_tokens(world, rollout) / max(t_rollout, 1e-9),
+                      "peak_memory_mb": peak_memory_mb(device), **step_memory(device)}
             log.log(record)
-            samples.log(step, prompts.position - len(examples), examples, rollout, result, adv)
+            first = prompts.position - trainer.prompts_per_step + world.slice(trainer.prompts_per_step).start
+            samples.log(step, first, examples, rollout, result, adv, world)
             state["step"] = step
+            state["world_size"] = world.size
             state["data"] = prompts.state_dict()
             state.update(iterations.state_dict())
             state["history"].append({k: v for k, v in record.items() if not k.startswith("time/")})
@@ -173,11 +225,14 @@ def _train(cfg: DictConfig, run_dir: Path, ckpt: Path | None) -> Path:
                                                   f"loss {record['loss']:+.4f}  "
                                                   f"len {record['completions/mean_length']:.0f}")
 
-            # 7. checkpoint
+            # 7. checkpoint (rank 0; every rank holds the same weights); a stop asked of any rank stops them all here
+            stop.requested = _agreed_stop(world, stop.requested)
             if step % trainer.save_every == 0 or step == trainer.max_steps or stop.requested:
-                # a record for inspection: resume does not need it, each step reseeds from (seed, step)
+                # a record for inspection: resume does not need it, each step reseeds from (seed, step, rank)
                 state["rng"] = {"torch": torch.get_rng_state().tolist(), "python": list(random.getstate()[1])}
-                last = checkpoint.save(run_dir, step, policy, optimizer, scheduler, state, cfg, trainer.keep_last)
+                if world.main:
+                    last = checkpoint.save(run_dir, step, policy, optimizer, scheduler, state, cfg, trainer.keep_last)
+                last = world.broadcast(last)
             if stop.requested:
                 console.print(f"stopped by {stop.requested} after step {step}; checkpoint: {last}\n"
                               f"resume with: grpo train resume={run_dir}")
@@ -188,7 +243,7 @@ def _train(cfg: DictConfig, run_dir: Path, ckpt: Path | None) -> Path:
                                f"check the rewards, and start a new run")
     if last is None:  # resumed at or past max_steps: nothing to do
         last = checkpoint.resolve(run_dir)
-    console.print(f"checkpoint: {last}\ncurves: {plot_training(run_dir)}")
+    console.print(f"checkpoint: {last}\ncurves: {plot_training(run_dir) if world.main else None}")
     return last
 
 
@@ -205,8 +260,49 @@ def _sample(sampler, policy, tokenizer, examples: list[dict], group_size: int, s
         raise
 
 
-def _seed_step(seed: int, step: int) -> None:
-    s = (seed * 1_000_003 + step) % 2**63
+def _everyone(world: World, result, rollout):
+    """(result, rollout)-likes holding every rank's completions, for the step's reward metrics."""
+    if world.size == 1:
+        return result, rollout
+    from types import SimpleNamespace
+
+    parts = world.gather((result.rewards, result.per_function, result.failures, rollout.lengths, rollout.truncated))
+    per_function = {name: [v for p in parts for v in p[1].get(name, [None] * len(p[0]))] for name in parts[0][1]}
+    merged = SimpleNamespace(rewards=[r for p in parts for r in p[0]], per_function=per_function,
+                             failures=sum(p[2] for p in parts))
+    lengths, truncated = [n for p in parts for n in p[3]], [t for p in parts for t in p[4]]
+    return merged, SimpleNamespace(lengths=lengths, truncated=truncated)
+
+
+def record_tokens(world: World, rollout) -> int:
+    """Completion tokens sampled this step, all ranks."""
+    return int(world.sum(torch.tensor([sum(rollout.lengths)]))[0])
+
+
+def _agreed_stop(world: World, requested: str | None) -> str | None:
+    """A stop request of any rank, on every rank (so all stop after the same step)."""
+    if world.size == 1:
+        return requested
+    anyone = world.max(torch.tensor([requested is not None], dtype=torch.int64))
+    return requested or ("a stop request on another rank" if int(anyone[0]) else None)
+
+
+class _Silent:
+    """The writers of ranks other than 0: every call does nothing."""
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _seed_step(seed: int, step: int, rank: int = 0) -> None:
+    # rank 0 keeps the 1-process seeds, so a 1-rank run is unchanged
+    s = (seed * 1_000_003 + step + rank * 7_919_000_003) % 2**63
     random.seed(s)
     torch.manual_seed(s)
 
