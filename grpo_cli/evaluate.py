@@ -15,6 +15,9 @@ digest of the problem, the model section, the adapter file's bytes, the reward, 
 eval's generation settings. Rows made otherwise are not reported under the new settings: the old
 files move to `stale-TIME/` in the folder and those rows are recomputed. A checkpoint whose files
 are missing or corrupt is skipped with one warning line naming the file.
+
+Under torchrun each rank evaluates every N-th problem still to do and rank 0 gathers the rows and
+writes the files (its own rows as they come, the others' at the end of each checkpoint).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from rich.table import Table
 
 from grpo_cli import checkpoint
 from grpo_cli.config import build, command_line_overrides, hydra_app
+from grpo_cli.distributed import init_world
 from grpo_cli.errors import ConfigError
 from grpo_cli.metrics import console, limit_heap_growth, mean, progress
 from grpo_cli.policy import adapter_enabled, load_inference
@@ -117,6 +121,8 @@ def _warn(line: str) -> None:
 
 def run(cfg: DictConfig, out_dir: Path, overrides: list[str] = ()) -> dict:
     limit_heap_growth()
+    world = init_world()
+    console.quiet = not world.main
     eval_cfg = cfg.eval
     steps = usable(expand_checkpoints(cfg.checkpoint))
     checkpoints = list(steps)
@@ -144,7 +150,7 @@ def run(cfg: DictConfig, out_dir: Path, overrides: list[str] = ()) -> dict:
         adapter = _file_digest(ckpt / checkpoint.ADAPTER) if ckpt is not None else None
         name = str(ckpt) if ckpt else None
         wanted.update({(name, i): _digest(settings, adapter, p) for i, p in enumerate(problems)})
-    done = _reuse(out_dir, wanted)
+    done = world.broadcast(_reuse(out_dir, wanted) if world.main else None)  # rank 0 alone moves stale files
 
     results = []
     for ckpt in checkpoints:
@@ -152,9 +158,10 @@ def run(cfg: DictConfig, out_dir: Path, overrides: list[str] = ()) -> dict:
         if ckpt is not None:
             checkpoint.load_adapter(policy, ckpt)
         rows = [done[(name, i)] for i in range(len(problems)) if (name, i) in done]
-        todo = [i for i in range(len(problems)) if (name, i) not in done]
-        with progress(f"eval {Path(name).name if name else 'base'}") as bar, samples_path.open("a") as out:
-            task = bar.add_task("", total=len(problems), completed=len(rows), info="")
+        todo = [i for i in range(len(problems)) if (name, i) not in done][world.rank::world.size]
+        with (progress(f"eval {Path(name).name if name else 'base'}") as bar,
+              samples_path.open("a") if world.main else open(os.devnull, "w") as out):
+            task = bar.add_task("", total=len(rows) + len(todo), completed=len(rows), info="")  # this rank's share
             for start in range(0, len(todo), eval_cfg.batch_size):
                 batch = [problems[i] for i in todo[start:start + eval_cfg.batch_size]]
                 torch.manual_seed(eval_cfg.seed + todo[start])  # deterministic for a fixed seed, whatever was skipped
@@ -165,8 +172,16 @@ def run(cfg: DictConfig, out_dir: Path, overrides: list[str] = ()) -> dict:
                     out.write(json.dumps(row) + "\n")
                     rows.append(row)
                 bar.update(task, completed=len(rows), info=f"acc {mean(r['correct'] for r in rows):.3f}")
+            if world.size > 1:  # the other ranks' new rows, written by rank 0
+                new = [r for r in rows if (name, r["index"]) not in done]
+                others = [r for rank, part in enumerate(world.gather(new)) if rank != world.rank for r in part]
+                for row in others:
+                    out.write(json.dumps(row) + "\n")
+                rows += others
         results.append(summarize(name, steps.get(ckpt), rows, eval_cfg))
     report = {"results": results, "config": OmegaConf.to_container(cfg, resolve=True)}
+    if not world.main:
+        return report
     tmp = out_dir / "eval.json.tmp"
     tmp.write_text(json.dumps(report, indent=1))
     os.replace(tmp, out_dir / "eval.json")  # a kill while writing leaves the earlier eval.json whole

@@ -202,3 +202,22 @@ def test_torchrun_two_ranks_train_resume_and_eval(tmp_path):
     done = _grpo(tmp_path, "eval", f"checkpoint={run / 'checkpoints' / 'step_000003'}", "eval.limit=4",
                  f"hydra.run.dir={tmp_path / 'eval'}", ranks=1)
     assert (tmp_path / "eval" / "eval.json").exists(), done.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.ci
+def test_torchrun_eval_shards_problems_and_gathers_every_row(tmp_path):
+    import json
+
+    args = ["eval", "model=tiny", "eval.limit=6", "eval.batch_size=2", "eval.max_new_tokens=6"]
+    _grpo(tmp_path, *args, f"hydra.run.dir={tmp_path / 'two'}")
+    _grpo(tmp_path, *args, f"hydra.run.dir={tmp_path / 'one'}", ranks=1)
+    rows = {}
+    for name in ("one", "two"):
+        lines = [json.loads(line) for line in (tmp_path / name / "eval_samples.jsonl").read_text().splitlines()]
+        rows[name] = sorted((r["index"], r["greedy"]["text"]) for r in lines)
+    # every problem once, and the same greedy completions as one process
+    assert [i for i, _ in rows["two"]] == list(range(6))
+    assert rows["two"] == rows["one"]
+    report = [json.loads((tmp_path / name / "eval.json").read_text())["results"][0] for name in ("one", "two")]
+    assert report[0]["accuracy"] == report[1]["accuracy"]
