@@ -221,3 +221,60 @@ def test_torchrun_eval_shards_problems_and_gathers_every_row(tmp_path):
     assert rows["two"] == rows["one"]
     report = [json.loads((tmp_path / name / "eval.json").read_text())["results"][0] for name in ("one", "two")]
     assert report[0]["accuracy"] == report[1]["accuracy"]
+
+
+def _collectives_worker(rank: int, size: int, init_file: str, out: str) -> None:
+    from grpo_cli.train import _agreed_stop
+
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=size)
+    try:
+        world = World(rank, size, rank)
+        got = {
+            # SIGTERM reached rank 1 only: both ranks stop after this step
+            "stop": _agreed_stop(world, "SIGTERM" if rank == 1 else None),
+            "no_stop": _agreed_stop(world, None),
+            "cat": world.cat(torch.tensor([rank, 10 + rank])).tolist(),
+            "gather": world.gather({"rank": rank}),
+            "broadcast": world.broadcast(f"from {rank}"),
+            "sum": world.sum(torch.tensor([1.0, rank])).tolist(),
+            "max": world.max(torch.tensor([rank])).tolist(),
+        }
+        Path(out, f"collectives_r{rank}.json").write_text(__import__("json").dumps(got))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_collectives_and_agreed_stop_on_two_ranks(tmp_path):
+    import json
+
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_collectives_worker, args=(r, 2, str(tmp_path / "init"), str(tmp_path)))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    assert [p.exitcode for p in procs] == [0, 0]
+    got = [json.loads((tmp_path / f"collectives_r{r}.json").read_text()) for r in range(2)]
+    assert got[0]["stop"] == "a stop request on another rank" and got[1]["stop"] == "SIGTERM"
+    assert got[0]["no_stop"] is None and got[1]["no_stop"] is None
+    for g in got:
+        assert g["cat"] == [0, 10, 1, 11]
+        assert g["gather"] == [{"rank": 0}, {"rank": 1}]
+        assert g["broadcast"] == "from 0"
+        assert g["sum"] == [2.0, 1.0] and g["max"] == [1]
+
+
+def test_config_errors_name_the_fix_before_the_model_loads():
+    from grpo_cli.config import compose
+    from grpo_cli.errors import ConfigError
+    from grpo_cli.train import check_world
+
+    cfg = compose("train", ["model=tiny", "trainer.prompts_per_step=4"])
+    check_world(cfg, World(0, 2, 0))  # 4 prompts on 2 ranks: 2 each
+    with pytest.raises(ConfigError, match=r"prompts_per_step \(4\) must divide by the number of ranks \(3\).*"
+                                          r"set trainer.prompts_per_step=6"):
+        check_world(cfg, World(0, 3, 0))
+    with pytest.raises(ConfigError, match="iterative.iterations=0"):
+        check_world(compose("train", ["+recipe=iterative"]), World(0, 2, 0))
