@@ -41,8 +41,9 @@ def advantages(result, rollout: Rollout, tokenizer, group_size: int, scale: str,
         everyone = world.cat(rewards)  # [N · world size], rank order
         return outcome_advantages(everyone, group_size, scale=scale, std=std)[world.slice(everyone.numel())]
     step_rewards, step_ends = [], []
+    completion_ids, keep = rollout.completion_ids.cpu(), rollout.completion_mask.cpu().bool()  # one host copy
     for row, steps in enumerate(result.steps):
-        ids = rollout.completion_ids[row][rollout.completion_mask[row].bool()].tolist()
+        ids = completion_ids[row][keep[row]].tolist()
         # several steps may end inside one token; keep the last reward per token so ends stay increasing
         ends = char_ends_to_token_index(tokenizer, ids, [end for end, _ in steps]) if steps else []
         by_token: dict[int, float] = {}

@@ -165,7 +165,9 @@ def finish(tokenizer, prompt_ids, prompt_mask, completion, eos: int, pad: int) -
     cols = torch.arange(completion.shape[1], device=completion.device)
     mask = (cols[None, :] <= first_eos[:, None]).long()  # [N, T], EOS itself included
     completion = completion.masked_fill(mask == 0, pad)
-    texts = tokenizer.batch_decode([row[m.bool()] for row, m in zip(completion, mask)], skip_special_tokens=True)
+    # one copy to the host for decoding, not a device sync per row
+    ids, keep = completion.cpu(), mask.cpu().bool()
+    texts = tokenizer.batch_decode([row[m] for row, m in zip(ids, keep)], skip_special_tokens=True)
     return Rollout(prompt_ids, prompt_mask, completion, mask, texts, (~has_eos).tolist())
 
 
