@@ -28,7 +28,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from grpo_cli.rewards.steps import check_claims, split_steps  # noqa: E402
+from grpo_cli.rewards.steps import chain_steps, check_claims, split_steps  # noqa: E402
 
 ARMS = ("outcome", "process")
 
@@ -60,13 +60,15 @@ def finished(run: Path) -> bool:
 
 
 def step_stats(text: str, reference_solution: str) -> dict:
-    """Lines of one completion: how many, how many the verifier can check, how many hold, how many are
-    reference steps (the verifier checks arithmetic, not that a line uses the problem's numbers in order)."""
+    """Lines of one completion: how many, how many make a claim, how many are correct steps (the process
+    reward's chain judge: the reference's next step), how many have true arithmetic (any numbers), how many
+    are reference steps in any order."""
     lines = [text[a:b] for a, b in split_steps(text)]
     claims = [check_claims(line) for line in lines]
     reference = {" ".join(line.split()) for line in reference_solution.split("\n")}
     return {"lines": len(lines), "checkable": sum(bool(c) for c in claims),
-            "correct": sum(bool(c) and all(c) for c in claims),
+            "correct": sum(r == 1.0 for _, r in chain_steps(text, reference_solution)),
+            "true_arithmetic": sum(bool(c) and all(c) for c in claims),
             "on_chain": len(reference & {" ".join(line.split()) for line in lines}),
             "reference_steps": len(reference)}
 
@@ -76,6 +78,7 @@ def summarize_run(rows: list[dict], solutions: dict[str, str]) -> dict:
     total = lambda key: sum(s[key] for s in stats)  # noqa: E731
     return {"accuracy": sum(r["correct"] for r in rows) / len(rows),
             "correct_steps": total("correct") / max(total("lines"), 1),
+            "true_arithmetic": total("true_arithmetic") / max(total("lines"), 1),
             "checkable_steps": total("checkable") / max(total("lines"), 1),
             "lines_per_solution": total("lines") / len(rows),
             "reference_steps_written": total("on_chain") / total("reference_steps"),
@@ -101,10 +104,11 @@ def mean_sd(values: list[float]) -> str:
 
 def table(results: dict) -> str:
     base = results["base"]
-    rows = ["| model | held-out greedy accuracy | correct steps | checkable steps | reference steps written | "
-            "lines per solution | train wall time per run |", "|---|---|---|---|---|---|---|",
+    rows = ["| model | held-out greedy accuracy | correct steps | lines with true arithmetic | "
+            "reference steps written | lines per solution | train wall time per run |",
+            "|---|---|---|---|---|---|---|",
             f"| base (adapter off) | {base['accuracy']:.3f} | {base['correct_steps']:.3f} | "
-            f"{base['checkable_steps']:.3f} | {base['reference_steps_written']:.3f} | "
+            f"{base['true_arithmetic']:.3f} | {base['reference_steps_written']:.3f} | "
             f"{base['lines_per_solution']:.2f} | – |"]
     for arm in ARMS:
         runs = [r for r in results["runs"] if r["arm"] == arm]
@@ -117,7 +121,7 @@ def table(results: dict) -> str:
         wall = statistics.mean(r["wall_s"] for r in runs if r["wall_s"] is not None) if any(
             r["wall_s"] is not None for r in runs) else float("nan")
         rows.append(f"| {arm} ({len(runs)} seeds, step {runs[0]['step']}) | {mean_sd(col('accuracy'))} ({per_seed}) | "
-                    f"{mean_sd(col('correct_steps'))} | {mean_sd(col('checkable_steps'))} | "
+                    f"{mean_sd(col('correct_steps'))} | {mean_sd(col('true_arithmetic'))} | "
                     f"{mean_sd(col('reference_steps_written'))} | {statistics.mean(col('lines_per_solution')):.2f} | "
                     f"{wall:.0f} s |")
     return "\n".join(rows) + "\n"

@@ -180,19 +180,26 @@ def test_process_reward_scores_a_reference_and_a_slip():
     # reference: +1, +1, +1 and the answer +1 -> sum 4
     # slip: +1, -1 (12 - 3 is 9); 8 - 1 = 7 holds but is not the reference's third step (9 - 1 = 8): -1,
     # and the answer 7 is wrong: -1 more -> -2 on the last line, sum -2
-    # prose: neutral 0 and the answer +1
-    # the gamed line (what step_rewards paid +1 for): off the chain -1, answer 4 wrong -1 -> -2
-    assert result.steps == [[(10, 1.0), (21, 1.0), (31, 2.0)], [(10, 1.0), (21, -1.0), (31, -2.0)], [(16, 1.0)],
-                            [(9, -2.0)]]
-    assert result.rewards == [4.0, -2.0, 1.0, -2.0]
+    # prose: neutral 0, the answer +1, and the 3 reference steps it never wrote -1 each -> -2
+    # the gamed line (what step_rewards paid +1 for): off the chain -1, answer 4 wrong -1, and 2 of the 3
+    # reference steps missing (it made one claim) -2 -> -4
+    assert result.steps == [[(10, 1.0), (21, 1.0), (31, 2.0)], [(10, 1.0), (21, -1.0), (31, -2.0)], [(16, -2.0)],
+                            [(9, -4.0)]]
+    assert result.rewards == [4.0, -2.0, -2.0, -4.0]
     # the metric both recipes log, rewards/accuracy/mean
     assert result.per_function["accuracy"] == [1.0, 0.0, 1.0, 0.0]
 
 
 def test_chain_steps_needs_the_reference_step_in_order():
     solution = "6 - 3 = 3\n3 + 8 = 11\n11 - 7 = 4"
-    # the first step alone, then stop: +1, and the answer 3 is wrong -1 -> 0
+    # the first step alone, then stop: +1, and the answer 3 is wrong -1 -> 0; with missing=-1 the two steps it
+    # never wrote cost 2 more -> -2, as much as trying them and slipping on the second (+1, -1, -1 -1)
     assert chain_steps("6 - 3 = 3", solution, "4") == [(9, 0.0)]
+    assert chain_steps("6 - 3 = 3", solution, "4", missing=-1.0) == [(9, -2.0)]
+    assert [r for _, r in chain_steps("6 - 3 = 3\n3 + 8 = 12\n12 - 7 = 5", solution, "4", missing=-1.0)] == [
+        1.0, -1.0, -2.0]
+    # all three steps written: nothing missing
+    assert [r for _, r in chain_steps(solution, solution, "4", missing=-1.0)] == [1.0, 1.0, 2.0]
     # the right steps in the wrong order: line 1 is not step 1, line 2 is not step 2 (each -1)
     assert [r for _, r in chain_steps("3 + 8 = 11\n6 - 3 = 3", solution, "4")] == [-1.0, -2.0]
     # spacing and a trailing period do not matter; a closing line with no claim is neutral (0 + answer 1)

@@ -13,6 +13,9 @@ Arithmetic that holds is not a step that helps: on `data=multistep` a policy tra
 for "6 - 3 + 8 - 7") and stop (README, Process vs outcome). Where the example has a reference
 `solution` of one `a op b = c` line per step, `chain_step_rewards` is the stricter judge a PRM is
 meant to be: the k-th line with a claim is correct only when it is the reference's k-th step.
+With that judge alone the policy learned the next shortcut: write the first step and stop (+1 for
+the step, -1 for the answer: 0, while any slip later costs more), so each reference step never
+written costs `missing` too.
 
 Steps are character spans `(start, end)`, end exclusive; a scored step is `(char_end, reward)`
 where char_end is that span's end. The trainer gives the reward to the token that holds the
@@ -335,14 +338,15 @@ def _chain_step(match: re.Match) -> tuple[int, str, int, int]:
 
 
 def chain_steps(text: str, solution: str, answer=None, *, correct: float = 1.0, wrong: float = -1.0,
-                neutral: float = 0.0, outcome_correct: float = 1.0,
-                outcome_wrong: float = -1.0) -> list[tuple[int, float]]:
+                neutral: float = 0.0, outcome_correct: float = 1.0, outcome_wrong: float = -1.0,
+                missing: float = 0.0) -> list[tuple[int, float]]:
     """(char_end, reward) for each line of `text`, judged against the reference chain `solution`.
 
     A line with no arithmetic claim is `neutral`. The k-th line that has one is `correct` when its
     first `a op b = c` is the reference's k-th step (same numbers, same operator, true result) and
     every claim in it holds; otherwise `wrong` (an off-chain or extra step is wrong even when its
-    arithmetic holds). The final line also carries the outcome, as in `verify_steps`.
+    arithmetic holds). The final line also carries the outcome, as in `verify_steps`, and `missing`
+    for each reference step beyond the completion's claim lines (a solution that stops early).
     """
     from grpo_cli.rewards.outcome import _reference, answers_match, extract_answer
 
@@ -362,16 +366,18 @@ def chain_steps(text: str, solution: str, answer=None, *, correct: float = 1.0, 
     if scored and ref is not None:
         outcome = outcome_correct if answers_match(extract_answer(text), ref) else outcome_wrong
         scored[-1] = (scored[-1][0], scored[-1][1] + float(outcome))
+    if scored and k < len(reference):
+        scored[-1] = (scored[-1][0], scored[-1][1] + float(missing) * (len(reference) - k))
     return scored
 
 
 def chain_step_rewards(prompts, completions, solution=None, answer=None, correct=1.0, wrong=-1.0, neutral=0.0,
-                       outcome_correct=1.0, outcome_wrong=-1.0, **_) -> list[list[tuple[int, float]]]:
+                       outcome_correct=1.0, outcome_wrong=-1.0, missing=0.0, **_) -> list[list[tuple[int, float]]]:
     """Process scorer for `ProcessReward` on data with reference chains: `chain_steps` per completion."""
     if solution is None:
         raise ValueError("chain_step_rewards judges lines against each example's reference `solution`, and this "
                          "data has none; use data=multistep, or grpo_cli.rewards.steps.step_rewards")
     answers = answer if answer is not None else [None] * len(completions)
     return [chain_steps(c, s, a, correct=correct, wrong=wrong, neutral=neutral,
-                        outcome_correct=outcome_correct, outcome_wrong=outcome_wrong)
+                        outcome_correct=outcome_correct, outcome_wrong=outcome_wrong, missing=missing)
             for c, s, a in zip(completions, solution, answers, strict=True)]
