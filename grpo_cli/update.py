@@ -8,7 +8,9 @@ off, or its frozen copy in iterative RL; only when β > 0) and the old-policy lo
 μ > 1), all with dropout off, so that the update only loops over micro-batches. `advantages` turns
 a reward result into the [N] outcome or [N, T] process advantages the loss reads.
 
-Where it departs from the paper: rows whose advantage is zero everywhere are skipped when β = 0
+Where it departs from the paper: a process-supervised completion's final step ends at its last
+token (its EOS), not at the last character of its text, so the choice to stop gets the final
+step's advantage; rows whose advantage is zero everywhere are skipped when β = 0
 (they carry no gradient, so this changes time, not numbers); LoRA adapters instead of full weights.
 
 With N ranks (grpo_cli.distributed) each rank holds its slice of the batch; the counts the loss
@@ -46,6 +48,11 @@ def advantages(result, rollout: Rollout, tokenizer, group_size: int, scale: str,
         ids = completion_ids[row][keep[row]].tolist()
         # several steps may end inside one token; keep the last reward per token so ends stay increasing
         ends = char_ends_to_token_index(tokenizer, ids, [end for end, _ in steps]) if steps else []
+        if ends:
+            # the last step ends at the completion's last token (its EOS): the decision to stop belongs to the
+            # final step. Ending it at the last character instead left EOS after every step end, with
+            # advantage 0, so stopping was never penalized while writing on was (README, Process vs outcome)
+            ends[-1] = len(ids) - 1
         by_token: dict[int, float] = {}
         for t, (_, r) in zip(ends, steps):
             by_token[t] = by_token.get(t, 0.0) + r

@@ -218,3 +218,34 @@ def test_outcome_reward_scores_the_answer_alone():
     # 1 when the last number is 8: the slip scores like any wrong answer, the prose like the reference
     assert reward(["q"] * 3, completions, {"answer": ["8"] * 3}).rewards == [1.0, 0.0, 1.0]
 
+
+
+def test_the_final_step_ends_at_eos_so_stopping_gets_its_advantage():
+    """Process advantages: the last step's reward sits on the completion's last token (its EOS), so the
+    choice to stop carries the final step's advantage (at the last character, EOS got 0 and the policy
+    learned to stop after one line)."""
+    import torch
+
+    from grpo_cli.policy import char_tokenizer
+    from grpo_cli.rewards import RewardResult
+    from grpo_cli.rollout import Rollout
+    from grpo_cli.update import advantages
+
+    tok = char_tokenizer()
+    eos = tok.eos_token_id
+    # two completions of one group: "ab\ncd" + EOS (steps end at chars 2 and 5) and "ab" + EOS (one step)
+    rows = [tok.encode("ab\ncd", add_special_tokens=False) + [eos], tok.encode("ab", add_special_tokens=False) + [eos]]
+    width = max(map(len, rows))
+    ids = torch.tensor([r + [eos] * (width - len(r)) for r in rows])  # [2, 6], pad = eos
+    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+    rollout = Rollout(torch.ones(2, 1, dtype=torch.long), torch.ones(2, 1, dtype=torch.long), ids, mask,
+                      ["ab\ncd", "ab"], [False, False])
+    result = RewardResult(rewards=[0.0, -2.0], per_function={}, steps=[[(2, 1.0), (5, -1.0)], [(2, -2.0)]])
+    adv = advantages(result, rollout, tok, 2, "group", "population")
+    # step rewards 1, -1, -2: mean -2/3, population std sqrt(((5/3)^2 + (1/3)^2 + (4/3)^2) / 3) = sqrt(14)/3
+    sd = 14 ** 0.5 / 3
+    n1, n2, n3 = (1 + 2 / 3) / sd, (-1 + 2 / 3) / sd, (-2 + 2 / 3) / sd
+    # row 0: tokens a b (step 1 ends at b) get n1 + n2; \n c d and EOS (step 2 ends at EOS) get n2
+    assert adv[0].tolist() == pytest.approx([n1 + n2, n1 + n2, n2, n2, n2, n2], abs=1e-3)
+    # row 1: "ab" then EOS: the stop itself carries the step's n3 (it was 0 before)
+    assert adv[1].tolist() == pytest.approx([n3, n3, n3, 0.0, 0.0, 0.0], abs=1e-3)
