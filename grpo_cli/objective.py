@@ -209,6 +209,7 @@ def grpo_loss(
     loss_type: str = "grpo",
     max_completion_length: int | None = None,
     normalizer: torch.Tensor | float | None = None,
+    is_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The clipped GRPO surrogate with a KL penalty -> (loss to minimize, stats).
 
@@ -226,6 +227,8 @@ def grpo_loss(
     `old_logp` None means old = logp.detach() (one update per rollout: ρ = 1, gradient = policy
     gradient). `ref_logp` may be None when beta == 0. `max_completion_length` is read only by
     dr_grpo; `normalizer` only by dapo (passing it with another loss_type is an error).
+    `is_weight` [N, T] (None: 1) multiplies each token's clipped term, not the KL: the truncated
+    importance weight of a rollout sampled by another engine (`truncated_is_weight`).
 
     stats, all detached 0-dim tensors (call .item() when logging): `kl` (masked mean of the KL;
     0 when beta == 0 and no ref_logp), `ratio_mean`, and the fractions of unmasked tokens the clip
@@ -268,6 +271,8 @@ def grpo_loss(
     ratio = torch.exp(lp - old)                          # [N, T]; 1 on masked positions
     clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
     objective = torch.minimum(ratio * adv, clipped * adv)
+    if is_weight is not None:
+        objective = objective * torch.where(keep, is_weight.detach().to(logp.dtype), 0.0)
     kl = None
     if ref_logp is not None:
         ref = ref_logp.detach().masked_fill(~keep, 0.0)
@@ -309,6 +314,20 @@ def grpo_loss(
     return loss, stats
 
 
+def truncated_is_weight(old_logp: torch.Tensor, sampling_logp: torch.Tensor, cap: float) -> torch.Tensor:
+    """Truncated importance weight of each sampled token: min(π_old / π_sampler, cap) = min(exp(old - sampler), cap).
+
+    [N, T] -> [N, T], detached. The rollout engine (vLLM) samples from its own copy of the policy, whose
+    probabilities differ slightly from the trainer's (other kernels, dtype); weighting each token's
+    policy-gradient term by this ratio makes the update the trainer's on-policy one again, and the cap
+    bounds the variance a rare token with a tiny sampler probability would bring (truncated IS, as
+    TRL's vllm_importance_sampling_correction).
+    """
+    if not cap > 0:
+        raise ValueError(f"cap ({cap}) must be > 0")
+    return torch.exp(old_logp.detach() - sampling_logp.detach()).clamp(max=cap)
+
+
 def micro_batch_weight(loss_type: str, rows: int, num_sequences: int, tokens: torch.Tensor | float,
                        num_tokens: torch.Tensor | float) -> float:
     """Factor for one micro-batch's loss so that the summed micro-batch gradients equal the batch's.
@@ -330,13 +349,18 @@ class GRPOLoss:
     """`grpo_loss` with its hyper-parameters bound once (built from the `algo.loss` config node).
 
     `for_batch(...)` binds what one update's batch knows (its sequence and token counts, the
-    padded completion length) and returns `loss_fn(logp, old_logp, ref_logp, advantages, mask)`,
-    whose loss is the micro-batch's share of the batch loss: the micro-batch losses of a batch add
-    up to the batch loss, so their gradients add up to the batch gradient.
+    padded completion length) and returns `loss_fn(logp, old_logp, ref_logp, advantages, mask,
+    sampling_logp=None)`, whose loss is the micro-batch's share of the batch loss: the micro-batch
+    losses of a batch add up to the batch loss, so their gradients add up to the batch gradient.
+
+    `sampling_logp` [n, T]: the rollout engine's own log-probs of the sampled tokens (vLLM), or None.
+    With it, the stats hold `sampler/logp_gap`, the mean |old_logp - sampling_logp| over the
+    counted tokens; with `is_correction_cap` too, each token's clipped term is weighted by
+    `truncated_is_weight(old_logp, sampling_logp, cap)` (and `sampler/is_weight_mean` is logged).
     """
 
     def __init__(self, beta: float, epsilon_low: float, epsilon_high: float | None, kl_estimator: str,
-                 loss_type: str):
+                 loss_type: str, is_correction_cap: float | None = None):
         if loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type ({loss_type!r}) must be one of {LOSS_TYPES}")
         if kl_estimator not in KL_ESTIMATORS:
@@ -346,6 +370,7 @@ class GRPOLoss:
         self.epsilon_high = epsilon_high
         self.kl_estimator = kl_estimator
         self.loss_type = loss_type
+        self.is_correction_cap = is_correction_cap
 
     @property
     def needs_reference(self) -> bool:
@@ -353,12 +378,21 @@ class GRPOLoss:
         return self.beta != 0
 
     def for_batch(self, num_sequences: int, num_tokens: torch.Tensor, max_completion_length: int):
-        def loss_fn(logp, old_logp, ref_logp, advantages, mask):
+        def loss_fn(logp, old_logp, ref_logp, advantages, mask, sampling_logp=None):
+            is_weight = None
+            old = logp.detach() if old_logp is None else old_logp.detach()  # [n, T]: π_old, the trainer's
+            if sampling_logp is not None and self.is_correction_cap is not None:
+                is_weight = truncated_is_weight(old, sampling_logp, self.is_correction_cap)
             loss, stats = grpo_loss(
                 logp, old_logp, ref_logp, advantages, mask, beta=self.beta, epsilon_low=self.epsilon_low,
                 epsilon_high=self.epsilon_high, kl_estimator=self.kl_estimator, loss_type=self.loss_type,
                 max_completion_length=max_completion_length,
-                normalizer=num_tokens if self.loss_type == "dapo" else None)
+                normalizer=num_tokens if self.loss_type == "dapo" else None, is_weight=is_weight)
+            if sampling_logp is not None:
+                m = mask.to(logp.dtype)
+                stats["sampler/logp_gap"] = masked_mean((old - sampling_logp).abs(), m)
+                if is_weight is not None:
+                    stats["sampler/is_weight_mean"] = masked_mean(is_weight, m)
             weight = micro_batch_weight(self.loss_type, logp.shape[0], num_sequences, mask.sum(), num_tokens)
             return loss * weight, stats
 

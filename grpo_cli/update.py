@@ -138,7 +138,8 @@ def update(policy, optimizer, scheduler, batch: Batch, loss, num_iterations: int
     # the loss's statistics (its own keys, from an empty call) plus entropy: 0-dim tensors summed on the device,
     # no host transfer per micro-batch; every rank has the same keys, even one with no active row
     empty = batch.mask[:0]  # [0, T]
-    _, stats = loss_fn(empty, empty, empty, batch.advantages[:0], empty)
+    _, stats = loss_fn(empty, empty, empty, batch.advantages[:0], empty,
+                       sampling_logp=None if batch.rollout.sampling_logp is None else empty)
     totals = {key: batch.mask.new_zeros(()) for key in [*stats, "entropy"]}
     loss_total = 0.0
     grad_norm = 0.0
@@ -151,7 +152,8 @@ def update(policy, optimizer, scheduler, batch: Batch, loss, num_iterations: int
             logp, entropy = sequence_logprobs(policy, sub, with_entropy=True)  # [n, T] each
             old = batch.old_logp[rows] if batch.old_logp is not None else logp.detach()
             ref = batch.ref_logp[rows] if batch.ref_logp is not None else None
-            micro_loss, stats = loss_fn(logp, old, ref, batch.advantages[rows], mask)
+            # the sampler's own log-probs (vLLM) give sampler/logp_gap and, with algo.is_correction_cap, IS weights
+            micro_loss, stats = loss_fn(logp, old, ref, batch.advantages[rows], mask, sampling_logp=sub.sampling_logp)
             micro_loss.backward()
             pass_loss = pass_loss + micro_loss.detach()
             share = mask.sum() / active_tokens / num_iterations  # this micro-batch's share of the tokens

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from grpo_cli.objective import (
+    GRPOLoss,
     grpo_loss,
     kl_divergence,
     masked_mean,
@@ -16,6 +17,7 @@ from grpo_cli.objective import (
     process_advantages,
     token_entropy,
     token_logprobs,
+    truncated_is_weight,
 )
 
 E = 1e-4  # the default eps added to the std
@@ -353,6 +355,57 @@ def test_kl_penalty_by_hand():
     # β = 0 with a ref: the loss ignores it, the stat still reports it
     loss0, stats0 = grpo_loss(logp, None, torch.zeros(2, 3), ADV, MASK, beta=0.0)
     assert close(loss0, -2.25) and close(stats0["kl"], math.e - 2)
+
+
+def test_truncated_is_weight_by_hand():
+    # weight = min(π_old / π_sampler, cap), cap 3:
+    # old 0.5, sampler 0.25 -> 2        old 0.9, sampler 0.1 -> 9, capped at 3
+    # old = sampler         -> 1        old 0.2, sampler 0.4 -> 0.5 (never raised: the cap is an upper bound)
+    old = torch.tensor([[0.5, 0.9, 0.3, 0.2]], dtype=torch.float64).log()
+    sampler = torch.tensor([[0.25, 0.1, 0.3, 0.4]], dtype=torch.float64).log()
+    assert close(truncated_is_weight(old, sampler, 3.0), [[2.0, 3.0, 1.0, 0.5]], tol=1e-12)
+    # a token the sampler all but never draws: exp(1e4) is inf in float32, and capped all the same
+    assert truncated_is_weight(torch.zeros(1, 1), torch.full((1, 1), -1e4), 2.0).item() == 2.0
+    with pytest.raises(ValueError, match="cap"):
+        truncated_is_weight(old, sampler, 0.0)
+
+
+def test_is_weight_scales_the_clipped_term_not_the_kl():
+    # ρ = 1 (old = logp), A = 2 on each of 2 tokens, weights [0.5, 3]:
+    #   clipped terms 2·0.5 = 1 and 2·3 = 6; grpo mean (1 + 6) / 2 = 3.5 -> loss -3.5
+    # with β 0.1 and logp -1, ref 0 (k3 = e - 2 per token, unweighted): 3.5 - 0.1·(e - 2)
+    logp = torch.full((1, 2), -1.0, requires_grad=True)
+    weight = torch.tensor([[0.5, 3.0]])
+    loss, _ = grpo_loss(logp, None, None, torch.tensor([2.0]), torch.ones(1, 2), beta=0.0, is_weight=weight)
+    assert close(loss, -3.5)
+    loss.backward()  # ∂/∂logp_t = -ρ·A·w_t / 2: -0.5 and -3
+    assert close(logp.grad, [[-0.5, -3.0]])
+    loss_kl, _ = grpo_loss(logp, None, torch.zeros(1, 2), torch.tensor([2.0]), torch.ones(1, 2), beta=0.1,
+                           is_weight=weight)
+    assert close(loss_kl, -(3.5 - 0.1 * (math.e - 2)))
+    # a weight on a masked position reaches nothing, even inf
+    masked, _ = grpo_loss(logp, None, None, torch.tensor([2.0]), torch.tensor([[1, 0]]), beta=0.0,
+                          is_weight=torch.tensor([[0.5, math.inf]]))
+    assert close(masked, -1.0)
+
+
+def test_loss_fn_logs_the_sampler_gap_and_corrects_with_a_cap():
+    # trainer old log-probs [-1, -2], sampler's [-1.5, -2]: gap (0.5 + 0) / 2 = 0.25
+    # cap 1.5: weights min(e^0.5 = 1.6487, 1.5) = 1.5 and e^0 = 1 -> mean 1.25
+    # ρ = 1, A = 1: grpo loss -(1.5 + 1) / 2 = -1.25 (one sequence of one: micro-batch weight 1)
+    logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    sampler = torch.tensor([[-1.5, -2.0]])
+    mask = torch.ones(1, 2)
+    plain = GRPOLoss(0.0, 0.2, None, "k3", "grpo").for_batch(1, mask.sum(), 2)
+    loss, stats = plain(logp, None, None, torch.tensor([1.0]), mask, sampling_logp=sampler)
+    assert close(loss, -1.0) and close(stats["sampler/logp_gap"], 0.25)
+    assert "sampler/is_weight_mean" not in stats
+    capped = GRPOLoss(0.0, 0.2, None, "k3", "grpo", is_correction_cap=1.5).for_batch(1, mask.sum(), 2)
+    loss, stats = capped(logp, logp.detach(), None, torch.tensor([1.0]), mask, sampling_logp=sampler)
+    assert close(loss, -1.25) and close(stats["sampler/is_weight_mean"], 1.25)
+    # without sampler log-probs (HF generate) the cap has nothing to correct
+    loss, stats = capped(logp, None, None, torch.tensor([1.0]), mask)
+    assert close(loss, -1.0) and "sampler/logp_gap" not in stats
 
 
 def test_outcome_advantages_broadcast_and_bool_mask():
