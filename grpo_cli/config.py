@@ -273,6 +273,22 @@ RULES: list[tuple[str, Callable[[Any], bool], str]] = [
      "must be an integer >= 1 or null (one call per step); set sampler.batch_size=null"),
     ("sampler.max_prompt_tokens", lambda v: _int(v) and v >= 1,
      "must be an integer >= 1; set sampler.max_prompt_tokens=1024"),
+    # sampler=vllm's engine settings
+    ("sampler.dtype", lambda v: v == "auto" or v in DTYPES,
+     f"must be auto or {_one_of(DTYPES)}; set sampler.dtype=auto"),
+    ("sampler.enforce_eager", lambda v: isinstance(v, bool), "must be true or false; set sampler.enforce_eager=true"),
+    ("sampler.enforce_eager", lambda v: v is not False or _cuda(),
+     "must be true on a machine without a GPU: a compiled CPU graph would not see the weights each step pushes; "
+     "set sampler.enforce_eager=true"),
+    ("sampler.max_model_len", lambda v: v is None or (_int(v) and v >= 1),
+     "must be an integer >= 1 or null (the model's context); set sampler.max_model_len=null"),
+    ("sampler.cpu_kv_cache_gb", lambda v: _num(v) and v > 0, "must be > 0 (GiB); set sampler.cpu_kv_cache_gb=1.0"),
+    ("sampler.gpu_memory_utilization", lambda v: _num(v) and 0 < v <= 1,
+     "must be in (0, 1]; set sampler.gpu_memory_utilization=0.3"),
+    ("sampler.enable_sleep_mode", lambda v: isinstance(v, bool),
+     "must be true or false; set sampler.enable_sleep_mode=false"),
+    ("algo.is_correction_cap", lambda v: v is None or (_num(v) and v >= 1),
+     "must be >= 1 or null (off): the weight of a token both engines agree on is 1; set algo.is_correction_cap=2"),
     ("eval.limit", lambda v: v is None or (_int(v) and v >= 1),
      "must be an integer >= 1 or null (all); set eval.limit=200"),
     ("eval.batch_size", lambda v: _int(v) and v >= 1, "must be an integer >= 1; set eval.batch_size=32"),
@@ -341,6 +357,24 @@ def _unknown_keys(cfg: DictConfig) -> list[str]:
     return errors
 
 
+def _sampler_engine(cfg: DictConfig) -> list[str]:
+    """sampler=vllm needs vLLM (the install command, before any model loads); the importance-sampling
+    cap needs a sampler that returns its own log-probs."""
+    from grpo_cli.rollout import vllm as engine
+
+    target = str(_get(cfg, "sampler._target_")[1])
+    uses_vllm = target.startswith(engine.__name__ + ".")
+    errors = []
+    if uses_vllm and not engine.installed():
+        errors.append(f"sampler=vllm needs vLLM, which is not installed: {engine.INSTALL}; or use sampler=default")
+    cap = _get(cfg, "algo.is_correction_cap")[1]
+    if cap is not None and target.startswith("grpo_cli.rollout.hf."):
+        errors.append(f"algo.is_correction_cap ({cap!r}) corrects for a sampler with its own copy of the weights, "
+                      f"but HF generate samples from the policy itself; set algo.is_correction_cap=null or "
+                      f"sampler=vllm")
+    return errors
+
+
 def _get(cfg: DictConfig, key: str) -> tuple[bool, Any]:
     node: Any = cfg
     for part in key.split("."):
@@ -401,6 +435,7 @@ def validate(cfg: DictConfig) -> DictConfig:
     errors.extend(f"{key} is required and has no value; set it on the command line: {key}=..."
                   for key in sorted(OmegaConf.missing_keys(cfg)))
     errors.extend(_unknown_keys(cfg))
+    errors.extend(_sampler_engine(cfg))
     for section in cfg:
         if section != "hydra" and not OmegaConf.is_missing(cfg, section):
             _check_targets(cfg[section], str(section), errors)

@@ -106,8 +106,10 @@ GROUPS = sorted((p.parent.name, p.stem) for p in CONF_DIR.glob("*/*.yaml"))
 
 
 @pytest.mark.parametrize("group,option", GROUPS)
-def test_every_group_option_composes(group, option, gsm8k_path):
+def test_every_group_option_composes(group, option, gsm8k_path, monkeypatch):
     overrides = [f"{group}={option}"]
+    if (group, option) == ("sampler", "vllm"):  # whether vLLM is installed or not (tests/test_rollout_vllm.py)
+        monkeypatch.setattr("grpo_cli.rollout.vllm.installed", lambda: True)
     if (group, option) in (("model", "hf"),):
         overrides.append("model.name_or_path=some/model")
     if group == "data" and option in ("gsm8k", "jsonl"):

