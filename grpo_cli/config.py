@@ -332,6 +332,9 @@ RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("model.dtype", lambda v: v == "auto" or v in DTYPES, f"must be auto or {_one_of(DTYPES)}; set model.dtype=auto"),
 ]
 
+# model.dtype values that can run a model but not train it: fp16 gradients underflow without a loss scaler
+_NO_TRAINING = ("float16", "fp16")
+
 
 # sections of plain settings (no `_target_`): their keys are the ones their YAML file defines, so a
 # typo such as `+trainer.max_step=100` is an error instead of a setting nobody reads
@@ -434,6 +437,11 @@ def validate(cfg: DictConfig) -> DictConfig:
             errors.append(f"{key} ({value!r}) {fix}")
     errors.extend(f"{key} is required and has no value; set it on the command line: {key}=..."
                   for key in sorted(OmegaConf.missing_keys(cfg)))
+    trains = "trainer" in cfg or "rm" in cfg  # grpo train, grpo rm (eval, sample and export only run the model)
+    if trains and _get(cfg, "model.dtype")[1] in _NO_TRAINING:
+        errors.append(f"model.dtype ({cfg.model.dtype!r}) cannot train: fp16 gradients underflow without a loss "
+                      f"scaler, which this trainer does not have; set model.dtype=bfloat16 (GPUs from Ampere on) "
+                      f"or model.dtype=float32")
     errors.extend(_unknown_keys(cfg))
     errors.extend(_sampler_engine(cfg))
     for section in cfg:

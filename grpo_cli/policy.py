@@ -47,12 +47,37 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """`auto` is bf16 on CUDA and fp32 on CPU (bf16 matmuls are 4-25x slower on AVX2 CPUs)."""
+    """`auto` is bf16 on a GPU that computes in bf16 natively (compute capability 8.0+: Ampere on), else fp32.
+
+    Not fp16 on older GPUs: training in fp16 needs a loss scaler, which this trainer does not have
+    (config.validate refuses it). Not bf16 on CPUs: bf16 matmuls are 4-25x slower on AVX2 CPUs.
+    """
     if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        native_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
+        return torch.bfloat16 if native_bf16 else torch.float32
     if dtype not in DTYPES:
         raise ConfigError(f"model.dtype ({dtype!r}) is unknown: use auto or {', '.join(DTYPES)}")
     return DTYPES[dtype]
+
+
+@contextlib.contextmanager
+def autocast(model):
+    """Context for a forward pass of `model` (policy, reference or generation) in its weights' precision.
+
+    The base weights are stored in the `model.dtype` precision (bf16 on a GPU); peft keeps the LoRA
+    weights in fp32 (master weights: an update of lr x weight would round away in bf16). Without
+    autocast peft casts each adapted layer's input to fp32 to match them: an fp32 copy of every
+    adapted activation and fp32 matmuls. Under autocast every matmul runs in bf16 (the fp32 LoRA
+    weights are cast for it, their gradients stay fp32), so that input cast is switched off.
+    fp32 weights: autocast stays off and nothing changes.
+    """
+    from peft.helpers import disable_input_dtype_casting
+
+    weights = model.get_input_embeddings().weight  # a base weight, in the precision the model was loaded in
+    low = weights.dtype in (torch.bfloat16, torch.float16)
+    with torch.autocast(device_type=weights.device.type, dtype=weights.dtype, enabled=low), \
+            disable_input_dtype_casting(model, active=low):
+        yield
 
 
 def _default_cache_dir() -> Path:

@@ -25,6 +25,7 @@ import torch
 
 from grpo_cli.errors import DataError
 from grpo_cli.objective import token_entropy, token_logprobs
+from grpo_cli.policy import autocast
 
 
 @dataclass
@@ -182,13 +183,15 @@ def sequence_logprobs(model, rollout: Rollout, *, with_entropy: bool = False):
     """Log-probs of the completion tokens under `model`: [N, T] (and entropies [N, T] if asked).
 
     Only the last T+1 positions go through the LM head (`logits_to_keep`), so no logits are made
-    for prompt positions; `token_logprobs` chunks the log-softmax over the vocabulary.
+    for prompt positions; `token_logprobs` chunks the log-softmax over the vocabulary, in fp32
+    outside autocast (bf16 logits are upcast one chunk at a time).
     """
     ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)  # [N, P+T]
     mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], 1)
     T = rollout.completion_ids.shape[1]
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=False,
-                   logits_to_keep=T + 1).logits[:, :-1]  # [N, T, V]: position P-1+t predicts token t
+    with autocast(model):
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=False,
+                       logits_to_keep=T + 1).logits[:, :-1]  # [N, T, V]: position P-1+t predicts token t
     logp = token_logprobs(logits, rollout.completion_ids)
     if not with_entropy:
         return logp

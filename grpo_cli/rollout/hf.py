@@ -11,6 +11,7 @@ import contextlib
 
 import torch
 
+from grpo_cli.policy import autocast
 from grpo_cli.rollout import Rollout, encode_prompts, finish, position_ids
 
 
@@ -54,19 +55,21 @@ class HFSampler:
                                  max_new_tokens or self.max_new_tokens, eos, pad)
         was_training = model.training
         model.eval()
-        # prefill each unique prompt once (all but its last token, which generate feeds itself)
-        prefill = {}
-        if ids.shape[1] > 1:
-            out = model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=position_ids(mask[:, :-1]),
-                        use_cache=True)
-            # transformers >= 5.2x calls the KV cache `cache`; earlier releases `past_key_values`
-            key = "cache" if "cache" in out else "past_key_values"
-            prefill[key] = out[key]
-            if n > 1:
-                prefill[key].batch_repeat_interleave(n)
-        with own_generation_config(model):
-            full = model.generate(input_ids=ids.repeat_interleave(n, 0), attention_mask=mask.repeat_interleave(n, 0),
-                                  **prefill, generation_config=config)
+        with autocast(model):
+            # prefill each unique prompt once (all but its last token, which generate feeds itself)
+            prefill = {}
+            if ids.shape[1] > 1:
+                out = model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1],
+                            position_ids=position_ids(mask[:, :-1]), use_cache=True)
+                # transformers >= 5.2x calls the KV cache `cache`; earlier releases `past_key_values`
+                key = "cache" if "cache" in out else "past_key_values"
+                prefill[key] = out[key]
+                if n > 1:
+                    prefill[key].batch_repeat_interleave(n)
+            with own_generation_config(model):
+                full = model.generate(input_ids=ids.repeat_interleave(n, 0),
+                                      attention_mask=mask.repeat_interleave(n, 0), **prefill,
+                                      generation_config=config)
         model.train(was_training)
         completion = full[:, ids.shape[1]:]  # [N, T']
         return finish(tokenizer, ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0), completion, eos, pad)

@@ -1,0 +1,129 @@
+"""The CUDA path (#12): bf16 autocast, the prefill's logits, step timers and peak memory, the allocator,
+the attention kernel and loading onto the device, reward models' device and input length, eval's
+generate batches.
+
+Each behaviour has a test that runs on the CPU (CUDA calls replaced where they must be); the tests
+marked `cuda` run the same paths on a GPU and skip without one. scripts/gpu_check.sh runs them
+(`pytest -m cuda`) on a machine that has one.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grpo_cli.config import compose, validate
+from grpo_cli.errors import ConfigError
+from grpo_cli.policy import (
+    apply_lora,
+    autocast,
+    build_policy,
+    load_tiny_random,
+    resolve_dtype,
+)
+from grpo_cli.rollout import render_prompts, sequence_logprobs
+from grpo_cli.rollout.hf import HFSampler
+
+CONVERSATIONS = [[{"role": "user", "content": "What is 2+3?"}], [{"role": "user", "content": "Hi"}]]
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+# ---- bf16: autocast, fp32 LoRA master weights, fp16 refused ----------------------------------------------
+
+def test_auto_dtype_is_bf16_only_on_a_gpu_that_has_it_natively(monkeypatch):
+    asked = []
+    for native, expected in ((True, torch.bfloat16), (False, torch.float32)):
+        def supported(including_emulation=True, native=native):
+            asked.append(including_emulation)
+            return native
+
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", supported)
+        assert resolve_dtype("auto", torch.device("cuda")) == expected
+    assert asked == [False, False]  # bf16 emulated on a pre-Ampere GPU does not count: it would be slow
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+
+
+def test_fp16_training_is_refused_with_the_fix():
+    fix = r"model.dtype \('float16'\) cannot train: .* set model.dtype=bfloat16 .* or model.dtype=float32"
+    with pytest.raises(ConfigError, match=fix):
+        validate(compose("train", ["model=tiny", "model.dtype=float16"]))
+    with pytest.raises(ConfigError, match="cannot train"):  # grpo rm trains a reward model on the same base
+        validate(compose("rm", ["model=tiny", "model.dtype=fp16"]))
+    validate(compose("eval", ["model=tiny", "model.dtype=float16"]))  # running a model in fp16 is fine
+    validate(compose("train", ["model=tiny", "model.dtype=bfloat16"]))
+
+
+def _lora_inputs(policy) -> tuple[list, list]:
+    """(seen, hooks): every LoRA A projection's (input dtype, autocast on) is appended to `seen`."""
+    seen = []
+    device = policy.get_input_embeddings().weight.device.type
+
+    def record(module, args):
+        seen.append((args[0].dtype, torch.is_autocast_enabled(device)))
+
+    hooks = [m.register_forward_pre_hook(record) for name, m in policy.named_modules()
+             if name.endswith("lora_A.default")]
+    return seen, hooks
+
+
+def _bf16_forwards(policy, tokenizer):
+    """Sample and score with a bf16 policy; check each forward autocasts with bf16 LoRA inputs."""
+    lora = {n: p for n, p in policy.named_parameters() if "lora_" in n}
+    assert lora and all(p.dtype == torch.float32 for p in lora.values())  # fp32 master weights (peft's default)
+    assert policy.get_input_embeddings().weight.dtype == torch.bfloat16
+    seen, hooks = _lora_inputs(policy)
+    try:
+        torch.manual_seed(0)
+        rollout = HFSampler(max_new_tokens=4).generate(policy, tokenizer, render_prompts(tokenizer, CONVERSATIONS), 2)
+        # generation (prefill and every new token) ran under autocast, and peft did not copy the input to fp32
+        assert seen and set(seen) == {(torch.bfloat16, True)}
+        seen.clear()
+        policy.train()
+        logp = sequence_logprobs(policy, rollout)
+        assert set(seen) == {(torch.bfloat16, True)}
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert logp.dtype == torch.float32 and logp.isfinite().all()  # the log-softmax runs in fp32, outside autocast
+    (logp * rollout.completion_mask).sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in lora.values())
+    # B starts at zero, so A's gradient is zero at the start; B's is not
+    assert any(p.grad.abs().sum() > 0 for n, p in lora.items() if "lora_B" in n)
+    return rollout, {n: p.grad.clone() for n, p in lora.items()}
+
+
+def test_bf16_forwards_autocast_with_fp32_lora_weights_and_no_fp32_input_copies():
+    model, tokenizer = load_tiny_random(dtype=torch.bfloat16)
+    policy = apply_lora(model, 4, 8, 0.0, ["q_proj", "v_proj"])
+    rollout, grads = _bf16_forwards(policy, tokenizer)
+
+    # gradient checkpointing recomputes the forward in backward (outside the autocast block): same gradients
+    policy.zero_grad()
+    policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    (sequence_logprobs(policy, rollout) * rollout.completion_mask).sum().backward()
+    for name, p in policy.named_parameters():
+        if name in grads:
+            assert torch.allclose(p.grad, grads[name], rtol=1e-2, atol=1e-6), name
+
+
+def test_fp32_forwards_are_left_alone():
+    model, tokenizer = load_tiny_random()
+    policy = apply_lora(model, 4, 8, 0.0, ["q_proj", "v_proj"])
+    seen, hooks = _lora_inputs(policy)
+    with autocast(policy):
+        assert not torch.is_autocast_enabled("cpu")
+    HFSampler(max_new_tokens=3).generate(policy, tokenizer, render_prompts(tokenizer, CONVERSATIONS), 2)
+    for hook in hooks:
+        hook.remove()
+    assert set(seen) == {(torch.float32, False)}
+
+
+# ---- on a GPU (pytest -m cuda; skipped without one) -------------------------------------------------------
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_bf16_policy_autocasts():
+    cfg = compose("train", ["model=tiny", "model.device=cuda", "model.dtype=auto"]).model
+    policy, tokenizer, device = build_policy(cfg)
+    assert device.type == "cuda" and next(policy.parameters()).device.type == "cuda"
+    _bf16_forwards(policy, tokenizer)  # bf16 on any GPU this project targets (Ampere on)
