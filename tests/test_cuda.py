@@ -118,6 +118,21 @@ def test_fp32_forwards_are_left_alone():
     assert set(seen) == {(torch.float32, False)}
 
 
+# ---- the prompt prefill keeps one position's logits -------------------------------------------------------
+
+def test_generation_never_computes_logits_for_the_whole_prompt(tiny):
+    """Our prefill of each prompt and HF generate's own steps (transformers 5 passes logits_to_keep=1)
+    send one position per row through the LM head, never the prompt's [B, P, V]."""
+    model, tokenizer = tiny
+    widths = []
+    hook = model.get_output_embeddings().register_forward_pre_hook(lambda m, args: widths.append(args[0].shape[1]))
+    try:
+        HFSampler(max_new_tokens=5).generate(model, tokenizer, render_prompts(tokenizer, CONVERSATIONS), 3)
+    finally:
+        hook.remove()
+    assert len(widths) >= 2 and set(widths) == {1}  # the prefill, then one call per generated token
+
+
 # ---- on a GPU (pytest -m cuda; skipped without one) -------------------------------------------------------
 
 @pytest.mark.cuda

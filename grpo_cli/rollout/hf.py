@@ -56,16 +56,19 @@ class HFSampler:
         was_training = model.training
         model.eval()
         with autocast(model):
-            # prefill each unique prompt once (all but its last token, which generate feeds itself)
+            # prefill each unique prompt once (all but its last token, which generate feeds itself); only the
+            # cache is wanted, so one position's logits ([B, 1, V]) instead of the prompt's ([B, P-1, V])
             prefill = {}
             if ids.shape[1] > 1:
                 out = model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1],
-                            position_ids=position_ids(mask[:, :-1]), use_cache=True)
+                            position_ids=position_ids(mask[:, :-1]), use_cache=True, logits_to_keep=1)
                 # transformers >= 5.2x calls the KV cache `cache`; earlier releases `past_key_values`
                 key = "cache" if "cache" in out else "past_key_values"
                 prefill[key] = out[key]
                 if n > 1:
                     prefill[key].batch_repeat_interleave(n)
+            # generate runs the last prompt token and every new one; it asks for the last position's logits
+            # only (logits_to_keep=1, transformers 5 does so for models whose forward takes it)
             with own_generation_config(model):
                 full = model.generate(input_ids=ids.repeat_interleave(n, 0),
                                       attention_mask=mask.repeat_interleave(n, 0), **prefill,
