@@ -18,6 +18,26 @@ USAGE = "usage: grpo {" + ",".join(COMMANDS) + "} [HYDRA OVERRIDES...] [--help] 
 ) + "\nexamples:\n  grpo train +recipe=gsm8k data.path=train.jsonl\n  grpo train --help\n"
 
 
+def default_allocator_conf(environ) -> None:
+    """Set `expandable_segments:True` for PyTorch's CUDA caching allocator unless the user configured it.
+
+    Rollouts and updates allocate tensors of ever-changing shapes (batch x a length that differs every
+    step); with fixed-size segments the freed blocks fragment and the reserved memory climbs far above the
+    allocated. It must be set before CUDA initializes, so before torch is imported. torch 2.9 renamed the
+    variable to PYTORCH_ALLOC_CONF (the old name warns) and honours the new name for CUDA from 2.11 on.
+    """
+    if "PYTORCH_ALLOC_CONF" in environ or "PYTORCH_CUDA_ALLOC_CONF" in environ:
+        return
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        major, minor = (int(part) for part in version("torch").split(".")[:2])
+    except (PackageNotFoundError, ValueError):
+        major, minor = 0, 0
+    name = "PYTORCH_ALLOC_CONF" if (major, minor) >= (2, 11) else "PYTORCH_CUDA_ALLOC_CONF"
+    environ[name] = "expandable_segments:True"
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
@@ -37,6 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TQDM_DISABLE", "1")
+    default_allocator_conf(os.environ)
 
     try:
         module = importlib.import_module(COMMANDS[command][0])

@@ -9,9 +9,17 @@ marked `cuda` run the same paths on a GPU and skip without one. scripts/gpu_chec
 
 from __future__ import annotations
 
+import json
+import os
+import sys
+import types
+
 import pytest
 import torch
+from test_train import metrics, tiny_cfg
 
+from grpo_cli import cli, train
+from grpo_cli import metrics as grpo_metrics
 from grpo_cli.config import compose, validate
 from grpo_cli.errors import ConfigError
 from grpo_cli.policy import (
@@ -133,6 +141,79 @@ def test_generation_never_computes_logits_for_the_whole_prompt(tiny):
     assert len(widths) >= 2 and set(widths) == {1}  # the prefill, then one call per generated token
 
 
+# ---- step timers, peak memory, the allocator --------------------------------------------------------------
+
+def test_timers_and_memory_helpers_act_on_cuda_only(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(("synchronize", device)))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: calls.append(("reset", device)))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 3 * 2**30)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 5 * 2**29)
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    grpo_metrics.synchronize(cpu)
+    grpo_metrics.reset_peak_memory(cpu)
+    assert calls == [] and grpo_metrics.step_memory(cpu) == {}
+    grpo_metrics.synchronize(gpu)
+    grpo_metrics.reset_peak_memory(gpu)
+    assert calls == [("synchronize", gpu), ("reset", gpu)]
+    assert grpo_metrics.step_memory(gpu) == {"memory/peak_allocated_gb": 3.0, "memory/peak_reserved_gb": 2.5}
+
+
+def test_train_waits_for_the_gpu_before_each_timer_and_logs_the_steps_peak_memory(tmp_path, monkeypatch):
+    events = []
+    monkeypatch.setattr(train, "synchronize", lambda device: events.append("synchronize"))
+    monkeypatch.setattr(train, "reset_peak_memory", lambda device: events.append("reset"))
+    monkeypatch.setattr(train, "step_memory", lambda device: {"memory/peak_allocated_gb": 1.5,
+                                                              "memory/peak_reserved_gb": 2.0})
+    clock = iter(range(1000))
+    monkeypatch.setattr(train, "time", types.SimpleNamespace(perf_counter=lambda: events.append("clock")
+                                                             or float(next(clock))))
+    train.run(tiny_cfg("trainer.max_steps=1"), tmp_path)
+    # step start: wait, reset the peak, read the clock; rollout end: wait, read; update start: read; end: wait, read
+    assert events == ["synchronize", "reset", "clock", "synchronize", "clock", "clock", "synchronize", "clock"]
+    [record] = metrics(tmp_path)
+    assert record["memory/peak_allocated_gb"] == 1.5 and record["memory/peak_reserved_gb"] == 2.0
+
+
+def test_allocator_conf_is_set_for_the_installed_torch_unless_the_user_set_it(monkeypatch):
+    import importlib.metadata
+
+    for installed, name in (("2.13.0+cpu", "PYTORCH_ALLOC_CONF"), ("2.8.0", "PYTORCH_CUDA_ALLOC_CONF")):
+        monkeypatch.setattr(importlib.metadata, "version", lambda package, v=installed: v)
+        env = {}
+        cli.default_allocator_conf(env)
+        assert env == {name: "expandable_segments:True"}
+    for users in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        env = {users: "max_split_size_mb:128"}
+        cli.default_allocator_conf(env)
+        assert env == {users: "max_split_size_mb:128"}
+
+
+def test_the_cli_sets_the_allocator_conf_before_it_imports_a_command(monkeypatch):
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if "ALLOC_CONF" not in k})
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    seen = {}
+    command = types.SimpleNamespace(main=lambda: None)
+
+    def import_module(name):
+        seen["conf"] = {k: v for k, v in os.environ.items() if "ALLOC_CONF" in k}  # when torch would load
+        return command
+
+    import importlib
+
+    monkeypatch.setattr(importlib, "import_module", import_module)
+    cli.main(["train"])
+    assert list(seen["conf"].values()) == ["expandable_segments:True"]
+
+
+def test_importing_the_cli_does_not_load_torch():
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", "import sys, grpo_cli.cli; print('torch' in sys.modules)"],
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
 # ---- on a GPU (pytest -m cuda; skipped without one) -------------------------------------------------------
 
 @pytest.mark.cuda
@@ -142,3 +223,14 @@ def test_cuda_bf16_policy_autocasts():
     policy, tokenizer, device = build_policy(cfg)
     assert device.type == "cuda" and next(policy.parameters()).device.type == "cuda"
     _bf16_forwards(policy, tokenizer)  # bf16 on any GPU this project targets (Ampere on)
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_train_steps_log_times_and_peak_memory(tmp_path):
+    train.run(tiny_cfg("trainer.max_steps=2", "model.device=cuda", "model.dtype=bfloat16"), tmp_path)
+    for record in metrics(tmp_path):
+        assert 0 < record["memory/peak_allocated_gb"] <= record["memory/peak_reserved_gb"]
+        assert record["time/rollout_s"] > 0 and record["time/update_s"] > 0
+        assert all(isinstance(v, (int, float)) for k, v in record.items() if k.startswith("memory/"))
+    print(json.dumps({k: v for k, v in metrics(tmp_path)[-1].items() if k.startswith(("time/", "memory/"))}))
