@@ -26,10 +26,12 @@ from grpo_cli.policy import (
     apply_lora,
     autocast,
     build_policy,
+    char_tokenizer,
     load_pretrained,
     load_tiny_random,
     resolve_dtype,
 )
+from grpo_cli.rewards.models import SequenceClassifierReward, TokenClassifierPRM
 from grpo_cli.rollout import render_prompts, sequence_logprobs
 from grpo_cli.rollout.hf import HFSampler
 
@@ -259,6 +261,54 @@ def test_pretrained_weights_load_straight_onto_the_gpu(tmp_path, monkeypatch):
     assert "device_map" not in asked and "attn_implementation" not in asked  # the CPU path as it always was
 
 
+# ---- reward models: the policy's device, inputs cut to what the model reads --------------------------------
+
+def test_reward_models_run_on_the_policys_device_by_default():
+    for reward in ("orm", "prm"):
+        tiny = compose("train", ["model=tiny", f"reward={reward}", "reward.name_or_path=x"])
+        assert tiny.reward.device == tiny.model.device == "cpu"
+        assert compose("eval", [f"reward={reward}", "reward.name_or_path=x"]).reward.device == "auto"
+        assert compose("train", ["model=tiny", f"reward={reward}", "reward.name_or_path=x",
+                                 "reward.device=cuda:1"]).reward.device == "cuda:1"
+
+
+def _classifier(kind: str, positions: int):
+    from transformers import LlamaConfig, LlamaForSequenceClassification, LlamaForTokenClassification
+
+    tokenizer = char_tokenizer()  # one token per character, no special tokens added
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=positions, num_labels=1,
+                      pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    cls = LlamaForSequenceClassification if kind == "orm" else LlamaForTokenClassification
+    model = cls(cfg).eval()
+    widths = []
+    model.register_forward_pre_hook(lambda m, args, kwargs: widths.append(kwargs["input_ids"].shape[1]),
+                                    with_kwargs=True)
+    return model, tokenizer, widths
+
+
+def test_orm_inputs_keep_their_last_tokens_up_to_the_models_length():
+    model, tokenizer, widths = _classifier("orm", 24)
+    orm = SequenceClassifierReward(model=model, tokenizer=tokenizer, device="cpu")
+    completion = "first 1 + 1 = 2, then 2 + 2 = 4, so the answer is 4"
+    [long] = orm(["Q: "], [completion])
+    assert widths == [24]  # 3 + 52 characters, cut to the 24 positions the model has
+    [tail] = orm([""], [("Q: " + completion)[-24:]])  # the head reads the last token: the end is what stays
+    assert long == pytest.approx(tail)
+    assert tokenizer.truncation_side == "right"  # the tokenizer is left as it was
+
+
+def test_prm_inputs_keep_their_first_tokens_and_steps_past_the_cut_get_no_reward():
+    model, tokenizer, widths = _classifier("prm", 24)
+    prm = TokenClassifierPRM(model=model, tokenizer=tokenizer, device="cpu")
+    completion = "\n".join(["1+1=2"] * 10)  # step i's last character: 3 + 6i + 4 in the input
+    [steps] = prm(["Q: "], [completion])
+    assert widths == [24]
+    # steps 0-2 end at characters 7, 13, 19 (inside the 24 kept); step 3 ends at 25, past the cut
+    assert [end for end, _ in steps] == [5, 11, 17]
+
+
 # ---- on a GPU (pytest -m cuda; skipped without one) -------------------------------------------------------
 
 @pytest.mark.cuda
@@ -305,3 +355,12 @@ def test_cuda_train_steps_log_times_and_peak_memory(tmp_path):
         assert record["time/rollout_s"] > 0 and record["time/update_s"] > 0
         assert all(isinstance(v, (int, float)) for k, v in record.items() if k.startswith("memory/"))
     print(json.dumps({k: v for k, v in metrics(tmp_path)[-1].items() if k.startswith(("time/", "memory/"))}))
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_reward_model_scores_on_the_gpu():
+    model, tokenizer, widths = _classifier("orm", 24)
+    orm = SequenceClassifierReward(model=model.to("cuda"), tokenizer=tokenizer, device="cuda")
+    scores = orm(["Q: ", "Q: "], ["a long completion that runs past the model's positions", "4"])
+    assert len(scores) == 2 and all(0 < s < 1 for s in scores) and widths == [24]

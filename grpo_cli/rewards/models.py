@@ -64,10 +64,20 @@ def check_classifier(name_or_path: str, auto_class: str, trust_remote_code: bool
                           f"train one with `{command}` and pass its RUN/model folder")
 
 
+def max_input_tokens(model, tokenizer) -> int | None:
+    """The longest input `model` reads: the smaller of its position table (`max_position_embeddings`) and
+    the tokenizer's `model_max_length`; None when neither says."""
+    limits = [getattr(model.config, "max_position_embeddings", None), getattr(tokenizer, "model_max_length", None)]
+    limits = [n for n in limits if isinstance(n, int) and 0 < n < 10**7]  # a tokenizer without a limit says 1e30
+    return min(limits) if limits else None
+
+
 class _HFScorer:
     """Lazy loading, input text and batching shared by the ORM and the PRM."""
 
     auto_class = ""
+    # which end of an input longer than the model reads is cut (tokenizer truncation_side)
+    truncation_side = "right"
 
     def __init__(self, name_or_path: str | None = None, *, model=None, tokenizer=None,
                  template: str = "{prompt}{completion}", label: int = 1, sigmoid: bool = True,
@@ -102,9 +112,10 @@ class _HFScorer:
                 from grpo_cli.policy import resolve_device, resolve_dtype
 
                 device = resolve_device(self.device)
+                on_device = {"device_map": device} if device.type != "cpu" else {}  # straight onto the GPU
                 model, info = getattr(transformers, self.auto_class).from_pretrained(
                     self.name_or_path, dtype=resolve_dtype(self.dtype, device), output_loading_info=True,
-                    trust_remote_code=self.trust_remote_code, revision=self.revision)
+                    trust_remote_code=self.trust_remote_code, revision=self.revision, **on_device)
                 if info.get("missing_keys"):  # transformers would start that head from random weights
                     what, option, command = _KIND[self.auto_class]
                     raise ConfigError(f"{self.name_or_path} has no weights for {sorted(info['missing_keys'])[0]}: "
@@ -142,17 +153,28 @@ class _HFScorer:
         """Yield (first row index, tokenizer encoding, logits) per batch, right-padded."""
         model, tokenizer = self._load()
         device = next(model.parameters()).device
+        limit = max_input_tokens(model, tokenizer)
         for first in range(0, len(texts), self.batch_size):
-            enc = tokenizer(texts[first:first + self.batch_size], return_tensors="pt", padding=True,
-                            padding_side="right", return_offsets_mapping=offsets)
+            side, tokenizer.truncation_side = tokenizer.truncation_side, self.truncation_side
+            try:  # inputs past the model's positions would index outside its table (or silently extrapolate)
+                enc = tokenizer(texts[first:first + self.batch_size], return_tensors="pt", padding=True,
+                                padding_side="right", return_offsets_mapping=offsets, truncation=limit is not None,
+                                max_length=limit)
+            finally:
+                tokenizer.truncation_side = side
             inputs = {k: v.to(device) for k, v in enc.items() if k in ("input_ids", "attention_mask")}
             yield first, enc, model(**inputs).logits
 
 
 class SequenceClassifierReward(_HFScorer):
-    """ORM: one score per completion from a sequence-classification head (an outcome function)."""
+    """ORM: one score per completion from a sequence-classification head (an outcome function).
+
+    An input longer than the model reads loses its start: the head reads the last token, so the end of
+    the completion (its answer) is what must stay.
+    """
 
     auto_class = "AutoModelForSequenceClassification"
+    truncation_side = "left"
 
     def __call__(self, prompts, completions, **_) -> list[float]:
         texts, _starts = self._texts(prompts, completions)
@@ -165,8 +187,9 @@ class SequenceClassifierReward(_HFScorer):
 class TokenClassifierPRM(_HFScorer):
     """PRM: a score per step, read at the step's last character (a `ProcessReward` scorer).
 
-    Steps are split as `grpo_cli.rewards.steps.split_steps(completion, pattern)`. The input text is
-    not truncated: completions are bounded by the sampler's max_new_tokens.
+    Steps are split as `grpo_cli.rewards.steps.split_steps(completion, pattern)`. An input longer than
+    the model reads loses its end, so token offsets still line up with the text: steps that end past the
+    cut get no reward (they are left out of the row's steps).
     """
 
     auto_class = "AutoModelForTokenClassification"
