@@ -18,7 +18,7 @@ import pytest
 import torch
 from test_train import metrics, tiny_cfg
 
-from grpo_cli import cli, config, train
+from grpo_cli import cli, config, evaluate, train
 from grpo_cli import metrics as grpo_metrics
 from grpo_cli.config import compose, validate
 from grpo_cli.errors import ConfigError
@@ -307,6 +307,25 @@ def test_prm_inputs_keep_their_first_tokens_and_steps_past_the_cut_get_no_reward
     assert widths == [24]
     # steps 0-2 end at characters 7, 13, 19 (inside the 24 kept); step 3 ends at 25, past the cut
     assert [end for end, _ in steps] == [5, 11, 17]
+
+
+# ---- eval's generate calls, counted in sequences ----------------------------------------------------------
+
+def test_eval_generate_calls_hold_at_most_sampler_batch_size_sequences(tmp_path, monkeypatch):
+    calls = []
+    real = HFSampler._generate
+
+    def counting(self, model, tokenizer, prompts, n, *args):
+        calls.append(len(prompts) * n)
+        return real(self, model, tokenizer, prompts, n, *args)
+
+    monkeypatch.setattr(HFSampler, "_generate", counting)
+    cfg = compose("eval", ["model=tiny", "sampler.max_new_tokens=3", "data.heldout_size=20", "eval.limit=3",
+                           "eval.num_samples=4", "eval.k=[1]", "eval.batch_size=3", "sampler.batch_size=5"])
+    evaluate.run(cfg, tmp_path, [])
+    # one scoring batch of 3 problems: greedy 3 x 1 in one call (3 <= 5); 3 x 4 samples at 5 // 4 = 1 problem a call
+    assert calls == [3, 4, 4, 4]
+    assert len((tmp_path / "eval_samples.jsonl").read_text().splitlines()) == 3
 
 
 # ---- on a GPU (pytest -m cuda; skipped without one) -------------------------------------------------------
