@@ -162,7 +162,7 @@ class VLLMSampler:
         # read when vLLM is imported
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: no spawn
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # and on the trainer's threads
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its start-up warnings are for servers
         try:
             import vllm
         except Exception as err:  # ImportError, or a broken install (torchvision built for another torch)
