@@ -32,7 +32,8 @@ Randomness. Each prompt's request gets a seed drawn from torch's generator, whic
 from (seed, step): a run and its resume draw the same completions. Greedy requests need none.
 
 A model vLLM cannot serve (an architecture or head size it lacks, a layout the weight push does not
-know) gets one warning line and HF generate with the same settings.
+know) gets one warning line and HF generate with the same settings: the engine's start, first push
+and a one-token generation are tried before the first rollout.
 """
 
 from __future__ import annotations
@@ -133,7 +134,8 @@ class VLLMSampler:
                                  detokenize=False, seed=None if greedy else seed,
                                  **({"temperature": 0.0} if greedy else sampling)) for seed in seeds]
         requests = [{"prompt_token_ids": row[keep.bool()].tolist()} for row, keep in zip(ids, mask)]
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        with torch.random.fork_rng(devices=[]):  # vLLM's CPU sampler also draws from torch's generator
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
         samples = [s for out in outputs for s in sorted(out.outputs, key=lambda s: s.index)]  # [N], grouped
         width = max(len(s.token_ids) for s in samples)
         completion = torch.full((len(samples), width), pad, dtype=torch.long)  # [N, T]
@@ -185,8 +187,11 @@ class VLLMSampler:
         try:
             with _process_state_kept():
                 self.llm = vllm.LLM(**args)
-            self._packed = self.llm.apply_model(lambda model: dict(getattr(model, "packed_modules_mapping", {})))[0]
-            self._push(policy)
+                self._packed = self.llm.apply_model(lambda m: dict(getattr(m, "packed_modules_mapping", {})))[0]
+                self._push(policy)
+                # one token, so a kernel the engine lacks (CPU attention for head_dim 8) fails here, not mid-run
+                self.llm.generate([{"prompt_token_ids": [0, 1]}],
+                                  vllm.SamplingParams(max_tokens=1, detokenize=False), use_tqdm=False)
         except Exception as err:
             self.llm = None
             reason = " ".join(str(err).split())[:200] or type(err).__name__
