@@ -382,6 +382,9 @@ def _sampler_engine(cfg: DictConfig) -> list[str]:
     errors = []
     if uses_vllm and not engine.installed():
         errors.append(f"sampler=vllm needs vLLM, which is not installed: {engine.INSTALL}; or use sampler=default")
+    if uses_vllm and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # its in-process engine sets up torch.distributed
+        errors.append("sampler=vllm runs one engine in one process for now, not one per torchrun rank; launch "
+                      "without torchrun, or use sampler=default")
     cap = _get(cfg, "algo.is_correction_cap")[1]
     if cap is not None and target.startswith("grpo_cli.rollout.hf."):
         errors.append(f"algo.is_correction_cap ({cap!r}) corrects for a sampler with its own copy of the weights, "

@@ -37,6 +37,13 @@ def test_sampler_vllm_without_vllm_names_the_install(monkeypatch):
     validate(compose("eval", ["sampler=vllm"]))
 
 
+def test_sampler_vllm_under_torchrun_is_refused(monkeypatch):
+    monkeypatch.setattr("grpo_cli.rollout.vllm.installed", lambda: True)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"^sampler=vllm runs one engine in one process .*launch without torchrun"):
+        validate(compose("train", ["sampler=vllm"]))
+
+
 @pytest.mark.skipif(HAS_VLLM, reason="vLLM is installed here: the in-process check above covers it")
 def test_grpo_train_sampler_vllm_without_vllm_exits_2(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
