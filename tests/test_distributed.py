@@ -83,9 +83,9 @@ def _step(case, world: World) -> tuple[dict, dict]:
     return weights, stats
 
 
-def _worker(rank: int, size: int, init_file: str, out: str) -> None:
+def _worker(rank: int, size: int, init_method: str, out: str) -> None:
     torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=size)
+    torch.distributed.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size)
     try:
         world = World(rank, size, rank)
         for case in CASES:
@@ -94,7 +94,19 @@ def _worker(rank: int, size: int, init_file: str, out: str) -> None:
             save_file({k: torch.tensor(float(v)) for k, v in stats.items()},
                       str(Path(out) / f"{_name(case)}_stats_r{rank}.safetensors"))
     finally:
+        # both ranks leave together: a rank that tears the group down while the other is still in it can make
+        # gloo abort the other (seen once: exit -6, "terminate called without an active exception")
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
+
+
+def _rendezvous() -> str:
+    """A TCP rendezvous on a free local port (a FileStore rendezvous aborted a rank at exit once in CI)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{sock.getsockname()[1]}"
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +114,8 @@ def two_ranks(tmp_path_factory):
     """Run every case on 2 gloo ranks (spawned processes); the folder of their results."""
     out = tmp_path_factory.mktemp("dp")
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, 2, str(out / "init"), str(out))) for r in range(2)]
+    rendezvous = _rendezvous()
+    procs = [ctx.Process(target=_worker, args=(r, 2, rendezvous, str(out))) for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:
@@ -223,11 +236,11 @@ def test_torchrun_eval_shards_problems_and_gathers_every_row(tmp_path):
     assert report[0]["accuracy"] == report[1]["accuracy"]
 
 
-def _collectives_worker(rank: int, size: int, init_file: str, out: str) -> None:
+def _collectives_worker(rank: int, size: int, init_method: str, out: str) -> None:
     from grpo_cli.train import _agreed_stop
 
     torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=size)
+    torch.distributed.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size)
     try:
         world = World(rank, size, rank)
         got = {
@@ -242,6 +255,9 @@ def _collectives_worker(rank: int, size: int, init_file: str, out: str) -> None:
         }
         Path(out, f"collectives_r{rank}.json").write_text(__import__("json").dumps(got))
     finally:
+        # both ranks leave together: a rank that tears the group down while the other is still in it can make
+        # gloo abort the other (seen once: exit -6, "terminate called without an active exception")
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 
 
@@ -249,8 +265,8 @@ def test_collectives_and_agreed_stop_on_two_ranks(tmp_path):
     import json
 
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_collectives_worker, args=(r, 2, str(tmp_path / "init"), str(tmp_path)))
-             for r in range(2)]
+    rendezvous = _rendezvous()
+    procs = [ctx.Process(target=_collectives_worker, args=(r, 2, rendezvous, str(tmp_path))) for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:
