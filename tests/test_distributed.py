@@ -113,15 +113,20 @@ def _rendezvous() -> str:
 def two_ranks(tmp_path_factory):
     """Run every case on 2 gloo ranks (spawned processes); the folder of their results."""
     out = tmp_path_factory.mktemp("dp")
+    _two_ranks(_worker, out)
+    return out
+
+
+def _two_ranks(target, out: Path) -> None:
+    """Run target(rank, 2, rendezvous, out) in 2 spawned processes; both must exit 0."""
     ctx = multiprocessing.get_context("spawn")
     rendezvous = _rendezvous()
-    procs = [ctx.Process(target=_worker, args=(r, 2, rendezvous, str(out))) for r in range(2)]
+    procs = [ctx.Process(target=target, args=(r, 2, rendezvous, str(out))) for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:
         p.join(timeout=300)
     assert [p.exitcode for p in procs] == [0, 0], "a rank failed or hung"
-    return out
 
 
 @pytest.mark.parametrize("case", CASES, ids=_name)
@@ -264,14 +269,7 @@ def _collectives_worker(rank: int, size: int, init_method: str, out: str) -> Non
 def test_collectives_and_agreed_stop_on_two_ranks(tmp_path):
     import json
 
-    ctx = multiprocessing.get_context("spawn")
-    rendezvous = _rendezvous()
-    procs = [ctx.Process(target=_collectives_worker, args=(r, 2, rendezvous, str(tmp_path))) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-    assert [p.exitcode for p in procs] == [0, 0]
+    _two_ranks(_collectives_worker, tmp_path)
     got = [json.loads((tmp_path / f"collectives_r{r}.json").read_text()) for r in range(2)]
     assert got[0]["stop"] == "a stop request on another rank" and got[1]["stop"] == "SIGTERM"
     assert got[0]["no_stop"] is None and got[1]["no_stop"] is None
