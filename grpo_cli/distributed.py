@@ -156,9 +156,3 @@ def start_time() -> datetime:
         now = datetime.now()
         _START = init_world().broadcast(now) if world_size() > 1 else now
     return _START
-
-
-def close() -> None:
-    """Leave the process group (at exit; torch warns when a group is left open)."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()

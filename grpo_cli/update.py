@@ -111,8 +111,8 @@ def prepare(policy, rollout: Rollout, advantages: torch.Tensor, loss, num_iterat
         for b in micro_batches(active, micro_batch_size):
             old_logp[b] = sequence_logprobs(policy, rollout.select(b))
     policy.train(was_training)
-    # [3]: sequences, counted tokens, padded length; one reduction gives the whole batch's
-    counts = world.sum(torch.tensor([n, mask.sum().item(), 0.0], dtype=torch.float64))
+    # [2]: sequences and counted tokens of the whole batch; the longest padded completion of all ranks
+    counts = world.sum(torch.tensor([n, mask.sum().item()], dtype=torch.float64))
     length = world.max(torch.tensor([mask.shape[1]]))
     return Batch(rollout, advantages, mask, active, ref_logp, old_logp, int(counts[0]),
                  counts[1].to(mask.dtype).to(device).clamp(min=1), int(length[0]), world)
