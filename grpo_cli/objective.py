@@ -492,3 +492,71 @@ def token_entropy(logits: torch.Tensor, *, chunk_size: int = 1024) -> torch.Tens
         s = torch.logsumexp(x, -1, keepdim=True)
         out[n0:n1, t0:t1] = s.squeeze(-1) - (torch.exp(x - s) * x).sum(-1)
     return out
+
+
+class _HeadLogprobs(torch.autograd.Function):
+    """log_softmax(hidden @ weightᵀ)[tokens], the LM head and the log-softmax fused, chunk by chunk.
+
+    Forward and backward each make one chunk of [chunk, V] logits at a time and drop it, so the
+    [M, V] logits never exist whole (SmolLM2, 32 x 64 positions: 400 MB of fp32 logits, and as much
+    again for their gradient). Backward recomputes each chunk's logits from the saved hidden states:
+    one more head matmul, in exchange for not holding them.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, tokens, chunk_size, with_entropy):
+        m = hidden.shape[0]
+        cd = _compute_dtype(weight.dtype)
+        out = hidden.new_empty(m, dtype=cd)              # [M] log-probs
+        lse = hidden.new_empty(m, dtype=cd)              # [M] logsumexp, for backward
+        entropy = hidden.new_empty(m if with_entropy else 0, dtype=cd)
+        for a in range(0, m, chunk_size):
+            b = min(a + chunk_size, m)
+            x = (hidden[a:b].to(weight.dtype) @ weight.T).to(cd)   # [c, V]: one chunk of logits
+            s = torch.logsumexp(x, -1)
+            lse[a:b] = s
+            out[a:b] = x.gather(-1, tokens[a:b, None]).squeeze(-1) - s
+            if with_entropy:  # H = lse - Σ p·x, from the same chunk
+                entropy[a:b] = s - (torch.exp(x - s[:, None]) * x).sum(-1)
+        ctx.save_for_backward(hidden, weight, tokens, lse)
+        ctx.chunk_size = chunk_size
+        ctx.mark_non_differentiable(entropy)
+        return out, entropy
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out, _grad_entropy):
+        hidden, weight, tokens, lse = ctx.saved_tensors
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None     # [M, D]
+        grad_weight = (torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device)
+                       if ctx.needs_input_grad[1] else None)                           # [V, D]
+        for a in range(0, hidden.shape[0], ctx.chunk_size):
+            b = min(a + ctx.chunk_size, hidden.shape[0])
+            g = grad_out[a:b, None].to(lse.dtype)                                      # [c, 1]
+            h = hidden[a:b].to(weight.dtype)
+            # d/dx (x[tok] - lse) = onehot(tok) - softmax(x), x recomputed for this chunk: [c, V]
+            d = (h @ weight.T).to(lse.dtype).sub_(lse[a:b, None]).exp_().mul_(-g)
+            d.scatter_add_(-1, tokens[a:b, None], g)
+            if grad_hidden is not None:
+                grad_hidden[a:b] = (d.to(weight.dtype) @ weight).to(hidden.dtype)
+            if grad_weight is not None:
+                grad_weight += d.T @ h.to(lse.dtype)
+        return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None)
+
+
+def head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, *, chunk_size: int = 512,
+                  with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log softmax(hidden @ weightᵀ)[tokens] without the [M, V] logits: ([M] log-probs, [M] entropies or None).
+
+    `hidden` [M, D] are the final (normed) hidden states of M positions, `weight` [V, D] the LM head, `tokens`
+    [M] the token each position predicts. Differentiable w.r.t. hidden and weight; the entropy (for
+    metrics) is not. fp32 results whatever the input precision, as `token_logprobs`.
+    """
+    if hidden.dim() != 2 or weight.dim() != 2 or tokens.shape != hidden.shape[:1] \
+            or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"hidden must be [M, D], weight [V, D] and tokens [M], got {tuple(hidden.shape)}, "
+                         f"{tuple(weight.shape)} and {tuple(tokens.shape)}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size ({chunk_size}) must be >= 1")
+    logp, entropy = _HeadLogprobs.apply(hidden, weight, tokens.long(), chunk_size, with_entropy)
+    return logp, (entropy if with_entropy else None)

@@ -11,6 +11,7 @@ import torch
 from grpo_cli.objective import (
     GRPOLoss,
     grpo_loss,
+    head_logprobs,
     kl_divergence,
     masked_mean,
     outcome_advantages,
@@ -570,3 +571,68 @@ def test_token_entropy(chunk_size):
     assert torch.allclose(token_entropy(logits, chunk_size=chunk_size), direct, atol=1e-12)
     # uniform over 4 tokens: ln 4 = 1.38629
     assert close(token_entropy(torch.zeros(1, 1, 4)), [[math.log(4)]], tol=1e-6)
+
+
+# --------------------------------------------------------------------------- the fused LM head
+
+
+@pytest.mark.parametrize("chunk_size", [1, 4, 7, 1000])   # M = 10: 4 and 7 don't divide it
+def test_head_logprobs_matches_log_softmax_of_the_head(chunk_size):
+    g = torch.Generator().manual_seed(chunk_size)
+    hidden = torch.randn(10, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(13, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    tokens = torch.randint(0, 13, (10,), generator=g)
+    w = torch.randn(10, generator=g, dtype=torch.float64)
+
+    logp, entropy = head_logprobs(hidden, weight, tokens, chunk_size=chunk_size, with_entropy=True)
+    (logp * w).sum().backward()
+    fast = hidden.grad, weight.grad
+    hidden.grad = weight.grad = None
+
+    full = torch.log_softmax(hidden @ weight.T, -1)  # [M, V]
+    slow = full.gather(-1, tokens[:, None]).squeeze(-1)
+    (slow * w).sum().backward()
+    assert torch.allclose(logp, slow, atol=1e-12)
+    assert torch.allclose(entropy, -(full.exp() * full).sum(-1), atol=1e-12)
+    assert torch.allclose(fast[0], hidden.grad, atol=1e-12) and torch.allclose(fast[1], weight.grad, atol=1e-12)
+    assert not entropy.requires_grad
+    assert head_logprobs(hidden, weight, tokens)[1] is None  # entropy only when asked
+
+
+def test_head_logprobs_gradcheck_and_frozen_head():
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(5, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(7, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    tokens = torch.randint(0, 7, (5,), generator=g)
+    assert torch.autograd.gradcheck(lambda h, w: head_logprobs(h, w, tokens, chunk_size=2)[0], (hidden, weight))
+    frozen = weight.detach()  # the LM head of a LoRA policy: no weight gradient is made
+    head_logprobs(hidden, frozen, tokens, chunk_size=2)[0].sum().backward()
+    assert hidden.grad is not None and frozen.grad is None
+
+
+def test_head_logprobs_saves_no_logits():
+    # forward and backward keep [M, D] hidden states and [M] values, never the [M, V] logits
+    hidden = torch.randn(12, 8, requires_grad=True)
+    weight = torch.randn(200, 8)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x) or x, lambda x: x):
+        head_logprobs(hidden, weight, torch.randint(0, 200, (12,)), chunk_size=5)
+    assert max(x.numel() for x in saved) == weight.numel()  # the head itself, not a copy of logits
+    assert all(x.numel() < 12 * 200 or x.data_ptr() == weight.data_ptr() for x in saved)
+
+
+def test_head_logprobs_low_precision_and_errors():
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(6, 8, generator=g).to(torch.bfloat16).requires_grad_()
+    weight = torch.randn(11, 8, generator=g).to(torch.bfloat16)
+    tokens = torch.randint(0, 11, (6,), generator=g)
+    logp, _ = head_logprobs(hidden, weight, tokens, chunk_size=4)
+    assert logp.dtype == torch.float32  # bf16 in, fp32 log-probs out
+    slow = torch.log_softmax((hidden @ weight.T).float(), -1).gather(-1, tokens[:, None]).squeeze(-1)
+    assert torch.allclose(logp, slow, atol=1e-5)
+    logp.sum().backward()
+    assert hidden.grad.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="chunk_size"):
+        head_logprobs(hidden, weight, tokens, chunk_size=0)
+    with pytest.raises(ValueError, match=r"\[M, D\]"):
+        head_logprobs(hidden[None], weight, tokens)

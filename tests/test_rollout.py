@@ -14,7 +14,15 @@ from grpo_cli.policy import (
     resolve_device,
     resolve_dtype,
 )
-from grpo_cli.rollout import char_ends_to_token_index, finish, render_prompts, sequence_logprobs
+from grpo_cli.rollout import (
+    Rollout,
+    char_ends_to_token_index,
+    encode_prompts,
+    finish,
+    full_sequence_logprobs,
+    render_prompts,
+    sequence_logprobs,
+)
 from grpo_cli.rollout.hf import HFSampler
 
 CONVERSATIONS = [[{"role": "user", "content": "What is 2+3?"}], [{"role": "user", "content": "Hi"}]]
@@ -169,3 +177,82 @@ def test_sampler_batch_size_cuts_at_whole_groups_and_changes_nothing_greedy(tiny
     assert torch.equal(cut.completion_ids * cut.completion_mask, whole.completion_ids * whole.completion_mask)
     assert torch.allclose(sequence_logprobs(model, cut) * cut.completion_mask,
                           sequence_logprobs(model, whole) * whole.completion_mask, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- shared-prefix log-probs
+
+
+def _ragged_rollout(tokenizer, order):
+    """3 prompts of different lengths x 4 completions of 1-9 tokens, rows in `order` (groups interleaved)."""
+    prompts = render_prompts(tokenizer, [[{"role": "user", "content": "x" * k}] for k in (1, 5, 9)])
+    ids, mask = encode_prompts(tokenizer, prompts)
+    g = torch.Generator().manual_seed(0)
+    n, width = 12, 9
+    lengths = [1 + i % width for i in range(n)]
+    comp = torch.full((n, width), tokenizer.pad_token_id)
+    for i, k in enumerate(lengths):
+        comp[i, :k] = torch.randint(3, 90, (k,), generator=g)
+    cmask = (torch.arange(width)[None] < torch.tensor(lengths)[:, None]).long()
+    rollout = Rollout(ids.repeat_interleave(4, 0), mask.repeat_interleave(4, 0), comp, cmask, [""] * n, [False] * n)
+    return rollout.select(order)
+
+
+def _grads(model, rollout, logprobs, **kw):
+    model.zero_grad()
+    logp, entropy = logprobs(model, rollout, with_entropy=True, **kw)
+    (logp * torch.linspace(-1, 1, logp.numel()).view_as(logp)).sum().backward()
+    return logp, entropy, {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("bucket_rows", [1, 3, 5, 12])
+def test_shared_prefix_logprobs_equal_the_whole_sequence_forward(bucket_rows):
+    """Each prompt once, its cache shared, buckets by length, the fused head: the same log-probs, entropies
+    and LoRA gradients as every row's whole padded sequence through the model; rows in any order."""
+    model, tokenizer = load_tiny_random(seed=3)
+    policy = apply_lora(model, 4, 8, 0.0, ["q_proj", "v_proj", "down_proj"])
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    rollout = _ragged_rollout(tokenizer, torch.randperm(12, generator=torch.Generator().manual_seed(1)))
+    policy.train()
+    ours = _grads(policy, rollout, sequence_logprobs, bucket_rows=bucket_rows)
+    plain = _grads(policy, rollout, full_sequence_logprobs)
+    assert torch.allclose(ours[0], plain[0], atol=1e-5) and torch.allclose(ours[1], plain[1], atol=1e-5)
+    assert (ours[0][rollout.completion_mask == 0] == 0).all()
+    for name, grad in plain[2].items():
+        assert grad.abs().sum() > 0 and torch.allclose(ours[2][name], grad, atol=1e-6, rtol=1e-4), name
+
+
+def test_shared_prefix_does_each_prompt_once_and_never_makes_full_logits():
+    model, tokenizer = load_tiny_random(seed=3)
+    rollout = _ragged_rollout(tokenizer, list(range(12)))
+    rows, head_calls = [], []
+    hooks = [model.get_input_embeddings().register_forward_hook(lambda m, a, out: rows.append(tuple(out.shape[:2]))),
+             model.get_output_embeddings().register_forward_hook(lambda *a: head_calls.append(1))]
+    try:
+        with torch.no_grad():
+            sequence_logprobs(model, rollout, bucket_rows=4)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    P = rollout.prompt_ids.shape[1]
+    # 3 distinct prompts once, then buckets of 4 rows sorted by length (1-4, 5-8, 9 + 1-3 tokens: lengths
+    # 1,1,2,2 | 3,3,4,5 | 6,7,8,9), each fed all but its longest row's last token
+    assert rows == [(3, P), (4, 1), (4, 4), (4, 8)]
+    assert head_calls == []  # the fused head reads lm_head.weight; the module (a full [.., V] output) never runs
+
+
+def test_gradient_checkpointing_takes_the_whole_sequence_path():
+    """Checkpointed layers drop the KV cache they are given; the shared path would score completions
+    without their prompts. Under checkpointing in training the whole-sequence forward runs instead."""
+    model, tokenizer = load_tiny_random(seed=3)
+    policy = apply_lora(model, 4, 8, 0.0, ["q_proj", "v_proj"])
+    rollout = _ragged_rollout(tokenizer, list(range(12)))
+    policy.train()
+    plain = _grads(policy, rollout, full_sequence_logprobs)
+    policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    checkpointed = _grads(policy, rollout, sequence_logprobs)
+    assert torch.equal(checkpointed[0], plain[0])
+    for name, grad in plain[2].items():
+        assert torch.allclose(checkpointed[2][name], grad, atol=1e-7), name

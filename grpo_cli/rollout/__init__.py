@@ -12,11 +12,14 @@ Engines: `hf.HFSampler` (transformers `generate` with a shared prompt prefill) a
 
 Prompts are left-padded (every completion starts at the same column); position ids follow HF
 generate (cumsum of the attention mask - 1), and `sequence_logprobs` uses the same ones, so the
-training forward scores exactly the tokens the sampler produced.
+training forward scores exactly the tokens the sampler produced. It does the tokens' work, not the
+padded batch's: each distinct prompt once (its KV cache shared by its G completions, gradient
+included), completions in length buckets, the LM head fused with the log-softmax.
 """
 
 from __future__ import annotations
 
+import inspect
 import re
 from dataclasses import dataclass
 from typing import Protocol
@@ -24,7 +27,7 @@ from typing import Protocol
 import torch
 
 from grpo_cli.errors import DataError
-from grpo_cli.objective import token_entropy, token_logprobs
+from grpo_cli.objective import head_logprobs, token_entropy, token_logprobs
 from grpo_cli.policy import autocast
 
 
@@ -179,12 +182,87 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return pos.masked_fill(attention_mask == 0, 0)
 
 
-def sequence_logprobs(model, rollout: Rollout, *, with_entropy: bool = False):
-    """Log-probs of the completion tokens under `model`: [N, T] (and entropies [N, T] if asked).
+def sequence_logprobs(model, rollout: Rollout, *, with_entropy: bool = False, bucket_rows: int = 8):
+    """Log-probs of the completion tokens under `model`: [N, T] (and entropies [N, T] if asked), 0 on padding.
 
-    Only the last T+1 positions go through the LM head (`logits_to_keep`), so no logits are made
-    for prompt positions; `token_logprobs` chunks the log-softmax over the vocabulary, in fp32
-    outside autocast (bf16 logits are upcast one chunk at a time).
+    The work done is the tokens', not the padded batch's:
+      - each distinct prompt goes through the model once; its KV cache is shared by the rows that
+        continue it (the G completions of a group), gradient included;
+      - the completions go through in buckets of `bucket_rows` rows of similar length (sorted), each
+        cut to its own longest completion, so short rows do not pay for the longest;
+      - the LM head and the log-softmax are fused in chunks (`objective.head_logprobs`): the [N, T, V]
+        logits are never made, in forward or backward.
+    Positions follow HF generate (left-padded prompt, position ids = cumsum of the mask - 1), so the
+    tokens are scored exactly as the sampler produced them. Models whose logits are not the LM head of
+    the last hidden state, and gradient checkpointing in training (its layers drop the KV cache), take
+    `full_sequence_logprobs` instead.
+    """
+    body, head = _decoder_and_head(model)
+    # checkpointed layers drop a KV cache they are given (transformers' GradientCheckpointingLayer)
+    checkpointing = body.training and torch.is_grad_enabled() and any(
+        getattr(m, "gradient_checkpointing", False) for m in body.modules())
+    if head is None or checkpointing:
+        return full_sequence_logprobs(model, rollout, with_entropy=with_entropy)
+    n, width = rollout.completion_ids.shape
+    lengths = rollout.completion_mask.sum(1).clamp(min=1).tolist()  # [N] one host copy; EOS included
+    order = sorted(range(n), key=lambda i: lengths[i])
+    cache_key = "cache" if "cache" in inspect.signature(body.forward).parameters else "past_key_values"
+    with autocast(model):
+        # [U, P] distinct prompts (ids and mask together: a pad id can also be a real token); which[i] = row i's
+        prompts, which = torch.unique(torch.cat([rollout.prompt_ids, rollout.prompt_mask], 1), dim=0,
+                                      return_inverse=True)
+        p_ids, p_mask = prompts.split(rollout.prompt_ids.shape[1], 1)
+        out = body(input_ids=p_ids, attention_mask=p_mask, position_ids=position_ids(p_mask), use_cache=True)
+        cache = out["cache" if "cache" in out else "past_key_values"]  # the output's name follows the version too
+        layers = [(layer.keys, layer.values) for layer in cache.layers]  # [U, H, P, d] per layer
+        last = out.last_hidden_state[:, -1]  # [U, D]: predicts each completion's first token
+        pieces, entropies = [], []
+        for start in range(0, n, bucket_rows):
+            rows = torch.tensor(order[start:start + bucket_rows], device=which.device)
+            t = max(lengths[i] for i in order[start:start + bucket_rows])
+            tokens = rollout.completion_ids[rows, :t]  # [b, t]
+            hidden = last[which[rows]][:, None]  # [b, 1, D]
+            if t > 1:  # tokens 0..t-2 continue the shared prompt caches; their outputs predict tokens 1..t-1
+                from transformers import DynamicCache
+
+                shared = DynamicCache(ddp_cache_data=[(k[which[rows]], v[which[rows]]) for k, v in layers])
+                mask = torch.cat([p_mask[which[rows]], rollout.completion_mask[rows, :t - 1]], 1)  # [b, P+t-1]
+                pos = p_mask[which[rows]].sum(1, keepdim=True) + torch.arange(t - 1, device=mask.device)
+                h = body(input_ids=tokens[:, :-1], attention_mask=mask, position_ids=pos, use_cache=True,
+                         **{cache_key: shared}).last_hidden_state  # [b, t-1, D]
+                hidden = torch.cat([hidden, h], 1)  # [b, t, D]
+            logp, entropy = head_logprobs(hidden.flatten(0, 1), head.weight, tokens.flatten(),
+                                          with_entropy=with_entropy)
+            pieces.append(torch.nn.functional.pad(logp.view(-1, t), (0, width - t)))  # [b, T]
+            if with_entropy:
+                entropies.append(torch.nn.functional.pad(entropy.view(-1, t), (0, width - t)))
+    # rows back from length order to the rollout's order
+    back = torch.empty(n, dtype=torch.long)
+    back[torch.tensor(order)] = torch.arange(n)
+    back = back.to(which.device)
+    logp = torch.cat(pieces)[back] * rollout.completion_mask
+    if not with_entropy:
+        return logp
+    return logp, (torch.cat(entropies)[back] * rollout.completion_mask).detach()
+
+
+def _decoder_and_head(model):
+    """(decoder, LM head Linear) of a causal LM (peft-wrapped or not); head None when the logits are not
+    just the head of the last hidden state (a LoRA on lm_head, softcapping, a logit scale)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    body, head = base.get_decoder(), base.get_output_embeddings()
+    config = base.config
+    plain = type(head) is torch.nn.Linear and head.bias is None and not any(
+        getattr(config, key, None) not in (None, 1, 1.0)
+        for key in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
+    return body, (head if plain else None)
+
+
+def full_sequence_logprobs(model, rollout: Rollout, *, with_entropy: bool = False):
+    """`sequence_logprobs` the plain way: every row's whole padded prompt + completion through the model.
+
+    Only the last T+1 positions go through the LM head (`logits_to_keep`); `token_logprobs` chunks the
+    log-softmax over the vocabulary, in fp32 outside autocast (bf16 logits are upcast one chunk at a time).
     """
     ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)  # [N, P+T]
     mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], 1)
@@ -192,11 +270,11 @@ def sequence_logprobs(model, rollout: Rollout, *, with_entropy: bool = False):
     with autocast(model):
         logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=False,
                        logits_to_keep=T + 1).logits[:, :-1]  # [N, T, V]: position P-1+t predicts token t
-    logp = token_logprobs(logits, rollout.completion_ids)
+    logp = token_logprobs(logits, rollout.completion_ids) * rollout.completion_mask
     if not with_entropy:
         return logp
     with torch.no_grad():
-        return logp, token_entropy(logits.detach())
+        return logp, token_entropy(logits.detach()) * rollout.completion_mask
 
 
 def char_ends_to_token_index(tokenizer, completion_ids: list[int], char_ends: list[int]) -> list[int]:

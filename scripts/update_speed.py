@@ -1,0 +1,111 @@
+"""Time one GRPO update's forwards and backward at the bench shapes: the whole-sequence path vs the shared-prefix one.
+
+    .venv/bin/python scripts/update_speed.py                 # 2 rounds, each path in its own process per round
+    .venv/bin/python scripts/update_speed.py --rounds 3 --prompts 4 --G 8 --new 64
+
+The batch is the bench's (`make bench`): SmolLM2-135M fp32, LoRA r16 on all 7 projections, `--prompts` 2-digit
+addition prompts x G completions of ~51 tokens (random tokens, lengths drawn around the bench's mean, at most
+`--new`), one micro-batch. Each path runs in a fresh process (so its peak RSS is its own), rounds interleaved;
+per path: the reference forward (adapter off, no gradient), the policy forward (log-probs + entropy) and the
+backward of a GRPO-like loss, median over steps 2-4 of the process, then median over rounds.
+Run it on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+PATHS = ("full", "shared")
+
+
+def measure(path: str, prompts: int, G: int, new: int) -> dict:
+    import torch
+
+    from grpo_cli import rollout as R
+    from grpo_cli.policy import apply_lora, load_embedded_gguf, reference
+
+    torch.manual_seed(0)
+    model, tokenizer = load_embedded_gguf()
+    policy = apply_lora(model, 16, 32, 0.0, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                             "down_proj"])
+    rng = random.Random(0)
+    conversations = [[{"role": "user", "content": f"What is {rng.randint(10, 99)} + {rng.randint(10, 99)}? "
+                                                  "Give the final answer after ####."}] for _ in range(prompts)]
+    ids, mask = R.encode_prompts(tokenizer, R.render_prompts(tokenizer, conversations))  # [B, P]
+    n = prompts * G
+    lengths = [min(new, max(8, int(rng.gauss(51.5, 12)))) for _ in range(n)]
+    completion = torch.full((n, new), tokenizer.pad_token_id)
+    for i, k in enumerate(lengths):
+        completion[i, :k] = torch.randint(100, 20000, (k,))
+        completion[i, k - 1] = tokenizer.eos_token_id
+    cmask = (torch.arange(new)[None] < torch.tensor(lengths)[:, None]).long()  # [N, T]
+    batch = R.Rollout(ids.repeat_interleave(G, 0), mask.repeat_interleave(G, 0), completion, cmask,
+                      [""] * n, [False] * n)
+    logprobs = R.full_sequence_logprobs if path == "full" else R.sequence_logprobs
+    times = []
+    for _ in range(4):
+        t0 = time.perf_counter()
+        with torch.no_grad(), reference(policy):
+            ref = logprobs(policy, batch)
+        t1 = time.perf_counter()
+        logp, _ = logprobs(policy, batch, with_entropy=True)
+        kl = (ref - logp).exp() - (ref - logp) - 1
+        loss = ((logp - logp.detach()).exp() - 0.04 * kl).mul(cmask).sum() / n
+        t2 = time.perf_counter()
+        loss.backward()
+        t3 = time.perf_counter()
+        policy.zero_grad()
+        times.append((t1 - t0, t2 - t1, t3 - t2))
+    ref_s, fwd_s, bwd_s = (statistics.median(x) for x in zip(*times[1:]))
+    rss_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    return {"path": path, "ref_s": ref_s, "forward_s": fwd_s, "backward_s": bwd_s, "update_s": ref_s + fwd_s + bwd_s,
+            "peak_rss_gb": rss_gb, "prompt_tokens": int(mask.sum()) * G, "completion_tokens": sum(lengths),
+            "padded_width": ids.shape[1] + new}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--G", type=int, default=8)
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--one", choices=PATHS, help=argparse.SUPPRESS)  # a child process: one path, JSON out
+    a = ap.parse_args()
+    if a.one:
+        print(json.dumps(measure(a.one, a.prompts, a.G, a.new)))
+        return
+    runs: dict[str, list[dict]] = {p: [] for p in PATHS}
+    for r in range(a.rounds):
+        for path in PATHS:
+            out = subprocess.run([sys.executable, __file__, "--one", path, "--prompts", str(a.prompts), "--G",
+                                  str(a.G), "--new", str(a.new)], capture_output=True, text=True, check=True)
+            runs[path].append(json.loads(out.stdout.strip().splitlines()[-1]))
+            print(f"round {r + 1} {path}: {runs[path][-1]['update_s']:.2f} s", file=sys.stderr, flush=True)
+
+    from rich.console import Console
+    from rich.table import Table
+
+    first = runs[PATHS[0]][0]
+    table = Table(title=f"one update, {a.prompts} prompts x G={a.G}, {first['completion_tokens']} completion + "
+                        f"{first['prompt_tokens']} prompt tokens (padded {a.prompts * a.G} x "
+                        f"{first['padded_width']}); median of {a.rounds} rounds")
+    keys = ("ref_s", "forward_s", "backward_s", "update_s", "peak_rss_gb")
+    for col in ("path", *keys):
+        table.add_column(col, justify="right")
+    for path in PATHS:
+        table.add_row(path, *(f"{statistics.median(r[k] for r in runs[path]):.2f}" for k in keys))
+    ratio = statistics.median(r["update_s"] for r in runs["shared"]) / statistics.median(
+        r["update_s"] for r in runs["full"])
+    Console().print(table)
+    print(f"shared / full update time: {ratio:.2f}")
+
+
+if __name__ == "__main__":
+    main()
