@@ -146,19 +146,29 @@ def update(policy, optimizer, scheduler, batch: Batch, loss, num_iterations: int
     skipped = 0
     policy.train()
     for _ in range(num_iterations):
-        pass_loss = batch.mask.new_zeros(())
+        losses = []
         for rows in micro_batches(batch.active, micro_batch_size):
-            sub, mask = batch.rollout.select(rows), batch.mask[rows]
-            logp, entropy = sequence_logprobs(policy, sub, with_entropy=True)  # [n, T] each
-            old = batch.old_logp[rows] if batch.old_logp is not None else logp.detach()
-            ref = batch.ref_logp[rows] if batch.ref_logp is not None else None
-            # the sampler's own log-probs (vLLM) give sampler/logp_gap and, with algo.is_correction_cap, IS weights
-            micro_loss, stats = loss_fn(logp, old, ref, batch.advantages[rows], mask, sampling_logp=sub.sampling_logp)
-            micro_loss.backward()
-            pass_loss = pass_loss + micro_loss.detach()
-            share = mask.sum() / active_tokens / num_iterations  # this micro-batch's share of the tokens
-            for key, value in {**stats, "entropy": masked_mean(entropy, mask)}.items():
-                totals[key] = totals[key] + value.detach() * share
+            sub, index = batch.rollout.select(rows), torch.tensor(rows, device=batch.mask.device)
+
+            def bucket_loss(part, logp, entropy, index=index, sub=sub, losses=losses):  # called right here
+                """The loss of a bucket of this micro-batch (`part`: positions in `rows`; logp, entropy [b, T]),
+                weighted as its share of the batch (the loss is a sum over rows), and its statistics."""
+                picked = index[part]
+                mask = batch.mask[picked]
+                old = batch.old_logp[picked] if batch.old_logp is not None else logp.detach()
+                ref = batch.ref_logp[picked] if batch.ref_logp is not None else None
+                # the sampler's own log-probs (vLLM): sampler/logp_gap and, with algo.is_correction_cap, IS weights
+                sampling = None if sub.sampling_logp is None else sub.sampling_logp[part]
+                loss_part, stats = loss_fn(logp, old, ref, batch.advantages[picked], mask, sampling_logp=sampling)
+                losses.append(loss_part.detach())
+                share = mask.sum() / active_tokens / num_iterations  # this bucket's share of the tokens
+                for key, value in {**stats, "entropy": masked_mean(entropy, mask)}.items():
+                    totals[key] = totals[key] + value.detach() * share
+                return loss_part
+
+            # forward and backward bucket by bucket: the peak holds one bucket's activations, not the micro-batch's
+            sequence_logprobs(policy, sub, with_entropy=True, backward=bucket_loss)
+        pass_loss = torch.stack(losses).sum() if losses else batch.mask.new_zeros(())
         # the batch gradient: this rank's micro-batch losses are its share of the batch loss
         world.sum_gradients(params)
         pass_loss = float(world.sum(pass_loss))  # one transfer per optimizer step

@@ -6,8 +6,9 @@
 The batch is the bench's (`make bench`): SmolLM2-135M fp32, LoRA r16 on all 7 projections, `--prompts` 2-digit
 addition prompts x G completions of ~51 tokens (random tokens, lengths drawn around the bench's mean, at most
 `--new`), one micro-batch. Each path runs in a fresh process (so its peak RSS is its own), rounds interleaved;
-per path: the reference forward (adapter off, no gradient), the policy forward (log-probs + entropy) and the
-backward of a GRPO-like loss, median over steps 2-4 of the process, then median over rounds.
+per path: the reference forward (adapter off, no gradient), then the policy's forward (log-probs + entropy)
+and backward of a GRPO-like loss (the shared path, as the trainer runs it, backs up each length bucket as soon
+as it is scored, so the two are timed together), median over steps 2-4 of the process, then over rounds.
 Run it on a quiet machine.
 """
 
@@ -29,8 +30,10 @@ def measure(path: str, prompts: int, G: int, new: int) -> dict:
     import torch
 
     from grpo_cli import rollout as R
+    from grpo_cli.metrics import limit_heap_growth
     from grpo_cli.policy import apply_lora, load_embedded_gguf, reference
 
+    limit_heap_growth()  # as the CLI does at start-up
     torch.manual_seed(0)
     model, tokenizer = load_embedded_gguf()
     policy = apply_lora(model, 16, 32, 0.0, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
@@ -55,17 +58,21 @@ def measure(path: str, prompts: int, G: int, new: int) -> dict:
         with torch.no_grad(), reference(policy):
             ref = logprobs(policy, batch)
         t1 = time.perf_counter()
-        logp, _ = logprobs(policy, batch, with_entropy=True)
-        kl = (ref - logp).exp() - (ref - logp) - 1
-        loss = ((logp - logp.detach()).exp() - 0.04 * kl).mul(cmask).sum() / n
-        t2 = time.perf_counter()
-        loss.backward()
-        t3 = time.perf_counter()
+
+        def loss(rows, logp, entropy, ref=ref):
+            kl = (ref[rows] - logp).exp() - (ref[rows] - logp) - 1
+            return ((logp - logp.detach()).exp() - 0.04 * kl).mul(cmask[rows]).sum() / n
+
+        if path == "full":  # one forward of the batch, then one backward
+            loss(torch.arange(n), *logprobs(policy, batch, with_entropy=True)).backward()
+        else:  # as the trainer: each length bucket's backward right after its forward
+            logprobs(policy, batch, with_entropy=True, backward=loss)
+        t2 = t3 = time.perf_counter()
         policy.zero_grad()
         times.append((t1 - t0, t2 - t1, t3 - t2))
-    ref_s, fwd_s, bwd_s = (statistics.median(x) for x in zip(*times[1:]))
+    ref_s, policy_s, _ = (statistics.median(x) for x in zip(*times[1:]))
     rss_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    return {"path": path, "ref_s": ref_s, "forward_s": fwd_s, "backward_s": bwd_s, "update_s": ref_s + fwd_s + bwd_s,
+    return {"path": path, "ref_s": ref_s, "policy_fwd_bwd_s": policy_s, "update_s": ref_s + policy_s,
             "peak_rss_gb": rss_gb, "prompt_tokens": int(mask.sum()) * G, "completion_tokens": sum(lengths),
             "padded_width": ids.shape[1] + new}
 
@@ -96,7 +103,7 @@ def main() -> None:
     table = Table(title=f"one update, {a.prompts} prompts x G={a.G}, {first['completion_tokens']} completion + "
                         f"{first['prompt_tokens']} prompt tokens (padded {a.prompts * a.G} x "
                         f"{first['padded_width']}); median of {a.rounds} rounds")
-    keys = ("ref_s", "forward_s", "backward_s", "update_s", "peak_rss_gb")
+    keys = ("ref_s", "policy_fwd_bwd_s", "update_s", "peak_rss_gb")
     for col in ("path", *keys):
         table.add_column(col, justify="right")
     for path in PATHS:

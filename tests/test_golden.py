@@ -21,12 +21,12 @@ from test_train import metrics, tiny_cfg
 from grpo_cli import train
 
 GOLDEN = [
-    {"step": 1, "loss": -0.0027142646722495556, "reward": 0.875, "kl": 0.0011169624049216509,
-     "grad_norm": 0.02398107945919037},
-    {"step": 2, "loss": 0.017765644937753677, "reward": 0.5, "kl": 0.007125397678464651,
-     "grad_norm": 0.42803871631622314},
-    {"step": 3, "loss": 0.0014453604817390442, "reward": 0.75, "kl": 0.02142440155148506,
-     "grad_norm": 0.20637547969818115},
+    {"step": 1, "loss": -0.0027142572216689587, "reward": 0.875, "kl": 0.0011169620556756854,
+     "grad_norm": 0.023981085047125816},
+    {"step": 2, "loss": 0.017765607684850693, "reward": 0.5, "kl": 0.007125396281480789,
+     "grad_norm": 0.4280388057231903},
+    {"step": 3, "loss": 0.0014454051852226257, "reward": 0.75, "kl": 0.02142438292503357,
+     "grad_norm": 0.20637640357017517},
 ]
 
 
@@ -39,4 +39,6 @@ def test_three_tiny_steps_match_the_pinned_numbers(tmp_path):
     assert all(r["clip_ratio/region_mean"] > 0 for r in records)  # the clip is active, so the pin guards it
     for record, golden in zip(records, GOLDEN, strict=True):
         for key, value in golden.items():
-            assert record[key] == pytest.approx(value, rel=1e-5, abs=1e-8), (record["step"], key)
+            # abs 1e-7: the loss is a sum of terms of ~1e-2, and summing them in another order (micro-batches,
+            # length buckets) moves it by ~5e-8; the changes this test exists for move it by 1e-3 or more
+            assert record[key] == pytest.approx(value, rel=1e-5, abs=1e-7), (record["step"], key)

@@ -182,7 +182,8 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return pos.masked_fill(attention_mask == 0, 0)
 
 
-def sequence_logprobs(model, rollout: Rollout, *, with_entropy: bool = False, bucket_rows: int = 8):
+def sequence_logprobs(model, rollout: Rollout, *, with_entropy: bool = False, bucket_rows: int = 8,
+                      backward=None):
     """Log-probs of the completion tokens under `model`: [N, T] (and entropies [N, T] if asked), 0 on padding.
 
     The work done is the tokens', not the padded batch's:
@@ -196,14 +197,24 @@ def sequence_logprobs(model, rollout: Rollout, *, with_entropy: bool = False, bu
     tokens are scored exactly as the sampler produced them. Models whose logits are not the LM head of
     the last hidden state, and gradient checkpointing in training (its layers drop the KV cache), take
     `full_sequence_logprobs` instead.
+
+    `backward(rows, logp, entropy) -> loss`: the loss of a bucket (rows: positions in `rollout`, logp and
+    entropy [b, T]), back-propagated at once. Each bucket's activations are then freed before the next
+    bucket runs, and the prompts' after the last (their gradients gathered from every bucket), so the
+    peak holds the prompts and one bucket, not the whole batch. The log-probs come back detached.
     """
     body, head = _decoder_and_head(model)
     # checkpointed layers drop a KV cache they are given (transformers' GradientCheckpointingLayer)
     checkpointing = body.training and torch.is_grad_enabled() and any(
         getattr(m, "gradient_checkpointing", False) for m in body.modules())
-    if head is None or checkpointing:
-        return full_sequence_logprobs(model, rollout, with_entropy=with_entropy)
     n, width = rollout.completion_ids.shape
+    if head is None or checkpointing:
+        out = full_sequence_logprobs(model, rollout, with_entropy=with_entropy)
+        logp, entropy = out if with_entropy else (out, None)
+        if backward is not None:
+            backward(torch.arange(n, device=logp.device), logp, entropy).backward()
+            return (logp.detach(), entropy) if with_entropy else logp.detach()
+        return out
     lengths = rollout.completion_mask.sum(1).clamp(min=1).tolist()  # [N] one host copy; EOS included
     order = sorted(range(n), key=lambda i: lengths[i])
     cache_key = "cache" if "cache" in inspect.signature(body.forward).parameters else "past_key_values"
@@ -214,8 +225,11 @@ def sequence_logprobs(model, rollout: Rollout, *, with_entropy: bool = False, bu
         p_ids, p_mask = prompts.split(rollout.prompt_ids.shape[1], 1)
         out = body(input_ids=p_ids, attention_mask=p_mask, position_ids=position_ids(p_mask), use_cache=True)
         cache = out["cache" if "cache" in out else "past_key_values"]  # the output's name follows the version too
-        layers = [(layer.keys, layer.values) for layer in cache.layers]  # [U, H, P, d] per layer
-        last = out.last_hidden_state[:, -1]  # [U, D]: predicts each completion's first token
+        # [U, H, P, d] keys and values per layer, and [U, D] the last hidden state (predicts each first token)
+        prompt = [t for layer in cache.layers for t in (layer.keys, layer.values)] + [out.last_hidden_state[:, -1]]
+        if backward is not None:  # buckets read detached copies; their gradients reach the prompt pass at the end
+            inputs, prompt = prompt, [t.detach().requires_grad_(t.requires_grad) for t in prompt]
+        *kv, last = prompt
         pieces, entropies = [], []
         for start in range(0, n, bucket_rows):
             rows = torch.tensor(order[start:start + bucket_rows], device=which.device)
@@ -225,7 +239,8 @@ def sequence_logprobs(model, rollout: Rollout, *, with_entropy: bool = False, bu
             if t > 1:  # tokens 0..t-2 continue the shared prompt caches; their outputs predict tokens 1..t-1
                 from transformers import DynamicCache
 
-                shared = DynamicCache(ddp_cache_data=[(k[which[rows]], v[which[rows]]) for k, v in layers])
+                shared = DynamicCache(ddp_cache_data=[(kv[i][which[rows]], kv[i + 1][which[rows]])
+                                                      for i in range(0, len(kv), 2)])
                 mask = torch.cat([p_mask[which[rows]], rollout.completion_mask[rows, :t - 1]], 1)  # [b, P+t-1]
                 pos = p_mask[which[rows]].sum(1, keepdim=True) + torch.arange(t - 1, device=mask.device)
                 h = body(input_ids=tokens[:, :-1], attention_mask=mask, position_ids=pos, use_cache=True,
@@ -233,17 +248,25 @@ def sequence_logprobs(model, rollout: Rollout, *, with_entropy: bool = False, bu
                 hidden = torch.cat([hidden, h], 1)  # [b, t, D]
             logp, entropy = head_logprobs(hidden.flatten(0, 1), head.weight, tokens.flatten(),
                                           with_entropy=with_entropy)
-            pieces.append(torch.nn.functional.pad(logp.view(-1, t), (0, width - t)))  # [b, T]
+            logp = torch.nn.functional.pad(logp.view(-1, t), (0, width - t)) * rollout.completion_mask[rows]  # [b, T]
             if with_entropy:
-                entropies.append(torch.nn.functional.pad(entropy.view(-1, t), (0, width - t)))
+                entropy = torch.nn.functional.pad(entropy.view(-1, t), (0, width - t)) * rollout.completion_mask[rows]
+                entropies.append(entropy)
+            if backward is not None:
+                backward(rows, logp, entropy).backward()
+                logp = logp.detach()
+            pieces.append(logp)
+    if backward is not None and any(t.grad is not None for t in prompt):
+        torch.autograd.backward([x for x, t in zip(inputs, prompt) if t.grad is not None],
+                                [t.grad for t in prompt if t.grad is not None])
     # rows back from length order to the rollout's order
     back = torch.empty(n, dtype=torch.long)
     back[torch.tensor(order)] = torch.arange(n)
     back = back.to(which.device)
-    logp = torch.cat(pieces)[back] * rollout.completion_mask
+    logp = torch.cat(pieces)[back]
     if not with_entropy:
         return logp
-    return logp, (torch.cat(entropies)[back] * rollout.completion_mask).detach()
+    return logp, torch.cat(entropies)[back].detach()
 
 
 def _decoder_and_head(model):
