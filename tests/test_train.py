@@ -46,8 +46,10 @@ def test_two_steps_move_lora_only_and_checkpoint_reloads(tmp_path):
     for key in ("reward", "reward_std", "rewards/digit/mean", "frac_reward_zero_std", "kl", "clip_ratio/low_mean",
                 "clip_ratio/high_mean", "clip_ratio/region_mean", "entropy", "completions/mean_length",
                 "completions/max_length", "completions/clipped_ratio", "loss", "grad_norm", "learning_rate",
-                "time/rollout_s", "time/update_s", "tokens_per_s", "peak_memory_mb"):
+                "time/rollout_s", "time/update_s", "time/step_s", "tokens_per_s", "peak_memory_mb"):
         assert key in metrics(tmp_path)[0], key
+    first = metrics(tmp_path)[0]  # the step holds its rollout and its update, and a little more (rewards)
+    assert first["time/rollout_s"] + first["time/update_s"] <= first["time/step_s"]
     assert last == tmp_path / "checkpoints" / "step_000002"
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
     assert {p.suffix for p in last.iterdir()} <= {".safetensors", ".json", ".yaml"}
