@@ -82,9 +82,9 @@ def test_is_correction_cap_needs_a_sampler_with_its_own_logprobs(monkeypatch):
 
 @needs_vllm
 def test_a_model_vllm_cannot_serve_falls_back_to_hf_with_one_warning(tiny, monkeypatch, capsys):
-    import vllm
+    from grpo_cli.rollout.vllm import VLLMSampler, import_vllm
 
-    from grpo_cli.rollout.vllm import VLLMSampler
+    vllm = import_vllm()  # as the sampler imports it: vLLM's import-time warnings stay off the console
 
     def refuse(**kwargs):
         raise ValueError("Model architectures ['FooForCausalLM'] are not supported for now.\nSupported: ...")

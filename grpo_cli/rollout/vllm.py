@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import logging
 import os
 import random
 import signal
@@ -61,6 +62,20 @@ def installed() -> bool:
     """vLLM can be imported (found without importing it: that takes seconds)."""
     return importlib.util.find_spec("vllm") is not None
 
+
+
+def import_vllm():
+    """`import vllm`, with the settings it reads at import time: the engine in this process (no spawn), on the
+    trainer's threads, and only its errors on the console (its start-up warnings are for servers)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    quiet = "VLLM_LOGGING_LEVEL" not in os.environ
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    import vllm
+
+    if quiet:  # also when something imported vLLM before this did; its lazy imports (Triton's probes) log later
+        logging.getLogger("vllm").setLevel(logging.ERROR)
+    return vllm
 
 class VLLMSampler:
     """The `sampler` settings (conf/sampler/vllm.yaml) and a vLLM engine started on first use."""
@@ -151,6 +166,7 @@ class VLLMSampler:
     # ---- the engine --------------------------------------------------------------------------
 
     def _on_gpu(self) -> bool:
+        import_vllm()
         from vllm.platforms import current_platform
 
         return not current_platform.is_cpu()
@@ -161,12 +177,8 @@ class VLLMSampler:
             return True
         if self.fallback is not None:
             return False
-        # read when vLLM is imported
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: no spawn
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # and on the trainer's threads
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its start-up warnings are for servers
         try:
-            import vllm
+            vllm = import_vllm()
         except Exception as err:  # ImportError, or a broken install (torchvision built for another torch)
             raise ConfigError(f"sampler=vllm cannot import vLLM ({str(err).splitlines()[0][:160]}): {INSTALL}; "
                               f"or use sampler=default") from None
