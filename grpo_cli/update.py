@@ -3,6 +3,10 @@
     batch = prepare(policy, rollout, advantages, loss, ...)   # everything the loss needs, no gradient
     stats = update(policy, optimizer, scheduler, batch, ...)  # micro-batches -> loss -> backward -> step
 
+Within a micro-batch, `sequence_logprobs` runs each prompt once and the completions in length buckets;
+each bucket's loss is back-propagated as soon as it is made (the loss is a sum over rows), so the peak
+holds one bucket's activations.
+
 `prepare` gathers the token mask, the rows that carry a gradient, the reference log-probs (adapter
 off, or its frozen copy in iterative RL; only when β > 0) and the old-policy log-probs (only when
 μ > 1), all with dropout off, so that the update only loops over micro-batches. `advantages` turns

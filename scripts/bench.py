@@ -136,7 +136,7 @@ def main() -> None:
                       fmt(s["peak_rss_gb"], 2), fmt(s["mean_length"]),
                       fmt(s["s_per_step"] / vs["s_per_step"], 2) if vs else "–",
                       fmt(s["peak_rss_gb"] / vs["peak_rss_gb"], 2) if vs else "–")
-    console = Console()
+    console = Console(width=max(Console().width, 130))
     console.print(table)
     for arm, s in summary.items():
         if s["rollout_s"]:
