@@ -18,31 +18,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from process_vs_outcome import grpo, last_checkpoint  # noqa: E402  (this folder is on sys.path)
+
 SAMPLERS = {"hf": [], "vllm": ["sampler=vllm", "sampler.max_new_tokens=32"]}
-
-
-def grpo(*args: str, log: Path) -> float:
-    """Run `grpo ARGS` with this interpreter, output to `log`; returns its wall time in seconds."""
-    start = time.perf_counter()
-    with log.open("w") as out:
-        done = subprocess.run([sys.executable, "-m", "grpo_cli", *args], cwd=REPO, stdout=out,
-                              stderr=subprocess.STDOUT)
-    if done.returncode:
-        sys.exit(f"grpo {' '.join(args)} failed (exit {done.returncode}); see {log}")
-    return time.perf_counter() - start
-
-
-def last_checkpoint(run: Path) -> Path | None:
-    found = sorted((run / "checkpoints").glob("step_*"))
-    return found[-1] if found else None
 
 
 def greedy_rows(out: Path) -> dict[tuple[str | None, int], dict]:

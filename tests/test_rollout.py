@@ -197,6 +197,17 @@ def _ragged_rollout(tokenizer, order):
     return rollout.select(order)
 
 
+def _adapted_tiny():
+    """(policy, tokenizer): the tiny model with a nonzero LoRA adapter, so the adapter is really in the forward."""
+    model, tokenizer = load_tiny_random(seed=3)
+    policy = apply_lora(model, 4, 8, 0.0, ["q_proj", "v_proj", "down_proj"])
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    return policy, tokenizer
+
+
 def _grads(model, rollout, logprobs, **kw):
     model.zero_grad()
     logp, entropy = logprobs(model, rollout, with_entropy=True, **kw)
@@ -208,12 +219,7 @@ def _grads(model, rollout, logprobs, **kw):
 def test_shared_prefix_logprobs_equal_the_whole_sequence_forward(bucket_rows):
     """Each prompt once, its cache shared, buckets by length, the fused head: the same log-probs, entropies
     and LoRA gradients as every row's whole padded sequence through the model; rows in any order."""
-    model, tokenizer = load_tiny_random(seed=3)
-    policy = apply_lora(model, 4, 8, 0.0, ["q_proj", "v_proj", "down_proj"])
-    with torch.no_grad():
-        for name, p in policy.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.1)
+    policy, tokenizer = _adapted_tiny()
     rollout = _ragged_rollout(tokenizer, torch.randperm(12, generator=torch.Generator().manual_seed(1)))
     policy.train()
     ours = _grads(policy, rollout, sequence_logprobs, bucket_rows=bucket_rows)
@@ -262,12 +268,7 @@ def test_backward_bucket_by_bucket_gives_the_same_gradients():
     """With `backward`, each bucket's loss is back-propagated as soon as it is made and the prompts' pass
     once at the end: the LoRA gradients equal one backward of the summed loss, and the log-probs come back
     detached."""
-    model, tokenizer = load_tiny_random(seed=3)
-    policy = apply_lora(model, 4, 8, 0.0, ["q_proj", "v_proj", "down_proj"])
-    with torch.no_grad():
-        for name, p in policy.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.1)
+    policy, tokenizer = _adapted_tiny()
     rollout = _ragged_rollout(tokenizer, torch.randperm(12, generator=torch.Generator().manual_seed(2)))
     weights = torch.linspace(-1, 1, 12 * 9).view(12, 9)
     policy.train()
