@@ -207,6 +207,8 @@ def sequence_logprobs(model, rollout: Rollout, *, with_entropy: bool = False, bu
     # checkpointed layers drop a KV cache they are given (transformers' GradientCheckpointingLayer)
     checkpointing = body.training and torch.is_grad_enabled() and any(
         getattr(m, "gradient_checkpointing", False) for m in body.modules())
+    from transformers import DynamicCache
+
     n, width = rollout.completion_ids.shape
     if head is None or checkpointing:
         out = full_sequence_logprobs(model, rollout, with_entropy=with_entropy)
@@ -224,7 +226,7 @@ def sequence_logprobs(model, rollout: Rollout, *, with_entropy: bool = False, bu
                                       return_inverse=True)
         p_ids, p_mask = prompts.split(rollout.prompt_ids.shape[1], 1)
         out = body(input_ids=p_ids, attention_mask=p_mask, position_ids=position_ids(p_mask), use_cache=True)
-        cache = out["cache" if "cache" in out else "past_key_values"]  # the output's name follows the version too
+        cache = out["cache" if "cache" in out else "past_key_values"]  # named as in hf.py's prefill, by version
         # [U, H, P, d] keys and values per layer, and [U, D] the last hidden state (predicts each first token)
         prompt = [t for layer in cache.layers for t in (layer.keys, layer.values)] + [out.last_hidden_state[:, -1]]
         if backward is not None:  # buckets read detached copies; their gradients reach the prompt pass at the end
@@ -233,16 +235,14 @@ def sequence_logprobs(model, rollout: Rollout, *, with_entropy: bool = False, bu
         pieces, entropies = [], []
         for start in range(0, n, bucket_rows):
             rows = torch.tensor(order[start:start + bucket_rows], device=which.device)
+            own = which[rows]  # [b] each row's prompt
             t = max(lengths[i] for i in order[start:start + bucket_rows])
             tokens = rollout.completion_ids[rows, :t]  # [b, t]
-            hidden = last[which[rows]][:, None]  # [b, 1, D]
+            hidden = last[own][:, None]  # [b, 1, D]
             if t > 1:  # tokens 0..t-2 continue the shared prompt caches; their outputs predict tokens 1..t-1
-                from transformers import DynamicCache
-
-                shared = DynamicCache(ddp_cache_data=[(kv[i][which[rows]], kv[i + 1][which[rows]])
-                                                      for i in range(0, len(kv), 2)])
-                mask = torch.cat([p_mask[which[rows]], rollout.completion_mask[rows, :t - 1]], 1)  # [b, P+t-1]
-                pos = p_mask[which[rows]].sum(1, keepdim=True) + torch.arange(t - 1, device=mask.device)
+                shared = DynamicCache(ddp_cache_data=[(kv[i][own], kv[i + 1][own]) for i in range(0, len(kv), 2)])
+                mask = torch.cat([p_mask[own], rollout.completion_mask[rows, :t - 1]], 1)  # [b, P+t-1]
+                pos = p_mask[own].sum(1, keepdim=True) + torch.arange(t - 1, device=mask.device)
                 h = body(input_ids=tokens[:, :-1], attention_mask=mask, position_ids=pos, use_cache=True,
                          **{cache_key: shared}).last_hidden_state  # [b, t-1, D]
                 hidden = torch.cat([hidden, h], 1)  # [b, t, D]
@@ -259,10 +259,7 @@ def sequence_logprobs(model, rollout: Rollout, *, with_entropy: bool = False, bu
     if backward is not None and any(t.grad is not None for t in prompt):
         torch.autograd.backward([x for x, t in zip(inputs, prompt) if t.grad is not None],
                                 [t.grad for t in prompt if t.grad is not None])
-    # rows back from length order to the rollout's order
-    back = torch.empty(n, dtype=torch.long)
-    back[torch.tensor(order)] = torch.arange(n)
-    back = back.to(which.device)
+    back = torch.argsort(torch.tensor(order, device=which.device))  # rows back from length order to the rollout's
     logp = torch.cat(pieces)[back]
     if not with_entropy:
         return logp
