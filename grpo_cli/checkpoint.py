@@ -16,7 +16,6 @@ file at fault.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import time
@@ -24,9 +23,12 @@ from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from peft import set_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 
+from grpo_cli import files
 from grpo_cli.errors import CheckpointError, RunError
+from grpo_cli.policy import REFERENCE, set_reference
 
 STEP_DIR = "step_{:06d}"
 ADAPTER = "adapter_model.safetensors"
@@ -106,14 +108,6 @@ def resolve(path: str | Path, *, warn=None) -> Path:
     raise CheckpointError(f"no usable checkpoint in {path}: {problems[0]}")
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _optimizer_to_files(state: dict) -> tuple[dict[str, torch.Tensor], dict]:
     """Split optimizer.state_dict() into tensors (safetensors) and plain values (JSON)."""
     tensors, plain = {}, {"param_groups": state["param_groups"], "state": {}}
@@ -154,28 +148,19 @@ def save(run_dir: Path, step: int, policy, optimizer, scheduler, trainer_state: 
     if not all(bool(p.isfinite().all()) for p in trainable):
         raise RuntimeError(f"refusing to save step {step}: the adapter weights are not finite")
     final = checkpoint_dir(run_dir, step)
-    tmp = final.with_name(final.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
     try:
-        tmp.mkdir(parents=True)
-        policy.save_pretrained(tmp, safe_serialization=True)
-        (tmp / "README.md").unlink(missing_ok=True)  # peft's model card: not part of the checkpoint
-        tensors, plain = _optimizer_to_files(optimizer.state_dict())
-        save_file(tensors, tmp / "optimizer.safetensors")
-        (tmp / "optimizer.json").write_text(json.dumps(plain, default=_json_default))
-        (tmp / "scheduler.json").write_text(json.dumps(scheduler.state_dict(), default=_json_default))
-        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1, default=_json_default))
-        OmegaConf.save(config, tmp / "config.yaml", resolve=True)
-        for file in tmp.rglob("*"):  # on disk before the rename makes the checkpoint visible
-            if file.is_file():
-                _fsync(file)
+        with files.folder(final) as tmp:
+            policy.save_pretrained(tmp, safe_serialization=True)
+            (tmp / "README.md").unlink(missing_ok=True)  # peft's model card: not part of the checkpoint
+            tensors, plain = _optimizer_to_files(optimizer.state_dict())
+            save_file(tensors, tmp / "optimizer.safetensors")
+            (tmp / "optimizer.json").write_text(json.dumps(plain, default=_json_default))
+            (tmp / "scheduler.json").write_text(json.dumps(scheduler.state_dict(), default=_json_default))
+            (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1, default=_json_default))
+            OmegaConf.save(config, tmp / "config.yaml", resolve=True)
     except Exception as err:  # disk full, a read-only folder (safetensors raises its own error type)
-        shutil.rmtree(tmp, ignore_errors=True)
         raise RunError(f"cannot write checkpoint {final} ({str(err).splitlines()[0][:200]}); the earlier "
                        f"checkpoints are intact: free space and resume with: grpo train resume={run_dir}") from None
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
-    _fsync(final.parent)
     if keep_last:
         for old in list_checkpoints(run_dir)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
@@ -184,8 +169,6 @@ def save(run_dir: Path, step: int, policy, optimizer, scheduler, trainer_state: 
 
 def load_adapter(policy, path: Path) -> None:
     """Load a checkpoint's LoRA weights into `policy` (a peft model with the same adapter config)."""
-    from peft import set_peft_model_state_dict
-
     file = Path(path) / ADAPTER
     try:
         weights = load_file(file)
@@ -204,10 +187,6 @@ def load_adapter(policy, path: Path) -> None:
 
 def load_reference(policy, path: Path) -> bool:
     """Make the checkpoint's reference adapter (iterative RL) the policy's reference; False if it has none."""
-    from peft import set_peft_model_state_dict
-
-    from grpo_cli.policy import REFERENCE, set_reference
-
     file = Path(path) / REFERENCE_DIR / ADAPTER
     if not file.exists():
         return False

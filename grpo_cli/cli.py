@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import importlib
+import importlib.metadata
+import os
 import sys
+import warnings
 
 COMMANDS = {
-    "train": ("grpo_cli.train", "train a policy with GRPO (Hydra app over conf/train.yaml)"),
-    "eval": ("grpo_cli.evaluate", "evaluate saved checkpoints on held-out problems (conf/eval.yaml)"),
-    "sample": ("grpo_cli.sample", "print completions of a checkpoint or the base model (conf/sample.yaml)"),
-    "rm": ("grpo_cli.rm", "train an outcome or process reward model on labeled or self-sampled rows (conf/rm.yaml)"),
-    "export": ("grpo_cli.export", "write a checkpoint as a merged HF model or a peft adapter (conf/export.yaml)"),
+    "train": ("train", "train a policy with GRPO (Hydra app over conf/train.yaml)"),
+    "eval": ("evaluate", "evaluate saved checkpoints on held-out problems (conf/eval.yaml)"),
+    "sample": ("sample", "print completions of a checkpoint or the base model (conf/sample.yaml)"),
+    "rm": ("rm", "train an outcome or process reward model on labeled or self-sampled rows (conf/rm.yaml)"),
+    "export": ("export", "write a checkpoint as a merged HF model or a peft adapter (conf/export.yaml)"),
 }
 
 USAGE = "usage: grpo {" + ",".join(COMMANDS) + "} [HYDRA OVERRIDES...] [--help] [--cfg job] [-m]\n\n" \
@@ -28,11 +32,10 @@ def default_allocator_conf(environ) -> None:
     """
     if "PYTORCH_ALLOC_CONF" in environ or "PYTORCH_CUDA_ALLOC_CONF" in environ:
         return
-    from importlib.metadata import PackageNotFoundError, version
 
     try:
-        major, minor = (int(part) for part in version("torch").split(".")[:2])
-    except (PackageNotFoundError, ValueError):
+        major, minor = (int(part) for part in importlib.metadata.version("torch").split(".")[:2])
+    except (importlib.metadata.PackageNotFoundError, ValueError):
         major, minor = 0, 0
     name = "PYTORCH_ALLOC_CONF" if (major, minor) >= (2, 11) else "PYTORCH_CUDA_ALLOC_CONF"
     environ[name] = "expandable_segments:True"
@@ -47,9 +50,6 @@ def main(argv: list[str] | None = None) -> None:
     if command not in COMMANDS:
         print(f"error: unknown command {command!r}; use one of: {', '.join(COMMANDS)}", file=sys.stderr)
         sys.exit(2)
-    import importlib
-    import os
-    import warnings
 
     # library chatter (deprecation notices, weight-loading bars) hides our own one-line messages
     for category in (FutureWarning, DeprecationWarning, UserWarning):
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     default_allocator_conf(os.environ)
 
     try:
-        module = importlib.import_module(COMMANDS[command][0])
+        module = importlib.import_module("grpo_cli.commands." + COMMANDS[command][0])
         sys.argv = [f"grpo {command}", *rest]
         module.main()
     except KeyboardInterrupt:  # Ctrl-C while importing or composing, before a command's own handling

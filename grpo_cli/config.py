@@ -8,197 +8,52 @@ milliseconds with a message that names the field and the fix, not after a 20 s m
 
 from __future__ import annotations
 
-import functools
+import difflib
+import importlib.util
 import inspect
 import os
-import re
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
+import torch
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from hydra.core.global_hydra import GlobalHydra
+from hydra.utils import get_object
 from omegaconf import DictConfig, ListConfig, OmegaConf
+from transformers.trainer_utils import SchedulerType
 
-from grpo_cli.errors import ConfigError, RunError
+from grpo_cli.errors import ConfigError
 from grpo_cli.objective import KL_ESTIMATORS, LOSS_TYPES, SCALES, STDS
 from grpo_cli.policy import ATTN_IMPLEMENTATIONS, DTYPES
-
-_PKG = Path(__file__).resolve().parent
-
-
-def _resource_dir(name: str) -> Path:
-    """conf/ and recipes/ sit beside the package in the source tree and inside it in a wheel."""
-    for candidate in (_PKG / name, _PKG.parent / name):
-        if candidate.is_dir():
-            return candidate
-    raise RuntimeError(f"cannot find the {name}/ folder next to {_PKG}; reinstall grpo-cli")
-
-
-CONF_DIR = _resource_dir("conf")
-RECIPES_DIR = _resource_dir("recipes")
+from grpo_cli.resources import CONF_DIR, RECIPES_DIR
+from grpo_cli.rollout import vllm as engine
 
 
 def register_recipes() -> None:
     """Store every recipes/*.yaml as `recipe/NAME` with package _global_, for `+recipe=NAME`."""
-    from hydra.core.config_store import ConfigStore
-
     store = ConfigStore.instance()
     for path in sorted(RECIPES_DIR.glob("*.yaml")):
         store.store(group="recipe", name=path.stem, node=OmegaConf.load(path), package="_global_")
 
 
-def hydra_app(config_name: str) -> Callable:
-    """Decorator: a Hydra main over conf/CONFIG_NAME.yaml whose errors end in one line each, no traceback.
-
-    ConfigError (a setting, an input file): exit 2. RunError and OSError (disk full, a read-only
-    folder): exit 1. Ctrl-C outside the training loop's own handler (during a model load): exit 130.
-    """
-    import hydra
-
-    register_recipes()
-
-    def wrap(fn: Callable[[DictConfig], Any]) -> Callable:
-        @functools.wraps(fn)
-        def task(cfg: DictConfig) -> Any:
-            try:
-                return fn(cfg)
-            except ConfigError as err:
-                if os.environ.get("HYDRA_FULL_ERROR") == "1":
-                    raise
-                for line in str(err).splitlines():  # validate() reports every problem, one per line
-                    print(f"error: {line}", file=sys.stderr)
-                sys.exit(2)
-            except (RunError, OSError) as err:
-                if os.environ.get("HYDRA_FULL_ERROR") == "1":
-                    raise
-                print(f"error: {err}", file=sys.stderr)
-                sys.exit(1)
-            except KeyboardInterrupt:
-                print("interrupted", file=sys.stderr)
-                sys.exit(130)
-            except Exception as err:
-                # a Ctrl-C inside a lazy import comes back as transformers' ModuleNotFoundError
-                if _caused_by_interrupt(err) and os.environ.get("HYDRA_FULL_ERROR") != "1":
-                    print("interrupted", file=sys.stderr)
-                    sys.exit(130)
-                raise
-
-        app = hydra.main(version_base=None, config_path=str(CONF_DIR), config_name=config_name)(task)
-
-        @functools.wraps(fn)
-        def entry() -> Any:
-            _precompose(config_name, sys.argv[1:])
-            sys.argv += rank_overrides(config_name, sys.argv[1:])
-            _check_output_dir(sys.argv[1:])
-            return app()
-
-        return entry
-
-    return wrap
 
 
-def rank_overrides(config_name: str, argv: list[str]) -> list[str]:
-    """Overrides that make N ranks (torchrun) one run: every rank's run folder is the one rank 0's clock
-    names (Hydra's ${now:} is read on each rank), and only rank 0 writes Hydra's .hydra/ and log file."""
-    from grpo_cli.distributed import init_world, start_time, world_size
-
-    if world_size() == 1:
-        return []
-    world = init_world()
-    extra = []
-    if not any(arg.startswith("hydra.run.dir=") for arg in argv):
-        hydra_node = OmegaConf.load(CONF_DIR / f"{config_name}.yaml").hydra
-        pattern = OmegaConf.to_container(hydra_node.run, resolve=False)["dir"]
-        when = start_time()
-        extra.append("hydra.run.dir=" + re.sub(r"\$\{now:([^}]*)\}", lambda m: when.strftime(m.group(1)), pattern))
-    if not world.main:
-        extra += ["hydra.output_subdir=null", "hydra/job_logging=disabled"]
-    return extra
 
 
-def _check_output_dir(argv: list[str]) -> None:
-    """Hydra creates the run folder before any of our code runs; a folder it cannot create (a
-    read-only file system, no permission) would end in its traceback, so check first."""
-    sweep = any(a in ("-m", "--multirun") for a in argv)
-    key = "hydra.sweep.dir=" if sweep else "hydra.run.dir="
-    given = [a.split("=", 1)[1] for a in argv if a.startswith(key)]
-    folder = Path(given[-1] if given else ("multirun" if sweep else "outputs")).absolute()
-    existing = next(p for p in (folder, *folder.parents) if p.exists())
-    if not os.access(existing, os.W_OK):
-        print(f"error: cannot write the run folder {folder} ({existing} is read-only or not writable); "
-              f"choose another: {key}...", file=sys.stderr)
-        sys.exit(2)
 
 
-def _caused_by_interrupt(err: BaseException) -> bool:
-    seen = set()
-    while err is not None and id(err) not in seen:
-        if isinstance(err, KeyboardInterrupt):
-            return True
-        seen.add(id(err))
-        err = err.__cause__ or err.__context__
-    return False
 
 
-def _precompose(config_name: str, argv: list[str]) -> None:
-    """Compose the command line's overrides once before Hydra does, so that an override Hydra cannot
-    apply (`trainer.foo=1`, `+recipe=nope`) ends in one `error:` line, exit 2, not Hydra's report.
-
-    Skipped for sweeps (-m) and Hydra's own flags (--help, --cfg, ...), which Hydra handles itself.
-    """
-    if any(a.startswith("-") for a in argv) or os.environ.get("HYDRA_FULL_ERROR") == "1":
-        return
-    try:
-        compose(config_name, [a for a in argv if not a.startswith("hydra.")])
-    except Exception as err:  # Hydra's ConfigCompositionException, OverrideParseException, ...
-        text = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
-        text = text.split(" Config search path:")[0]
-        unknown = re.match(r"Could not override '([^']+)'", text)
-        if unknown:
-            import difflib
-
-            key = unknown.group(1)
-            keys = _flat_keys(compose(config_name))
-            close = difflib.get_close_matches(key, keys, n=1)
-            text = f"{key} is not a setting; " + (f"did you mean {close[0]}?" if close
-                                                     else "`--cfg job` lists the settings")
-        print(f"error: {text[:400]}", file=sys.stderr)
-        sys.exit(2)
 
 
-def _flat_keys(node: Any, prefix: str = "") -> list[str]:
-    """Dotted paths of every leaf of a config node."""
-    if isinstance(node, DictConfig):
-        return [k for key in node for k in _flat_keys(node._get_node(key), f"{prefix}{key}.")]
-    return [prefix[:-1]]
 
 
-def build(node: Any, **kwargs: Any) -> Any:
-    """`hydra.utils.instantiate(node)` with plain containers, re-raising our ConfigError unwrapped.
-
-    Hydra wraps anything a constructor raises in InstantiationException; a bad `data.path` must
-    still reach the user as our one-line error, not a traceback.
-    """
-    from hydra.errors import InstantiationException
-    from hydra.utils import instantiate
-
-    try:
-        return instantiate(node, _convert_="all", **kwargs)
-    except InstantiationException as err:
-        cause = err.__cause__
-        while cause is not None and not isinstance(cause, ConfigError):
-            cause = cause.__cause__
-        if cause is not None:
-            raise cause from None
-        raise
 
 
 def compose(config_name: str, overrides: list[str] | None = None) -> DictConfig:
     """The config Hydra would build for `grpo CONFIG_NAME OVERRIDES...`, without running a job."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
     register_recipes()
     GlobalHydra.instance().clear()
     with initialize_config_dir(version_base=None, config_dir=str(CONF_DIR)):
@@ -221,20 +76,14 @@ def _int(v: Any) -> bool:
 
 
 def _schedulers() -> list[str]:
-    from transformers.trainer_utils import SchedulerType
-
     return [s.value for s in SchedulerType]
 
 
 def _cuda() -> bool:
-    import torch
-
     return torch.cuda.is_available()
 
 
 def _flash_attn() -> bool:
-    import importlib.util
-
     return _cuda() and importlib.util.find_spec("flash_attn") is not None
 
 
@@ -355,8 +204,6 @@ PLAIN_SECTIONS = {"trainer": "train.yaml", "iterative": "train.yaml", "algo": "a
 
 
 def _unknown_keys(cfg: DictConfig) -> list[str]:
-    import difflib
-
     errors = []
     for section, file in PLAIN_SECTIONS.items():
         if section not in cfg or not isinstance(cfg[section], DictConfig):
@@ -375,8 +222,6 @@ def _unknown_keys(cfg: DictConfig) -> list[str]:
 def _sampler_engine(cfg: DictConfig) -> list[str]:
     """sampler=vllm needs vLLM (the install command, before any model loads); the importance-sampling
     cap needs a sampler that returns its own log-probs."""
-    from grpo_cli.rollout import vllm as engine
-
     target = str(_get(cfg, "sampler._target_")[1])
     uses_vllm = target.startswith(engine.__name__ + ".")
     errors = []
@@ -407,8 +252,6 @@ def _check_targets(node: Any, path: str, errors: list[str]) -> None:
     if isinstance(node, DictConfig):
         target = node.get("_target_") if "_target_" in node else None
         if target is not None:
-            from hydra.utils import get_object
-
             try:
                 obj = get_object(target)
             except Exception as err:  # ImportError, AttributeError, ...
@@ -469,40 +312,7 @@ def validate(cfg: DictConfig) -> DictConfig:
 
 # ---- configs saved in checkpoints ------------------------------------------------------------
 
-# what a checkpoint's config.yaml supplies to eval and sample unless the command line says otherwise
-INHERITED = ("model", "data", "reward", "sampler")
 
 
-def command_line_overrides() -> list[str]:
-    """The task overrides of the running Hydra job ([] outside one)."""
-    from hydra.core.hydra_config import HydraConfig
-
-    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
 
 
-def inherit(cfg: DictConfig, saved: DictConfig, overrides: list[str]) -> DictConfig:
-    """`cfg` with the model/data/reward/sampler sections of a checkpoint's `saved` config.
-
-    A group override on the command line (`data=gsm8k`) keeps the composed section; dotted
-    overrides (`data.limit=50`) are applied on top of the saved section. A different base model is
-    an error: a LoRA adapter only fits the weights it was trained on. The reward of an iterative run
-    is not inherited: its reward model was retrained at every iteration (RUN/rm/iteration_NNN), so
-    the command's own reward (a rule reward by default) scores the completions.
-    """
-    cfg = cfg.copy()
-    iterative = bool(OmegaConf.select(saved, "iterative.iterations", default=0))
-    for section in INHERITED:
-        if section not in saved or (section == "reward" and iterative):
-            continue
-        group_override = any(o.lstrip("+~").split("=")[0] == section for o in overrides)
-        if section == "model" and group_override and cfg.model.get("name") != saved.model.get("name"):
-            raise ConfigError(f"model {cfg.model.get('name')!r} was requested but the checkpoint was trained on "
-                              f"{saved.model.get('name')!r}; drop the model= override")
-        if group_override:
-            continue
-        merged = saved[section].copy()
-        dotted = [o.lstrip("+") for o in overrides if o.lstrip("+").startswith(section + ".")]
-        if dotted:
-            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(dotted)[section])
-        cfg[section] = merged
-    return cfg

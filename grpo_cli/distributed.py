@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 import torch
+import torch.distributed as dist
 
 _START: datetime | None = None
 
@@ -136,7 +137,6 @@ def init_world() -> World:
     CPU); `SINGLE` without a launcher. Safe to call more than once."""
     if world_size() == 1:
         return SINGLE
-    import torch.distributed as dist
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if not dist.is_initialized():

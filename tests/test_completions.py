@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from grpo_cli import train
-from grpo_cli.config import build, compose
+from grpo_cli.commands import train
+from grpo_cli.config import compose
 from grpo_cli.data import PromptStream
 from grpo_cli.errors import ConfigError
+from grpo_cli.instantiate import build
 from grpo_cli.metrics import mean
 
 # the digit reward gives the tiny model's random text mixed rewards in a group (nonzero advantages)

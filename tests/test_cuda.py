@@ -18,8 +18,9 @@ import pytest
 import torch
 from test_train import metrics, tiny_cfg
 
-from grpo_cli import cli, config, evaluate, train
+from grpo_cli import cli, config
 from grpo_cli import metrics as grpo_metrics
+from grpo_cli.commands import evaluate, train
 from grpo_cli.config import compose, validate
 from grpo_cli.errors import ConfigError
 from grpo_cli.policy import (

@@ -12,9 +12,10 @@ import pytest
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from grpo_cli.config import CONF_DIR, _check_targets
+from grpo_cli.config import _check_targets
 from grpo_cli.data import ArithmeticTask, GSM8KTask, JsonlTask, load_task, solve
 from grpo_cli.errors import ConfigError, DataError
+from grpo_cli.resources import CONF_DIR
 
 STEP = re.compile(r"^(-?\d+) ([-+*]) (\d+) = (-?\d+)$")
 OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}

@@ -281,9 +281,10 @@ def test_collectives_and_agreed_stop_on_two_ranks(tmp_path):
 
 
 def test_config_errors_name_the_fix_before_the_model_loads():
+    from grpo_cli.train import check_world
+
     from grpo_cli.config import compose
     from grpo_cli.errors import ConfigError
-    from grpo_cli.train import check_world
 
     cfg = compose("train", ["model=tiny", "trainer.prompts_per_step=4"])
     check_world(cfg, World(0, 2, 0))  # 4 prompts on 2 ranks: 2 each

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from grpo_cli import evaluate, sample, train
+from grpo_cli.commands import evaluate, sample, train
 from grpo_cli.config import compose
 from grpo_cli.errors import ConfigError
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from grpo_cli import checkpoint, export, train
+from grpo_cli import checkpoint
+from grpo_cli.commands import export, train
 from grpo_cli.config import compose
 from grpo_cli.errors import ConfigError
 from grpo_cli.policy import build_policy, load_tiny_random

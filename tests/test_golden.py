@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 from test_train import metrics, tiny_cfg
 
-from grpo_cli import train
+from grpo_cli.commands import train
 
 GOLDEN = [
     {"step": 1, "loss": -0.0027142572216689587, "reward": 0.875, "kl": 0.0011169620556756854,

@@ -20,7 +20,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from grpo_cli import evaluate, policy, sample, train
+from grpo_cli import policy
+from grpo_cli.commands import evaluate, sample, train
 from grpo_cli.config import compose
 from grpo_cli.data import load_task
 from grpo_cli.errors import ConfigError, DataError

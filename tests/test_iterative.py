@@ -19,7 +19,8 @@ import torch
 from safetensors.torch import load_file
 from test_train import TINY, deterministic, metrics
 
-from grpo_cli import checkpoint, iterative, train
+from grpo_cli import checkpoint, iterative
+from grpo_cli.commands import train
 from grpo_cli.config import compose, validate
 from grpo_cli.errors import CheckpointError, ConfigError
 from grpo_cli.policy import reference
@@ -187,7 +188,7 @@ def test_a_process_reward_model_iterates_too(tmp_path):
 def test_eval_of_an_iterative_run_scores_with_its_own_rule_reward(tmp_path):
     """An iterative run's saved reward is a reward model that changed every iteration (and is null in its
     config): eval does not inherit it, it scores with the eval command's reward (arithmetic by default)."""
-    from grpo_cli import evaluate
+    from grpo_cli.commands import evaluate
 
     run = tmp_path / "run"
     train.run(cfg("iterative.iterations=1", "trainer.max_steps=2"), run)

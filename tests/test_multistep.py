@@ -10,9 +10,10 @@ import pytest
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from grpo_cli.config import CONF_DIR, compose, validate
+from grpo_cli.config import compose, validate
 from grpo_cli.data import MultiStepTask, _Problem, load_task
 from grpo_cli.errors import ConfigError
+from grpo_cli.resources import CONF_DIR
 from grpo_cli.rewards import chain_steps, extract_answer, verify_steps
 
 LINE = re.compile(r"^(-?\d+) ([-+*]) (\d+) = (-?\d+)$")

@@ -1,4 +1,4 @@
-"""Reward-model training (grpo_cli.rewards.training) and `grpo rm` on the tiny random model.
+"""Reward-model training (grpo_cli.rm) and `grpo rm` on the tiny random model.
 
 Replay shares and held-out splits against hand-worked counts, Math-Shepherd labels against a hand
 count (stub sampler) and a recount (tiny model), AUC against pair enumeration, save/load through
@@ -19,11 +19,12 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from grpo_cli import rm
-from grpo_cli.config import build, compose
+from grpo_cli import rm as T
+from grpo_cli.commands import rm
+from grpo_cli.config import compose
 from grpo_cli.errors import ConfigError, DataError
+from grpo_cli.instantiate import build
 from grpo_cli.rewards import answers_match, extract_answer, split_steps
-from grpo_cli.rewards import training as T
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = ["model=tiny", "sampler.max_new_tokens=6", "data.heldout_size=20"]

@@ -110,7 +110,7 @@ PROMPTS = [[{"role": "user", "content": q}] for q in
 @pytest.fixture(scope="module")
 def smollm2():
     """(policy with a LoRA adapter on all 7 projections, tokenizer, prompts, a started vLLM sampler)."""
-    from grpo_cli.config import build
+    from grpo_cli.instantiate import build
     from grpo_cli.policy import build_policy
     from grpo_cli.rollout import render_prompts
 

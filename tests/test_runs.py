@@ -20,7 +20,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from test_train import TINY, metrics, tiny_cfg
 
-from grpo_cli import checkpoint, train
+from grpo_cli import checkpoint
+from grpo_cli.commands import train
 from grpo_cli.config import compose, validate
 from grpo_cli.errors import CheckpointError, ConfigError, RunError
 from grpo_cli.metrics import truncate_jsonl
@@ -339,7 +340,7 @@ def test_disk_full_in_process_is_one_line(tmp_path, monkeypatch, capsys):
     """An OSError (here an injected ENOSPC from the checkpoint writer) ends the command in one line, exit 1."""
     import errno
 
-    from grpo_cli.config import hydra_app
+    from grpo_cli.app import hydra_app
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "checkpoints"))

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 MEMORY_PROBE = r"""
 import json, resource, sys, time, torch
 from grpo_cli import update
-from grpo_cli.config import build
+from grpo_cli.instantiate import build
 from grpo_cli.config import compose
 from grpo_cli.policy import build_policy
 from grpo_cli.metrics import limit_heap_growth

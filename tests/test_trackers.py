@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from grpo_cli import metrics, train
+from grpo_cli import metrics
+from grpo_cli.commands import train
 from grpo_cli.config import compose
 from grpo_cli.errors import ConfigError
 

@@ -10,8 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from grpo_cli import checkpoint, train, update
-from grpo_cli.config import build, compose
+from grpo_cli import checkpoint, update
+from grpo_cli.commands import train
+from grpo_cli.config import compose
+from grpo_cli.instantiate import build
 from grpo_cli.policy import build_policy
 
 # random characters from the tiny model contain a digit often but not always: mixed rewards in a group

@@ -22,7 +22,7 @@ arrangement) — the reward model is a separate network, loaded in full.
 A folder that is not a classifier of the right kind (a causal LM, or an ORM given to reward=prm)
 is a ConfigError, not a silently random head: `check_classifier` reads its config.json when the
 scorer is built (local folders only, so a hub id still costs nothing until it scores), and loading
-refuses a checkpoint without weights for the head. `grpo rm` (grpo_cli/rewards/training.py) trains
+refuses a checkpoint without weights for the head. `grpo rm` (grpo_cli/rm/) trains
 models of both kinds.
 
 Both accept `model=` and `tokenizer=` objects directly (tests, or a model already in memory), run
@@ -36,8 +36,12 @@ import threading
 from pathlib import Path
 
 import torch
+import transformers
+from transformers import AutoConfig, AutoTokenizer
 
 from grpo_cli.errors import ConfigError
+from grpo_cli.policy import resolve_device, resolve_dtype
+from grpo_cli.rewards import OutcomeReward, ProcessReward
 from grpo_cli.rewards.steps import split_steps
 
 # what each kind is called in errors, and how to get one
@@ -49,8 +53,6 @@ def check_classifier(name_or_path: str, auto_class: str, trust_remote_code: bool
                      revision: str | None = None) -> None:
     """ConfigError when the checkpoint's config names architectures and none is an `auto_class`
     head (nor maps one through auto_map); a config that cannot be read is left to the loader."""
-    from transformers import AutoConfig
-
     try:
         config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, revision=revision)
     except Exception:  # a missing folder or an unknown model type fails again, with its own message, when loading
@@ -102,15 +104,9 @@ class _HFScorer:
     def _load(self):
         with self._lock:
             if self.tokenizer is None:
-                from transformers import AutoTokenizer
-
                 self.tokenizer = AutoTokenizer.from_pretrained(
                     self.name_or_path, trust_remote_code=self.trust_remote_code, revision=self.revision)
             if self.model is None:
-                import transformers
-
-                from grpo_cli.policy import resolve_device, resolve_dtype
-
                 device = resolve_device(self.device)
                 on_device = {"device_map": device} if device.type != "cpu" else {}  # straight onto the GPU
                 model, info = getattr(transformers, self.auto_class).from_pretrained(
@@ -234,8 +230,6 @@ def outcome_reward_model(name_or_path: str | None = None, *, template: str = "{p
     Built by one flat config node so the model is `reward.name_or_path=...` on the command line;
     `outcome` functions are scored with weight 0, for their `rewards/<name>/mean` metrics only.
     """
-    from grpo_cli.rewards import OutcomeReward
-
     orm = SequenceClassifierReward(name_or_path, model=model, tokenizer=tokenizer, template=template, label=label,
                                    sigmoid=sigmoid, batch_size=batch_size, device=device, dtype=dtype,
                                    trust_remote_code=trust_remote_code, revision=revision)
@@ -253,8 +247,6 @@ def process_reward_model(name_or_path: str | None = None, *, pattern: str | None
                          timeout_s: float | None = 600.0, model=None, tokenizer=None):
     """reward=prm: a `ProcessReward` over `TokenClassifierPRM`, from one flat config node
     (`reward.name_or_path=...`); `outcome` functions are scored for metrics only."""
-    from grpo_cli.rewards import ProcessReward
-
     prm = TokenClassifierPRM(name_or_path, pattern=pattern, model=model, tokenizer=tokenizer, template=template,
                              label=label, sigmoid=sigmoid, batch_size=batch_size, device=device, dtype=dtype,
                              trust_remote_code=trust_remote_code, revision=revision)

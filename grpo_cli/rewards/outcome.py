@@ -21,6 +21,8 @@ import re
 import threading
 from fractions import Fraction
 
+from math_verify import parse, verify
+
 from grpo_cli.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -130,8 +132,6 @@ def _as_fraction(text: str) -> Fraction | None:
 
 
 def _math_verify(pred: str, ref: str) -> bool:
-    from math_verify import parse, verify
-
     # math-verify times out with signal.alarm, which only works on the main thread; off it, the
     # reward's own thread timeout (OutcomeReward.timeout_s) bounds the call instead
     on_main = threading.current_thread() is threading.main_thread()

@@ -35,6 +35,7 @@ from decimal import ROUND_HALF_UP, Decimal
 from fractions import Fraction
 
 from grpo_cli.errors import ConfigError
+from grpo_cli.rewards.outcome import _reference, answers_match, extract_answer
 
 # an expression side longer than this is not a hand calculation; also bounds ast.parse's input
 _MAX_SIDE_CHARS = 200
@@ -305,8 +306,6 @@ def verify_steps(text: str, answer=None, *, pattern: str | None = None, correct:
 
     A completion with no steps (blank) gets [] — no score, whatever `answer` is.
     """
-    from grpo_cli.rewards.outcome import _reference, answers_match, extract_answer
-
     scored = []
     for start, end in split_steps(text, pattern):
         claims = check_claims(text[start:end])
@@ -348,8 +347,6 @@ def chain_steps(text: str, solution: str, answer=None, *, correct: float = 1.0, 
     arithmetic holds). The final line also carries the outcome, as in `verify_steps`, and `missing`
     for each reference step beyond the completion's claim lines (a solution that stops early).
     """
-    from grpo_cli.rewards.outcome import _reference, answers_match, extract_answer
-
     reference = [_chain_step(m) for m in map(_CHAIN_CLAIM.search, solution.split("\n")) if m]
     scored, k = [], 0
     for start, end in split_steps(text):

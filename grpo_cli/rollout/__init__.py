@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+from transformers import DynamicCache
 
 from grpo_cli.errors import DataError
 from grpo_cli.objective import head_logprobs, token_entropy, token_logprobs
@@ -207,7 +208,6 @@ def sequence_logprobs(model, rollout: Rollout, *, with_entropy: bool = False, bu
     # checkpointed layers drop a KV cache they are given (transformers' GradientCheckpointingLayer)
     checkpointing = body.training and torch.is_grad_enabled() and any(
         getattr(m, "gradient_checkpointing", False) for m in body.modules())
-    from transformers import DynamicCache
 
     n, width = rollout.completion_ids.shape
     if head is None or checkpointing:

@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from transformers import GenerationConfig
 
+from grpo_cli.errors import ConfigError, DataError
 from grpo_cli.policy import autocast
 from grpo_cli.rollout import Rollout, encode_prompts, finish, position_ids
 
@@ -82,8 +84,6 @@ def sampling_config(greedy: bool, temperature: float, top_p: float, top_k: int, 
                     pad: int):
     """The generation settings of a rollout: greedy, or the policy's softmax at `temperature` with only
     the top-p/top-k the sampler config asks for (top_k 0 = off, passed as 0 so no default applies)."""
-    from transformers import GenerationConfig
-
     sample = {} if greedy else {"temperature": temperature, "top_p": top_p, "top_k": top_k}
     return GenerationConfig(do_sample=not greedy, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad,
                             num_return_sequences=1, **sample)
@@ -99,8 +99,6 @@ def own_generation_config(model):
     the loss scores the plain one. For the call, the model's config is a blank GenerationConfig, so
     only what `sampling_config` sets (and transformers' neutral defaults) applies.
     """
-    from transformers import GenerationConfig
-
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     shipped = inner.generation_config
     inner.generation_config = GenerationConfig()
@@ -116,8 +114,6 @@ def check_prompts(model, tokenizer, prompts: list[str], max_prompt_tokens: int, 
     A prompt longer than 64 characters per allowed token is refused before it is tokenized at all: a
     10 MB question must not reach the tokenizer, let alone the model.
     """
-    from grpo_cli.errors import ConfigError, DataError
-
     context = getattr(model.config, "max_position_embeddings", None)
     if context is not None and max_prompt_tokens + max_new_tokens > context:
         raise ConfigError(f"sampler.max_prompt_tokens ({max_prompt_tokens}) + max_new_tokens ({max_new_tokens}) "

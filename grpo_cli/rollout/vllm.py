@@ -47,9 +47,13 @@ import signal
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
+from peft.tuners.lora import LoraLayer
+from safetensors.torch import save_file
 
 from grpo_cli.errors import ConfigError
+from grpo_cli.metrics import console
 from grpo_cli.policy import DTYPES
 from grpo_cli.rollout import Rollout, encode_prompts, finish
 from grpo_cli.rollout.hf import HFSampler, check_prompts
@@ -207,8 +211,6 @@ class VLLMSampler:
         except Exception as err:
             self.llm = None
             reason = " ".join(str(err).split())[:200] or type(err).__name__
-            from grpo_cli.metrics import console
-
             console.print(f"warning: vLLM cannot serve this model ({type(err).__name__}: {reason}); sampling with "
                           f"HF generate instead (sampler=default)", style="yellow", markup=False, highlight=False,
                           soft_wrap=True)
@@ -223,7 +225,6 @@ class VLLMSampler:
         folder = Path(str(getattr(base.config, "_name_or_path", "") or ""))
         if str(folder) and (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
             return folder
-        from safetensors.torch import save_file
 
         self._folder = tempfile.TemporaryDirectory(prefix="grpo-vllm-")
         out = Path(self._folder.name)
@@ -263,8 +264,6 @@ def _base_model(policy):
 
 def _lora_layers(policy) -> dict[str, torch.nn.Module]:
     """{HF module name (model.layers.0.self_attn.q_proj): peft LoRA layer} of the policy."""
-    from peft.tuners.lora import LoraLayer
-
     base = _base_model(policy)
     return {name: module for name, module in base.named_modules() if isinstance(module, LoraLayer)}
 
@@ -338,8 +337,6 @@ def _process_state_kept():
     """What an in-process vLLM engine changes for the whole process, put back: the random generators (it
     seeds them), `torch.set_num_threads` (its CPU worker replaces it with a no-op), the thread count and
     the signal handlers (the trainer's Ctrl-C handling)."""
-    import numpy as np
-
     rng = (random.getstate(), np.random.get_state(), torch.random.get_rng_state())
     set_threads, threads = torch.set_num_threads, torch.get_num_threads()
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}

@@ -31,23 +31,24 @@ from collections import Counter
 from pathlib import Path
 
 import torch
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from rich.table import Table
 
-from grpo_cli import checkpoint
-from grpo_cli.config import build, command_line_overrides, hydra_app
+from grpo_cli import checkpoint, files
+from grpo_cli.app import command_line_overrides, hydra_app
 from grpo_cli.distributed import init_world
 from grpo_cli.errors import ConfigError
+from grpo_cli.inference import load_inference
+from grpo_cli.instantiate import build
 from grpo_cli.metrics import console, limit_heap_growth, mean, progress
-from grpo_cli.policy import adapter_enabled, load_inference
+from grpo_cli.policy import adapter_enabled
 from grpo_cli.rewards import answers_match, extract_answer, score
 from grpo_cli.rollout import render_prompts
 
 
 @hydra_app("eval")
 def main(cfg: DictConfig) -> None:
-    from hydra.core.hydra_config import HydraConfig
-
     run(cfg, Path(HydraConfig.get().runtime.output_dir), command_line_overrides())
 
 
@@ -182,9 +183,7 @@ def run(cfg: DictConfig, out_dir: Path, overrides: list[str] = ()) -> dict:
     report = {"results": results, "config": OmegaConf.to_container(cfg, resolve=True)}
     if not world.main:
         return report
-    tmp = out_dir / "eval.json.tmp"
-    tmp.write_text(json.dumps(report, indent=1))
-    os.replace(tmp, out_dir / "eval.json")  # a kill while writing leaves the earlier eval.json whole
+    files.write_text(out_dir / "eval.json", json.dumps(report, indent=1))  # a kill leaves the earlier one whole
     console.print(results_table(results))
     if len(results) > 1:
         plot_accuracy(results, out_dir / "accuracy.png")
@@ -344,9 +343,7 @@ def _reuse(out_dir: Path, wanted: dict) -> dict:
         for name in ("eval_samples.jsonl", "eval.json", "accuracy.png"):
             if (out_dir / name).exists():
                 (out_dir / name).rename(aside / name)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(json.dumps(row) + "\n" for row in done.values()))
-        os.replace(tmp, path)
+        files.write_text(path, "".join(json.dumps(row) + "\n" for row in done.values()))
         _warn(f"{stale} rows of {path} were made with other data, reward, sampler, eval settings or weights; "
               f"the old files moved to {aside}, {len(done)} matching rows are reused and the rest recomputed")
     return done

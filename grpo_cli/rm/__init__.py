@@ -53,7 +53,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import os
 import random
 from collections.abc import Callable
 from fractions import Fraction
@@ -61,10 +60,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
+from peft import LoraConfig, get_peft_model
+from transformers import AutoTokenizer
 
+from grpo_cli import files
 from grpo_cli.errors import ConfigError, DataError
+from grpo_cli.instantiate import build
+from grpo_cli.rewards.models import check_classifier
 from grpo_cli.rewards.outcome import accuracy
 from grpo_cli.rewards.steps import split_steps, verify_steps
+from grpo_cli.rollout import render_prompts
 
 KINDS = ("outcome", "process")
 # the transformers auto class each kind of reward model is saved as and loaded with
@@ -139,7 +145,7 @@ def read_labeled(path: str | Path) -> tuple[list[Row], str]:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"rm.labeled={path} is not a file; pass a JSONL of labeled rows "
-                          f"(their format: grpo_cli/rewards/training.py)")
+                          f"(their format: grpo_cli/rm/)")
     rows = []
     for i, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
@@ -153,13 +159,7 @@ def read_labeled(path: str | Path) -> tuple[list[Row], str]:
 
 def write_jsonl(path: str | Path, rows: list[Row]) -> None:
     """Write rows atomically (a temporary file renamed into place)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with tmp.open("w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    tmp.replace(path)
+    files.write_text(path, "".join(json.dumps(row) + "\n" for row in rows))
 
 
 def split_heldout(rows: list[Row], fraction: float, seed: int) -> tuple[list[Row], list[Row]]:
@@ -304,8 +304,6 @@ def draw_samples(policy, tokenizer, sampler, problems: list[dict], n: int, promp
 
     A sample is {"prompt": chat-templated prompt, "question", "answer", "completion", "truncated"}.
     """
-    from grpo_cli.rollout import render_prompts
-
     samples = []
     for first in range(0, len(problems), prompts_per_batch):
         batch = problems[first:first + prompts_per_batch]
@@ -434,8 +432,6 @@ class MonteCarloLabeler:
 # ---- the model ---------------------------------------------------------------------------------
 
 def _auto_class(kind: str):
-    import transformers
-
     if kind not in KINDS:
         raise ConfigError(f"reward-model kind {kind!r} is unknown; use outcome or process")
     return getattr(transformers, AUTO_CLASS[kind])
@@ -461,10 +457,6 @@ def new_classifier(kind: str, base, tokenizer, seed: int = 0):
 
 def load_classifier(path: str | Path, kind: str, device: torch.device, dtype: torch.dtype):
     """(model, tokenizer) of a reward-model folder (`grpo rm` output), checked to be a `kind` model."""
-    from transformers import AutoTokenizer
-
-    from grpo_cli.rewards.models import check_classifier
-
     check_classifier(str(path), AUTO_CLASS[kind])
     model, info = _auto_class(kind).from_pretrained(str(path), dtype=dtype, output_loading_info=True)
     if info.get("missing_keys"):
@@ -481,8 +473,6 @@ def starting_classifier(init: str | Path | None, kind: str, loader, device: torc
                         seed: int = 0):
     """(model, tokenizer): the reward model in folder `init`, or a new head on the base LM that the
     `model.loader` config node `loader` builds (DeepSeekMath starts reward models from the policy's base)."""
-    from grpo_cli.config import build
-
     if init:
         return load_classifier(init, kind, device, dtype)
     base, tokenizer = build(loader, dtype=dtype)
@@ -501,8 +491,6 @@ def head_names(model) -> list[str]:
 
 def add_lora(model, r: int, alpha: int, dropout: float, target_modules):
     """A peft LoRA adapter on the backbone; the head (new, so it cannot be low-rank) trains in full."""
-    from peft import LoraConfig, get_peft_model
-
     heads = head_names(model)
     task = "SEQ_CLS" if "SequenceClassification" in type(model).__name__ else "TOKEN_CLS"
     targets = target_modules if isinstance(target_modules, str) else list(target_modules)
@@ -512,19 +500,15 @@ def add_lora(model, r: int, alpha: int, dropout: float, target_modules):
 
 
 def save_reward_model(model, tokenizer, folder: str | Path, record: dict | None = None) -> Path:
-    """Write a (merged, plain transformers) reward model + tokenizer atomically; `record` -> rm.json."""
+    """Write a (merged, plain transformers) reward model + tokenizer atomically (files.folder: the old
+    folder is deleted only once the new one is in place); `record` -> rm.json."""
     folder = Path(folder)
-    tmp = folder.with_name(folder.name + ".tmp")
-    import shutil
-
-    shutil.rmtree(tmp, ignore_errors=True)
     model.config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    if record is not None:
-        (tmp / "rm.json").write_text(json.dumps(record, indent=1))
-    shutil.rmtree(folder, ignore_errors=True)
-    tmp.rename(folder)
+    with files.folder(folder) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        if record is not None:
+            (tmp / "rm.json").write_text(json.dumps(record, indent=1))
     return folder
 
 

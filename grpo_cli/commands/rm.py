@@ -17,7 +17,7 @@ binary cross-entropy) -> score them again -> merge and save.
 Writes into the run folder: `model/` (the reward model: safetensors + tokenizer + rm.json),
 `labeled.jsonl` (this run's new rows, each with its split), `rm_eval.json` (held-out metrics before
 and after training, row counts, replay counts). The library pieces live in
-`grpo_cli.rewards.training`; the paper's iterations (sample, relabel, retrain with replay, reset the
+`grpo_cli.rm`; the paper's iterations (sample, relabel, retrain with replay, reset the
 reference) run inside `grpo train` (iterative.iterations, grpo_cli/iterative.py) with the same pieces.
 """
 
@@ -28,21 +28,24 @@ import time
 from pathlib import Path
 
 import torch
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from rich.table import Table
 
 from grpo_cli import checkpoint
-from grpo_cli.config import build, command_line_overrides, hydra_app, validate
+from grpo_cli import rm as training
+from grpo_cli.app import command_line_overrides, hydra_app
+from grpo_cli.config import validate
 from grpo_cli.errors import ConfigError
+from grpo_cli.inference import inherit, load_inference
+from grpo_cli.instantiate import build
 from grpo_cli.metrics import console, limit_heap_growth, progress
-from grpo_cli.policy import adapter_enabled, load_inference, resolve_device, resolve_dtype
-from grpo_cli.rewards import training
+from grpo_cli.policy import adapter_enabled, resolve_device, resolve_dtype
+from grpo_cli.rewards.models import check_classifier
 
 
 @hydra_app("rm")
 def main(cfg: DictConfig) -> None:
-    from hydra.core.hydra_config import HydraConfig
-
     run(cfg, Path(HydraConfig.get().runtime.output_dir), command_line_overrides())
 
 
@@ -68,15 +71,12 @@ def run(cfg: DictConfig, out_dir: Path, overrides: list[str] = ()) -> dict:
         labeler = build(cfg.labeler)
         kind = labeler.kind
     if rm_cfg.init:
-        from grpo_cli.rewards.models import check_classifier
-
         if not Path(str(rm_cfg.init)).is_dir():
             raise ConfigError(f"rm.init={rm_cfg.init} is not a folder; "
                               f"pass the RUN/model folder of an earlier `grpo rm`")
         check_classifier(str(rm_cfg.init), training.AUTO_CLASS[kind])
     ckpt = checkpoint.resolve(cfg.checkpoint) if cfg.checkpoint and not rm_cfg.labeled else None
     if ckpt is not None:  # sample from a trained policy: its model, data and sampler unless overridden
-        from grpo_cli.config import inherit
 
         saved = OmegaConf.masked_copy(checkpoint.load_config(ckpt), ["model", "data", "sampler"])
         cfg = inherit(cfg, saved, list(overrides))

@@ -27,15 +27,20 @@ import signal
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
+from transformers import get_scheduler
 
 from grpo_cli import checkpoint
-from grpo_cli.config import build, command_line_overrides, hydra_app, validate
+from grpo_cli.app import command_line_overrides, hydra_app
+from grpo_cli.config import validate
 from grpo_cli.data import PromptStream
 from grpo_cli.distributed import World, init_world
 from grpo_cli.errors import ConfigError, RunError
+from grpo_cli.instantiate import build
 from grpo_cli.iterative import Iterations
 from grpo_cli.iterative import check_settings as check_iterative
 from grpo_cli.metrics import (
@@ -61,8 +66,6 @@ from grpo_cli.update import advantages, prepare, update
 
 @hydra_app("train")
 def main(cfg: DictConfig) -> None:
-    from hydra.core.hydra_config import HydraConfig
-
     run(cfg, Path(HydraConfig.get().runtime.output_dir), command_line_overrides())
 
 
@@ -130,7 +133,6 @@ def _train(cfg: DictConfig, run_dir: Path, ckpt: Path | None, world: World) -> P
     sampler = build(cfg.sampler)
     optimizer = build(cfg.optimizer)(params=[p for p in policy.parameters() if p.requires_grad])
     optimizer.zero_grad(set_to_none=False)  # zero (not absent) grads: a step with every row skipped is still a step
-    from transformers import get_scheduler
 
     scheduler = get_scheduler(trainer.lr_scheduler, optimizer, num_warmup_steps=trainer.warmup_steps,
                               num_training_steps=trainer.max_steps * algo.num_iterations)
@@ -265,7 +267,6 @@ def _everyone(world: World, result, rollout):
     """(result, rollout)-likes holding every rank's completions, for the step's reward metrics."""
     if world.size == 1:
         return result, rollout
-    from types import SimpleNamespace
 
     parts = world.gather((result.rewards, result.per_function, result.failures, rollout.lengths, rollout.truncated))
     per_function = {name: [v for p in parts for v in p[1].get(name, [None] * len(p[0]))] for name in parts[0][1]}

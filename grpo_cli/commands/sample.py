@@ -18,10 +18,12 @@ from rich.panel import Panel
 from rich.text import Text
 
 from grpo_cli import checkpoint
-from grpo_cli.config import build, command_line_overrides, hydra_app
+from grpo_cli.app import command_line_overrides, hydra_app
 from grpo_cli.errors import ConfigError
+from grpo_cli.inference import load_inference
+from grpo_cli.instantiate import build
 from grpo_cli.metrics import console, limit_heap_growth
-from grpo_cli.policy import adapter_enabled, load_inference
+from grpo_cli.policy import adapter_enabled
 from grpo_cli.rewards import answers_match, extract_answer, score
 from grpo_cli.rollout import render_prompts
 

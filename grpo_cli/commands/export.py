@@ -27,17 +27,18 @@ renamed into place, so a failed export never leaves half a model.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 from rich.table import Table
+from transformers import GenerationConfig
 
-from grpo_cli import __version__, checkpoint
-from grpo_cli.config import command_line_overrides, hydra_app, inherit, validate
+from grpo_cli import __version__, checkpoint, files
+from grpo_cli.app import command_line_overrides, hydra_app
+from grpo_cli.config import validate
 from grpo_cli.errors import ConfigError
+from grpo_cli.inference import inherit
 from grpo_cli.metrics import console, progress
 from grpo_cli.policy import build_policy
 
@@ -91,8 +92,6 @@ def base_identity(model_cfg: DictConfig, base_model) -> dict:
 
 def generation_config(tokenizer):
     """Only the special-token ids: serving tools then sample with exactly the settings they are given."""
-    from transformers import GenerationConfig
-
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                             pad_token_id=pad)
@@ -108,10 +107,7 @@ def run(cfg: DictConfig, overrides: list[str] = ()) -> Path:
     cfg.model.device, cfg.model.dtype = "cpu", "float32"
     validate(cfg)
     step = json.loads((ckpt / "trainer_state.json").read_text()).get("step")
-    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-
-    with progress("export") as bar:
+    with progress("export") as bar, files.folder(out) as tmp:
         task = bar.add_task("", total=4, info="base model")
         policy, tokenizer, _ = build_policy(cfg.model)
         base = base_identity(cfg.model, policy.get_base_model())
@@ -135,9 +131,6 @@ def run(cfg: DictConfig, overrides: list[str] = ()) -> Path:
         record = {"checkpoint": str(ckpt.resolve()), "step": step, "merged": export_cfg.merge,
                   "dtype": export_cfg.dtype, "base_model": base, "grpo_cli_version": __version__}
         (tmp / "export.json").write_text(json.dumps(record, indent=1) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
         bar.update(task, advance=1, info="done")
 
     console.print(files_table(out, record))

@@ -1,0 +1,89 @@
+"""What every task shares: the example record, prompt settings -> chat messages, on-demand sequences."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from grpo_cli.errors import ConfigError
+
+Example = dict[str, Any]
+
+
+def _check_int(name: str, value: Any, minimum: int, fix: Any, *, nullable: bool = False) -> None:
+    if nullable and value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        null = " or null" if nullable else ""
+        raise ConfigError(f"data.{name} ({value!r}) must be an integer >= {minimum}{null}; set data.{name}={fix}")
+
+
+class _Task:
+    """Prompt settings shared by every task, and the chat messages they produce."""
+
+    train: Sequence[Example]
+    heldout: Sequence[Example]
+
+    def __init__(self, *, seed: int, heldout_size: int, system_prompt: str | None, instruction: str,
+                 few_shot: int) -> None:
+        _check_int("seed", seed, 0, 0)
+        _check_int("heldout_size", heldout_size, 1, 200)
+        _check_int("few_shot", few_shot, 0, 0)
+        if system_prompt is not None and not isinstance(system_prompt, str):
+            raise ConfigError(f"data.system_prompt ({system_prompt!r}) must be a string or null; "
+                              f"set data.system_prompt=null")
+        if not isinstance(instruction, str) or "{question}" not in instruction:
+            raise ConfigError(f"data.instruction ({instruction!r}) must be a string containing {{question}}, "
+                              f"which is replaced by the problem; set data.instruction='{{question}}'")
+        self.seed = seed
+        self.heldout_size = heldout_size
+        self.system_prompt = system_prompt
+        self.instruction = instruction
+        self.few_shot = few_shot
+        # (question, assistant reply) pairs, the same earlier turns in every prompt
+        self.shots: list[tuple[str, str]] = []
+
+    def _user(self, question: str) -> str:
+        # str.replace, not str.format: instructions may hold literal braces ("#### {N}")
+        return self.instruction.replace("{question}", question)
+
+    def _messages(self, question: str) -> list[dict[str, str]]:
+        messages = [] if self.system_prompt is None else [{"role": "system", "content": self.system_prompt}]
+        for shot_question, reply in self.shots:
+            messages.append({"role": "user", "content": self._user(shot_question)})
+            messages.append({"role": "assistant", "content": reply})
+        messages.append({"role": "user", "content": self._user(question)})
+        return messages
+
+    def _example(self, question: str, answer: str, solution: str | None) -> Example:
+        example = {"messages": self._messages(question), "question": question, "answer": answer}
+        if solution is not None:
+            example["solution"] = solution
+        return example
+
+    def __repr__(self) -> str:
+        name = type(self).__name__
+        return f"{name}(train={len(self.train)}, heldout={len(self.heldout)}, few_shot={self.few_shot})"
+
+
+class _Generated(Sequence):
+    """`length` examples made on demand: item i is `make(i)`, a pure function of the index."""
+
+    def __init__(self, length: int, make: Callable[[int], Example]) -> None:
+        self._length = length
+        self._make = make
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self._make(i) for i in range(*index.indices(self._length))]
+        i = operator.index(index)
+        if i < 0:
+            i += self._length
+        if not 0 <= i < self._length:
+            raise IndexError(f"example {index} is out of range for {self._length} examples")
+        return self._make(i)
+

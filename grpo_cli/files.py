@@ -1,0 +1,75 @@
+"""Atomic writes, one way for every file the project writes (checkpoints, logs, eval results, exports,
+reward models, the embedded model's cache).
+
+The one fsync rule: every file is flushed to disk before the rename that makes it visible, and the
+folder that holds it after, so a crash or a kill -9 leaves either the old version or the new one,
+never half of one. A folder that already exists is renamed aside first and deleted only after the
+new one is in place (rename, then delete): at every moment one whole version is on disk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+
+def fsync(path: Path) -> None:
+    """Flush a file's or a folder's entry to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _temporary(path: Path) -> Path:
+    # the process id keeps two processes writing the same target apart
+    return path.with_name(f"{path.name}.tmp{os.getpid()}")
+
+
+def write_text(path: str | Path, text: str) -> Path:
+    """Write `text` to `path` atomically (a temporary file in the same folder, fsynced, renamed into place)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _temporary(path)
+    try:
+        with tmp.open("w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync(path.parent)
+    return path
+
+
+@contextlib.contextmanager
+def folder(final: str | Path) -> Iterator[Path]:
+    """`with files.folder(FINAL) as tmp:` write into `tmp`; on leaving, FINAL holds exactly what was written.
+
+    On an exception (a full disk, Ctrl-C) the temporary folder is removed and FINAL is as it was.
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _temporary(final)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        for file in tmp.rglob("*"):  # on disk before the rename makes the folder visible
+            if file.is_file():
+                fsync(file)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = final.with_name(f"{final.name}.old{os.getpid()}")
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    fsync(final.parent)
+    shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,86 @@
+"""Load a trained run for eval, sample, export and rm: the saved config, the policy, its checkpoints.
+
+Above policy, checkpoint and config: a checkpoint's saved config fills in the sections the command
+line leaves alone (`inherit`), and every checkpoint must fit the base model built here.
+"""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig, OmegaConf
+
+from grpo_cli import checkpoint
+from grpo_cli.config import validate
+from grpo_cli.errors import ConfigError
+from grpo_cli.policy import build_policy
+
+# what a checkpoint's config.yaml supplies to eval and sample unless the command line says otherwise
+INHERITED = ("model", "data", "reward", "sampler")
+
+
+def inherit(cfg: DictConfig, saved: DictConfig, overrides: list[str]) -> DictConfig:
+    """`cfg` with the model/data/reward/sampler sections of a checkpoint's `saved` config.
+
+    A group override on the command line (`data=gsm8k`) keeps the composed section; dotted
+    overrides (`data.limit=50`) are applied on top of the saved section. A different base model is
+    an error: a LoRA adapter only fits the weights it was trained on. The reward of an iterative run
+    is not inherited: its reward model was retrained at every iteration (RUN/rm/iteration_NNN), so
+    the command's own reward (a rule reward by default) scores the completions.
+    """
+    cfg = cfg.copy()
+    iterative = bool(OmegaConf.select(saved, "iterative.iterations", default=0))
+    for section in INHERITED:
+        if section not in saved or (section == "reward" and iterative):
+            continue
+        group_override = any(o.lstrip("+~").split("=")[0] == section for o in overrides)
+        if section == "model" and group_override and cfg.model.get("name") != saved.model.get("name"):
+            raise ConfigError(f"model {cfg.model.get('name')!r} was requested but the checkpoint was trained on "
+                              f"{saved.model.get('name')!r}; drop the model= override")
+        if group_override:
+            continue
+        merged = saved[section].copy()
+        dotted = [o.lstrip("+") for o in overrides if o.lstrip("+").startswith(section + ".")]
+        if dotted:
+            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(dotted)[section])
+        cfg[section] = merged
+    return cfg
+
+
+
+# loader options that say where files are cached, not which weights load
+_NOT_IDENTITY = ("cache_dir",)
+
+
+def _base_identity(model_cfg) -> dict:
+    """{dotted key: value} of what decides the weights under a LoRA adapter and the adapter's shape."""
+    loader = OmegaConf.to_container(model_cfg.get("loader") or {}, resolve=True)
+    out = {f"loader.{k}": v for k, v in loader.items() if k not in _NOT_IDENTITY}
+    lora = model_cfg.get("lora") or {}
+    out.update({f"lora.{k}": OmegaConf.to_container(lora[k]) if OmegaConf.is_list(lora[k]) else lora[k]
+                for k in ("r", "alpha", "target_modules") if k in lora})  # lora.dropout is off in eval
+    return out
+
+
+def load_inference(cfg, overrides: list[str], checkpoints: list):
+    """(policy with LoRA in eval mode, tokenizer, effective config) for eval and sample.
+
+    The first checkpoint's saved config fills in model/data/reward/sampler unless the command line
+    overrides them. Every checkpoint must have been trained on the model built here: the same
+    `model.loader` node (which weights load) and the same LoRA shape, or its adapter would not fit
+    or, worse, fit other weights silently.
+    """
+    first = next((c for c in checkpoints if c is not None), None)
+    if first is not None:
+        cfg = inherit(cfg, checkpoint.load_config(first), overrides)
+        ours = _base_identity(cfg.model)
+        for ckpt in (c for c in checkpoints if c is not None):
+            theirs = _base_identity(checkpoint.load_config(ckpt).model)
+            key = next((k for k in sorted(ours.keys() | theirs.keys()) if ours.get(k) != theirs.get(k)), None)
+            if key is not None:
+                raise ConfigError(f"{ckpt} was trained with model.{key}={theirs.get(key)!r}, not {ours.get(key)!r}: "
+                                  f"its adapter fits only that base model; drop the model override, or evaluate "
+                                  f"checkpoints of different base models apart")
+    validate(cfg)
+    policy, tokenizer, _ = build_policy(cfg.model)
+    policy.eval()
+    return policy, tokenizer, cfg
+
