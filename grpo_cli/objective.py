@@ -22,6 +22,8 @@ Where it departs, and why:
   - options the paper does not have, each from a follow-up: `std="sample"` (TRL, verl),
     `scale="batch"` (std of the whole batch) and `scale="none"` (Dr. GRPO), an asymmetric clip
     range `epsilon_high` (DAPO's clip-higher), and the aggregations `bnpo`, `dr_grpo`, `dapo`;
+  - `importance_sampling_level="sequence"`: GSPO's sequence-level ratio (arXiv 2507.18071), in its
+    GSPO-token form so that per-token (process) advantages still work;
   - in the `grpo` aggregation a sequence with no unmasked token (e.g. a truncated completion whose
     loss is masked out) contributes 0 but still counts in the mean over the N sequences, so the
     weight of the other sequences does not depend on how many were masked.
@@ -37,6 +39,12 @@ SCALES = ("group", "batch", "none")
 STDS = ("population", "sample")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+# GSPO's clip range (arXiv 2507.18071 v2, §5.1; TRL's paper index uses the same): the sequence ratio is a
+# geometric mean of token ratios, so it strays from 1 far less than a token ratio and needs a range ~1000x
+# narrower than PPO's 0.2
+GSPO_EPSILON_LOW = 3e-4
+GSPO_EPSILON_HIGH = 4e-4
 
 
 # --------------------------------------------------------------------------- advantages
@@ -195,6 +203,33 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
     return total / torch.where(count != 0, count, 1.0)   # an empty row has total 0 -> 0
 
 
+def importance_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor,
+                     level: str = "token") -> torch.Tensor:
+    """π_θ / π_old of each sampled token, at token or sequence level: [N, T] -> [N, T].
+
+    token (GRPO, PPO):  ρ_i,t = exp(logp_i,t - old_i,t)
+    sequence (GSPO, arXiv 2507.18071 §4, in its GSPO-token form):
+        s_i = exp(1/|o_i| Σ_t (logp_i,t - old_i,t))      over the unmasked tokens of sequence i
+        ρ_i,t = sg[s_i] · π_θ(o_i,t) / sg[π_θ(o_i,t)]       = exp(sg[log s_i] + (logp_i,t - sg[logp_i,t]))
+    so every token of sequence i has the value s_i (a clip on it keeps or drops the whole sequence) and
+    ∂ρ_i,t/∂logp_i,t = s_i. With the same advantage on every token of a sequence (outcome supervision)
+    the gradient equals that of GSPO's sequence objective; with per-token advantages each token keeps its
+    own (GSPO's reason for the token form). old_logp is detached; masked positions (even ±inf) count in
+    nothing, and an empty sequence has s = 1.
+    """
+    if level not in IMPORTANCE_SAMPLING_LEVELS:
+        raise ValueError(f"importance_sampling_level ({level!r}) must be one of {IMPORTANCE_SAMPLING_LEVELS}")
+    keep = mask.bool()
+    lp = logp.masked_fill(~keep, 0.0)
+    old = old_logp.detach().masked_fill(~keep, 0.0)
+    if level == "token":
+        return torch.exp(lp - old)                       # [N, T]; 1 on masked positions
+    log_s = masked_mean((lp - old).detach(), keep, dim=1)   # [N]; log s_i, 0 for an empty sequence
+    # (lp - sg[lp]) first: it is exactly 0, so the value is exactly s_i (log s + lp - lp would round
+    # log s ~ 1e-4 against |lp| ~ 10 and miss GSPO's 3e-4 clip range by a percent)
+    return torch.exp(log_s.unsqueeze(1) + (lp - lp.detach()))
+
+
 def grpo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor | None,
@@ -210,6 +245,7 @@ def grpo_loss(
     max_completion_length: int | None = None,
     normalizer: torch.Tensor | float | None = None,
     is_weight: torch.Tensor | None = None,
+    importance_sampling_level: str = "token",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The clipped GRPO surrogate with a KL penalty -> (loss to minimize, stats).
 
@@ -230,10 +266,20 @@ def grpo_loss(
     `is_weight` [N, T] (None: 1) multiplies each token's clipped term, not the KL: the truncated
     importance weight of a rollout sampled by another engine (`truncated_is_weight`).
 
+    `importance_sampling_level="sequence"` is GSPO (arXiv 2507.18071): ρ is the sequence ratio s_i
+    on every token of sequence i (`importance_ratio`, the GSPO-token form), clipped at sequence level
+    with [1-ε_low, 1+ε_high]; the paper's range is GSPO_EPSILON_LOW/HIGH (3e-4, 4e-4), which the
+    caller passes as epsilon_low/epsilon_high. Defined for every loss_type: the ratio is per token in
+    form, so any aggregation applies. The paper's objective is a mean over each sequence, i.e.
+    loss_type grpo (with outcome advantages its gradient is then exactly GSPO's); bnpo / dr_grpo / dapo
+    weight a sequence by its length, which the paper does not. With old_logp None (num_iterations = 1)
+    s_i = 1 in value and the gradient is the token-level one: GSPO only differs off-policy.
+
     stats, all detached 0-dim tensors (call .item() when logging): `kl` (masked mean of the KL;
     0 when beta == 0 and no ref_logp), `ratio_mean`, and the fractions of unmasked tokens the clip
     cut: `clip_ratio/low_mean` (A<0, ρ<1-ε_low), `clip_ratio/high_mean` (A>0, ρ>1+ε_high),
-    `clip_ratio/region_mean` (their sum: tokens whose gradient the clip zeroed).
+    `clip_ratio/region_mean` (their sum: tokens whose gradient the clip zeroed). At sequence level
+    these are still shares of tokens: a clipped sequence counts with all its tokens.
     """
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type ({loss_type!r}) must be one of {LOSS_TYPES}")
@@ -268,7 +314,7 @@ def grpo_loss(
         adv = adv.unsqueeze(1)                           # [N, 1], broadcast over T
     adv = torch.where(keep, adv, 0.0)                    # [N, T]
 
-    ratio = torch.exp(lp - old)                          # [N, T]; 1 on masked positions
+    ratio = importance_ratio(lp, old, keep, importance_sampling_level)   # [N, T]
     clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
     objective = torch.minimum(ratio * adv, clipped * adv)
     if is_weight is not None:
@@ -357,20 +403,28 @@ class GRPOLoss:
     With it, the stats hold `sampler/logp_gap`, the mean |old_logp - sampling_logp| over the
     counted tokens; with `is_correction_cap` too, each token's clipped term is weighted by
     `truncated_is_weight(old_logp, sampling_logp, cap)` (and `sampler/is_weight_mean` is logged).
+
+    `importance_sampling_level="sequence"` is GSPO (see `grpo_loss`); its ratio is per sequence, so a
+    micro-batch of whole rows computes the same ratios as the batch and the micro-batch losses still add
+    up to the batch loss.
     """
 
     def __init__(self, beta: float, epsilon_low: float, epsilon_high: float | None, kl_estimator: str,
-                 loss_type: str, is_correction_cap: float | None = None):
+                 loss_type: str, is_correction_cap: float | None = None, importance_sampling_level: str = "token"):
         if loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type ({loss_type!r}) must be one of {LOSS_TYPES}")
         if kl_estimator not in KL_ESTIMATORS:
             raise ValueError(f"kl_estimator ({kl_estimator!r}) must be one of {KL_ESTIMATORS}")
+        if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+            raise ValueError(f"importance_sampling_level ({importance_sampling_level!r}) must be one of "
+                             f"{IMPORTANCE_SAMPLING_LEVELS}")
         self.beta = beta
         self.epsilon_low = epsilon_low
         self.epsilon_high = epsilon_high
         self.kl_estimator = kl_estimator
         self.loss_type = loss_type
         self.is_correction_cap = is_correction_cap
+        self.importance_sampling_level = importance_sampling_level
 
     @property
     def needs_reference(self) -> bool:
@@ -387,7 +441,8 @@ class GRPOLoss:
                 logp, old_logp, ref_logp, advantages, mask, beta=self.beta, epsilon_low=self.epsilon_low,
                 epsilon_high=self.epsilon_high, kl_estimator=self.kl_estimator, loss_type=self.loss_type,
                 max_completion_length=max_completion_length,
-                normalizer=num_tokens if self.loss_type == "dapo" else None, is_weight=is_weight)
+                normalizer=num_tokens if self.loss_type == "dapo" else None, is_weight=is_weight,
+                importance_sampling_level=self.importance_sampling_level)
             if sampling_logp is not None:
                 m = mask.to(logp.dtype)
                 stats["sampler/logp_gap"] = masked_mean((old - sampling_logp).abs(), m)

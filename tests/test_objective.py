@@ -9,9 +9,13 @@ import pytest
 import torch
 
 from grpo_cli.objective import (
+    GSPO_EPSILON_HIGH,
+    GSPO_EPSILON_LOW,
+    LOSS_TYPES,
     GRPOLoss,
     grpo_loss,
     head_logprobs,
+    importance_ratio,
     kl_divergence,
     masked_mean,
     outcome_advantages,
@@ -449,16 +453,18 @@ def test_loss_errors():
         grpo_loss(logp, None, torch.zeros(1, 2), torch.zeros(1), torch.ones(1, 2), kl_estimator="k9")
 
 
-def ref_loss(logp, old, ref, adv, mask, beta, el, eh, est, loss_type, lmax):
-    """Token by token, in plain floats."""
+def ref_loss(logp, old, ref, adv, mask, beta, el, eh, est, loss_type, lmax, level="token"):
+    """Token by token, in plain floats; level "sequence": every token's ratio is its sequence's GSPO ratio."""
     n, t = len(logp), len(logp[0])
     obj = [[0.0] * t for _ in range(n)]
     for i in range(n):
+        gaps = [logp[i][j] - old[i][j] for j in range(t) if mask[i][j]]
+        s = math.exp(sum(gaps) / len(gaps)) if gaps else 1.0
         for j in range(t):
             if not mask[i][j]:
                 continue
             a = adv[i] if not isinstance(adv[i], list) else adv[i][j]
-            rho = math.exp(logp[i][j] - old[i][j])
+            rho = math.exp(logp[i][j] - old[i][j]) if level == "token" else s
             o = min(rho * a, min(max(rho, 1 - el), 1 + eh) * a)
             d = ref[i][j] - logp[i][j]
             kl = {"k1": -d, "k2": 0.5 * d * d, "k3": math.exp(d) - d - 1}[est]
@@ -498,6 +504,180 @@ def test_masked_mean():
     assert close(masked_mean(x, m), 1.5)                 # (1 + 2) / 2
     assert close(masked_mean(x, m, dim=1), [1.5, 0.0])   # an empty row -> 0
     assert close(masked_mean(x, torch.zeros(2, 3)), 0.0)
+
+
+# --------------------------------------------------------------------------- GSPO: the sequence-level ratio
+
+
+def gspo_pair():
+    """Two sequences of 2 tokens and a pad (inf: must reach nothing); token ratios [2, 0.5] and [4, 1]."""
+    old = torch.full((2, 3), -1.0, dtype=torch.float64)
+    logp = old + torch.tensor([[2.0, 0.5, 1.0], [4.0, 1.0, 1.0]], dtype=torch.float64).log()
+    logp[:, 2] = math.inf
+    return logp.requires_grad_(), old, torch.tensor([[1, 1, 0], [1, 1, 0]])
+
+
+def test_gspo_ratio_and_clip_by_hand():
+    # s_0 = exp((ln 2 + ln 0.5) / 2) = exp(0) = 1;  s_1 = exp((ln 4 + ln 1) / 2) = exp(ln 2) = 2
+    logp, old, mask = gspo_pair()
+    assert close(importance_ratio(logp, old, mask, "sequence")[:, :2], [[1, 1], [2, 2]], tol=1e-12)
+    # A = 1 on both, ε 0.2: s_0 = 1 lies in [0.8, 1.2] -> 1·1 = 1; s_1 = 2 is clipped -> min(2, 1.2) = 1.2
+    # grpo: (1 + 1.2) / 2 = 1.1 -> loss -1.1
+    # (token level would clip token 0 of sequence 0 instead: (min(2, 1.2) + 0.5) / 2 = 0.85 and
+    #  (min(4, 1.2) + 1) / 2 = 1.1 -> -(0.85 + 1.1) / 2 = -0.975)
+    adv = torch.tensor([1.0, 1.0])
+    loss, stats = grpo_loss(logp, old, None, adv, mask, beta=0.0, importance_sampling_level="sequence")
+    assert close(loss, -1.1, tol=1e-12)
+    assert close(grpo_loss(logp, old, None, adv, mask, beta=0.0)[0], -0.975, tol=1e-12)
+    # sequence 1 is clipped with both its tokens, sequence 0 with none: 2 of 4 tokens
+    assert close(stats["clip_ratio/high_mean"], 0.5, tol=1e-12) and close(stats["clip_ratio/low_mean"], 0.0, tol=0)
+    assert close(stats["ratio_mean"], 1.5, tol=1e-12)   # (1 + 1 + 2 + 2) / 4
+    loss.backward()
+    # sequence 0: ∂/∂logp_t = -(1/N)(1/|o|)·s_0·A = -(1/2)(1/2)·1·1 = -0.25; sequence 1 clipped: 0
+    assert close(logp.grad, [[-0.25, -0.25, 0], [0, 0, 0]], tol=1e-12)
+    # A = -1: s_1 = 2 is on the pessimistic side, min(-2, -1.2) = -2: not clipped
+    # (-1 + -2) / 2 = -1.5 -> loss 1.5; sequence 1: -(1/2)(1/2)·2·(-1) = 0.5 per token
+    logp.grad = None
+    loss, stats = grpo_loss(logp, old, None, -adv, mask, beta=0.0, importance_sampling_level="sequence")
+    loss.backward()
+    assert close(loss, 1.5, tol=1e-12) and close(stats["clip_ratio/region_mean"], 0.0, tol=0)
+    assert close(logp.grad, [[0.25, 0.25, 0], [0.5, 0.5, 0]], tol=1e-12)
+
+
+def test_gspo_ratio_value_is_exact_and_the_papers_clip_range():
+    # float32 log-probs near -20, token log-ratios [2e-4, 0] and [1e-3, 0] (what float32 makes of them):
+    # log s = 1e-4 -> s = 1.0001, inside [1 - 3e-4, 1 + 4e-4]; log s = 5e-4 -> s = 1.0005 > 1.0004: clipped
+    old = torch.tensor([[-20.0, -19.0], [-20.0, -21.0]])
+    logp = (old + torch.tensor([[2e-4, 0.0], [1e-3, 0.0]])).requires_grad_()
+    mask = torch.ones(2, 2)
+    ratio = importance_ratio(logp, old, mask, "sequence")
+    # every token carries exactly s_i, whatever its own log-prob: exp(log s + (lp - lp)), not exp(log s + lp - lp)
+    assert torch.equal(ratio.detach(), torch.exp((logp - old).detach().mean(1, keepdim=True)).expand(2, 2))
+    assert close(ratio[:, 0], [1.0001, 1.0005], tol=2e-6)
+    _, stats = grpo_loss(logp, old, None, torch.tensor([1.0, 1.0]), mask, beta=0.0,
+                         epsilon_low=GSPO_EPSILON_LOW, epsilon_high=GSPO_EPSILON_HIGH,
+                         importance_sampling_level="sequence")
+    assert (GSPO_EPSILON_LOW, GSPO_EPSILON_HIGH) == (3e-4, 4e-4)
+    assert close(stats["clip_ratio/high_mean"], 0.5, tol=0)   # sequence 1's 2 tokens of 4
+
+
+def test_gspo_on_policy_is_the_token_level_gradient():
+    # old = logp (num_iterations 1): s = 1 in value, ∂ρ_t/∂logp_t = 1 -> the same loss and gradient as token level
+    g = torch.Generator().manual_seed(0)
+    logp = torch.randn(3, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    adv, mask = torch.randn(3, 4, generator=g, dtype=torch.float64), torch.tensor([[1, 1, 1, 0]] * 3)
+    grads = []
+    for level in ("token", "sequence"):
+        logp.grad = None
+        grpo_loss(logp, None, None, adv, mask, beta=0.0, importance_sampling_level=level)[0].backward()
+        grads.append(logp.grad.clone())
+    assert torch.allclose(grads[0], grads[1], atol=1e-15)
+
+
+def aggregate(objective, keep, loss_type, lmax):
+    """The four aggregations of [N, T] per-token objectives (0 where not kept), written out again."""
+    m = keep.to(objective.dtype)
+    if loss_type == "grpo":
+        return (objective.sum(1) / m.sum(1).clamp(min=1)).mean()
+    if loss_type == "dr_grpo":
+        return objective.sum() / (objective.shape[0] * lmax)
+    return objective.sum() / m.sum().clamp(min=1)
+
+
+def gspo_sequence_form(logp, old, adv, mask, el, eh, loss_type, lmax):
+    """GSPO's objective as the paper writes it: s_i with its gradient through the mean of the log-ratios,
+    one clipped term per sequence (outcome advantages [N]), spread over the sequence's tokens to aggregate."""
+    keep = mask.bool()
+    s = torch.exp(torch.where(keep, logp - old, 0.0).sum(1) / keep.sum(1).clamp(min=1))   # [N]
+    per_sequence = torch.minimum(s * adv, s.clamp(1 - el, 1 + eh) * adv)                   # [N]
+    return -aggregate(per_sequence[:, None] * keep, keep, loss_type, lmax)
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_gspo_token_form_gradient_equals_the_sequence_form(loss_type):
+    g = torch.Generator().manual_seed(3)
+    n, t = 6, 5
+    old = torch.randn(n, t, generator=g, dtype=torch.float64) - 2
+    logp = (old + torch.randn(n, t, generator=g, dtype=torch.float64) * 0.3).requires_grad_()
+    mask = torch.rand(n, t, generator=g) < 0.7
+    mask[0] = False                                          # an empty sequence
+    adv = torch.randn(n, generator=g, dtype=torch.float64)
+    ours, _ = grpo_loss(logp, old, None, adv, mask, beta=0.0, epsilon_high=0.3, loss_type=loss_type,
+                        max_completion_length=7, importance_sampling_level="sequence")
+    (grad_ours,) = torch.autograd.grad(ours, logp)
+    paper = gspo_sequence_form(logp, old, adv, mask, 0.2, 0.3, loss_type, 7)
+    (grad_paper,) = torch.autograd.grad(paper, logp)
+    assert close(ours, paper, tol=1e-12)
+    assert torch.allclose(grad_ours, grad_paper, atol=1e-12)
+    # the data reach both sides of the clip: some sequences clipped (zero gradient), some not
+    s = importance_ratio(logp, old, mask, "sequence")[:, 0]
+    clipped = ((adv > 0) & (s > 1.3)) | ((adv < 0) & (s < 0.8))
+    assert clipped.any() and (~clipped & mask.any(1)).any()
+    assert (grad_ours[clipped] == 0).all()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_sequence_level_matches_loop(seed):
+    # per-token (process) advantages too: the GSPO-token form takes them
+    g = torch.Generator().manual_seed(seed)
+    n, t = 3, 5
+    logp = torch.randn(n, t, generator=g, dtype=torch.float64) * 0.3 - 1
+    old = logp + torch.randn(n, t, generator=g, dtype=torch.float64) * 0.3
+    ref = logp + torch.randn(n, t, generator=g, dtype=torch.float64) * 0.5
+    mask = torch.rand(n, t, generator=g) < 0.7
+    mask[0] = False
+    adv = torch.randn(*((n,) if seed % 2 else (n, t)), generator=g, dtype=torch.float64)
+    for loss_type in LOSS_TYPES:
+        fast, _ = grpo_loss(logp, old, ref, adv, mask, beta=0.1, epsilon_high=0.3, loss_type=loss_type,
+                            max_completion_length=7, importance_sampling_level="sequence")
+        slow = ref_loss(logp.tolist(), old.tolist(), ref.tolist(), adv.tolist(), mask.tolist(),
+                        0.1, 0.2, 0.3, "k3", loss_type, 7, level="sequence")
+        assert close(fast, slow, tol=1e-10), loss_type
+
+
+def test_importance_sampling_level_errors():
+    with pytest.raises(ValueError, match="importance_sampling_level"):
+        grpo_loss(torch.zeros(1, 2), None, None, torch.zeros(1), torch.ones(1, 2), beta=0.0,
+                  importance_sampling_level="sentence")
+    with pytest.raises(ValueError, match="importance_sampling_level"):
+        GRPOLoss(0.0, 0.2, None, "k3", "grpo", importance_sampling_level="seq")
+
+
+# --------------------------------------------------------------------------- micro-batches add up to the batch
+
+
+def random_batch(seed, n=5, t=4):
+    """A ragged float64 batch: logp (a leaf), old, ref, outcome advantages, mask with an empty row."""
+    g = torch.Generator().manual_seed(seed)
+    old = torch.randn(n, t, generator=g, dtype=torch.float64) - 2
+    return {
+        "logp": (old + torch.randn(n, t, generator=g, dtype=torch.float64) * 0.3).requires_grad_(),
+        "old_logp": old,
+        "ref_logp": old + torch.randn(n, t, generator=g, dtype=torch.float64) * 0.5,
+        "advantages": torch.randn(n, generator=g, dtype=torch.float64),
+        "mask": torch.cat([torch.zeros(1, t, dtype=torch.bool), torch.rand(n - 1, t, generator=g) < 0.8]),
+    }
+
+
+def batch_and_micro_batches(loss, batch, rows=(range(0, 2), range(2, 5)), **bound):
+    """(loss, gradient) of the whole batch in one call, and summed over micro-batches of `rows`."""
+    logp, mask = batch["logp"], batch["mask"]
+    fn = loss.for_batch(mask.shape[0], mask.sum().to(logp.dtype), mask.shape[1], **bound)
+    full = fn(**batch)[0]
+    (grad_full,) = torch.autograd.grad(full, logp)
+    parts = sum(fn(**{k: v[list(r)] for k, v in batch.items()})[0] for r in rows)
+    (grad_parts,) = torch.autograd.grad(parts, logp)
+    return full, grad_full, parts, grad_parts
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_micro_batches_add_up_at_sequence_level(loss_type):
+    # GSPO's s_i is a function of row i alone: rows 0-1 and 2-4, each weighted by micro_batch_weight,
+    # give the batch's loss and gradient
+    loss = GRPOLoss(0.1, 0.2, 0.3, "k3", loss_type, importance_sampling_level="sequence")
+    full, grad_full, parts, grad_parts = batch_and_micro_batches(loss, random_batch(1))
+    assert close(full, parts, tol=1e-12)
+    assert torch.allclose(grad_full, grad_parts, atol=1e-12) and grad_full.abs().sum() > 0
 
 
 # --------------------------------------------------------------------------- token log-probs
