@@ -24,6 +24,8 @@ Where it departs, and why:
     range `epsilon_high` (DAPO's clip-higher), and the aggregations `bnpo`, `dr_grpo`, `dapo`;
   - `importance_sampling_level="sequence"`: GSPO's sequence-level ratio (arXiv 2507.18071), in its
     GSPO-token form so that per-token (process) advantages still work;
+  - importance weights for a rollout engine with its own copy of the policy (vLLM): truncated per
+    token, truncated per sequence, or masked per sequence (`is_correction_weights`; TRL, verl);
   - in the `grpo` aggregation a sequence with no unmasked token (e.g. a truncated completion whose
     loss is masked out) contributes 0 but still counts in the mean over the N sequences, so the
     weight of the other sequences does not depend on how many were masked.
@@ -31,7 +33,9 @@ Where it departs, and why:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -45,6 +49,7 @@ IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 # narrower than PPO's 0.2
 GSPO_EPSILON_LOW = 3e-4
 GSPO_EPSILON_HIGH = 4e-4
+IS_CORRECTIONS = ("token_truncate", "sequence_truncate", "sequence_mask")
 
 
 # --------------------------------------------------------------------------- advantages
@@ -264,7 +269,7 @@ def grpo_loss(
     gradient). `ref_logp` may be None when beta == 0. `max_completion_length` is read only by
     dr_grpo; `normalizer` only by dapo (passing it with another loss_type is an error).
     `is_weight` [N, T] (None: 1) multiplies each token's clipped term, not the KL: the truncated
-    importance weight of a rollout sampled by another engine (`truncated_is_weight`).
+    importance weight of a rollout sampled by another engine (`is_correction_weights`).
 
     `importance_sampling_level="sequence"` is GSPO (arXiv 2507.18071): ρ is the sequence ratio s_i
     on every token of sequence i (`importance_ratio`, the GSPO-token form), clipped at sequence level
@@ -374,6 +379,63 @@ def truncated_is_weight(old_logp: torch.Tensor, sampling_logp: torch.Tensor, cap
     return torch.exp(old_logp.detach() - sampling_logp.detach()).clamp(max=cap)
 
 
+@dataclass(frozen=True)
+class ISWeights:
+    """What `is_correction_weights` returns: the weights, and what the cap did to them.
+
+    Shares are of the counted tokens (a dropped sequence counts with all its tokens), not of sequences,
+    so that they average over micro-batches and ranks like the loss's other token statistics.
+    """
+
+    weight: torch.Tensor            # [N, T], detached; 0 on masked positions; per sequence in the sequence modes
+    truncated_share: torch.Tensor   # 0-dim: tokens whose weight the cap lowered (truncate modes; else 0)
+    masked_share: torch.Tensor      # 0-dim: tokens of sequences outside [1/cap, cap] (sequence_mask; else 0)
+
+
+def is_correction_weights(old_logp: torch.Tensor, sampling_logp: torch.Tensor, mask: torch.Tensor, *,
+                          cap: float, mode: str = "token_truncate") -> ISWeights:
+    """Importance weights π_old / π_sampler for each token's clipped term: [N, T] log-probs -> `ISWeights`.
+
+    π_sampler is the rollout engine's copy of the policy (vLLM), π_old the trainer's; with
+    d_i,t = old_i,t - sampler_i,t over the unmasked tokens:
+        token_truncate     w_i,t = min(exp(d_i,t), cap)             (`truncated_is_weight`; TRL's default mode)
+        sequence_truncate  w_i   = min(exp(Σ_t d_i,t), cap)         on every token of sequence i
+        sequence_mask      w_i   = exp(Σ_t d_i,t) if it lies in [1/cap, cap], else 0: the sequence leaves
+                                   the policy-gradient term (its KL term stays, and it still counts in
+                                   every aggregation's denominator, as in TRL)
+    The sequence ratio is the ratio of the sequence's probabilities, π_old(o_i) / π_sampler(o_i) = exp(Σ_t d),
+    a sum in the exponent, not a mean: TRL (vllm_importance_sampling_mode="sequence_*" sums the per-token
+    differences) and verl (rollout_is_level="sequence"; its "geometric" level is the mean) both do so. It
+    grows with the length: a gap of 1e-3 per token is a factor e over 1,000 tokens, so a sequence cap is
+    set larger than a token cap (verl suggests 2-10 against 1.5-5). The mask band [1/cap, cap] is verl's
+    (rollout_is_mode="mask", lower bound 1/upper by default; TRL masks only above cap); inside it the
+    weight is the ratio itself, as in both (masked importance sampling), not 1. Masked positions (even
+    NaN) reach nothing; an empty sequence has ratio 1.
+    """
+    if mode not in IS_CORRECTIONS:
+        raise ValueError(f"is_correction ({mode!r}) must be one of {IS_CORRECTIONS}")
+    if not cap > 0:
+        raise ValueError(f"cap ({cap}) must be > 0")
+    if mode == "sequence_mask" and cap < 1:
+        raise ValueError(f"cap ({cap}) must be >= 1 for sequence_mask: the band [1/cap, cap] must hold 1")
+    keep = mask.bool()                                   # [N, T]
+    m = keep.to(old_logp.dtype)
+    zero = old_logp.new_zeros(())
+    if mode == "token_truncate":
+        raw = torch.exp((old_logp.detach() - sampling_logp.detach()).masked_fill(~keep, 0.0))   # [N, T]
+        weight = torch.where(keep, raw.clamp(max=cap), 0.0)
+        return ISWeights(weight, masked_mean((raw > cap).to(m.dtype), m), zero)
+    d = (old_logp.detach() - sampling_logp.detach()).masked_fill(~keep, 0.0)
+    log_w = d.sum(1, keepdim=True)                       # [N, 1]; log π_old(o_i) / π_sampler(o_i)
+    raw = torch.exp(log_w)                               # inf past ~e^709 (float64): capped or masked all the same
+    if mode == "sequence_truncate":
+        weight = torch.where(keep, raw.clamp(max=cap), 0.0)
+        return ISWeights(weight, masked_mean((raw > cap).expand_as(m).to(m.dtype), m), zero)
+    inside = log_w.abs() <= math.log(cap)                # [N, 1]; in log space: symmetric, no overflow
+    weight = torch.where(keep & inside, raw, 0.0)
+    return ISWeights(weight, zero, masked_mean((~inside).expand_as(m).to(m.dtype), m))
+
+
 def micro_batch_weight(loss_type: str, rows: int, num_sequences: int, tokens: torch.Tensor | float,
                        num_tokens: torch.Tensor | float) -> float:
     """Factor for one micro-batch's loss so that the summed micro-batch gradients equal the batch's.
@@ -402,15 +464,18 @@ class GRPOLoss:
     `sampling_logp` [n, T]: the rollout engine's own log-probs of the sampled tokens (vLLM), or None.
     With it, the stats hold `sampler/logp_gap`, the mean |old_logp - sampling_logp| over the
     counted tokens; with `is_correction_cap` too, each token's clipped term is weighted by
-    `truncated_is_weight(old_logp, sampling_logp, cap)` (and `sampler/is_weight_mean` is logged).
+    `is_correction_weights(old_logp, sampling_logp, mask, cap=is_correction_cap, mode=is_correction)`
+    (token_truncate: `truncated_is_weight`) and `sampler/is_weight_mean`, `sampler/is_truncated_share`
+    and `sampler/is_masked_share` are logged.
 
-    `importance_sampling_level="sequence"` is GSPO (see `grpo_loss`); its ratio is per sequence, so a
-    micro-batch of whole rows computes the same ratios as the batch and the micro-batch losses still add
-    up to the batch loss.
+    `importance_sampling_level="sequence"` is GSPO (see `grpo_loss`). Its ratio and the sequence IS
+    weights are functions of one row each, so a micro-batch of whole rows computes the same values as
+    the batch and the micro-batch losses still add up to the batch loss.
     """
 
     def __init__(self, beta: float, epsilon_low: float, epsilon_high: float | None, kl_estimator: str,
-                 loss_type: str, is_correction_cap: float | None = None, importance_sampling_level: str = "token"):
+                 loss_type: str, is_correction_cap: float | None = None, importance_sampling_level: str = "token",
+                 is_correction: str = "token_truncate"):
         if loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type ({loss_type!r}) must be one of {LOSS_TYPES}")
         if kl_estimator not in KL_ESTIMATORS:
@@ -418,6 +483,8 @@ class GRPOLoss:
         if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
             raise ValueError(f"importance_sampling_level ({importance_sampling_level!r}) must be one of "
                              f"{IMPORTANCE_SAMPLING_LEVELS}")
+        if is_correction not in IS_CORRECTIONS:
+            raise ValueError(f"is_correction ({is_correction!r}) must be one of {IS_CORRECTIONS}")
         self.beta = beta
         self.epsilon_low = epsilon_low
         self.epsilon_high = epsilon_high
@@ -425,6 +492,7 @@ class GRPOLoss:
         self.loss_type = loss_type
         self.is_correction_cap = is_correction_cap
         self.importance_sampling_level = importance_sampling_level
+        self.is_correction = is_correction
 
     @property
     def needs_reference(self) -> bool:
@@ -433,10 +501,12 @@ class GRPOLoss:
 
     def for_batch(self, num_sequences: int, num_tokens: torch.Tensor, max_completion_length: int):
         def loss_fn(logp, old_logp, ref_logp, advantages, mask, sampling_logp=None):
-            is_weight = None
+            correction = is_weight = None
             old = logp.detach() if old_logp is None else old_logp.detach()  # [n, T]: π_old, the trainer's
             if sampling_logp is not None and self.is_correction_cap is not None:
-                is_weight = truncated_is_weight(old, sampling_logp, self.is_correction_cap)
+                correction = is_correction_weights(old, sampling_logp, mask, cap=self.is_correction_cap,
+                                                   mode=self.is_correction)
+                is_weight = correction.weight
             loss, stats = grpo_loss(
                 logp, old_logp, ref_logp, advantages, mask, beta=self.beta, epsilon_low=self.epsilon_low,
                 epsilon_high=self.epsilon_high, kl_estimator=self.kl_estimator, loss_type=self.loss_type,
@@ -446,8 +516,10 @@ class GRPOLoss:
             if sampling_logp is not None:
                 m = mask.to(logp.dtype)
                 stats["sampler/logp_gap"] = masked_mean((old - sampling_logp).abs(), m)
-                if is_weight is not None:
+                if correction is not None:
                     stats["sampler/is_weight_mean"] = masked_mean(is_weight, m)
+                    stats["sampler/is_truncated_share"] = correction.truncated_share
+                    stats["sampler/is_masked_share"] = correction.masked_share
             weight = micro_batch_weight(self.loss_type, logp.shape[0], num_sequences, mask.sum(), num_tokens)
             return loss * weight, stats
 

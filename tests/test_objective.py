@@ -16,6 +16,7 @@ from grpo_cli.objective import (
     grpo_loss,
     head_logprobs,
     importance_ratio,
+    is_correction_weights,
     kl_divergence,
     masked_mean,
     outcome_advantages,
@@ -643,20 +644,112 @@ def test_importance_sampling_level_errors():
         GRPOLoss(0.0, 0.2, None, "k3", "grpo", importance_sampling_level="seq")
 
 
+# --------------------------------------------------------------------------- sequence-level IS correction
+
+
+def sampler_batch():
+    """π_old / π_sampler of 4 sequences (pads: NaN sampler log-probs, must reach nothing):
+    [1.5, 1.2] (product 1.8), [2.5, 1.5] (3.75), [0.5] (0.5), [0.25] (0.25)."""
+    old = torch.tensor([[0.6, 0.6, 1], [0.5, 0.3, 1], [0.25, 1, 1], [0.1, 1, 1]], dtype=torch.float64).log()
+    sampler = torch.tensor([[0.4, 0.5, 1], [0.2, 0.2, 1], [0.5, 1, 1], [0.4, 1, 1]], dtype=torch.float64).log()
+    mask = torch.tensor([[1, 1, 0], [1, 1, 0], [1, 0, 0], [1, 0, 0]])
+    return old, sampler.masked_fill(mask == 0, math.nan), mask
+
+
+def test_sequence_truncate_by_hand():
+    # cap 2: sequence ratios 1.5·1.2 = 1.8 (kept: per token it would be 1.5 and 1.2), 2.5·1.5 = 3.75 -> 2,
+    # 0.5 and 0.25 (never raised); each on every token of its sequence, 0 on pads
+    old, sampler, mask = sampler_batch()
+    w = is_correction_weights(old, sampler, mask, cap=2.0, mode="sequence_truncate")
+    assert close(w.weight, [[1.8, 1.8, 0], [2, 2, 0], [0.5, 0, 0], [0.25, 0, 0]], tol=1e-12)
+    # truncated: sequence 1's 2 tokens of the 6 counted -> 1/3; nothing masked
+    assert close(w.truncated_share, 1 / 3, tol=1e-12) and close(w.masked_share, 0.0, tol=0)
+    assert not w.weight.requires_grad
+
+
+def test_sequence_mask_by_hand():
+    # cap 2, band [0.5, 2]: 1.8 kept with its ratio as weight; 3.75 above -> 0; 0.5 on the lower edge -> kept, 0.5;
+    # 0.25 below -> 0 (truncation leaves a low ratio alone; the mask drops it)
+    old, sampler, mask = sampler_batch()
+    w = is_correction_weights(old, sampler, mask, cap=2.0, mode="sequence_mask")
+    assert close(w.weight, [[1.8, 1.8, 0], [0, 0, 0], [0.5, 0, 0], [0, 0, 0]], tol=1e-12)
+    # masked: sequences 1 (2 tokens) and 3 (1 token) of 6 tokens -> 3/6 = 0.5; nothing truncated
+    assert close(w.masked_share, 0.5, tol=1e-12) and close(w.truncated_share, 0.0, tol=0)
+
+
+def test_token_truncate_is_truncated_is_weight():
+    # per token, cap 2: [1.5, 1.2], [min(2.5, 2) = 2, 1.5], [0.5], [0.25]; 1 of 6 tokens truncated
+    old, sampler, mask = sampler_batch()
+    w = is_correction_weights(old, sampler, mask, cap=2.0)
+    assert close(w.weight, [[1.5, 1.2, 0], [2, 1.5, 0], [0.5, 0, 0], [0.25, 0, 0]], tol=1e-12)
+    assert torch.equal(w.weight[mask.bool()], truncated_is_weight(old, sampler, 2.0)[mask.bool()])
+    assert close(w.truncated_share, 1 / 6, tol=1e-12) and close(w.masked_share, 0.0, tol=0)
+
+
+def test_sequence_weights_of_a_sequence_the_sampler_all_but_never_draws():
+    # Σ d = 2e4: exp overflows float32 to inf; truncated to the cap, or masked
+    old, sampler, mask = torch.zeros(1, 2), torch.full((1, 2), -1e4), torch.ones(1, 2)
+    truncated = is_correction_weights(old, sampler, mask, cap=3.0, mode="sequence_truncate")
+    assert torch.equal(truncated.weight, torch.full((1, 2), 3.0)) and truncated.truncated_share == 1
+    masked = is_correction_weights(old, sampler, mask, cap=3.0, mode="sequence_mask")
+    assert torch.equal(masked.weight, torch.zeros(1, 2)) and masked.masked_share == 1
+
+
+def test_is_correction_errors():
+    old, sampler, mask = sampler_batch()
+    with pytest.raises(ValueError, match="is_correction"):
+        is_correction_weights(old, sampler, mask, cap=2.0, mode="sequence_clip")
+    with pytest.raises(ValueError, match="cap"):
+        is_correction_weights(old, sampler, mask, cap=0.0, mode="sequence_truncate")
+    with pytest.raises(ValueError, match=r"\[1/cap, cap\]"):
+        is_correction_weights(old, sampler, mask, cap=0.5, mode="sequence_mask")
+    with pytest.raises(ValueError, match="is_correction"):
+        GRPOLoss(0.0, 0.2, None, "k3", "grpo", is_correction_cap=2.0, is_correction="mask")
+
+
+def test_loss_fn_with_sequence_is_corrections():
+    # trainer's old log-probs [-1, -2] and [-1, -2], the sampler's [-1.5, -2.2] and [-1.1, -1.9]:
+    # d = [0.5, 0.2] (Σ 0.7: ratio e^0.7 = 2.01375) and [0.1, -0.1] (Σ 0: ratio 1). ρ = 1, A = 1, cap 1.5
+    logp = torch.tensor([[-1.0, -2.0], [-1.0, -2.0]], requires_grad=True)
+    sampler = torch.tensor([[-1.5, -2.2], [-1.1, -1.9]])
+    mask, adv = torch.ones(2, 2), torch.tensor([1.0, 1.0])
+
+    def loss_fn(mode):
+        loss = GRPOLoss(0.0, 0.2, None, "k3", "grpo", is_correction_cap=1.5, is_correction=mode)
+        return loss.for_batch(2, mask.sum(), 2)(logp, None, None, adv, mask, sampling_logp=sampler)
+
+    # sequence_truncate: weights 1.5 and 1 -> grpo -(1.5 + 1) / 2 = -1.25; 2 of 4 tokens truncated
+    loss, stats = loss_fn("sequence_truncate")
+    assert close(loss, -1.25) and close(stats["sampler/is_weight_mean"], 1.25)
+    assert close(stats["sampler/is_truncated_share"], 0.5) and close(stats["sampler/is_masked_share"], 0.0)
+    # sequence_mask, band [1/1.5, 1.5]: 2.01375 is outside -> 0; 1 -> 1: -(0 + 1) / 2 = -0.5; 2 of 4 masked
+    loss, stats = loss_fn("sequence_mask")
+    assert close(loss, -0.5) and close(stats["sampler/is_weight_mean"], 0.5)
+    assert close(stats["sampler/is_masked_share"], 0.5) and close(stats["sampler/is_truncated_share"], 0.0)
+    # token_truncate (the default): min(e^0.5, 1.5) = 1.5, e^0.2 = 1.22140, e^0.1 = 1.10517, e^-0.1 = 0.90484
+    # -> -(1.5 + 1.22140 + 1.10517 + 0.90484) / 4 = -1.18285; 1 of 4 truncated
+    loss, stats = loss_fn("token_truncate")
+    assert close(loss, -1.18285) and close(stats["sampler/is_truncated_share"], 0.25)
+
+
 # --------------------------------------------------------------------------- micro-batches add up to the batch
 
 
-def random_batch(seed, n=5, t=4):
-    """A ragged float64 batch: logp (a leaf), old, ref, outcome advantages, mask with an empty row."""
+def random_batch(seed, n=5, t=4, sampler=False):
+    """A ragged float64 batch: logp (a leaf), old, ref, outcome advantages, mask with an empty row, and
+    with `sampler` the rollout engine's log-probs."""
     g = torch.Generator().manual_seed(seed)
     old = torch.randn(n, t, generator=g, dtype=torch.float64) - 2
-    return {
+    batch = {
         "logp": (old + torch.randn(n, t, generator=g, dtype=torch.float64) * 0.3).requires_grad_(),
         "old_logp": old,
         "ref_logp": old + torch.randn(n, t, generator=g, dtype=torch.float64) * 0.5,
         "advantages": torch.randn(n, generator=g, dtype=torch.float64),
         "mask": torch.cat([torch.zeros(1, t, dtype=torch.bool), torch.rand(n - 1, t, generator=g) < 0.8]),
     }
+    if sampler:
+        batch["sampling_logp"] = old + torch.randn(n, t, generator=g, dtype=torch.float64) * 0.4
+    return batch
 
 
 def batch_and_micro_batches(loss, batch, rows=(range(0, 2), range(2, 5)), **bound):
@@ -676,6 +769,21 @@ def test_micro_batches_add_up_at_sequence_level(loss_type):
     # give the batch's loss and gradient
     loss = GRPOLoss(0.1, 0.2, 0.3, "k3", loss_type, importance_sampling_level="sequence")
     full, grad_full, parts, grad_parts = batch_and_micro_batches(loss, random_batch(1))
+    assert close(full, parts, tol=1e-12)
+    assert torch.allclose(grad_full, grad_parts, atol=1e-12) and grad_full.abs().sum() > 0
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("mode", ["sequence_truncate", "sequence_mask"])
+def test_micro_batches_add_up_with_sequence_is_weights(loss_type, mode):
+    # a sequence's IS weight is a function of its row alone, and a dropped sequence still counts in the
+    # denominators: the batch's loss and gradient, with GSPO on top
+    loss = GRPOLoss(0.1, 0.2, 0.3, "k3", loss_type, is_correction_cap=1.5, is_correction=mode,
+                    importance_sampling_level="sequence")
+    batch = random_batch(2, sampler=True)
+    w = is_correction_weights(batch["old_logp"], batch["sampling_logp"], batch["mask"], cap=1.5, mode=mode)
+    assert (w.truncated_share if mode == "sequence_truncate" else w.masked_share) > 0   # the cap acts
+    full, grad_full, parts, grad_parts = batch_and_micro_batches(loss, batch)
     assert close(full, parts, tol=1e-12)
     assert torch.allclose(grad_full, grad_parts, atol=1e-12) and grad_full.abs().sum() > 0
 
