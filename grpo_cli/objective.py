@@ -26,6 +26,8 @@ Where it departs, and why:
     GSPO-token form so that per-token (process) advantages still work;
   - importance weights for a rollout engine with its own copy of the policy (vLLM): truncated per
     token, truncated per sequence, or masked per sequence (`is_correction_weights`; TRL, verl);
+  - an entropy bonus `entropy_coef` (verl's entropy_coeff) and `top_entropy_quantile`: only the
+    highest-entropy tokens carry the policy-gradient term (arXiv 2506.01939, TRL);
   - in the `grpo` aggregation a sequence with no unmasked token (e.g. a truncated completion whose
     loss is masked out) contributes 0 but still counts in the mean over the N sequences, so the
     weight of the other sequences does not depend on how many were masked.
@@ -235,6 +237,53 @@ def importance_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Ten
     return torch.exp(log_s.unsqueeze(1) + (lp - lp.detach()))
 
 
+def _check_quantile(quantile: float) -> None:
+    if not 0 < quantile <= 1:
+        raise ValueError(f"top_entropy_quantile ({quantile}) must be in (0, 1]: the share of highest-entropy "
+                         "tokens that carry the policy gradient; 1.0 keeps all")
+
+
+def high_entropy_threshold(entropy: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
+    """The (1 - quantile) quantile of the entropies at the unmasked positions: [N, T] -> 0-dim, detached.
+
+    Linear interpolation between the order statistics (torch.quantile's default, as TRL's
+    get_high_entropy_mask). NaN when no position counts, so that `entropy >= threshold` keeps nothing.
+    A sort rather than torch.quantile, which refuses more than 2^24 values (a batch of 512 x 32k tokens);
+    masked positions sort last as +inf, and the count stays a tensor: no boolean indexing, no host sync.
+    """
+    _check_quantile(quantile)
+    keep = mask.bool().flatten()
+    e = entropy.detach().to(_compute_dtype(entropy.dtype)).flatten()
+    if e.numel() == 0:
+        return e.new_full((), math.nan)
+    ordered = e.masked_fill(~keep, math.inf).sort().values          # [N·T]; the counted ones first
+    last = (keep.sum() - 1).clamp(min=0)                            # 0-dim; index of the largest counted one
+    position = (1 - quantile) * last.double()                       # where the quantile falls (float64: exact)
+    below = position.floor().long()
+    above = torch.minimum(below + 1, last)
+    value = torch.lerp(ordered[below], ordered[above], (position - below).to(ordered.dtype))
+    return torch.where(keep.any(), value, math.nan)
+
+
+def entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float, *,
+                 threshold: torch.Tensor | float | None = None) -> torch.Tensor:
+    """The tokens that keep the policy-gradient term under top_entropy_quantile q: [N, T] -> [N, T] bool.
+
+    "Beyond the 80/20 rule" (arXiv 2506.01939) trains only on the highest-entropy ("forking") tokens:
+    a token is kept when it is unmasked and its entropy is at or above `threshold`, by default
+    `high_entropy_threshold(entropy, mask, q)`, the (1 - q) quantile over this call's unmasked tokens. Ties
+    at the threshold are all kept, so more than a share q may be; q = 1 keeps every unmasked token.
+    `threshold`, when given, replaces the quantile of this call (e.g. one taken over the whole batch).
+    """
+    _check_quantile(quantile)
+    keep = mask.bool()
+    if threshold is None:
+        if quantile == 1:
+            return keep
+        threshold = high_entropy_threshold(entropy, keep, quantile)
+    return keep & (entropy.detach() >= threshold)
+
+
 def grpo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor | None,
@@ -251,6 +300,10 @@ def grpo_loss(
     normalizer: torch.Tensor | float | None = None,
     is_weight: torch.Tensor | None = None,
     importance_sampling_level: str = "token",
+    entropy: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
+    top_entropy_quantile: float = 1.0,
+    entropy_threshold: torch.Tensor | float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The clipped GRPO surrogate with a KL penalty -> (loss to minimize, stats).
 
@@ -280,11 +333,28 @@ def grpo_loss(
     weight a sequence by its length, which the paper does not. With old_logp None (num_iterations = 1)
     s_i = 1 in value and the gradient is the token-level one: GSPO only differs off-policy.
 
+    `entropy` [N, T]: the entropy H of the policy's next-token distribution at each position, read
+    only when entropy_coef != 0 or top_entropy_quantile < 1 (and then required). With them:
+        objective = [H ≥ h_q] · min(ρ·A, clip(ρ)·A) - β·KL + entropy_coef · H
+    `entropy_coef` is an entropy bonus (verl's entropy_coeff): loss -= entropy_coef · aggregate(H),
+    aggregated by the same loss_type, so minimizing the loss raises the entropy. It needs an entropy
+    with a gradient (a detached one only shifts the loss value; passing one with a logp that requires
+    grad is an error). `top_entropy_quantile` q (arXiv 2506.01939, TRL's top_entropy_quantile): only
+    tokens at or above h_q, the (1 - q) quantile of the unmasked tokens' entropies (`entropy_mask`),
+    keep the policy-gradient term; the KL and entropy terms stay on every unmasked token, as in TRL.
+    The quantile is over this call's tokens, like TRL's (its micro-batch, gathered over ranks): a call
+    per micro-batch (or per length bucket) keeps a different set than one call over the batch, so
+    micro-batch losses no longer add up to the batch loss and results depend on micro_batch_size and
+    the ranks. `entropy_threshold` (read only when q < 1) replaces h_q with one taken elsewhere:
+    `high_entropy_threshold` over the whole batch (all ranks) restores the equivalence.
+
     stats, all detached 0-dim tensors (call .item() when logging): `kl` (masked mean of the KL;
     0 when beta == 0 and no ref_logp), `ratio_mean`, and the fractions of unmasked tokens the clip
     cut: `clip_ratio/low_mean` (A<0, ρ<1-ε_low), `clip_ratio/high_mean` (A>0, ρ>1+ε_high),
     `clip_ratio/region_mean` (their sum: tokens whose gradient the clip zeroed). At sequence level
-    these are still shares of tokens: a clipped sequence counts with all its tokens.
+    these are still shares of tokens: a clipped sequence counts with all its tokens. With
+    top_entropy_quantile < 1, `entropy_mask/kept_mean`: the share of unmasked tokens that kept the
+    policy-gradient term.
     """
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type ({loss_type!r}) must be one of {LOSS_TYPES}")
@@ -305,6 +375,19 @@ def grpo_loss(
             f"normalizer is only used by loss_type='dapo', not {loss_type!r}: for gradient accumulation "
             "with the other loss types, weight each micro-batch's loss instead"
         )
+    _check_quantile(top_entropy_quantile)
+    if entropy is None and (entropy_coef != 0 or top_entropy_quantile < 1):
+        raise ValueError(f"entropy_coef ({entropy_coef}) and top_entropy_quantile ({top_entropy_quantile}) read "
+                         "the entropy: pass entropy=[N, T] entropies of the policy, or set entropy_coef=0 and "
+                         "top_entropy_quantile=1.0")
+    if entropy is not None and entropy.shape != logp.shape:
+        raise ValueError(f"entropy has shape {tuple(entropy.shape)}, logp has {tuple(logp.shape)}")
+    if (entropy_coef != 0 and torch.is_grad_enabled() and logp.requires_grad
+            and not entropy.requires_grad):
+        raise ValueError(f"entropy_coef ({entropy_coef}) needs an entropy with a gradient: a detached one adds "
+                         "a constant to the loss and nothing to the update; compute it from the logits with grad")
+    if entropy_threshold is not None and top_entropy_quantile == 1:
+        raise ValueError("entropy_threshold is only read when top_entropy_quantile < 1")
     eps_low = epsilon_low
     eps_high = epsilon_low if epsilon_high is None else epsilon_high
 
@@ -324,6 +407,10 @@ def grpo_loss(
     objective = torch.minimum(ratio * adv, clipped * adv)
     if is_weight is not None:
         objective = objective * torch.where(keep, is_weight.detach().to(logp.dtype), 0.0)
+    kept = None
+    if top_entropy_quantile < 1:
+        kept = entropy_mask(entropy, keep, top_entropy_quantile, threshold=entropy_threshold)   # [N, T]
+        objective = torch.where(kept, objective, 0.0)
     kl = None
     if ref_logp is not None:
         ref = ref_logp.detach().masked_fill(~keep, 0.0)
@@ -331,6 +418,8 @@ def grpo_loss(
             kl = kl_divergence(lp, ref, kl_estimator)   # [N, T]; 0 on masked positions
         if beta != 0:
             objective = objective - beta * kl
+    if entropy_coef != 0:
+        objective = objective + entropy_coef * entropy.to(logp.dtype).masked_fill(~keep, 0.0)
     objective = objective * m                            # 0 on masked positions
 
     if loss_type == "grpo":
@@ -362,6 +451,8 @@ def grpo_loss(
             "clip_ratio/region_mean": masked_mean((low | high).to(logp.dtype), m),
             "ratio_mean": masked_mean(r, m),
         }
+        if kept is not None:
+            stats["entropy_mask/kept_mean"] = masked_mean(kept.to(logp.dtype), m)
     return loss, stats
 
 
@@ -458,7 +549,7 @@ class GRPOLoss:
 
     `for_batch(...)` binds what one update's batch knows (its sequence and token counts, the
     padded completion length) and returns `loss_fn(logp, old_logp, ref_logp, advantages, mask,
-    sampling_logp=None)`, whose loss is the micro-batch's share of the batch loss: the micro-batch
+    sampling_logp=None, entropy=None)`, whose loss is the micro-batch's share of the batch loss: the micro-batch
     losses of a batch add up to the batch loss, so their gradients add up to the batch gradient.
 
     `sampling_logp` [n, T]: the rollout engine's own log-probs of the sampled tokens (vLLM), or None.
@@ -471,11 +562,17 @@ class GRPOLoss:
     `importance_sampling_level="sequence"` is GSPO (see `grpo_loss`). Its ratio and the sequence IS
     weights are functions of one row each, so a micro-batch of whole rows computes the same values as
     the batch and the micro-batch losses still add up to the batch loss.
+
+    `entropy` [n, T] (needed when `needs_entropy`; differentiable when entropy_coef != 0): the entropy
+    bonus and the top-entropy mask of `grpo_loss`. The bonus adds up over micro-batches; the mask's
+    quantile does only when `for_batch` gets `entropy_threshold`, the batch's
+    `high_entropy_threshold(entropy, mask, top_entropy_quantile)` over all ranks; without it each call
+    takes the quantile of its own tokens (TRL's choice).
     """
 
     def __init__(self, beta: float, epsilon_low: float, epsilon_high: float | None, kl_estimator: str,
                  loss_type: str, is_correction_cap: float | None = None, importance_sampling_level: str = "token",
-                 is_correction: str = "token_truncate"):
+                 is_correction: str = "token_truncate", entropy_coef: float = 0.0, top_entropy_quantile: float = 1.0):
         if loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type ({loss_type!r}) must be one of {LOSS_TYPES}")
         if kl_estimator not in KL_ESTIMATORS:
@@ -485,6 +582,7 @@ class GRPOLoss:
                              f"{IMPORTANCE_SAMPLING_LEVELS}")
         if is_correction not in IS_CORRECTIONS:
             raise ValueError(f"is_correction ({is_correction!r}) must be one of {IS_CORRECTIONS}")
+        _check_quantile(top_entropy_quantile)
         self.beta = beta
         self.epsilon_low = epsilon_low
         self.epsilon_high = epsilon_high
@@ -493,14 +591,34 @@ class GRPOLoss:
         self.is_correction_cap = is_correction_cap
         self.importance_sampling_level = importance_sampling_level
         self.is_correction = is_correction
+        self.entropy_coef = entropy_coef
+        self.top_entropy_quantile = top_entropy_quantile
 
     @property
     def needs_reference(self) -> bool:
         """β > 0: the loss reads reference log-probs; β = 0 skips the reference forward."""
         return self.beta != 0
 
-    def for_batch(self, num_sequences: int, num_tokens: torch.Tensor, max_completion_length: int):
-        def loss_fn(logp, old_logp, ref_logp, advantages, mask, sampling_logp=None):
+    @property
+    def needs_entropy(self) -> bool:
+        """entropy_coef != 0 or top_entropy_quantile < 1: loss_fn reads `entropy` (with a gradient for the bonus)."""
+        return self.entropy_coef != 0 or self.top_entropy_quantile < 1
+
+    def stat_names(self, with_sampling_logp: bool) -> list[str]:
+        """The keys of `loss_fn`'s stats, in order (`grpo_loss`'s, then the sampler's when it gave its own
+        log-probs): the update logs all of them, on a rank with no row to update too."""
+        names = ["kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "ratio_mean"]
+        if self.top_entropy_quantile < 1:
+            names.append("entropy_mask/kept_mean")
+        if with_sampling_logp:
+            names.append("sampler/logp_gap")
+            if self.is_correction_cap is not None:
+                names += ["sampler/is_weight_mean", "sampler/is_truncated_share", "sampler/is_masked_share"]
+        return names
+
+    def for_batch(self, num_sequences: int, num_tokens: torch.Tensor, max_completion_length: int,
+                  entropy_threshold: torch.Tensor | float | None = None):
+        def loss_fn(logp, old_logp, ref_logp, advantages, mask, sampling_logp=None, entropy=None):
             correction = is_weight = None
             old = logp.detach() if old_logp is None else old_logp.detach()  # [n, T]: π_old, the trainer's
             if sampling_logp is not None and self.is_correction_cap is not None:
@@ -512,7 +630,9 @@ class GRPOLoss:
                 epsilon_high=self.epsilon_high, kl_estimator=self.kl_estimator, loss_type=self.loss_type,
                 max_completion_length=max_completion_length,
                 normalizer=num_tokens if self.loss_type == "dapo" else None, is_weight=is_weight,
-                importance_sampling_level=self.importance_sampling_level)
+                importance_sampling_level=self.importance_sampling_level, entropy=entropy,
+                entropy_coef=self.entropy_coef, top_entropy_quantile=self.top_entropy_quantile,
+                entropy_threshold=entropy_threshold)
             if sampling_logp is not None:
                 m = mask.to(logp.dtype)
                 stats["sampler/logp_gap"] = masked_mean((old - sampling_logp).abs(), m)

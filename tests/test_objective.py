@@ -13,8 +13,10 @@ from grpo_cli.objective import (
     GSPO_EPSILON_LOW,
     LOSS_TYPES,
     GRPOLoss,
+    entropy_mask,
     grpo_loss,
     head_logprobs,
+    high_entropy_threshold,
     importance_ratio,
     is_correction_weights,
     kl_divergence,
@@ -414,6 +416,17 @@ def test_loss_fn_logs_the_sampler_gap_and_corrects_with_a_cap():
     assert close(loss, -1.0) and "sampler/logp_gap" not in stats
 
 
+def test_stat_names_are_the_keys_loss_fn_returns():
+    # the update declares the statistics it logs before any row is scored (a rank with no row logs every key)
+    logp, mask = torch.tensor([[-1.0, -2.0]]), torch.ones(1, 2)
+    for loss in (GRPOLoss(0.04, 0.2, None, "k3", "grpo"),
+                 GRPOLoss(0.0, 0.2, None, "k3", "grpo", is_correction_cap=1.5)):
+        fn = loss.for_batch(1, mask.sum(), 2)
+        for sampling in (None, logp - 0.5):
+            _, stats = fn(logp, logp, logp, torch.tensor([1.0]), mask, sampling_logp=sampling)
+            assert list(stats) == loss.stat_names(with_sampling_logp=sampling is not None)
+
+
 def test_outcome_advantages_broadcast_and_bool_mask():
     # [N] advantages broadcast over T; bool mask same as int mask
     logp = torch.zeros(2, 3)
@@ -732,12 +745,131 @@ def test_loss_fn_with_sequence_is_corrections():
     assert close(loss, -1.18285) and close(stats["sampler/is_truncated_share"], 0.25)
 
 
+# --------------------------------------------------------------------------- entropy: bonus and top-entropy mask
+
+
+def test_entropy_mask_by_hand():
+    # unmasked entropies 0.1 .. 0.6 (6 of them); the pads hold the largest values (99, inf) and must not count
+    entropy = torch.tensor([[0.1, 0.2, 0.3, 99.0], [0.4, 0.5, 0.6, math.inf]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 0]])
+    # q 0.5: the 0.5 quantile sits at position 0.5·(6-1) = 2.5, between 0.3 and 0.4 -> 0.35: keep 0.4, 0.5, 0.6
+    assert close(high_entropy_threshold(entropy, mask, 0.5), 0.35, tol=1e-12)
+    assert entropy_mask(entropy, mask, 0.5).tolist() == [[False] * 4, [True, True, True, False]]
+    # q 0.2: the 0.8 quantile at position 0.8·5 = 4 is 0.5 itself: "at or above" keeps 0.5 and 0.6
+    assert entropy_mask(entropy, mask, 0.2).tolist() == [[False] * 4, [False, True, True, False]]
+    # q 1: every unmasked token, whatever its entropy (NaN too); never a pad
+    entropy[0, 0] = math.nan
+    assert torch.equal(entropy_mask(entropy, mask, 1.0), mask.bool())
+    # a threshold from elsewhere (the whole batch) replaces this call's quantile
+    assert entropy_mask(entropy, mask, 0.5, threshold=0.55).tolist() == [[False] * 4, [False, False, True, False]]
+
+
+def test_entropy_mask_ties_and_empty():
+    # [0.1, 0.5, 0.5, 0.9], q 0.5: position 0.5·3 = 1.5 between 0.5 and 0.5 -> 0.5; both ties kept: 3 of 4 > half
+    entropy = torch.tensor([[0.1, 0.5, 0.5, 0.9]])
+    assert entropy_mask(entropy, torch.ones(1, 4), 0.5).tolist() == [[False, True, True, True]]
+    # all equal: the threshold is that value and every token is kept, whatever q
+    assert entropy_mask(torch.ones(2, 2), torch.ones(2, 2), 0.25).all()
+    # nothing counted: NaN threshold, nothing kept, no error; an empty batch too
+    assert torch.isnan(high_entropy_threshold(entropy, torch.zeros(1, 4), 0.5))
+    assert not entropy_mask(entropy, torch.zeros(1, 4), 0.5).any()
+    assert entropy_mask(torch.zeros(0, 3), torch.zeros(0, 3), 0.5).shape == (0, 3)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_high_entropy_threshold_is_torch_quantile(seed):
+    # the sort-based quantile equals torch.quantile (linear interpolation) of the unmasked values
+    g = torch.Generator().manual_seed(seed)
+    entropy, mask = torch.rand(4, 7, generator=g, dtype=torch.float64), torch.rand(4, 7, generator=g) < 0.6
+    for q in (0.05, 0.2, 1 / 3, 0.5, 0.8, 1.0):
+        assert close(high_entropy_threshold(entropy, mask, q), torch.quantile(entropy[mask], 1 - q), tol=1e-12)
+
+
+def test_top_entropy_quantile_masks_the_policy_gradient_not_the_kl():
+    # one sequence of 4 tokens, ρ = 1, A = 1, entropies [0.1, 0.2, 0.3, 0.4], q 0.5: threshold 0.25 (position 1.5)
+    # -> tokens 2 and 3 keep ρA = 1, tokens 0 and 1 get 0: grpo mean (0 + 0 + 1 + 1) / 4 = 0.5 -> loss -0.5
+    logp = torch.full((1, 4), -1.0, dtype=torch.float64, requires_grad=True)
+    entropy = torch.tensor([[0.1, 0.2, 0.3, 0.4]])
+    kw = {"entropy": entropy, "top_entropy_quantile": 0.5}
+    loss, stats = grpo_loss(logp, None, None, torch.tensor([1.0]), torch.ones(1, 4), beta=0.0, **kw)
+    assert close(loss, -0.5, tol=1e-12) and close(stats["entropy_mask/kept_mean"], 0.5, tol=0)
+    # a pad with the highest entropy changes neither: kept 2 of the 4 counted tokens, not 2 of 5
+    padded, stats = grpo_loss(torch.full((1, 5), -1.0), None, None, torch.tensor([1.0]),
+                              torch.tensor([[1, 1, 1, 1, 0]]), beta=0.0,
+                              entropy=torch.tensor([[0.1, 0.2, 0.3, 0.4, 9.0]]), top_entropy_quantile=0.5)
+    assert close(padded, -0.5) and close(stats["entropy_mask/kept_mean"], 0.5, tol=0)
+    # β 0.1, ref 0: k3 = e - 2 on all 4 tokens, masked or not -> -(0.5 - 0.1·(e - 2))
+    loss, _ = grpo_loss(logp, None, torch.zeros(1, 4), torch.tensor([1.0]), torch.ones(1, 4), beta=0.1, **kw)
+    assert close(loss, -(0.5 - 0.1 * (math.e - 2)), tol=1e-12)
+    loss.backward()
+    # ∂k3/∂logp = 1 - exp(ref - logp) = 1 - e -> 0.1·(1 - e)/4 = -0.042957 on every token; -ρA/4 = -0.25 on tokens 2, 3
+    kl = 0.1 * (1 - math.e) / 4
+    assert close(logp.grad, [[kl, kl, kl - 0.25, kl - 0.25]], tol=1e-12)
+    # q 1 (the default) is the plain loss: mean of ρA = 1
+    assert close(grpo_loss(logp, None, None, torch.tensor([1.0]), torch.ones(1, 4), beta=0.0,
+                           entropy=entropy, top_entropy_quantile=1.0)[0], -1.0, tol=1e-12)
+
+
+def test_entropy_bonus_sign_and_aggregation():
+    # ρ = 1, A = 0, β = 0: the loss is the bonus alone, -coef · aggregate(H). Ragged: [1, 2 | pad] and [4 | pads]
+    logp = torch.zeros(2, 3, dtype=torch.float64, requires_grad=True)
+    entropy = torch.tensor([[1.0, 2.0, math.inf], [4.0, math.nan, 0.0]], requires_grad=True)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+
+    def bonus(loss_type):
+        return grpo_loss(logp, None, None, torch.zeros(2), mask, beta=0.0, loss_type=loss_type,
+                         entropy=entropy, entropy_coef=0.01)[0]
+
+    # grpo: sequence means (1 + 2) / 2 = 1.5 and 4 -> (1.5 + 4) / 2 = 2.75 -> loss -0.01·2.75 = -0.0275
+    loss = bonus("grpo")
+    assert close(loss, -0.0275, tol=1e-9)
+    loss.backward()
+    # ∂loss/∂H = -coef/(N·|o_i|): -0.01/4 = -0.0025 in sequence 0, -0.01/2 = -0.005 in sequence 1; negative:
+    # a descent step raises the entropy. Pads get 0
+    assert close(entropy.grad, [[-0.0025, -0.0025, 0], [-0.005, 0, 0]], tol=1e-9)
+    # bnpo: (1 + 2 + 4) / 3 = 2.33333 -> -0.0233333; dr_grpo (T = 3): 7 / (2·3) -> -0.0116667
+    assert close(bonus("bnpo"), -0.01 * 7 / 3, tol=1e-9) and close(bonus("dr_grpo"), -0.01 * 7 / 6, tol=1e-9)
+
+
+def test_entropy_errors():
+    logp, adv, mask = torch.zeros(1, 2, requires_grad=True), torch.zeros(1), torch.ones(1, 2)
+    with pytest.raises(ValueError, match="pass entropy"):
+        grpo_loss(logp, None, None, adv, mask, beta=0.0, entropy_coef=0.01)
+    with pytest.raises(ValueError, match="pass entropy"):
+        grpo_loss(logp, None, None, adv, mask, beta=0.0, top_entropy_quantile=0.2)
+    with pytest.raises(ValueError, match=r"must be in \(0, 1\]"):
+        grpo_loss(logp, None, None, adv, mask, beta=0.0, entropy=torch.zeros(1, 2), top_entropy_quantile=0.0)
+    with pytest.raises(ValueError, match=r"must be in \(0, 1\]"):
+        GRPOLoss(0.0, 0.2, None, "k3", "grpo", top_entropy_quantile=1.5)
+    with pytest.raises(ValueError, match="entropy has shape"):
+        grpo_loss(logp, None, None, adv, mask, beta=0.0, entropy=torch.zeros(1, 3), entropy_coef=0.01)
+    # a detached entropy would add a constant: the bonus would do nothing
+    with pytest.raises(ValueError, match="needs an entropy with a gradient"):
+        grpo_loss(logp, None, None, adv, mask, beta=0.0, entropy=torch.zeros(1, 2), entropy_coef=0.01)
+    with pytest.raises(ValueError, match="only read when top_entropy_quantile < 1"):
+        grpo_loss(logp, None, None, adv, mask, beta=0.0, entropy_threshold=0.5)
+
+
+@pytest.mark.parametrize("kw", [{}, {"is_correction_cap": 2.0}, {"top_entropy_quantile": 0.2},
+                                {"top_entropy_quantile": 0.2, "entropy_coef": 0.01, "is_correction_cap": 2.0,
+                                 "is_correction": "sequence_mask", "importance_sampling_level": "sequence"}])
+@pytest.mark.parametrize("sampler", [False, True])
+def test_stat_names_cover_every_option(kw, sampler):
+    # the update logs exactly stat_names (a rank with no row too): every configuration's keys, in order
+    loss = GRPOLoss(0.04, 0.2, None, "k3", "grpo", **kw)
+    batch = random_batch(0, sampler=sampler)
+    batch["entropy"] = torch.rand(5, 4, dtype=torch.float64, requires_grad=True)
+    _, stats = loss.for_batch(5, batch["mask"].sum(), 4)(**batch)
+    assert list(stats) == loss.stat_names(with_sampling_logp=sampler)
+    assert loss.needs_entropy == ("top_entropy_quantile" in kw)
+
+
 # --------------------------------------------------------------------------- micro-batches add up to the batch
 
 
-def random_batch(seed, n=5, t=4, sampler=False):
-    """A ragged float64 batch: logp (a leaf), old, ref, outcome advantages, mask with an empty row, and
-    with `sampler` the rollout engine's log-probs."""
+def random_batch(seed, n=5, t=4, sampler=False, entropy=False):
+    """A ragged float64 batch: logp (a leaf), old, ref, outcome advantages, mask with an empty row; with
+    `sampler` the rollout engine's log-probs, with `entropy` entropies (a leaf, for the bonus)."""
     g = torch.Generator().manual_seed(seed)
     old = torch.randn(n, t, generator=g, dtype=torch.float64) - 2
     batch = {
@@ -749,17 +881,21 @@ def random_batch(seed, n=5, t=4, sampler=False):
     }
     if sampler:
         batch["sampling_logp"] = old + torch.randn(n, t, generator=g, dtype=torch.float64) * 0.4
+    if entropy:
+        batch["entropy"] = (torch.rand(n, t, generator=g, dtype=torch.float64) * 2).requires_grad_()
     return batch
 
 
 def batch_and_micro_batches(loss, batch, rows=(range(0, 2), range(2, 5)), **bound):
-    """(loss, gradient) of the whole batch in one call, and summed over micro-batches of `rows`."""
+    """(loss, gradient) of the whole batch in one call, and summed over micro-batches of `rows`; the
+    gradient w.r.t. logp, and the entropy's concatenated to it when it has one."""
     logp, mask = batch["logp"], batch["mask"]
+    leaves = [v for v in batch.values() if v.requires_grad]
     fn = loss.for_batch(mask.shape[0], mask.sum().to(logp.dtype), mask.shape[1], **bound)
     full = fn(**batch)[0]
-    (grad_full,) = torch.autograd.grad(full, logp)
+    grad_full = torch.cat(torch.autograd.grad(full, leaves, allow_unused=True, materialize_grads=True))
     parts = sum(fn(**{k: v[list(r)] for k, v in batch.items()})[0] for r in rows)
-    (grad_parts,) = torch.autograd.grad(parts, logp)
+    grad_parts = torch.cat(torch.autograd.grad(parts, leaves, allow_unused=True, materialize_grads=True))
     return full, grad_full, parts, grad_parts
 
 
@@ -787,6 +923,21 @@ def test_micro_batches_add_up_with_sequence_is_weights(loss_type, mode):
     assert close(full, parts, tol=1e-12)
     assert torch.allclose(grad_full, grad_parts, atol=1e-12) and grad_full.abs().sum() > 0
 
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_micro_batches_add_up_with_the_entropy_bonus_and_a_batch_threshold(loss_type):
+    # the bonus is aggregated like the rest; the top-entropy mask adds up only with the batch's threshold
+    # micro-batches of rows 0-3 and 4: with its own quantile each would keep other tokens than the batch
+    # (row, token) (1, 1), (1, 2) and (4, 0) against the batch's (1, 1), (4, 0), (4, 2)
+    loss = GRPOLoss(0.1, 0.2, 0.3, "k3", loss_type, entropy_coef=0.01, top_entropy_quantile=0.3)
+    batch, rows = random_batch(3, entropy=True), (range(0, 4), range(4, 5))
+    threshold = high_entropy_threshold(batch["entropy"], batch["mask"], 0.3)
+    full, grad_full, parts, grad_parts = batch_and_micro_batches(loss, batch, rows, entropy_threshold=threshold)
+    assert close(full, parts, tol=1e-12)
+    assert torch.allclose(grad_full, grad_parts, atol=1e-12) and grad_full.abs().sum() > 0
+    # each call's own quantile (TRL's choice): not the batch loss
+    full, _, parts, _ = batch_and_micro_batches(loss, batch, rows)
+    assert not close(full, parts, tol=1e-6)
 
 # --------------------------------------------------------------------------- token log-probs
 
