@@ -166,3 +166,18 @@ def test_length_penalty():
     assert length_penalty([""], [""], completion_length=[85], max_length=100, buffer=20, penalty=2.0) == [-0.5]
     with pytest.raises(ConfigError, match="buffer"):
         length_penalty([""], [""], completion_length=[1], max_length=10, buffer=0)
+
+
+def test_length_penalty_at_the_buffer_edges():
+    # DAPO eq. 13 with L_max 16, L_cache 4, penalty 0.5: free up to 12, a ramp of -0.5/4 = -0.125 per token
+    lengths = [12, 13, 14, 16, 17, None]
+    # 12 = L_max - L_cache -> 0; 13 -> (12 - 13)/4 · 0.5 = -0.125; 14 -> -0.25; 16 = L_max -> (12 - 16)/4 · 0.5 = -0.5
+    # 17 > L_max -> -0.5; no length -> no score
+    expected = [0.0, -0.125, -0.25, -0.5, -0.5, None]
+    assert length_penalty([""] * 6, [""] * 6, completion_length=lengths, max_length=16, buffer=4,
+                          penalty=0.5) == expected
+    # the whole length is the buffer: -1/4 per token from the first
+    assert length_penalty([""] * 3, [""] * 3, completion_length=[0, 1, 4], max_length=4,
+                          buffer=4) == [0.0, -0.25, -1.0]
+    with pytest.raises(ConfigError, match="buffer"):
+        length_penalty([""], [""], completion_length=[1], max_length=4, buffer=5)

@@ -207,9 +207,16 @@ def format_reward(prompts, completions, pattern=r"####\s*-?[\d,\.]+\s*$", match=
 
 
 def length_penalty(prompts, completions, completion_length, max_length, buffer, penalty=1.0, **_):
-    """DAPO's soft overlong penalty on the completion length L in tokens.
+    """DAPO's soft overlong punishment (arXiv 2503.14476, eq. 13) on the completion length L in tokens.
 
-    0 up to max_length - buffer, then a linear ramp to -penalty at max_length, -penalty beyond.
+    With L_max = max_length and L_cache = buffer:
+        0                                   L <= L_max - L_cache
+        (L_max - L_cache - L) / L_cache     L_max - L_cache < L <= L_max     (0 down to -1, linear)
+        -1                                  L > L_max
+    times `penalty` (the paper's is 1), added to the correctness reward. L comes from the
+    `completion_length` column (the sampled tokens, EOS included); a None length gets no score.
+    Generation stops at sampler.max_new_tokens, so L_max = max_new_tokens makes a cut completion
+    score -penalty, as in the paper (L_max 20,480 with a 4,096-token buffer).
     """
     if not 0 < buffer <= max_length:
         raise ConfigError(f"length_penalty buffer ({buffer}) must be in (0, max_length={max_length}]; "
