@@ -3,9 +3,9 @@
     batch = prepare(policy, rollout, advantages, loss, ...)   # everything the loss needs, no gradient
     stats = update(policy, optimizer, scheduler, batch, ...)  # micro-batches -> loss -> backward -> step
 
-Within a micro-batch, `sequence_logprobs` runs each prompt once and the completions in length buckets;
-each bucket's loss is back-propagated as soon as it is made (the loss is a sum over rows), so the peak
-holds one bucket's activations.
+Within a micro-batch, `logprobs.buckets` runs each prompt once and the completions in length buckets;
+the update back-propagates each bucket's loss as soon as it is made (the loss is a sum over rows), so
+the peak holds one bucket's activations. `UpdateStats.metrics()` is what the step logs.
 
 `prepare` gathers the token mask, the rows that carry a gradient, the reference log-probs (adapter
 off, or its frozen copy in iterative RL; only when β > 0) and the old-policy log-probs (only when
@@ -30,9 +30,10 @@ from dataclasses import dataclass
 import torch
 
 from grpo_cli.distributed import SINGLE, World
-from grpo_cli.objective import masked_mean, outcome_advantages, process_advantages
+from grpo_cli.logprobs import buckets, sequence_logprobs
+from grpo_cli.objective import GRPOLoss, masked_mean, outcome_advantages, process_advantages
 from grpo_cli.policy import reference
-from grpo_cli.rollout import Rollout, char_ends_to_token_index, sequence_logprobs
+from grpo_cli.rollout import Rollout, char_ends_to_token_index
 
 
 def advantages(result, rollout: Rollout, tokenizer, group_size: int, scale: str, std: str,
@@ -101,7 +102,7 @@ def prepare(policy, rollout: Rollout, advantages: torch.Tensor, loss, num_iterat
     ref_logp = None
     if loss.needs_reference:
         with reference(policy):  # the base model (adapter off), or the adapter copied at the iteration's start
-            ref_logp = torch.cat([sequence_logprobs(policy, rollout.select(b))
+            ref_logp = torch.cat([sequence_logprobs(policy, rollout.select(b)).logp
                                   for b in micro_batches(list(range(n)), micro_batch_size)])
     # rows with zero advantage everywhere carry no gradient when β = 0: skip their forward/backward
     if loss.needs_reference:
@@ -113,7 +114,7 @@ def prepare(policy, rollout: Rollout, advantages: torch.Tensor, loss, num_iterat
     if num_iterations > 1 and active:
         old_logp = torch.zeros_like(mask)
         for b in micro_batches(active, micro_batch_size):
-            old_logp[b] = sequence_logprobs(policy, rollout.select(b))
+            old_logp[b] = sequence_logprobs(policy, rollout.select(b)).logp
     policy.train(was_training)
     # [2]: sequences and counted tokens of the whole batch; the longest padded completion of all ranks
     counts = world.sum(torch.tensor([n, mask.sum().item()], dtype=torch.float64))
@@ -122,8 +123,27 @@ def prepare(policy, rollout: Rollout, advantages: torch.Tensor, loss, num_iterat
                  counts[1].to(mask.dtype).to(device).clamp(min=1), int(length[0]), world)
 
 
-def update(policy, optimizer, scheduler, batch: Batch, loss, num_iterations: int, micro_batch_size: int,
-           max_grad_norm: float | None) -> dict:
+@dataclass
+class UpdateStats:
+    """One step's update, as `update` returns it; `metrics()` is the record the step logs."""
+
+    loss: float  # the batch loss (all ranks), averaged over the μ passes
+    # the loss's statistics (`GRPOLoss.stat_names`: kl, clip ratios, ratio, the sampler's) and entropy, averaged
+    # over the tokens updated on all ranks; 0 when no token was updated
+    tokens: dict[str, float]
+    grad_norm: float  # of the last pass, before clipping
+    nonfinite_skipped: int  # passes that took no optimizer step (a NaN/inf loss, gradient or weight)
+    backward_seqs: int  # rows through forward + backward, all ranks, all passes
+    ref_forward_seqs: int  # rows through the reference forward; 0 when β = 0
+
+    def metrics(self) -> dict[str, float]:
+        return {"loss": self.loss, **self.tokens, "grad_norm": self.grad_norm,
+                "nonfinite_skipped": self.nonfinite_skipped, "counts/backward_seqs": self.backward_seqs,
+                "counts/ref_forward_seqs": self.ref_forward_seqs}
+
+
+def update(policy, optimizer, scheduler, batch: Batch, loss: GRPOLoss, num_iterations: int, micro_batch_size: int,
+           max_grad_norm: float | None) -> UpdateStats:
     """μ = num_iterations optimizer steps over `batch` in micro-batches; returns the step's statistics.
 
     Token-level statistics (kl, clip ratios, ratio, entropy) are averaged over the tokens that were
@@ -139,12 +159,10 @@ def update(policy, optimizer, scheduler, batch: Batch, loss, num_iterations: int
     local_tokens = batch.mask[batch.active].sum() if batch.active else batch.mask.new_zeros(())
     active_tokens = world.sum(local_tokens.detach().clone()).clamp(min=1)
     params = [p for p in policy.parameters() if p.requires_grad]
-    # the loss's statistics (its own keys, from an empty call) plus entropy: 0-dim tensors summed on the device,
-    # no host transfer per micro-batch; every rank has the same keys, even one with no active row
-    empty = batch.mask[:0]  # [0, T]
-    _, stats = loss_fn(empty, empty, empty, batch.advantages[:0], empty,
-                       sampling_logp=None if batch.rollout.sampling_logp is None else empty)
-    totals = {key: batch.mask.new_zeros(()) for key in [*stats, "entropy"]}
+    # the token statistics: 0-dim tensors summed on the device, no host transfer per micro-batch; every rank has
+    # the same keys, even one with no active row
+    names = [*loss.stat_names(with_sampling_logp=batch.rollout.sampling_logp is not None), "entropy"]
+    totals = {key: batch.mask.new_zeros(()) for key in names}
     loss_total = 0.0
     grad_norm = 0.0
     skipped = 0
@@ -153,25 +171,22 @@ def update(policy, optimizer, scheduler, batch: Batch, loss, num_iterations: int
         losses = []
         for rows in micro_batches(batch.active, micro_batch_size):
             sub, index = batch.rollout.select(rows), torch.tensor(rows, device=batch.mask.device)
-
-            def bucket_loss(part, logp, entropy, index=index, sub=sub, losses=losses):  # called right here
-                """The loss of a bucket of this micro-batch (`part`: positions in `rows`; logp, entropy [b, T]),
-                weighted as its share of the batch (the loss is a sum over rows), and its statistics."""
-                picked = index[part]
+            # forward and backward bucket by bucket: the peak holds one bucket's activations, not the micro-batch's
+            for bucket in buckets(policy, sub, with_entropy=True, grad=True):
+                picked = index[bucket.rows]  # [b] the bucket's rows in the batch
                 mask = batch.mask[picked]
-                old = batch.old_logp[picked] if batch.old_logp is not None else logp.detach()
+                old = batch.old_logp[picked] if batch.old_logp is not None else bucket.logp.detach()
                 ref = batch.ref_logp[picked] if batch.ref_logp is not None else None
                 # the sampler's own log-probs (vLLM): sampler/logp_gap and, with algo.is_correction_cap, IS weights
-                sampling = None if sub.sampling_logp is None else sub.sampling_logp[part]
-                loss_part, stats = loss_fn(logp, old, ref, batch.advantages[picked], mask, sampling_logp=sampling)
-                losses.append(loss_part.detach())
+                sampling = None if sub.sampling_logp is None else sub.sampling_logp[bucket.rows]
+                # the bucket's share of the batch loss (the loss is a sum over rows)
+                bucket_loss, stats = loss_fn(bucket.logp, old, ref, batch.advantages[picked], mask,
+                                             sampling_logp=sampling)
+                losses.append(bucket_loss.detach())
                 share = mask.sum() / active_tokens / num_iterations  # this bucket's share of the tokens
-                for key, value in {**stats, "entropy": masked_mean(entropy, mask)}.items():
+                for key, value in {**stats, "entropy": masked_mean(bucket.entropy, mask)}.items():
                     totals[key] = totals[key] + value.detach() * share
-                return loss_part
-
-            # forward and backward bucket by bucket: the peak holds one bucket's activations, not the micro-batch's
-            sequence_logprobs(policy, sub, with_entropy=True, backward=bucket_loss)
+                bucket_loss.backward()
         pass_loss = torch.stack(losses).sum() if losses else batch.mask.new_zeros(())
         # the batch gradient: this rank's micro-batch losses are its share of the batch loss
         world.sum_gradients(params)
@@ -195,6 +210,6 @@ def update(policy, optimizer, scheduler, batch: Batch, loss, num_iterations: int
     # token was updated
     values = world.sum(torch.stack([totals[k].float() for k in totals])).tolist()
     counts = world.sum(torch.tensor([len(batch.active)]))
-    return {"loss": loss_total, **dict(zip(totals, values)), "grad_norm": grad_norm,
-            "nonfinite_skipped": skipped, "counts/backward_seqs": int(counts[0]) * num_iterations,
-            "counts/ref_forward_seqs": batch.num_sequences if batch.ref_logp is not None else 0}
+    return UpdateStats(loss=loss_total, tokens=dict(zip(totals, values)), grad_norm=grad_norm,
+                       nonfinite_skipped=skipped, backward_seqs=int(counts[0]) * num_iterations,
+                       ref_forward_seqs=batch.num_sequences if batch.ref_logp is not None else 0)

@@ -29,11 +29,12 @@ PATHS = ("full", "shared")
 def measure(path: str, prompts: int, G: int, new: int) -> dict:
     import torch
 
+    from grpo_cli import logprobs as L
     from grpo_cli import rollout as R
-    from grpo_cli.metrics import limit_heap_growth
+    from grpo_cli.cli import setup_process
     from grpo_cli.policy import apply_lora, load_embedded_gguf, reference
 
-    limit_heap_growth()  # as the CLI does at start-up
+    setup_process()  # as the CLI does at start-up
     torch.manual_seed(0)
     model, tokenizer = load_embedded_gguf()
     policy = apply_lora(model, 16, 32, 0.0, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
@@ -51,12 +52,12 @@ def measure(path: str, prompts: int, G: int, new: int) -> dict:
     cmask = (torch.arange(new)[None] < torch.tensor(lengths)[:, None]).long()  # [N, T]
     batch = R.Rollout(ids.repeat_interleave(G, 0), mask.repeat_interleave(G, 0), completion, cmask,
                       [""] * n, [False] * n)
-    logprobs = R.full_sequence_logprobs if path == "full" else R.sequence_logprobs
+    logprobs = L.full_sequence_logprobs if path == "full" else L.sequence_logprobs
     times = []
     for _ in range(4):
         t0 = time.perf_counter()
         with torch.no_grad(), reference(policy):
-            ref = logprobs(policy, batch)
+            ref = logprobs(policy, batch).logp
         t1 = time.perf_counter()
 
         def loss(rows, logp, entropy, ref=ref):
@@ -64,9 +65,11 @@ def measure(path: str, prompts: int, G: int, new: int) -> dict:
             return ((logp - logp.detach()).exp() - 0.04 * kl).mul(cmask[rows]).sum() / n
 
         if path == "full":  # one forward of the batch, then one backward
-            loss(torch.arange(n), *logprobs(policy, batch, with_entropy=True)).backward()
+            whole = L.full_sequence_logprobs(policy, batch, with_entropy=True)
+            loss(torch.arange(n), whole.logp, whole.entropy).backward()
         else:  # as the trainer: each length bucket's backward right after its forward
-            logprobs(policy, batch, with_entropy=True, backward=loss)
+            for bucket in L.buckets(policy, batch, with_entropy=True, grad=True):
+                loss(bucket.rows, bucket.logp, bucket.entropy).backward()
         t2 = t3 = time.perf_counter()
         policy.zero_grad()
         times.append((t1 - t0, t2 - t1, t3 - t2))

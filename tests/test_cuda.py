@@ -23,6 +23,7 @@ from grpo_cli import metrics as grpo_metrics
 from grpo_cli.commands import evaluate, train
 from grpo_cli.config import compose, validate
 from grpo_cli.errors import ConfigError
+from grpo_cli.logprobs import buckets, full_sequence_logprobs
 from grpo_cli.policy import (
     apply_lora,
     autocast,
@@ -33,7 +34,7 @@ from grpo_cli.policy import (
     resolve_dtype,
 )
 from grpo_cli.rewards.models import SequenceClassifierReward, TokenClassifierPRM
-from grpo_cli.rollout import full_sequence_logprobs, render_prompts, sequence_logprobs
+from grpo_cli.rollout import render_prompts
 from grpo_cli.rollout.hf import HFSampler
 
 CONVERSATIONS = [[{"role": "user", "content": "What is 2+3?"}], [{"role": "user", "content": "Hi"}]]
@@ -91,13 +92,16 @@ def _bf16_forwards(policy, tokenizer):
         assert seen and set(seen) == {(torch.bfloat16, True)}
         seen.clear()
         policy.train()
-        logp = sequence_logprobs(policy, rollout)
+        parts = []
+        for bucket in buckets(policy, rollout, grad=True):  # as the update runs them: a backward per bucket
+            assert bucket.logp.dtype == torch.float32  # the log-softmax runs in fp32, outside autocast
+            (bucket.logp * rollout.completion_mask[bucket.rows]).sum().backward()
+            parts.append(bucket.logp.detach())
         assert set(seen) == {(torch.bfloat16, True)}
     finally:
         for hook in hooks:
             hook.remove()
-    assert logp.dtype == torch.float32 and logp.isfinite().all()  # the log-softmax runs in fp32, outside autocast
-    (logp * rollout.completion_mask).sum().backward()
+    assert torch.cat(parts).isfinite().all()
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in lora.values())
     # B starts at zero, so A's gradient is zero at the start; B's is not
     assert any(p.grad.abs().sum() > 0 for n, p in lora.items() if "lora_B" in n)
@@ -109,16 +113,20 @@ def test_bf16_forwards_autocast_with_fp32_lora_weights_and_no_fp32_input_copies(
     policy = apply_lora(model, 4, 8, 0.0, ["q_proj", "v_proj"])
     rollout, shared = _bf16_forwards(policy, tokenizer)
 
-    def grads(logprobs):
+    def grads(path):
         policy.zero_grad()
-        logprobs(policy, rollout).sum().backward()
+        if path == "full":
+            full_sequence_logprobs(policy, rollout).logp.sum().backward()
+        else:  # the trainer's buckets, a backward each
+            for bucket in buckets(policy, rollout, grad=True):
+                bucket.logp.sum().backward()
         return {n: p.grad.clone() for n, p in policy.named_parameters() if n in shared}
 
     # gradient checkpointing takes the whole-sequence path (its layers drop a KV cache) and recomputes the
     # forward in backward, outside the autocast block: the same gradients as that path without checkpointing
-    plain = grads(full_sequence_logprobs)
+    plain = grads("full")
     policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    checkpointed = grads(sequence_logprobs)
+    checkpointed = grads("buckets")
     for name in shared:
         assert torch.allclose(checkpointed[name], plain[name], rtol=1e-2, atol=1e-6), name
         # the shared-prefix path adds in another order: equal up to bf16 rounding of the largest entries

@@ -78,7 +78,7 @@ def _step(case, world: World) -> tuple[dict, dict]:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     adv = update.advantages(result, rollout, tokenizer, G, scale, "population", world)
     batch = update.prepare(policy, rollout, adv, loss, mu, MICRO, True, world)
-    stats = update.update(policy, optimizer, scheduler, batch, loss, mu, MICRO, 1.0)
+    stats = update.update(policy, optimizer, scheduler, batch, loss, mu, MICRO, 1.0).metrics()
     weights = {n: p.detach().clone() for n, p in policy.named_parameters() if p.requires_grad}
     return weights, stats
 
@@ -242,7 +242,7 @@ def test_torchrun_eval_shards_problems_and_gathers_every_row(tmp_path):
 
 
 def _collectives_worker(rank: int, size: int, init_method: str, out: str) -> None:
-    from grpo_cli.train import _agreed_stop
+    from grpo_cli.commands.train import _agreed_stop
 
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size)
@@ -281,8 +281,7 @@ def test_collectives_and_agreed_stop_on_two_ranks(tmp_path):
 
 
 def test_config_errors_name_the_fix_before_the_model_loads():
-    from grpo_cli.train import check_world
-
+    from grpo_cli.commands.train import check_world
     from grpo_cli.config import compose
     from grpo_cli.errors import ConfigError
 

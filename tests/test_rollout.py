@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from grpo_cli.errors import ConfigError
+from grpo_cli.logprobs import buckets, full_sequence_logprobs, sequence_logprobs
 from grpo_cli.policy import (
     apply_lora,
     load_pretrained,
@@ -19,9 +20,7 @@ from grpo_cli.rollout import (
     char_ends_to_token_index,
     encode_prompts,
     finish,
-    full_sequence_logprobs,
     render_prompts,
-    sequence_logprobs,
 )
 from grpo_cli.rollout.hf import HFSampler
 
@@ -87,7 +86,7 @@ def test_training_logprobs_equal_the_sampling_distribution(policy):
     rollout = finish(tokenizer, ids, mask, completion, tokenizer.eos_token_id, tokenizer.pad_token_id)
     at_sampling = torch.stack(out.logits, 1).log_softmax(-1).gather(-1, completion[..., None]).squeeze(-1)
     with torch.no_grad():
-        ours = sequence_logprobs(model, rollout)
+        ours = sequence_logprobs(model, rollout).logp
     m = rollout.completion_mask.bool()
     assert torch.allclose(ours[m], at_sampling[m], atol=1e-5)
 
@@ -175,8 +174,8 @@ def test_sampler_batch_size_cuts_at_whole_groups_and_changes_nothing_greedy(tiny
     for a, b, ma, mb in zip(cut.prompt_ids, whole.prompt_ids, cut.prompt_mask, whole.prompt_mask):
         assert torch.equal(a[ma.bool()], b[mb.bool()])
     assert torch.equal(cut.completion_ids * cut.completion_mask, whole.completion_ids * whole.completion_mask)
-    assert torch.allclose(sequence_logprobs(model, cut) * cut.completion_mask,
-                          sequence_logprobs(model, whole) * whole.completion_mask, atol=1e-5)
+    assert torch.allclose(sequence_logprobs(model, cut).logp * cut.completion_mask,
+                          sequence_logprobs(model, whole).logp * whole.completion_mask, atol=1e-5)
 
 
 # --------------------------------------------------------------------------- shared-prefix log-probs
@@ -208,10 +207,24 @@ def _adapted_tiny():
     return policy, tokenizer
 
 
-def _grads(model, rollout, logprobs, **kw):
+def _grads(model, rollout, path, **kw):
+    """(log-probs [N, T], entropies [N, T], LoRA gradients) of a fixed weighted sum of the log-probs, by the
+    whole-sequence forward and one backward (path "full") or as the update runs it (path "buckets": the
+    trainer's buckets, a backward per bucket, the prompts' pass once after the last)."""
     model.zero_grad()
-    logp, entropy = logprobs(model, rollout, with_entropy=True, **kw)
-    (logp * torch.linspace(-1, 1, logp.numel()).view_as(logp)).sum().backward()
+    weights = torch.linspace(-1, 1, rollout.completion_ids.numel()).view_as(rollout.completion_ids)  # [N, T]
+    if path == "full":
+        whole = full_sequence_logprobs(model, rollout, with_entropy=True)
+        (whole.logp * weights).sum().backward()
+        logp, entropy = whole.logp.detach(), whole.entropy
+    else:
+        parts = []
+        for bucket in buckets(model, rollout, with_entropy=True, grad=True, **kw):
+            (bucket.logp * weights[bucket.rows]).sum().backward()
+            parts.append(bucket)
+        back = torch.argsort(torch.cat([b.rows for b in parts]))  # length order -> the rollout's
+        logp = torch.cat([b.logp.detach() for b in parts])[back]
+        entropy = torch.cat([b.entropy for b in parts])[back]
     return logp, entropy, {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
@@ -222,8 +235,8 @@ def test_shared_prefix_logprobs_equal_the_whole_sequence_forward(bucket_rows):
     policy, tokenizer = _adapted_tiny()
     rollout = _ragged_rollout(tokenizer, torch.randperm(12, generator=torch.Generator().manual_seed(1)))
     policy.train()
-    ours = _grads(policy, rollout, sequence_logprobs, bucket_rows=bucket_rows)
-    plain = _grads(policy, rollout, full_sequence_logprobs)
+    ours = _grads(policy, rollout, "buckets", bucket_rows=bucket_rows)
+    plain = _grads(policy, rollout, "full")
     assert torch.allclose(ours[0], plain[0], atol=1e-5) and torch.allclose(ours[1], plain[1], atol=1e-5)
     assert (ours[0][rollout.completion_mask == 0] == 0).all()
     for name, grad in plain[2].items():
@@ -256,33 +269,28 @@ def test_gradient_checkpointing_takes_the_whole_sequence_path():
     policy = apply_lora(model, 4, 8, 0.0, ["q_proj", "v_proj"])
     rollout = _ragged_rollout(tokenizer, list(range(12)))
     policy.train()
-    plain = _grads(policy, rollout, full_sequence_logprobs)
+    plain = _grads(policy, rollout, "full")
     policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    checkpointed = _grads(policy, rollout, sequence_logprobs)
+    checkpointed = _grads(policy, rollout, "buckets")
+    assert len(list(buckets(policy, rollout))) == 1  # one bucket of every row
     assert torch.equal(checkpointed[0], plain[0])
     for name, grad in plain[2].items():
         assert torch.allclose(checkpointed[2][name], grad, atol=1e-7), name
 
 
 def test_backward_bucket_by_bucket_gives_the_same_gradients():
-    """With `backward`, each bucket's loss is back-propagated as soon as it is made and the prompts' pass
-    once at the end: the LoRA gradients equal one backward of the summed loss, and the log-probs come back
-    detached."""
+    """Each bucket's loss back-propagated as soon as it is made, the prompts' pass once after the last: the
+    LoRA gradients equal one backward of the summed loss; every row comes once, and `sequence_logprobs` gives
+    the same log-probs with no graph, even where autograd is on."""
     policy, tokenizer = _adapted_tiny()
     rollout = _ragged_rollout(tokenizer, torch.randperm(12, generator=torch.Generator().manual_seed(2)))
-    weights = torch.linspace(-1, 1, 12 * 9).view(12, 9)
     policy.train()
-    whole, _, grads = _grads(policy, rollout, sequence_logprobs, bucket_rows=5)
-    policy.zero_grad()
-    seen = []
-
-    def loss(rows, logp, entropy):
-        seen.append(rows.tolist())
-        return (logp * weights[rows]).sum()
-
-    logp, _ = sequence_logprobs(policy, rollout, with_entropy=True, bucket_rows=5, backward=loss)
+    whole, _, grads = _grads(policy, rollout, "full")
+    logp, _, bucketed = _grads(policy, rollout, "buckets", bucket_rows=5)
+    seen = [bucket.rows.tolist() for bucket in buckets(policy, rollout, bucket_rows=5)]
     assert sorted(r for part in seen for r in part) == list(range(12)) and len(seen) == 3
-    assert not logp.requires_grad and torch.allclose(logp, whole, atol=1e-6)
-    for name, p in policy.named_parameters():
-        if name in grads:
-            assert torch.allclose(p.grad, grads[name], atol=1e-6, rtol=1e-4), name
+    scored = sequence_logprobs(policy, rollout, bucket_rows=5)
+    assert not scored.logp.requires_grad and torch.equal(scored.logp, logp)
+    assert torch.allclose(logp, whole, atol=1e-5)
+    for name, grad in grads.items():
+        assert torch.allclose(bucketed[name], grad, atol=1e-6, rtol=1e-4), name

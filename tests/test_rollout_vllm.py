@@ -158,7 +158,7 @@ def test_rollout_is_valid_with_sampling_logprobs(smollm2):
 @needs_vllm
 @pytest.mark.slow
 def test_greedy_equals_hf_after_each_sync_and_logp_gap_is_small(smollm2):
-    from grpo_cli.rollout import sequence_logprobs
+    from grpo_cli.logprobs import sequence_logprobs
 
     policy, tokenizer, prompts, sampler = smollm2
     for seed in (1, 2):  # two different adapters: each push must replace the last one's weights
@@ -169,7 +169,7 @@ def test_greedy_equals_hf_after_each_sync_and_logp_gap_is_small(smollm2):
         assert ours.texts == theirs.texts, (seed, ours.texts, theirs.texts)
         assert torch.equal(ours.completion_ids, theirs.completion_ids)
         with torch.no_grad():
-            trainer = sequence_logprobs(policy, ours)  # [N, T]
+            trainer = sequence_logprobs(policy, ours).logp  # [N, T]
         mask = ours.completion_mask.bool()
         gap = (trainer - ours.sampling_logp)[mask].abs()
         print(f"adapter {seed}: mean |vLLM - trainer| log-prob {gap.mean():.2e}, max {gap.max():.2e}")

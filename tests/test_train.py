@@ -90,21 +90,27 @@ def test_resume_is_exact(tmp_path):
 
 
 class Counter:
-    """Counts sequences through sequence_logprobs, split by whether autograd records them."""
+    """Counts sequences through the trainer's forward, split by whether autograd records them: `buckets` with
+    grad=True (the update), `sequence_logprobs` (reference and old log-probs, no gradient)."""
 
     def __init__(self, monkeypatch):
         self.with_grad = self.no_grad = 0
-        real = update.sequence_logprobs
+        real_buckets, real_logprobs = update.buckets, update.sequence_logprobs
 
-        def counting(model, rollout, **kw):
+        def counting_buckets(model, rollout, **kw):
             n = rollout.completion_ids.shape[0]
-            if torch.is_grad_enabled():
+            if kw.get("grad"):
                 self.with_grad += n
             else:
                 self.no_grad += n
-            return real(model, rollout, **kw)
+            return real_buckets(model, rollout, **kw)
 
-        monkeypatch.setattr(update, "sequence_logprobs", counting)
+        def counting_logprobs(model, rollout, **kw):
+            self.no_grad += rollout.completion_ids.shape[0]
+            return real_logprobs(model, rollout, **kw)
+
+        monkeypatch.setattr(update, "buckets", counting_buckets)
+        monkeypatch.setattr(update, "sequence_logprobs", counting_logprobs)
 
 
 def test_beta_zero_makes_no_reference_forward(tmp_path, monkeypatch):

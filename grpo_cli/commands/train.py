@@ -203,8 +203,8 @@ def _train(cfg: DictConfig, run_dir: Path, ckpt: Path | None, world: World) -> P
             synchronize(device)
             now = time.perf_counter()
             t_update, t_step = now - t1, now - t0  # the step: rollout, rewards, advantages and update
-            nonfinite_in_a_row = nonfinite_in_a_row + 1 if stats["nonfinite_skipped"] else 0
-            if stats["nonfinite_skipped"]:
+            nonfinite_in_a_row = nonfinite_in_a_row + 1 if stats.nonfinite_skipped else 0
+            if stats.nonfinite_skipped:
                 console.print(f"[yellow]step {step}: non-finite loss or gradient, optimizer step skipped "
                               f"({nonfinite_in_a_row} in a row; the run stops at "
                               f"trainer.max_nonfinite_steps={trainer.max_nonfinite_steps})")
@@ -212,7 +212,7 @@ def _train(cfg: DictConfig, run_dir: Path, ckpt: Path | None, world: World) -> P
             # 6. log: the metrics; every log_completions_every steps also what the model wrote
             record = {"step": step, **iterations.metrics(step),
                       **rollout_metrics(*_everyone(world, result, rollout), algo.group_size),
-                      **stats, "learning_rate": scheduler.get_last_lr()[0], "time/rollout_s": t_rollout,
+                      **stats.metrics(), "learning_rate": scheduler.get_last_lr()[0], "time/rollout_s": t_rollout,
                       "time/update_s": t_update, "time/step_s": t_step,
                       "tokens_per_s": record_tokens(world, rollout) / max(t_rollout, 1e-9),
                       "peak_memory_mb": peak_memory_mb(device), **step_memory(device)}

@@ -1,5 +1,4 @@
-"""Rollouts: the `Rollout` record every sampler returns, the sampler contract, and the training-side
-log-probs of a rollout.
+"""Rollouts: the `Rollout` record every sampler returns and the sampler contract.
 
 A sampler (the `sampler` config group, one `_target_`) implements
 
@@ -11,25 +10,19 @@ Engines: `hf.HFSampler` (transformers `generate` with a shared prompt prefill) a
 (vLLM with its own copy of the weights, refreshed by `sync`; `sampler=vllm`).
 
 Prompts are left-padded (every completion starts at the same column); position ids follow HF
-generate (cumsum of the attention mask - 1), and `sequence_logprobs` uses the same ones, so the
-training forward scores exactly the tokens the sampler produced. It does the tokens' work, not the
-padded batch's: each distinct prompt once (its KV cache shared by its G completions, gradient
-included), completions in length buckets, the LM head fused with the log-softmax.
+generate (cumsum of the attention mask - 1, `position_ids`), and the trainer's forward
+(grpo_cli.logprobs) uses the same ones, so it scores exactly the tokens the sampler produced.
 """
 
 from __future__ import annotations
 
-import inspect
 import re
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-from transformers import DynamicCache
 
 from grpo_cli.errors import DataError
-from grpo_cli.objective import head_logprobs, token_entropy, token_logprobs
-from grpo_cli.policy import autocast
 
 
 @dataclass
@@ -181,120 +174,6 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions that skip left padding, as HF generate computes them. [N, L]"""
     pos = attention_mask.long().cumsum(-1) - 1
     return pos.masked_fill(attention_mask == 0, 0)
-
-
-def sequence_logprobs(model, rollout: Rollout, *, with_entropy: bool = False, bucket_rows: int = 8,
-                      backward=None):
-    """Log-probs of the completion tokens under `model`: [N, T] (and entropies [N, T] if asked), 0 on padding.
-
-    The work done is the tokens', not the padded batch's:
-      - each distinct prompt goes through the model once; its KV cache is shared by the rows that
-        continue it (the G completions of a group), gradient included;
-      - the completions go through in buckets of `bucket_rows` rows of similar length (sorted), each
-        cut to its own longest completion, so short rows do not pay for the longest;
-      - the LM head and the log-softmax are fused in chunks (`objective.head_logprobs`): the [N, T, V]
-        logits are never made, in forward or backward.
-    Positions follow HF generate (left-padded prompt, position ids = cumsum of the mask - 1), so the
-    tokens are scored exactly as the sampler produced them. Models whose logits are not the LM head of
-    the last hidden state, and gradient checkpointing in training (its layers drop the KV cache), take
-    `full_sequence_logprobs` instead.
-
-    `backward(rows, logp, entropy) -> loss`: the loss of a bucket (rows: positions in `rollout`, logp and
-    entropy [b, T]), back-propagated at once. Each bucket's activations are then freed before the next
-    bucket runs, and the prompts' after the last (their gradients gathered from every bucket), so the
-    peak holds the prompts and one bucket, not the whole batch. The log-probs come back detached.
-    """
-    body, head = _decoder_and_head(model)
-    # checkpointed layers drop a KV cache they are given (transformers' GradientCheckpointingLayer)
-    checkpointing = body.training and torch.is_grad_enabled() and any(
-        getattr(m, "gradient_checkpointing", False) for m in body.modules())
-
-    n, width = rollout.completion_ids.shape
-    if head is None or checkpointing:
-        out = full_sequence_logprobs(model, rollout, with_entropy=with_entropy)
-        logp, entropy = out if with_entropy else (out, None)
-        if backward is not None:
-            backward(torch.arange(n, device=logp.device), logp, entropy).backward()
-            return (logp.detach(), entropy) if with_entropy else logp.detach()
-        return out
-    lengths = rollout.completion_mask.sum(1).clamp(min=1).tolist()  # [N] one host copy; EOS included
-    order = sorted(range(n), key=lambda i: lengths[i])
-    cache_key = "cache" if "cache" in inspect.signature(body.forward).parameters else "past_key_values"
-    with autocast(model):
-        # [U, P] distinct prompts (ids and mask together: a pad id can also be a real token); which[i] = row i's
-        prompts, which = torch.unique(torch.cat([rollout.prompt_ids, rollout.prompt_mask], 1), dim=0,
-                                      return_inverse=True)
-        p_ids, p_mask = prompts.split(rollout.prompt_ids.shape[1], 1)
-        out = body(input_ids=p_ids, attention_mask=p_mask, position_ids=position_ids(p_mask), use_cache=True)
-        cache = out["cache" if "cache" in out else "past_key_values"]  # named as in hf.py's prefill, by version
-        # [U, H, P, d] keys and values per layer, and [U, D] the last hidden state (predicts each first token)
-        prompt = [t for layer in cache.layers for t in (layer.keys, layer.values)] + [out.last_hidden_state[:, -1]]
-        if backward is not None:  # buckets read detached copies; their gradients reach the prompt pass at the end
-            inputs, prompt = prompt, [t.detach().requires_grad_(t.requires_grad) for t in prompt]
-        *kv, last = prompt
-        pieces, entropies = [], []
-        for start in range(0, n, bucket_rows):
-            rows = torch.tensor(order[start:start + bucket_rows], device=which.device)
-            own = which[rows]  # [b] each row's prompt
-            t = max(lengths[i] for i in order[start:start + bucket_rows])
-            tokens = rollout.completion_ids[rows, :t]  # [b, t]
-            hidden = last[own][:, None]  # [b, 1, D]
-            if t > 1:  # tokens 0..t-2 continue the shared prompt caches; their outputs predict tokens 1..t-1
-                shared = DynamicCache(ddp_cache_data=[(kv[i][own], kv[i + 1][own]) for i in range(0, len(kv), 2)])
-                mask = torch.cat([p_mask[own], rollout.completion_mask[rows, :t - 1]], 1)  # [b, P+t-1]
-                pos = p_mask[own].sum(1, keepdim=True) + torch.arange(t - 1, device=mask.device)
-                h = body(input_ids=tokens[:, :-1], attention_mask=mask, position_ids=pos, use_cache=True,
-                         **{cache_key: shared}).last_hidden_state  # [b, t-1, D]
-                hidden = torch.cat([hidden, h], 1)  # [b, t, D]
-            logp, entropy = head_logprobs(hidden.flatten(0, 1), head.weight, tokens.flatten(),
-                                          with_entropy=with_entropy)
-            logp = torch.nn.functional.pad(logp.view(-1, t), (0, width - t)) * rollout.completion_mask[rows]  # [b, T]
-            if with_entropy:
-                entropy = torch.nn.functional.pad(entropy.view(-1, t), (0, width - t)) * rollout.completion_mask[rows]
-                entropies.append(entropy)
-            if backward is not None:
-                backward(rows, logp, entropy).backward()
-                logp = logp.detach()
-            pieces.append(logp)
-    if backward is not None and any(t.grad is not None for t in prompt):
-        torch.autograd.backward([x for x, t in zip(inputs, prompt) if t.grad is not None],
-                                [t.grad for t in prompt if t.grad is not None])
-    back = torch.argsort(torch.tensor(order, device=which.device))  # rows back from length order to the rollout's
-    logp = torch.cat(pieces)[back]
-    if not with_entropy:
-        return logp
-    return logp, torch.cat(entropies)[back].detach()
-
-
-def _decoder_and_head(model):
-    """(decoder, LM head Linear) of a causal LM (peft-wrapped or not); head None when the logits are not
-    just the head of the last hidden state (a LoRA on lm_head, softcapping, a logit scale)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    body, head = base.get_decoder(), base.get_output_embeddings()
-    config = base.config
-    plain = type(head) is torch.nn.Linear and head.bias is None and not any(
-        getattr(config, key, None) not in (None, 1, 1.0)
-        for key in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
-    return body, (head if plain else None)
-
-
-def full_sequence_logprobs(model, rollout: Rollout, *, with_entropy: bool = False):
-    """`sequence_logprobs` the plain way: every row's whole padded prompt + completion through the model.
-
-    Only the last T+1 positions go through the LM head (`logits_to_keep`); `token_logprobs` chunks the
-    log-softmax over the vocabulary, in fp32 outside autocast (bf16 logits are upcast one chunk at a time).
-    """
-    ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)  # [N, P+T]
-    mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], 1)
-    T = rollout.completion_ids.shape[1]
-    with autocast(model):
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=False,
-                       logits_to_keep=T + 1).logits[:, :-1]  # [N, T, V]: position P-1+t predicts token t
-    logp = token_logprobs(logits, rollout.completion_ids) * rollout.completion_mask
-    if not with_entropy:
-        return logp
-    with torch.no_grad():
-        return logp, token_entropy(logits.detach()) * rollout.completion_mask
 
 
 def char_ends_to_token_index(tokenizer, completion_ids: list[int], char_ends: list[int]) -> list[int]:
