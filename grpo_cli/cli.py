@@ -1,7 +1,14 @@
-"""`grpo train|eval|sample ...`: picks the subcommand and hands the rest of argv to its Hydra app."""
+"""`grpo train|eval|sample ...`: picks the subcommand and hands the rest of argv to its Hydra app.
+
+The process is set up here, once, before any command (or torch) is imported: the environment the
+libraries read at import (log levels, progress bars, the CUDA allocator, vLLM's in-process engine),
+warning filters, and glibc's mmap threshold. Library modules below leave the process as they find it.
+"""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import importlib
 import importlib.metadata
 import os
@@ -41,6 +48,43 @@ def default_allocator_conf(environ) -> None:
     environ[name] = "expandable_segments:True"
 
 
+def limit_heap_growth(threshold: int = 4 * 2**20) -> bool:
+    """Serve allocations above `threshold` bytes with mmap, so freed tensors go back to the OS.
+
+    glibc raises its mmap threshold each time a large block is freed (up to 32 MB), after which
+    activation-sized tensors come from the heap and fragment it. A fixed 4 MiB threshold cut the
+    peak of one LoRA update on 16 x 256 tokens from 5.1 to 4.3 GB and made it faster; 128 KiB cut
+    it to 2.6 GB but made generation ~28% slower (page faults), so 4 MiB it is (README, Memory).
+    Does nothing off glibc. Returns whether it took effect.
+    """
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(-3, threshold))  # -3 = M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        return False
+
+
+# what vLLM reads from the environment (at import and at engine start), unless the user set it: the engine in
+# this process (no spawned worker), on the trainer's threads, and only its errors on the console
+VLLM_ENVIRONMENT = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+                    "VLLM_LOGGING_LEVEL": "ERROR"}
+
+
+def setup_process(environ=None) -> None:
+    """The process-wide settings of a grpo command, each only where the user has not set it."""
+    environ = os.environ if environ is None else environ
+    # library chatter (deprecation notices, weight-loading bars) hides our own one-line messages
+    for category in (FutureWarning, DeprecationWarning, UserWarning):
+        warnings.filterwarnings("ignore", category=category, module=r"(transformers|peft|torch|accelerate)\.")
+    environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    environ.setdefault("TQDM_DISABLE", "1")
+    for key, value in VLLM_ENVIRONMENT.items():
+        environ.setdefault(key, value)
+    default_allocator_conf(environ)
+    limit_heap_growth()
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
@@ -50,15 +94,11 @@ def main(argv: list[str] | None = None) -> None:
     if command not in COMMANDS:
         print(f"error: unknown command {command!r}; use one of: {', '.join(COMMANDS)}", file=sys.stderr)
         sys.exit(2)
-
-    # library chatter (deprecation notices, weight-loading bars) hides our own one-line messages
-    for category in (FutureWarning, DeprecationWarning, UserWarning):
-        warnings.filterwarnings("ignore", category=category, module=r"(transformers|peft|torch|accelerate)\.")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("TQDM_DISABLE", "1")
-    default_allocator_conf(os.environ)
-
+    setup_process()
+    # the user's own code (reward.funcs=my_rewards.fn, a `_target_`) imports from where `grpo` runs, as under
+    # `python -m grpo_cli` and `trl grpo`; the console script's own sys.path[0] is its bin folder
+    if sys.path[:1] != [os.getcwd()]:
+        sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module("grpo_cli.commands." + COMMANDS[command][0])
         sys.argv = [f"grpo {command}", *rest]

@@ -60,8 +60,23 @@ def _base_identity(model_cfg) -> dict:
     return out
 
 
-def load_inference(cfg, overrides: list[str], checkpoints: list):
-    """(policy with LoRA in eval mode, tokenizer, effective config) for eval and sample.
+def load_inference(cfg, overrides: list[str], checkpoints: list, checks: tuple = ()):
+    """(policy with LoRA in eval mode, tokenizer, effective config) for eval and sample: `inference_config`,
+    then `inference_policy`."""
+    cfg = inference_config(cfg, overrides, checkpoints, checks)
+    return (*inference_policy(cfg), cfg)
+
+
+def inference_policy(cfg):
+    """(policy with LoRA in eval mode, tokenizer) of an effective config."""
+    policy, tokenizer, _ = build_policy(cfg.model)
+    policy.eval()
+    return policy, tokenizer
+
+
+def inference_config(cfg, overrides: list[str], checkpoints: list, checks: tuple = ()) -> DictConfig:
+    """The effective config of eval and sample, validated: a command builds its data and reward from it before
+    the model loads (`inference_policy`), so that a bad path, column or reward function stops it in seconds.
 
     The first checkpoint's saved config fills in model/data/reward/sampler unless the command line
     overrides them. Every checkpoint must have been trained on the model built here: the same
@@ -79,8 +94,6 @@ def load_inference(cfg, overrides: list[str], checkpoints: list):
                 raise ConfigError(f"{ckpt} was trained with model.{key}={theirs.get(key)!r}, not {ours.get(key)!r}: "
                                   f"its adapter fits only that base model; drop the model override, or evaluate "
                                   f"checkpoints of different base models apart")
-    validate(cfg)
-    policy, tokenizer, _ = build_policy(cfg.model)
-    policy.eval()
-    return policy, tokenizer, cfg
+    validate(cfg, *checks)  # the command's own checks (its section) beside the library's
+    return cfg
 

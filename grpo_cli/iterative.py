@@ -3,9 +3,9 @@
     grpo train +recipe=iterative                     # 3 iterations x 10 steps, a learned ORM, SmolLM2 on CPU
     grpo train +recipe=iterative iterative.iterations=2 trainer.max_steps=20
 
-`Iterations` gives the training loop its reward function for each step. With iterative.iterations
-= 0 (the default) that is `build(cfg.reward)` for the whole run and nothing else happens. With I > 0
-iterations of M = iterative.steps steps, the first step of iteration i (step i*M + 1) first:
+The training loop builds an `IterativeRL` only when iterative.iterations = I > 0 (otherwise its reward
+is `build(cfg.reward)` for the whole run). It gives the loop the reward of each step; with I iterations
+of M = iterative.steps steps, the first step of iteration i (step i*M + 1) first:
   1. draws rm.num_problems training problems (seeded by trainer.seed, rm.seed and i; the prompt
      stream's position is not touched) and rm.samples_per_problem completions of each from the
      current policy (adapter on), at iterative.temperature;
@@ -42,8 +42,8 @@ from hydra.utils import get_object
 from omegaconf import DictConfig
 from rich.table import Table
 
-from grpo_cli import checkpoint
-from grpo_cli import rm as T
+from grpo_cli import checkpoint, rm
+from grpo_cli.checks import Check, Rule, is_int, is_num, raised
 from grpo_cli.errors import ConfigError, RunError
 from grpo_cli.instantiate import build
 from grpo_cli.metrics import console
@@ -60,7 +60,9 @@ def check_settings(cfg: DictConfig) -> None:
     if not it or not it.iterations:
         return
     errors = []
-    if cfg.trainer.max_steps != it.iterations * it.steps:
+    # steps or iterations of the wrong type have their own line (CHECKS); no product of them to suggest then
+    counts_ok = is_int(it.iterations) and is_int(it.steps) and it.steps >= 1
+    if counts_ok and cfg.trainer.max_steps != it.iterations * it.steps:
         errors.append(f"trainer.max_steps ({cfg.trainer.max_steps}) must equal iterative.iterations x iterative.steps "
                       f"({it.iterations} x {it.steps}); set trainer.max_steps={it.iterations * it.steps}")
 
@@ -73,26 +75,22 @@ def check_settings(cfg: DictConfig) -> None:
         errors.append(f"iterative RL retrains the reward model, so the reward must be one: the labeler gives {kind} "
                       f"labels, so set reward={option} (reward.name_or_path=null starts from a new head)")
     try:
-        T.check_settings(cfg.rm)
+        rm.check_settings(cfg.rm)
     except ConfigError as err:
         errors.append(str(err))
     if errors:
         raise ConfigError("\n".join(errors))
 
 
-class Iterations:
-    """The reward function of each step and, in iterative RL, the boundaries between iterations."""
+class IterativeRL:
+    """The boundaries between iterations and the reward model that scores each step (iterative.iterations > 0)."""
 
     def __init__(self, cfg: DictConfig, run_dir: Path):
         self.cfg, self.run_dir = cfg, Path(run_dir)
-        it = cfg.get("iterative")
-        self.count = int(it.iterations) if it else 0
-        if not self.count:  # an ordinary run: one reward function, built now (a bad one fails before step 1)
-            self._reward = build(cfg.reward)
-            return
-        self.steps, self.temperature = int(it.steps), it.temperature
+        self.count, self.steps, self.temperature = int(cfg.iterative.iterations), int(cfg.iterative.steps), \
+            cfg.iterative.temperature
         self.labeler = build(cfg.labeler)
-        self.replay = T.ReplayBuffer(self.run_dir / "rm" / "replay", cfg.rm.replay.share, cfg.rm.seed)
+        self.replay = rm.ReplayBuffer(self.run_dir / "rm" / "replay", cfg.rm.replay.share, cfg.rm.seed)
         self.done = 0  # iterations whose boundary has run
         start = cfg.reward.get("name_or_path")
         self.model: str | None = str(start) if start else None  # the reward model now scoring
@@ -103,13 +101,9 @@ class Iterations:
     def iteration(self, step: int) -> int:
         return (step - 1) // self.steps
 
-    def metrics(self, step: int) -> dict:
-        """What every step's metrics record carries: its iteration (nothing in an ordinary run)."""
-        return {"iteration": self.iteration(step)} if self.count else {}
-
     def reward_for(self, step: int, policy, tokenizer):
         """The reward function that scores `step`; at an iteration's first step, first the boundary."""
-        if self.count and (step - 1) % self.steps == 0 and self.iteration(step) >= self.done:
+        if (step - 1) % self.steps == 0 and self.iteration(step) >= self.done:
             self.boundary(self.iteration(step), step, policy, tokenizer)
         if self._reward is None:  # resumed mid-iteration: the reward model the checkpoint names
             self._reward = build(self.cfg.reward, name_or_path=self.model)
@@ -120,40 +114,41 @@ class Iterations:
 
     def boundary(self, i: int, step: int, policy, tokenizer) -> dict:
         """Sample, label, retrain the reward model with replay, reference <- policy; returns the record."""
-        cfg, R = self.cfg, self.cfg.rm
+        cfg, settings = self.cfg, self.cfg.rm
         started = time.time()
         seed = self._seed(i)
         if self._dataset is None:
             self._dataset = build(cfg.data).train
         sampler = build(cfg.sampler, **({"temperature": self.temperature} if self.temperature else {}))
-        console.print(f"iteration {i} (steps {step}-{step + self.steps - 1}): sampling {R.num_problems} problems x "
-                      f"{R.samples_per_problem} from the current policy for the reward model")
+        console.print(f"iteration {i} (steps {step}-{step + self.steps - 1}): sampling {settings.num_problems} "
+                      f"problems x {settings.samples_per_problem} from the current policy for the reward model")
         # the step's own sampling stays a function of (seed, step): the boundary draws from a forked RNG
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            problems = T.pick_problems(self._dataset, R.num_problems, seed)
-            samples = T.draw_samples(policy, tokenizer, sampler, problems, R.samples_per_problem, R.prompts_per_batch)
+            problems = rm.pick_problems(self._dataset, settings.num_problems, seed)
+            samples = rm.draw_samples(policy, tokenizer, sampler, problems, settings.samples_per_problem,
+                                      settings.prompts_per_batch)
             rows = self.labeler(samples, policy=policy, tokenizer=tokenizer, sampler=sampler)
             sampled = time.time()
             if not rows:
                 raise RunError(f"iteration {i}: the labeler kept no rows of {len(samples)} samples (no reference "
                                f"answers, or no step it could label); check data and labeler")
-            kind = T.check_rows(rows, f"iteration {i} labels")
-            train_rows, heldout = T.split_heldout(rows, R.heldout_fraction, seed)
+            kind = rm.check_rows(rows, f"iteration {i} labels")
+            train_rows, heldout = rm.split_heldout(rows, settings.heldout_fraction, seed)
             mix, info = self.replay.mix(i, train_rows)
             if not mix:
                 raise RunError(f"iteration {i}: no rows to train the reward model on; raise rm.num_problems or "
                                f"lower rm.heldout_fraction")
             device = next(policy.parameters()).device
-            model, rm_tokenizer = T.starting_classifier(self.model, kind, cfg.model.loader, device,
+            model, rm_tokenizer = rm.starting_classifier(self.model, kind, cfg.model.loader, device,
                                                         resolve_dtype(cfg.model.dtype, device), seed=seed)
-            model, trained = T.retrain(model, rm_tokenizer, mix, heldout, R, kind, seed=seed)
+            model, trained = rm.retrain(model, rm_tokenizer, mix, heldout, settings, kind, seed=seed)
         folder = self.run_dir / "rm" / f"iteration_{i:03d}"
-        T.save_reward_model(model, rm_tokenizer, folder, {"kind": kind, "template": R.template, "iteration": i,
+        rm.save_reward_model(model, rm_tokenizer, folder, {"kind": kind, "template": settings.template, "iteration": i,
                                                           "step": step, "heldout": trained["heldout_after"]})
         del model
         held = {r["prompt"] for r in heldout}
-        T.write_jsonl(folder / "labeled.jsonl", [{**r, "split": "heldout" if r["prompt"] in held else "train"}
+        rm.write_jsonl(folder / "labeled.jsonl", [{**r, "split": "heldout" if r["prompt"] in held else "train"}
                                                  for r in rows])
         self.replay.add(i, rows)  # after training, as grpo rm does: a failed boundary leaves the buffer as it was
         set_reference(policy)
@@ -170,12 +165,10 @@ class Iterations:
         return record
 
     def _write_history(self) -> None:
-        T.write_jsonl(self.run_dir / "iterations.jsonl", self.history)
+        rm.write_jsonl(self.run_dir / "iterations.jsonl", self.history)
 
     def state_dict(self) -> dict:
-        """{"iterative": ...} for trainer_state.json ({} in an ordinary run). Paths relative to the run folder."""
-        if not self.count:
-            return {}
+        """{"iterative": ...} for trainer_state.json. Paths relative to the run folder."""
         model = Path(self.model) if self.model else None
         if model is not None and model.is_relative_to(self.run_dir):
             model = model.relative_to(self.run_dir)
@@ -184,9 +177,7 @@ class Iterations:
                               "history": self.history}}
 
     def load_state_dict(self, state: dict, policy, ckpt: Path) -> None:
-        """Restore from a checkpoint's trainer_state and reference adapter (nothing in an ordinary run)."""
-        if not self.count:
-            return
+        """Restore from a checkpoint's trainer_state and reference adapter."""
         it = state.get("iterative")
         if it is None:
             raise ConfigError(f"{ckpt} holds no iterative state; it was not trained with iterative.iterations > 0")
@@ -220,3 +211,13 @@ def read_history(run_dir: Path) -> list[dict]:
     path = Path(run_dir) / "iterations.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
+# ---- config checks: this module's settings, collected by config.validate --------------------------------
+
+CHECKS: list[Check] = [
+    Rule("iterative.iterations", lambda v: is_int(v) and v >= 0,
+         "must be an integer >= 0 (0: off); set iterative.iterations=0"),
+    Rule("iterative.steps", lambda v: is_int(v) and v >= 1, "must be an integer >= 1; set iterative.steps=10"),
+    Rule("iterative.temperature", lambda v: v is None or (is_num(v) and v > 0),
+         "must be > 0 or null (sampler.temperature); set iterative.temperature=null"),
+    raised(check_settings),
+]

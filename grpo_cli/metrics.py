@@ -4,14 +4,14 @@ local files by default."""
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
+import contextlib
 import importlib.util
 import json
 import math
 import os
 import resource
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -24,6 +24,17 @@ from grpo_cli import files
 from grpo_cli.errors import ConfigError
 
 console = Console(stderr=True)
+
+
+@contextlib.contextmanager
+def quiet(silent: bool = True) -> Iterator[None]:
+    """Console output off (a rank other than 0 under torchrun) for the block, then as it was."""
+    before = console.quiet
+    console.quiet = silent or before
+    try:
+        yield
+    finally:
+        console.quiet = before
 
 
 def progress(description: str) -> Progress:
@@ -62,20 +73,6 @@ def step_memory(device: torch.device) -> dict:
             "memory/peak_reserved_gb": torch.cuda.max_memory_reserved(device) / 2**30}
 
 
-def limit_heap_growth(threshold: int = 4 * 2**20) -> bool:
-    """Serve allocations above `threshold` bytes with mmap, so freed tensors go back to the OS.
-
-    glibc raises its mmap threshold each time a large block is freed (up to 32 MB), after which
-    activation-sized tensors come from the heap and fragment it. A fixed 4 MiB threshold cut the
-    peak of one LoRA update on 16 x 256 tokens from 5.1 to 4.3 GB and made it faster; 128 KiB cut
-    it to 2.6 GB but made generation ~28% slower (page faults), so 4 MiB it is (README, Memory).
-    Does nothing off glibc. Returns whether it took effect.
-    """
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(-3, threshold))  # -3 = M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        return False
 
 
 def mean(values) -> float:
@@ -116,18 +113,25 @@ class MetricsLog:
     at that step. Call `close()` at the end of the run: trackers flush and mark their run finished.
     """
 
-    def __init__(self, run_dir: Path, report_to: list[str], project: str | None = None, config: dict | None = None):
+    def __init__(self, run_dir: Path, report_to: list[str], project: str | None = None, config: dict | None = None,
+                 *, writes: bool = True):
+        # writes=False: a rank other than 0 under torchrun, whose numbers reach rank 0 through the reductions
+        self.writes = writes
         self.path = Path(run_dir) / "metrics.jsonl"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         run_dir = Path(run_dir).resolve()
         self.trackers = [TRACKERS[name](run_dir, project, run_name(run_dir), config or {})
-                         for name in resolve_report_to(report_to)]
+                         for name in resolve_report_to(report_to)] if writes else []
+        if writes:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def truncate(self, last_step: int) -> None:
         """On resume: drop lines of steps after the checkpoint, so the file reads as one run."""
-        truncate_jsonl(self.path, last_step)
+        if self.writes:
+            truncate_jsonl(self.path, last_step)
 
     def log(self, record: dict) -> None:
+        if not self.writes:
+            return
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         scalars = {k: float(v) for k, v in record.items()

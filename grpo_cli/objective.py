@@ -41,6 +41,8 @@ from dataclasses import dataclass
 
 import torch
 
+from grpo_cli.checks import Check, Rule, is_int, is_num, one_of
+
 SCALES = ("group", "batch", "none")
 STDS = ("population", "sample")
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -807,3 +809,22 @@ def head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tens
         raise ValueError(f"chunk_size ({chunk_size}) must be >= 1")
     logp, entropy = _HeadLogprobs.apply(hidden, weight, tokens.long(), chunk_size, with_entropy)
     return logp, (entropy if with_entropy else None)
+
+# ---- config checks: this module's settings, collected by config.validate --------------------------------
+
+CHECKS: list[Check] = [
+    Rule("algo.group_size", lambda v: is_int(v) and v >= 2,
+         "must be an integer >= 2: GRPO normalizes rewards within a group; set algo.group_size=8"),
+    Rule("algo.num_iterations", lambda v: is_int(v) and v >= 1, "must be an integer >= 1; set algo.num_iterations=1"),
+    Rule("algo.beta", lambda v: is_num(v) and v >= 0, "must be >= 0 (0 turns the KL term off); set algo.beta=0.04"),
+    Rule("algo.epsilon_low", lambda v: is_num(v) and 0 < v < 1, "must be in (0, 1); set algo.epsilon_low=0.2"),
+    Rule("algo.epsilon_high", lambda v: v is None or (is_num(v) and v > 0),
+         "must be > 0 or null (null: same as epsilon_low); set algo.epsilon_high=null"),
+    Rule("algo.kl_estimator", lambda v: v in KL_ESTIMATORS,
+         f"must be {one_of(KL_ESTIMATORS)}; set algo.kl_estimator=k3"),
+    Rule("algo.loss_type", lambda v: v in LOSS_TYPES, f"must be {one_of(LOSS_TYPES)}; set algo.loss_type=grpo"),
+    Rule("algo.advantage_scale", lambda v: v in SCALES, f"must be {one_of(SCALES)}; set algo.advantage_scale=group"),
+    Rule("algo.advantage_std", lambda v: v in STDS, f"must be {one_of(STDS)}; set algo.advantage_std=population"),
+    Rule("algo.is_correction_cap", lambda v: v is None or (is_num(v) and v >= 1),
+         "must be >= 1 or null (off): the weight of a token both engines agree on is 1; set algo.is_correction_cap=2"),
+]

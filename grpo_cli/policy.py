@@ -23,6 +23,7 @@ import string
 from pathlib import Path
 
 import torch
+from omegaconf import ListConfig
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from peft.helpers import disable_input_dtype_casting
 from platformdirs import user_cache_dir
@@ -30,6 +31,7 @@ from tokenizers import Tokenizer, decoders, models
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from grpo_cli import files
+from grpo_cli.checks import Check, Rule, get, is_int, is_num, one_of
 from grpo_cli.errors import ConfigError
 from grpo_cli.instantiate import build
 
@@ -252,8 +254,44 @@ def reference(policy):
     finally:
         policy.set_adapter("default")  # also puts requires_grad back: default trainable, reference frozen
 
+# ---- config checks: this module's settings, collected by config.validate --------------------------------
+
+def _flash_attn() -> bool:
+    return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
 
 
+# model.dtype values that can run a model but not train it: fp16 gradients underflow without a loss scaler
+_NO_TRAINING = ("float16", "fp16")
 
 
+def _trainable_dtype(cfg) -> list[str]:
+    trains = "trainer" in cfg or "rm" in cfg  # grpo train, grpo rm (eval, sample and export only run the model)
+    if trains and get(cfg, "model.dtype")[1] in _NO_TRAINING:
+        return [f"model.dtype ({cfg.model.dtype!r}) cannot train: fp16 gradients underflow without a loss scaler, "
+                f"which this trainer does not have; set model.dtype=bfloat16 (GPUs from Ampere on) or "
+                f"model.dtype=float32"]
+    return []
 
+
+CHECKS: list[Check] = [
+    Rule("model.lora.r", lambda v: is_int(v) and v >= 1, "must be an integer >= 1; set model.lora.r=16"),
+    Rule("model.lora.alpha", lambda v: is_num(v) and v > 0,
+         "must be a number > 0 (often 2 x r); set model.lora.alpha=32"),
+    Rule("model.lora.dropout", lambda v: is_num(v) and 0 <= v < 1, "must be in [0, 1); set model.lora.dropout=0.0"),
+    Rule("model.lora.target_modules", lambda v: isinstance(v, ListConfig) and len(v) > 0
+         and all(isinstance(m, str) and m for m in v),
+         "must be a non-empty list of module names; set model.lora.target_modules=[q_proj,v_proj]"),
+    Rule("model.device", lambda v: isinstance(v, str) and (v in ("auto", "cpu") or v.startswith("cuda")),
+         "must be auto, cpu or cuda[:N]; set model.device=auto"),
+    Rule("model.device", lambda v: not (isinstance(v, str) and v.startswith("cuda")) or torch.cuda.is_available(),
+         "asks for CUDA but torch sees no GPU here; set model.device=auto (CPU when there is no GPU)"),
+    Rule("model.dtype", lambda v: v == "auto" or v in DTYPES,
+         f"must be auto or {one_of(DTYPES)}; set model.dtype=auto"),
+    Rule("model.attn_implementation", lambda v: v is None or v in ATTN_IMPLEMENTATIONS,
+         f"must be one of {', '.join(ATTN_IMPLEMENTATIONS)}, or null (transformers' choice); "
+         f"set model.attn_implementation=sdpa"),
+    Rule("model.attn_implementation", lambda v: v != "flash_attention_2" or _flash_attn(),
+         "needs a CUDA GPU and the flash-attn package (pip install flash-attn --no-build-isolation); "
+         "set model.attn_implementation=sdpa"),
+    _trainable_dtype,
+]

@@ -24,6 +24,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from grpo_cli.cli import setup_process  # noqa: E402
 from grpo_cli.config import compose  # noqa: E402
 from grpo_cli.data import PromptStream  # noqa: E402
 from grpo_cli.instantiate import build  # noqa: E402
@@ -89,4 +90,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    setup_process()  # as the grpo command does: vLLM in this process, quiet
     main()

@@ -6,6 +6,11 @@ from pathlib import Path
 
 import pytest
 
+from grpo_cli.cli import setup_process
+
+# the tests run the library as the `grpo` command does: its process set up once (environment, warnings)
+setup_process()
+
 REPO = Path(__file__).resolve().parent.parent
 GSM8K = REPO.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
 

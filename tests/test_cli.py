@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 from hydra.utils import instantiate
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
+from grpo_cli.commands import train
 from grpo_cli.config import compose, validate
 from grpo_cli.errors import ConfigError
-from grpo_cli.iterative import check_settings as check_iterative
 from grpo_cli.resources import CONF_DIR, RECIPES_DIR
 
 REPO = Path(__file__).resolve().parent.parent
@@ -96,7 +96,7 @@ def test_every_recipe_composes_and_instantiates(recipe, gsm8k_path):
     cfg = compose("train", [f"+recipe={recipe}"])
     if "path" in cfg.data:  # a file-backed task: point it at the local GSM8K copy
         cfg = compose("train", [f"+recipe={recipe}", f"data.path={gsm8k_path}"])
-    check_iterative(validate(cfg))
+    validate(cfg, *train.CHECKS)
     # iterative RL trains its reward model at step 1 (reward.name_or_path null until then): it builds no reward here
     for section in ("data", "sampler") if cfg.iterative.iterations else ("data", "reward", "sampler"):
         assert instantiate(cfg[section], _convert_="all") is not None
@@ -109,12 +109,14 @@ GROUPS = sorted((p.parent.name, p.stem) for p in CONF_DIR.glob("*/*.yaml"))
 @pytest.mark.parametrize("group,option", GROUPS)
 def test_every_group_option_composes(group, option, gsm8k_path, monkeypatch):
     overrides = [f"{group}={option}"]
-    if (group, option) == ("sampler", "vllm"):  # whether vLLM is installed or not (tests/test_rollout_vllm.py)
+    if group == "sampler" and option.startswith("vllm"):  # vLLM installed or not (test_rollout_vllm)
         monkeypatch.setattr("grpo_cli.rollout.vllm.installed", lambda: True)
     if (group, option) in (("model", "hf"),):
         overrides.append("model.name_or_path=some/model")
-    if group == "data" and option in ("gsm8k", "jsonl"):
+    if group == "data" and option in ("gsm8k", "jsonl", "hf"):
         overrides.append(f"data.path={gsm8k_path}")
+    if (group, option) == ("reward", "custom"):
+        overrides.append("reward.funcs=[accuracy]")
     if group == "reward" and option in ("orm", "prm"):
         overrides.append("reward.name_or_path=some/model")
     # the labeler and rm groups belong to both `grpo rm` and `grpo train` (its iterations)
@@ -133,3 +135,38 @@ def test_sweep_runs_two_jobs(tmp_path):
         assert (tmp_path / job / "checkpoints" / "step_000001" / "adapter_model.safetensors").exists()
     betas = {OmegaConf.load(tmp_path / j / ".hydra" / "config.yaml").algo.beta for j in ("0", "1")}
     assert betas == {0, 0.04}
+
+
+def _dotted_keys(node, prefix: str = "") -> set[str]:
+    """Every dotted key of a composed config, leaves and sections, without resolving interpolations."""
+    keys = set()
+    for key in node.keys():
+        path = f"{prefix}{key}"
+        keys.add(path)
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and not child._is_missing() and not child._is_none():
+            keys |= _dotted_keys(child, path + ".")
+    return keys
+
+
+def test_every_rule_names_a_key_that_some_composed_config_has():
+    """A renamed YAML key must not switch its rule off silently: each Rule's key exists in a composed config of
+    some command with some group option (a rule's key absent from a config is skipped by design)."""
+    from grpo_cli import config
+    from grpo_cli.checks import Rule
+    from grpo_cli.commands import evaluate, rm, sample
+
+    keys = set()
+    for command in ("train", "eval", "sample", "rm", "export"):
+        keys |= _dotted_keys(compose(command))
+        for group, option in GROUPS:
+            try:
+                keys |= _dotted_keys(compose(command, [f"{group}={option}"]))
+            except Exception:  # a group that command does not compose
+                continue
+    rules = [c for c in (*config.LIBRARY_CHECKS, *train.CHECKS, *evaluate.CHECKS, *sample.CHECKS, *rm.CHECKS)
+             if isinstance(c, Rule)]
+    assert len(rules) > 50
+    missing = sorted({rule.key for rule in rules if rule.key not in keys})
+    assert not missing, f"rules whose key no composed config has (renamed in conf/?): {missing}"
+    assert "trainer.max_step" not in keys  # the check can see a key that is not there

@@ -18,8 +18,9 @@ import pytest
 import torch
 from test_train import metrics, tiny_cfg
 
-from grpo_cli import cli, config
+from grpo_cli import cli
 from grpo_cli import metrics as grpo_metrics
+from grpo_cli import policy as policy_module
 from grpo_cli.commands import evaluate, train
 from grpo_cli.config import compose, validate
 from grpo_cli.errors import ConfigError
@@ -245,14 +246,14 @@ def test_attn_implementation_is_validated_and_honoured(monkeypatch):
                                           r"flash_attention_2, eager, or null"):
         validate(compose("train", ["model=tiny", "model.attn_implementation=flash"]))
     flash = compose("train", ["model=tiny", "model.attn_implementation=flash_attention_2"])
-    monkeypatch.setattr(config, "_cuda", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match="needs a CUDA GPU and the flash-attn package.*attn_implementation=sdpa"):
         validate(flash.copy())
     import importlib.util
 
-    monkeypatch.setattr(config, "_cuda", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "flash_attn" else None)
-    assert config._flash_attn()
+    assert policy_module._flash_attn()
 
 
 def test_pretrained_weights_load_straight_onto_the_gpu(tmp_path, monkeypatch):
@@ -331,9 +332,9 @@ def test_eval_generate_calls_hold_at_most_sampler_batch_size_sequences(tmp_path,
     calls = []
     real = HFSampler._generate
 
-    def counting(self, model, tokenizer, prompts, n, *args):
+    def counting(self, model, tokenizer, prompts, n, **options):
         calls.append(len(prompts) * n)
-        return real(self, model, tokenizer, prompts, n, *args)
+        return real(self, model, tokenizer, prompts, n, **options)
 
     monkeypatch.setattr(HFSampler, "_generate", counting)
     cfg = compose("eval", ["model=tiny", "sampler.max_new_tokens=3", "data.heldout_size=20", "eval.limit=3",

@@ -13,7 +13,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from grpo_cli.config import _check_targets
-from grpo_cli.data import ArithmeticTask, GSM8KTask, JsonlTask, load_task, solve
+from grpo_cli.data import ArithmeticTask, GSM8KTask, HFTask, JsonlTask, load_task, solve
 from grpo_cli.errors import ConfigError, DataError
 from grpo_cli.resources import CONF_DIR
 
@@ -208,6 +208,7 @@ def test_gsm8k_from_the_hub_without_datasets(monkeypatch):
 
 
 def test_gsm8k_from_the_hub(monkeypatch):
+    monkeypatch.setattr("grpo_cli.data.hf._hub_reachable", lambda endpoint: True)  # the fake hub needs no network
     hub = {"train": [{"question": f"Q{i}", "answer": f"#### {i}"} for i in range(30)],
            "test": [{"question": "E", "answer": "#### 2,000"}]}
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=lambda name, config: hub))
@@ -299,14 +300,14 @@ def test_every_data_config_instantiates(name, tmp_path, request):
     if name == "gsm8k":
         node.path = str(request.getfixturevalue("gsm8k_path"))
         node.limit = 20
-    if name == "jsonl":
-        rows = [{"question": f"q{i}", "answer": i} for i in range(300)]
+    if name in ("jsonl", "hf"):
+        rows = [{"question" if name == "jsonl" else "prompt": f"q{i}", "answer": i} for i in range(300)]
         node.path = str(write_jsonl(tmp_path / "p.jsonl", rows))
     # the keys are parameters of the class (what `grpo train` checks before building anything)
     errors: list[str] = []
     _check_targets(node, "data", errors)
     assert errors == []
     task = instantiate(node)
-    assert isinstance(task, (ArithmeticTask, GSM8KTask, JsonlTask)) and task.train and task.heldout
+    assert isinstance(task, (ArithmeticTask, GSM8KTask, HFTask, JsonlTask)) and task.train and task.heldout
     assert {"messages", "question", "answer"} <= set(task.train[0])
     assert task.train[0]["messages"][-1]["role"] == "user"

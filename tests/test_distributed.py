@@ -280,15 +280,16 @@ def test_collectives_and_agreed_stop_on_two_ranks(tmp_path):
         assert g["sum"] == [2.0, 1.0] and g["max"] == [1]
 
 
-def test_config_errors_name_the_fix_before_the_model_loads():
-    from grpo_cli.commands.train import check_world
-    from grpo_cli.config import compose
+def test_config_errors_name_the_fix_before_the_model_loads(monkeypatch):
+    from grpo_cli.commands import train
+    from grpo_cli.config import compose, validate
     from grpo_cli.errors import ConfigError
 
     cfg = compose("train", ["model=tiny", "trainer.prompts_per_step=4"])
-    check_world(cfg, World(0, 2, 0))  # 4 prompts on 2 ranks: 2 each
+    assert train.check_world(cfg, 2) == []  # 4 prompts on 2 ranks: 2 each
+    monkeypatch.setenv("WORLD_SIZE", "3")  # what torchrun sets: validate reads it with the trainer's checks
     with pytest.raises(ConfigError, match=r"prompts_per_step \(4\) must divide by the number of ranks \(3\).*"
                                           r"set trainer.prompts_per_step=6"):
-        check_world(cfg, World(0, 3, 0))
-    with pytest.raises(ConfigError, match="iterative.iterations=0"):
-        check_world(compose("train", ["+recipe=iterative"]), World(0, 2, 0))
+        validate(cfg, *train.CHECKS)
+    iterative = train.check_world(compose("train", ["+recipe=iterative"]), 2)
+    assert any("iterative.iterations=0" in line for line in iterative)

@@ -144,9 +144,8 @@ def test_iterations_off_is_an_ordinary_run(tmp_path):
     (["rm.epochs=0"], r"rm.epochs \(0\) must be an integer >= 1"),
 ])
 def test_bad_iterative_settings(overrides, message):
-    config = validate(cfg(*overrides))
     with pytest.raises(ConfigError, match=message):
-        iterative.check_settings(config)
+        validate(cfg(*overrides))
 
 
 def test_a_rule_reward_is_refused_and_off_checks_nothing():
@@ -161,8 +160,11 @@ def test_cli_reports_every_iterative_problem_in_one_line_each(tmp_path):
                           "labeler=verifier", "iterative.steps=0", f"hydra.run.dir={tmp_path}"],
                          cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 2, out.stderr[-2000:]
+    # every problem at once: the bad count on its own line, and no max_steps product made from it
     assert out.stderr.strip().splitlines() == [
-        "error: iterative.steps (0) must be an integer >= 1; set iterative.steps=10"]
+        "error: iterative.steps (0) must be an integer >= 1; set iterative.steps=10",
+        "error: iterative RL retrains the reward model, so the reward must be one: the labeler gives process labels, "
+        "so set reward=prm (reward.name_or_path=null starts from a new head)"]
     out = subprocess.run([sys.executable, "-m", "grpo_cli", "train", *ITERATIVE, "trainer.max_steps=7",
                           "labeler=verifier", f"hydra.run.dir={tmp_path}"],
                          cwd=REPO, capture_output=True, text=True, timeout=300)

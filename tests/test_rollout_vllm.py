@@ -58,7 +58,7 @@ def test_grpo_train_sampler_vllm_without_vllm_exits_2(tmp_path):
 
 def test_engine_settings_are_checked(monkeypatch):
     monkeypatch.setattr("grpo_cli.rollout.vllm.installed", lambda: True)
-    monkeypatch.setattr("grpo_cli.config._cuda", lambda: False)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     with pytest.raises(ConfigError) as err:
         validate(compose("train", ["sampler=vllm", "sampler.enforce_eager=false", "sampler.cpu_kv_cache_gb=0",
                                    "sampler.gpu_memory_utilization=1.5", "sampler.dtype=fp8"]))

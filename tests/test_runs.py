@@ -241,7 +241,7 @@ BAD = [
 @pytest.mark.parametrize("override,expected", BAD)
 def test_bad_value_is_caught_by_validate(override, expected):
     with pytest.raises(ConfigError) as err:
-        validate(compose("train", ["model=tiny", override]))
+        validate(compose("train", ["model=tiny", override]), *train.CHECKS)
     assert expected in str(err.value) and len(str(err.value).splitlines()) == 1
 
 

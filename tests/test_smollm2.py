@@ -17,9 +17,9 @@ from grpo_cli import update
 from grpo_cli.instantiate import build
 from grpo_cli.config import compose
 from grpo_cli.policy import build_policy
-from grpo_cli.metrics import limit_heap_growth
+from grpo_cli.cli import setup_process
 from grpo_cli.rollout import Rollout
-limit_heap_growth()  # as train.run does
+setup_process()  # as the grpo command does
 cfg = compose("train", sys.argv[1:])
 policy, tokenizer, device = build_policy(cfg.model)
 if cfg.trainer.gradient_checkpointing:

@@ -6,7 +6,9 @@
 
 Per checkpoint: greedy accuracy (pass@1 at temperature 0); with eval.num_samples = n > 0, n
 samples per problem at eval.temperature give unbiased pass@k (Chen et al. 2021) and maj@k
-(majority vote over the extracted answers of the first k samples). Problems come from the
+(majority vote over the extracted answers of the first k samples). Accuracy, pass@k and maj@k count
+the problems that have a reference `answer`; the mean reward counts every completion, so a dataset
+of open prompts (`data=hf` without an answer column) is reported by its mean reward alone. Problems come from the
 dataset's held-out split, never the training stream. Writes eval.json, eval_samples.jsonl (one line
 per checkpoint and problem) and, for more than one checkpoint, accuracy.png.
 
@@ -37,13 +39,14 @@ from rich.table import Table
 
 from grpo_cli import checkpoint, files
 from grpo_cli.app import command_line_overrides, hydra_app
-from grpo_cli.distributed import init_world
+from grpo_cli.checks import Check, Rule, is_int, is_num
+from grpo_cli.distributed import World, init_world
 from grpo_cli.errors import ConfigError
-from grpo_cli.inference import load_inference
+from grpo_cli.inference import inference_config, inference_policy
 from grpo_cli.instantiate import build
-from grpo_cli.metrics import console, limit_heap_growth, mean, progress
+from grpo_cli.metrics import console, mean, progress, quiet
 from grpo_cli.policy import adapter_enabled
-from grpo_cli.rewards import answers_match, extract_answer, score
+from grpo_cli.rewards import answers_match, check_columns, extract_answer, reference_answer, score, token_ids
 from grpo_cli.rollout import render_prompts
 
 
@@ -121,23 +124,22 @@ def _warn(line: str) -> None:
 
 
 def run(cfg: DictConfig, out_dir: Path, overrides: list[str] = ()) -> dict:
-    limit_heap_growth()
     world = init_world()
-    console.quiet = not world.main
+    with quiet(not world.main):  # one rank speaks
+        return _evaluate(cfg, out_dir, overrides, world)
+
+
+def _evaluate(cfg: DictConfig, out_dir: Path, overrides: list[str], world: World) -> dict:
     eval_cfg = cfg.eval
     steps = usable(expand_checkpoints(cfg.checkpoint))
     checkpoints = list(steps)
     if eval_cfg.include_base and None not in checkpoints:
         checkpoints = [None, *checkpoints]
-    ks, samples = eval_cfg.k, eval_cfg.num_samples
-    # a malformed eval.k or num_samples is left to load_inference's validate(), which reports every problem at once
-    ints = isinstance(samples, int) and isinstance(ks, ListConfig) and all(isinstance(k, int) for k in ks)
-    if ints and samples and ks and max(ks) > samples:
-        raise ConfigError(f"eval.k ({list(ks)}) asks for more samples than eval.num_samples ({samples}); "
-                          f"set eval.num_samples={max(ks)}")
-    policy, tokenizer, cfg = load_inference(cfg, list(overrides), checkpoints)
-    data = build(cfg.data)
+    cfg = inference_config(cfg, list(overrides), checkpoints, CHECKS)
+    data = build(cfg.data)  # the data and the reward before the model: a bad path, column or function stops here
     reward_fn = build(cfg.reward)
+    check_columns(reward_fn, data.heldout[0])
+    policy, tokenizer = inference_policy(cfg)
     sampler = build(cfg.sampler)
     # eval.limit caps the held-out problems; data.limit (when set) caps them too, as users expect
     limits = [n for n in (eval_cfg.limit, cfg.data.get("limit")) if n]
@@ -165,14 +167,18 @@ def run(cfg: DictConfig, out_dir: Path, overrides: list[str] = ()) -> dict:
             task = bar.add_task("", total=len(rows) + len(todo), completed=len(rows), info="")  # this rank's share
             for start in range(0, len(todo), eval_cfg.batch_size):
                 batch = [problems[i] for i in todo[start:start + eval_cfg.batch_size]]
-                torch.manual_seed(eval_cfg.seed + todo[start])  # deterministic for a fixed seed, whatever was skipped
+                # deterministic for a fixed seed, whatever was skipped
+                generator = torch.Generator().manual_seed(eval_cfg.seed + todo[start])
                 with adapter_enabled(policy, ckpt is not None):
-                    new = score_batch(policy, tokenizer, sampler, reward_fn, batch, eval_cfg)
+                    new = score_batch(policy, tokenizer, sampler, reward_fn, batch, eval_cfg, generator)
                 for i, row in zip(todo[start:start + eval_cfg.batch_size], new):
                     row.update(checkpoint=name, index=i, digest=wanted[(name, i)])
                     out.write(json.dumps(row) + "\n")
                     rows.append(row)
-                bar.update(task, completed=len(rows), info=f"acc {mean(r['correct'] for r in rows):.3f}")
+                graded = [r["correct"] for r in rows if r["correct"] is not None]  # rows with a reference answer
+                info = (f"acc {mean(graded):.3f}" if graded
+                        else f"reward {mean(r['greedy']['reward'] for r in rows):.3f}")
+                bar.update(task, completed=len(rows), info=info)
             if world.size > 1:  # the other ranks' new rows, written by rank 0
                 new = [r for r in rows if (name, r["index"]) not in done]
                 others = [r for rank, part in enumerate(world.gather(new)) if rank != world.rank for r in part]
@@ -192,46 +198,52 @@ def run(cfg: DictConfig, out_dir: Path, overrides: list[str] = ()) -> dict:
     return report
 
 
-def score_batch(policy, tokenizer, sampler, reward_fn, batch: list[dict], eval_cfg: DictConfig) -> list[dict]:
+def score_batch(policy, tokenizer, sampler, reward_fn, batch: list[dict], eval_cfg: DictConfig,
+                generator: torch.Generator | None = None) -> list[dict]:
     """Greedy (and sampled) completions for a batch of problems, with answers, correctness and rewards."""
     prompts = render_prompts(tokenizer, [p["messages"] for p in batch])
-    greedy = sampler.generate(policy, tokenizer, prompts, 1, greedy=True, max_new_tokens=eval_cfg.max_new_tokens)
+    greedy = sampler.generate(policy, tokenizer, prompts, 1, greedy=True, max_new_tokens=eval_cfg.max_new_tokens,
+                              generator=generator)
     sampled = (sampler.generate(policy, tokenizer, prompts, eval_cfg.num_samples,
-                                max_new_tokens=eval_cfg.max_new_tokens,
-                                temperature=eval_cfg.temperature) if eval_cfg.num_samples else None)
+                                max_new_tokens=eval_cfg.max_new_tokens, temperature=eval_cfg.temperature,
+                                generator=generator) if eval_cfg.num_samples else None)
     texts = greedy.texts + (sampled.texts if sampled else [])
     n = eval_cfg.num_samples
     # rewards for every completion: greedy ones first, then n samples per problem
     owners = list(range(len(batch))) + [i for i in range(len(batch)) for _ in range(n)]
     lengths = greedy.lengths + (sampled.lengths if sampled else [])
     truncated = greedy.truncated + (sampled.truncated if sampled else [])
-    rewards = score(reward_fn, batch, owners, texts, lengths, truncated).rewards
+    ids = token_ids(greedy) + (token_ids(sampled) if sampled else [])
+    rewards = score(reward_fn, batch, owners, texts, lengths, truncated, ids).rewards
     rows = []
     for i, problem in enumerate(batch):
-        ref = str(problem["answer"])
+        ref = reference_answer(problem.get("answer"))  # None: a prompt without a reference answer
         picks = [i] + [len(batch) + i * n + j for j in range(n)]  # greedy, then this problem's samples
         completions = [{"text": texts[j], "answer": extract_answer(texts[j]), "reward": rewards[j],
                         "length": lengths[j], "truncated": truncated[j]} for j in picks]
         for c in completions:
-            c["correct"] = c["answer"] is not None and answers_match(c["answer"], ref)
+            c["correct"] = None if ref is None else c["answer"] is not None and answers_match(c["answer"], ref)
         rows.append({"prompt": prompts[i], "question": problem["question"], "reference": ref,
                      "correct": completions[0]["correct"], "greedy": completions[0], "samples": completions[1:]})
     return rows
 
 
 def summarize(name: str | None, step: int | None, rows: list[dict], eval_cfg: DictConfig) -> dict:
+    """One checkpoint's numbers; accuracy, pass@k and maj@k over the problems with a reference answer (None when
+    none has one: a dataset of open prompts is scored by its mean reward alone)."""
     rows = sorted(rows, key=lambda r: r["index"])
     every = [r["greedy"] for r in rows] + [s for r in rows for s in r["samples"]]
+    graded = [r for r in rows if r["reference"] is not None]
     out = {"checkpoint": name, "step": step, "num_problems": len(rows),
-           "accuracy": mean(r["correct"] for r in rows),
+           "accuracy": mean(r["correct"] for r in graded) if graded else None,
            "mean_reward": mean(c["reward"] for c in every),
            "mean_length": mean(c["length"] for c in every),
            "truncation_rate": mean(c["truncated"] for c in every)}
-    if eval_cfg.num_samples:
+    if eval_cfg.num_samples and graded:
         out["pass@k"] = {str(k): mean(pass_at_k(len(r["samples"]), sum(s["correct"] for s in r["samples"]), k)
-                                      for r in rows) for k in eval_cfg.k}
+                                      for r in graded) for k in eval_cfg.k}
         out["maj@k"] = {str(k): mean(majority_correct([s["answer"] for s in r["samples"][:k]], r["reference"])
-                                     for r in rows) for k in eval_cfg.k}
+                                     for r in graded) for k in eval_cfg.k}
     return out
 
 
@@ -244,7 +256,7 @@ def results_table(results: list[dict]) -> Table:
                          overflow="fold")  # a narrow terminal wraps the path instead of cutting it
     for r in results:
         table.add_row(_label(r["checkpoint"]), str(r["step"] if r["step"] is not None else "-"),
-                      str(r["num_problems"]), f"{r['accuracy']:.3f}",
+                      str(r["num_problems"]), "-" if r["accuracy"] is None else f"{r['accuracy']:.3f}",
                       *[f"{r['pass@k'][k]:.3f}" for k in keys], *[f"{r['maj@k'][k]:.3f}" for k in keys],
                       f"{r['mean_reward']:.3f}", f"{r['mean_length']:.1f}", f"{r['truncation_rate']:.2f}")
     return table
@@ -264,6 +276,8 @@ def plot_accuracy(results: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    # a dataset without reference answers has no accuracy: its mean reward is plotted instead
+    key = "accuracy" if any(r["accuracy"] is not None for r in results) else "mean_reward"
     base = [r for r in results if r["checkpoint"] is None]
     runs: dict[str, list[dict]] = {}  # one line per run folder, in step order
     for r in results:
@@ -274,11 +288,11 @@ def plot_accuracy(results: list[dict], path: Path) -> None:
         rows = base + sorted(rows, key=lambda r: r["step"])  # the base model is step 0 of every run
         name = "" if len(runs) == 1 else f"{Path(run).name}: "
         steps = [r["step"] or 0 for r in rows]
-        ax.plot(steps, [r["accuracy"] for r in rows], marker="o", label=f"{name}greedy accuracy")
+        ax.plot(steps, [r[key] for r in rows], marker="o", label=f"{name}greedy {key.replace('_', ' ')}")
         for k in rows[0].get("pass@k", {}):
             ax.plot(steps, [r["pass@k"][k] for r in rows], marker=".", linestyle="--", label=f"{name}pass@{k}")
     ax.set_xlabel("training step (0 = base model)")
-    ax.set_ylabel("held-out accuracy")
+    ax.set_ylabel(f"held-out {key.replace('_', ' ')}")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -347,3 +361,31 @@ def _reuse(out_dir: Path, wanted: dict) -> dict:
         _warn(f"{stale} rows of {path} were made with other data, reward, sampler, eval settings or weights; "
               f"the old files moved to {aside}, {len(done)} matching rows are reused and the rest recomputed")
     return done
+
+# ---- config checks: this module's settings, collected by config.validate --------------------------------
+
+def _enough_samples(cfg: DictConfig) -> list[str]:
+    ks, samples = cfg.eval.k, cfg.eval.num_samples
+    ints = is_int(samples) and isinstance(ks, ListConfig) and all(is_int(k) for k in ks)
+    if ints and samples and ks and max(ks) > samples:
+        return [f"eval.k ({list(ks)}) asks for more samples than eval.num_samples ({samples}); "
+                f"set eval.num_samples={max(ks)}"]
+    return []
+
+
+# the eval section's checks, which `run` hands to config.validate beside every library module's
+CHECKS: list[Check] = [
+    Rule("eval.limit", lambda v: v is None or (is_int(v) and v >= 1),
+         "must be an integer >= 1 or null (all); set eval.limit=200"),
+    Rule("eval.batch_size", lambda v: is_int(v) and v >= 1, "must be an integer >= 1; set eval.batch_size=32"),
+    Rule("eval.num_samples", lambda v: is_int(v) and v >= 0,
+         "must be an integer >= 0 (0: greedy only); set eval.num_samples=0"),
+    Rule("eval.k", lambda v: isinstance(v, ListConfig) and len(v) > 0 and all(is_int(k) and k >= 1 for k in v),
+         "must be a list of integers >= 1; set eval.k=[1,4]"),
+    Rule("eval.temperature", lambda v: is_num(v) and v > 0, "must be > 0; set eval.temperature=1.0"),
+    Rule("eval.max_new_tokens", lambda v: v is None or (is_int(v) and v >= 1),
+         "must be an integer >= 1 or null (sampler.max_new_tokens); set eval.max_new_tokens=null"),
+    Rule("eval.seed", lambda v: is_int(v) and v >= 0, "must be an integer >= 0; set eval.seed=0"),
+    Rule("eval.include_base", lambda v: isinstance(v, bool), "must be true or false; set eval.include_base=false"),
+    _enough_samples,
+]

@@ -35,11 +35,12 @@ from rich.table import Table
 from grpo_cli import checkpoint
 from grpo_cli import rm as training
 from grpo_cli.app import command_line_overrides, hydra_app
+from grpo_cli.checks import Check, raised
 from grpo_cli.config import validate
 from grpo_cli.errors import ConfigError
 from grpo_cli.inference import inherit, load_inference
 from grpo_cli.instantiate import build
-from grpo_cli.metrics import console, limit_heap_growth, progress
+from grpo_cli.metrics import console, progress
 from grpo_cli.policy import adapter_enabled, resolve_device, resolve_dtype
 from grpo_cli.rewards.models import check_classifier
 
@@ -60,10 +61,9 @@ def check_settings(rm_cfg: DictConfig) -> None:
 
 def run(cfg: DictConfig, out_dir: Path, overrides: list[str] = ()) -> dict:
     """Train a reward model as `cfg` says, writing into `out_dir`; returns what rm_eval.json holds."""
-    limit_heap_growth()
     started = time.time()
+    validate(cfg, *CHECKS)  # the rm section's values first: one line each, before any file is read
     rm_cfg = cfg.rm
-    check_settings(rm_cfg)
     labeler = None
     if rm_cfg.labeled:
         rows, kind = training.read_labeled(rm_cfg.labeled)
@@ -80,7 +80,7 @@ def run(cfg: DictConfig, out_dir: Path, overrides: list[str] = ()) -> dict:
 
         saved = OmegaConf.masked_copy(checkpoint.load_config(ckpt), ["model", "data", "sampler"])
         cfg = inherit(cfg, saved, list(overrides))
-    validate(cfg)
+    validate(cfg, *CHECKS)
     rm_cfg = cfg.rm
     out_dir.mkdir(parents=True, exist_ok=True)
     device = resolve_device(cfg.model.device)
@@ -183,3 +183,7 @@ def results_table(report: dict) -> Table:
     table.caption = (f"trained on {rows['train_new']} new + {rows['train_replay']} replayed rows; "
                      f"accuracy at score 0.5, a label >= 0.5 counts as positive")
     return table
+
+
+# the rm section's checks, which `run` hands to config.validate beside every library module's
+CHECKS: list[Check] = [lambda cfg: raised(check_settings)(cfg.rm)]

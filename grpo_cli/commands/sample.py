@@ -19,12 +19,13 @@ from rich.text import Text
 
 from grpo_cli import checkpoint
 from grpo_cli.app import command_line_overrides, hydra_app
+from grpo_cli.checks import Check, Rule, is_int
 from grpo_cli.errors import ConfigError
-from grpo_cli.inference import load_inference
+from grpo_cli.inference import inference_config, inference_policy
 from grpo_cli.instantiate import build
-from grpo_cli.metrics import console, limit_heap_growth
+from grpo_cli.metrics import console
 from grpo_cli.policy import adapter_enabled
-from grpo_cli.rewards import answers_match, extract_answer, score
+from grpo_cli.rewards import answers_match, check_columns, extract_answer, reference_answer, score, token_ids
 from grpo_cli.rollout import render_prompts
 
 
@@ -34,7 +35,6 @@ def main(cfg: DictConfig) -> None:
 
 
 def run(cfg: DictConfig, overrides: list[str] = ()) -> list[dict]:
-    limit_heap_growth()
     sample_cfg = cfg.sample
     prompt = None if sample_cfg.prompt is None else str(sample_cfg.prompt)  # sample.prompt=17 is an int
     if prompt is not None and not prompt.strip():
@@ -42,31 +42,35 @@ def run(cfg: DictConfig, overrides: list[str] = ()) -> list[dict]:
                           f"sample.prompt=\"What is 17 + 25?\", or drop it to sample held-out problems")
     # a run folder's newest checkpoint whose files read; a corrupt newer one is skipped with a warning line
     ckpt = checkpoint.resolve(cfg.checkpoint, warn=_warn) if cfg.checkpoint else None
-    policy, tokenizer, cfg = load_inference(cfg, list(overrides), [ckpt])
-    if ckpt is not None:
-        checkpoint.load_adapter(policy, ckpt)
+    cfg = inference_config(cfg, list(overrides), [ckpt], CHECKS)
+    # the reward and the data before the model: a bad path, column or reward function stops here in seconds
     reward_fn = build(cfg.reward)
-    sampler = build(cfg.sampler)
     if prompt is not None:
         problems = [{"messages": [{"role": "user", "content": prompt}], "question": prompt}]
     else:
-        problems = list(build(cfg.data).heldout)[: sample_cfg.num_prompts]
-    torch.manual_seed(sample_cfg.seed)
+        problems = list(build(cfg.data).heldout[: sample_cfg.num_prompts])
+        check_columns(reward_fn, problems[0])
+    policy, tokenizer = inference_policy(cfg)
+    if ckpt is not None:
+        checkpoint.load_adapter(policy, ckpt)
+    sampler = build(cfg.sampler)
     with adapter_enabled(policy, ckpt is not None):
         prompts = render_prompts(tokenizer, [p["messages"] for p in problems])
-        rollout = sampler.generate(policy, tokenizer, prompts, sample_cfg.n)
+        rollout = sampler.generate(policy, tokenizer, prompts, sample_cfg.n,
+                                   generator=torch.Generator().manual_seed(sample_cfg.seed))
     owners = [i for i in range(len(problems)) for _ in range(sample_cfg.n)]
     result = None
-    if "answer" in problems[0]:  # rewards need a reference; a free prompt has none
-        result = score(reward_fn, problems, owners, rollout.texts, rollout.lengths, rollout.truncated)
+    if prompt is None:  # the data's problems, whose columns the reward reads; a free prompt has none
+        result = score(reward_fn, problems, owners, rollout.texts, rollout.lengths, rollout.truncated,
+                       token_ids(rollout))
     records = []
     for j, text in enumerate(rollout.texts):
         problem = problems[owners[j]]
-        answer = extract_answer(text)
+        answer, reference = extract_answer(text), reference_answer(problem.get("answer"))
         record = {"question": problem["question"], "completion": text, "answer": answer,
                   "reference": problem.get("answer"), "truncated": rollout.truncated[j],
-                  "correct": (answers_match(answer, str(problem["answer"]))
-                              if answer is not None and "answer" in problem else None),
+                  "correct": (answers_match(answer, reference)
+                              if answer is not None and reference is not None else None),
                   "reward": result.rewards[j] if result else None,
                   "steps": result.steps[j] if result and result.steps is not None else None}
         records.append(record)
@@ -100,3 +104,12 @@ def render(record: dict, k: int) -> Panel:
     subtitle = (f"answer {record['answer']!s} · ref {record['reference']!s} · reward {reward} · {verdict}"
                 + (" · truncated" if record["truncated"] else ""))
     return Panel(text, title=title, subtitle=subtitle, title_align="left", subtitle_align="left")
+
+# ---- config checks: this module's settings, collected by config.validate --------------------------------
+
+# the sample section's checks, which `run` hands to config.validate beside every library module's
+CHECKS: list[Check] = [
+    Rule("sample.seed", lambda v: is_int(v) and v >= 0, "must be an integer >= 0; set sample.seed=0"),
+    Rule("sample.n", lambda v: is_int(v) and v >= 1, "must be an integer >= 1; set sample.n=4"),
+    Rule("sample.num_prompts", lambda v: is_int(v) and v >= 1, "must be an integer >= 1; set sample.num_prompts=2"),
+]

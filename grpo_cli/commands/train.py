@@ -8,7 +8,9 @@ Each step: draw prompts -> G completions each (policy with LoRA on) -> rewards -
 advantages (outcome or process) -> prepare (reference and old log-probs) -> μ policy updates on the
 clipped objective with a k3 KL to the reference policy (the same model with the adapter off) -> log
 -> checkpoint. The pieces live below this module: data.PromptStream, rollout/, rewards.score,
-update.advantages/prepare/update, objective (the math), checkpoint, metrics.
+update.advantages/prepare/update, objective (the math), checkpoint, metrics. The reward is built here
+from `cfg.reward`; iterative RL (`iterative.IterativeRL`) exists only when iterative.iterations > 0.
+Sampling draws from the loop's own torch.Generator, seeded per step from (seed, step, rank).
 
 Departures from the paper: the policy trains a LoRA adapter instead of all weights (so the
 reference model costs no memory); the reference policy is the initial model for the whole run unless
@@ -22,7 +24,6 @@ slice of every step's prompts; grpo_cli.distributed says how the work is split a
 
 from __future__ import annotations
 
-import random
 import signal
 import sys
 import time
@@ -33,32 +34,33 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from transformers import get_scheduler
+from transformers.trainer_utils import SchedulerType
 
 from grpo_cli import checkpoint
 from grpo_cli.app import command_line_overrides, hydra_app
+from grpo_cli.checks import Check, Rule, is_int, is_num, raised
 from grpo_cli.config import validate
 from grpo_cli.data import PromptStream
-from grpo_cli.distributed import World, init_world
+from grpo_cli.distributed import World, init_world, world_size
 from grpo_cli.errors import ConfigError, RunError
 from grpo_cli.instantiate import build
-from grpo_cli.iterative import Iterations
-from grpo_cli.iterative import check_settings as check_iterative
+from grpo_cli.iterative import IterativeRL
 from grpo_cli.metrics import (
     CompletionsLog,
     MetricsLog,
     check_logging,
     console,
-    limit_heap_growth,
     peak_memory_mb,
     plot_training,
     progress,
+    quiet,
     reset_peak_memory,
     rollout_metrics,
     step_memory,
     synchronize,
 )
 from grpo_cli.policy import build_policy
-from grpo_cli.rewards import score
+from grpo_cli.rewards import check_columns, score, token_ids
 from grpo_cli.rollout import render_prompts
 from grpo_cli.runs import claim, resume_config
 from grpo_cli.update import advantages, prepare, update
@@ -75,14 +77,12 @@ def run(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) -> P
     With `resume=`, the run's own saved config is used, changed only by the command line's
     `overrides` that runs.resume_config allows (None: every key of cfg is compared).
     """
-    check_iterative(validate(cfg))
+    validate(cfg, *CHECKS)
     world = init_world()
-    check_world(cfg, world)
     ckpt = None
     if cfg.resume:
         ckpt = checkpoint.resolve(cfg.resume, warn=lambda line: console.print(f"[yellow]{line}"))
-        cfg = validate(resume_config(cfg, checkpoint.load_config(ckpt), overrides))
-        check_iterative(cfg)
+        cfg = validate(resume_config(cfg, checkpoint.load_config(ckpt), overrides), *CHECKS)
         run_dir = ckpt.parent.parent  # the same run goes on in its own folder: one metrics.jsonl, one checkpoints/
     # rank 0 holds the run folder; its verdict (a folder in use, a finished run) stops every rank alike
     lock, refused = None, None
@@ -101,36 +101,47 @@ def run(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) -> P
             lock.release()
 
 
-def check_world(cfg: DictConfig, world: World) -> None:
-    """What N ranks need of the config, checked before the model loads."""
-    if world.size == 1:
-        return
+def check_world(cfg: DictConfig, size: int) -> list[str]:
+    """What `size` ranks (torchrun) need of the config, checked before the model loads."""
+    errors = []
     per_step = cfg.trainer.prompts_per_step
-    if per_step % world.size:
-        fit = per_step + world.size - per_step % world.size
-        raise ConfigError(f"trainer.prompts_per_step ({per_step}) must divide by the number of ranks ({world.size}): "
-                          f"each rank takes an equal share of whole groups; set trainer.prompts_per_step={fit}")
-    if cfg.iterative.iterations:
-        raise ConfigError(f"iterative RL (iterative.iterations={cfg.iterative.iterations}) runs in one process only "
-                          f"for now; launch it without torchrun, or set iterative.iterations=0")
+    if size > 1 and is_int(per_step) and per_step >= 1 and per_step % size:
+        fit = per_step + size - per_step % size
+        errors.append(f"trainer.prompts_per_step ({per_step}) must divide by the number of ranks ({size}): each "
+                      f"rank takes an equal share of whole groups; set trainer.prompts_per_step={fit}")
+    if size > 1 and cfg.iterative.iterations:
+        errors.append(f"iterative RL (iterative.iterations={cfg.iterative.iterations}) runs in one process only "
+                      f"for now; launch it without torchrun, or set iterative.iterations=0")
+    return errors
 
 
 def _train(cfg: DictConfig, run_dir: Path, ckpt: Path | None, world: World) -> Path:
-    limit_heap_growth()
-    console.quiet = not world.main  # one rank speaks; the others' numbers reach it through the reductions
+    # one rank speaks; the others' numbers reach it through the reductions
+    with quiet(not world.main):
+        return _loop(cfg, run_dir, ckpt, world)
+
+
+def _loop(cfg: DictConfig, run_dir: Path, ckpt: Path | None, world: World) -> Path:
     trainer, algo = cfg.trainer, cfg.algo
     report_to = check_logging(trainer)  # a missing tracker package stops here, before the model loads
+    # the data and the reward before the model (neither draws from torch's generator), so that a bad path, column
+    # or reward function stops the run in seconds; in iterative RL the reward is the reward model retrained at
+    # each iteration's first step (which also resets the reference policy to the current one)
+    data = build(cfg.data)
+    iterative = IterativeRL(cfg, run_dir) if cfg.iterative.iterations else None
+    reward_fn = None if iterative else build(cfg.reward)
+    if reward_fn is not None:
+        check_columns(reward_fn, data.train[0])
     torch.manual_seed(trainer.seed)
     loss = build(algo.loss)
     policy, tokenizer, device = build_policy(cfg.model)
     world.copy_from_main([p for p in policy.parameters() if p.requires_grad])  # one adapter init on every rank
     if trainer.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    prompts = PromptStream(build(cfg.data).train, trainer.seed)
-    # the reward function of each step: build(cfg.reward), or in iterative RL the reward model retrained at each
-    # iteration's first step (which also resets the reference policy to the current one)
-    iterations = Iterations(cfg, run_dir)
+    # this rank's view of the seeded, resumable stream: every rank advances it alike and keeps its own slice
+    prompts = PromptStream(data.train, trainer.seed).shard(world.rank, world.size)
     sampler = build(cfg.sampler)
+    sampling = torch.Generator()  # the completions' randomness, reseeded each step: exact resume
     optimizer = build(cfg.optimizer)(params=[p for p in policy.parameters() if p.requires_grad])
     optimizer.zero_grad(set_to_none=False)  # zero (not absent) grads: a step with every row skipped is still a step
 
@@ -141,7 +152,10 @@ def _train(cfg: DictConfig, run_dir: Path, ckpt: Path | None, world: World) -> P
         checkpoint.load_adapter(policy, ckpt)
         state = checkpoint.load_training_state(ckpt, optimizer, scheduler)
         prompts.load_state_dict(state["data"])
-        iterations.load_state_dict(state, policy, ckpt)
+        if iterative:
+            iterative.load_state_dict(state, policy, ckpt)
+        if "rng" in state:  # dropout's draws (model.lora.dropout > 0) continue where they stopped
+            torch.set_rng_state(torch.tensor(state["rng"]["torch"], dtype=torch.uint8))
         console.print(f"resumed from {ckpt} at step {state['step']}")
         saved_world = state.get("world_size", 1)
         if saved_world != world.size:
@@ -152,8 +166,8 @@ def _train(cfg: DictConfig, run_dir: Path, ckpt: Path | None, world: World) -> P
         if aside is not None:
             console.print(f"[yellow]the checkpoints after step {state['step']} (an abandoned branch) moved to {aside}")
     # rank 0 writes the files; the other ranks' writers do nothing
-    log = (MetricsLog(run_dir, report_to, trainer.project, OmegaConf.to_container(cfg, resolve=True)) if world.main
-           else _Silent())
+    log = MetricsLog(run_dir, report_to, trainer.project, OmegaConf.to_container(cfg, resolve=True),
+                     writes=world.main)
     samples = CompletionsLog(run_dir, trainer.log_completions_every, trainer.num_completions_to_print,
                              trainer.completions_max_mb)  # every rank gives its completions, rank 0 writes
     if world.main:
@@ -161,6 +175,7 @@ def _train(cfg: DictConfig, run_dir: Path, ckpt: Path | None, world: World) -> P
         samples.truncate(state["step"])
     stop = _StopFlag()
     last = None
+    tags: dict = {}  # what every step's record carries besides its numbers: the iteration, in iterative RL
     nonfinite_in_a_row = 0
     console.print(f"run dir: {run_dir}")
 
@@ -168,27 +183,31 @@ def _train(cfg: DictConfig, run_dir: Path, ckpt: Path | None, world: World) -> P
     with progress("train") as bar, log, stop:
         task = bar.add_task("train", total=trainer.max_steps, completed=state["step"], info="")
         for step in range(state["step"] + 1, trainer.max_steps + 1):
-            _seed_step(trainer.seed, step, world.rank)  # sampling is a function of (seed, step, rank): exact resume
+            sampling.manual_seed(step_seed(trainer.seed, step, world.rank))  # a function of (seed, step, rank)
 
             # 0. iterative RL, at an iteration's first step: sample from the policy, label, retrain the reward
-            #    model with replay, reference <- policy (DeepSeekMath Algorithm 1); otherwise the run's reward
-            reward_fn = iterations.reward_for(step, policy, tokenizer)
+            #    model with replay, reference <- policy (DeepSeekMath Algorithm 1)
+            if iterative:
+                reward_fn = iterative.reward_for(step, policy, tokenizer)
+                state.update(iterative.state_dict())
+                tags = {"iteration": iterative.iteration(step)}
             synchronize(device)  # the timers below count GPU work, not just its queueing
             reset_peak_memory(device)
             t0 = time.perf_counter()
 
             # 1. prompts: the next prompts_per_step examples of the seeded, resumable stream (this rank's slice)
-            examples = prompts.next(trainer.prompts_per_step)[world.slice(trainer.prompts_per_step)]
+            examples = prompts.next(trainer.prompts_per_step)
 
             # 2. rollout: G completions per prompt with the current policy (LoRA on)
             sampler.sync(policy)
-            rollout = _sample(sampler, policy, tokenizer, examples, algo.group_size, step)
+            rollout = _sample(sampler, policy, tokenizer, examples, algo.group_size, step, sampling)
             synchronize(device)
             t_rollout = time.perf_counter() - t0
 
             # 3. score: one reward per completion, or step rewards (process supervision)
             owners = [i for i in range(len(examples)) for _ in range(algo.group_size)]
-            result = score(reward_fn, examples, owners, rollout.texts, rollout.lengths, rollout.truncated)
+            result = score(reward_fn, examples, owners, rollout.texts, rollout.lengths, rollout.truncated,
+                           token_ids(rollout))
 
             # 4. advantages: normalized within each group of G
             adv = advantages(result, rollout, tokenizer, algo.group_size, algo.advantage_scale, algo.advantage_std,
@@ -210,19 +229,17 @@ def _train(cfg: DictConfig, run_dir: Path, ckpt: Path | None, world: World) -> P
                               f"trainer.max_nonfinite_steps={trainer.max_nonfinite_steps})")
 
             # 6. log: the metrics; every log_completions_every steps also what the model wrote
-            record = {"step": step, **iterations.metrics(step),
+            record = {"step": step, **tags,
                       **rollout_metrics(*_everyone(world, result, rollout), algo.group_size),
                       **stats.metrics(), "learning_rate": scheduler.get_last_lr()[0], "time/rollout_s": t_rollout,
                       "time/update_s": t_update, "time/step_s": t_step,
                       "tokens_per_s": record_tokens(world, rollout) / max(t_rollout, 1e-9),
                       "peak_memory_mb": peak_memory_mb(device), **step_memory(device)}
             log.log(record)
-            first = prompts.position - trainer.prompts_per_step + world.slice(trainer.prompts_per_step).start
-            samples.log(step, first, examples, rollout, result, adv, world)
+            samples.log(step, prompts.drawn_from, examples, rollout, result, adv, world)
             state["step"] = step
             state["world_size"] = world.size
             state["data"] = prompts.state_dict()
-            state.update(iterations.state_dict())
             state["history"].append({k: v for k, v in record.items() if not k.startswith("time/")})
             bar.update(task, completed=step, info=f"reward {record['reward']:.3f}  kl {record['kl']:.4f}  "
                                                   f"loss {record['loss']:+.4f}  "
@@ -231,8 +248,8 @@ def _train(cfg: DictConfig, run_dir: Path, ckpt: Path | None, world: World) -> P
             # 7. checkpoint (rank 0; every rank holds the same weights); a stop asked of any rank stops them all here
             stop.requested = _agreed_stop(world, stop.requested)
             if step % trainer.save_every == 0 or step == trainer.max_steps or stop.requested:
-                # a record for inspection: resume does not need it, each step reseeds from (seed, step, rank)
-                state["rng"] = {"torch": torch.get_rng_state().tolist(), "python": list(random.getstate()[1])}
+                # dropout's generator (sampling's is reseeded each step from (seed, step, rank))
+                state["rng"] = {"torch": torch.get_rng_state().tolist()}
                 if world.main:
                     last = checkpoint.save(run_dir, step, policy, optimizer, scheduler, state, cfg, trainer.keep_last)
                 last = world.broadcast(last)
@@ -250,11 +267,12 @@ def _train(cfg: DictConfig, run_dir: Path, ckpt: Path | None, world: World) -> P
     return last
 
 
-def _sample(sampler, policy, tokenizer, examples: list[dict], group_size: int, step: int):
+def _sample(sampler, policy, tokenizer, examples: list[dict], group_size: int, step: int,
+            generator: torch.Generator):
     """G completions per example; a policy whose logits went NaN/inf is a RunError, not a traceback."""
     try:
         return sampler.generate(policy, tokenizer, render_prompts(tokenizer, [e["messages"] for e in examples]),
-                                group_size)
+                                group_size, generator=generator)
     except RuntimeError as err:
         if "inf" in str(err) or "nan" in str(err):  # torch.multinomial on non-finite probabilities
             raise RunError(f"step {step}: sampling failed because the policy's probabilities are not finite "
@@ -289,24 +307,9 @@ def _agreed_stop(world: World, requested: str | None) -> str | None:
     return requested or ("a stop request on another rank" if int(anyone[0]) else None)
 
 
-class _Silent:
-    """The writers of ranks other than 0: every call does nothing."""
-
-    def __getattr__(self, name):
-        return lambda *args, **kwargs: None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-def _seed_step(seed: int, step: int, rank: int = 0) -> None:
-    # rank 0 keeps the 1-process seeds, so a 1-rank run is unchanged
-    s = (seed * 1_000_003 + step + rank * 7_919_000_003) % 2**63
-    random.seed(s)
-    torch.manual_seed(s)
+def step_seed(seed: int, step: int, rank: int = 0) -> int:
+    """The sampling seed of one step on one rank; rank 0 keeps the 1-process seeds, so a 1-rank run is unchanged."""
+    return (seed * 1_000_003 + step + rank * 7_919_000_003) % 2**63
 
 
 class _StopFlag:
@@ -333,6 +336,38 @@ class _StopFlag:
         for s, handler in self._old.items():
             signal.signal(s, handler)
         return False
+
+# ---- config checks: this module's settings, collected by config.validate --------------------------------
+
+def _schedulers() -> list[str]:
+    return [s.value for s in SchedulerType]
+
+
+# the trainer section's checks, which `run` hands to config.validate beside every library module's
+CHECKS: list[Check] = [
+    Rule("trainer.seed", lambda v: is_int(v) and v >= 0, "must be an integer >= 0; set trainer.seed=0"),
+    Rule("trainer.lr_scheduler", lambda v: v in _schedulers(),
+         "must be a transformers scheduler name (constant, constant_with_warmup, linear, cosine, ...); "
+         "set trainer.lr_scheduler=constant_with_warmup"),
+    Rule("trainer.warmup_steps", lambda v: is_int(v) and v >= 0,
+         "must be an integer >= 0; set trainer.warmup_steps=0"),
+    Rule("trainer.gradient_checkpointing", lambda v: isinstance(v, bool),
+         "must be true or false; set trainer.gradient_checkpointing=false"),
+    Rule("trainer.max_nonfinite_steps", lambda v: is_int(v) and v >= 1,
+         "must be an integer >= 1; set trainer.max_nonfinite_steps=3"),
+    Rule("trainer.max_steps", lambda v: is_int(v) and v >= 1, "must be an integer >= 1; set trainer.max_steps=10"),
+    Rule("trainer.prompts_per_step", lambda v: is_int(v) and v >= 1,
+         "must be an integer >= 1; set trainer.prompts_per_step=4"),
+    Rule("trainer.micro_batch_size", lambda v: is_int(v) and v >= 1,
+         "must be an integer >= 1; set trainer.micro_batch_size=8"),
+    Rule("trainer.save_every", lambda v: is_int(v) and v >= 1, "must be an integer >= 1; set trainer.save_every=20"),
+    Rule("trainer.keep_last", lambda v: v is None or (is_int(v) and v >= 1),
+         "must be an integer >= 1 or null (keep all); set trainer.keep_last=3"),
+    Rule("trainer.max_grad_norm", lambda v: v is None or (is_num(v) and v > 0),
+         "must be > 0 or null (no clipping); set trainer.max_grad_norm=1.0"),
+    lambda cfg: raised(check_logging)(cfg.trainer),
+    lambda cfg: check_world(cfg, world_size()),
+]
 
 
 if __name__ == "__main__":

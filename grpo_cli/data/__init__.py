@@ -24,6 +24,9 @@ Tasks:
     stream is a pure function of (seed, i), generated on demand, so a 100k stream costs nothing.
   - `GSM8KTask`: GSM8K from a local JSONL/parquet file or folder, or the hub (`datasets`).
   - `JsonlTask`: any JSONL of problems, with configurable field names and answer extraction.
+  - `HFTask`: any dataset the `datasets` library reads (hub, files, save_to_disk), in TRL's prompt formats;
+    every column but the prompt stays in the example (grpo_cli/data/hf.py). Its examples also carry
+    `prompt` (the prompt as given), and an `answer` only where the dataset has one.
   - `MultiStepTask`: ArithmeticTask's problems as chains ("Compute 3 + 9 - 3 - 1."), solved one
     checkable `a op b = c` line per operation, for process supervision.
 
@@ -38,6 +41,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from grpo_cli.data.files import GSM8KTask, JsonlTask
+from grpo_cli.data.hf import HFTask
 from grpo_cli.data.procedural import ArithmeticTask, MultiStepTask, _Problem, solve
 from grpo_cli.data.stream import PromptStream, StreamShard
 from grpo_cli.data.task import Example, _Task
@@ -45,8 +49,8 @@ from grpo_cli.errors import ConfigError
 from grpo_cli.instantiate import build
 from grpo_cli.resources import CONF_DIR
 
-__all__ = ["ArithmeticTask", "Example", "GSM8KTask", "JsonlTask", "MultiStepTask", "PromptStream", "StreamShard",
-           "_Problem", "build_task", "load_task", "solve"]
+__all__ = ["ArithmeticTask", "Example", "GSM8KTask", "HFTask", "JsonlTask", "MultiStepTask", "PromptStream",
+           "StreamShard", "_Problem", "build_task", "load_task", "solve"]
 
 
 def build_task(node: Any) -> _Task:

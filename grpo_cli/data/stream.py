@@ -67,6 +67,7 @@ class StreamShard:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank ({rank}) must be in [0, world_size={world_size})")
         self.stream, self.rank, self.world_size = stream, rank, world_size
+        self.drawn_from: int | None = None  # the stream position of this rank's first example of the last draw
 
     def next(self, k: int) -> list[Example]:
         if k % self.world_size:
@@ -74,7 +75,7 @@ class StreamShard:
             raise ConfigError(f"trainer.prompts_per_step ({k}) must divide by the number of ranks "
                               f"({self.world_size}); set trainer.prompts_per_step={fix}")
         per_rank = k // self.world_size
-        start = self.stream.position + self.rank * per_rank
+        start = self.drawn_from = self.stream.position + self.rank * per_rank
         out = [self.stream[p] for p in range(start, start + per_rank)]
         self.stream.position += k
         return out

@@ -5,8 +5,10 @@ The `reward` config group builds one combiner; the trainer calls it once per rol
     result = instantiate(cfg.reward)(prompts, completions, columns)   # -> RewardResult
     advantages = outcome_advantages(result.rewards) if result.steps is None else process_advantages(...)
 
-`columns` holds the examples' other fields as lists (`answer`, ...) plus what the rollout knows:
-`completion_length` (tokens, list[int]) and `truncated` (list[bool]).
+`columns` holds the examples' other fields as lists (`answer`, a dataset's columns, ...) plus what the
+rollout knows: `completion_length` (tokens, list[int]), `truncated` (list[bool]) and `completion_ids`
+(list[list[int]]). `check_columns` stops a run before the model loads when a function needs a
+column the data lacks. Functions from the user's own code, called as TRL calls them: `user.py`.
 
 A reward function is a plain callable, `fn(prompts, completions, **columns) -> list[float | None]`,
 built from YAML with `_partial_: true` so its options live there; it takes the columns it needs by
@@ -35,12 +37,21 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
+from grpo_cli.checks import Check, Rule, is_num
 from grpo_cli.errors import ConfigError
-from grpo_cli.rewards.outcome import accuracy, answers_match, extract_answer, format_reward, length_penalty
+from grpo_cli.rewards.outcome import (
+    accuracy,
+    answers_match,
+    extract_answer,
+    format_reward,
+    length_penalty,
+    reference_answer,
+)
 from grpo_cli.rewards.steps import chain_step_rewards, chain_steps, split_steps, step_rewards, verify_steps
 
 __all__ = [
-    "OutcomeReward", "ProcessReward", "RewardResult", "score", "accuracy", "answers_match", "extract_answer",
+    "OutcomeReward", "ProcessReward", "RewardResult", "score", "check_columns", "token_ids", "accuracy",
+    "answers_match", "extract_answer", "reference_answer",
     "chain_step_rewards", "chain_steps", "format_reward", "length_penalty", "split_steps", "step_rewards",
     "verify_steps",
 ]
@@ -289,14 +300,69 @@ class ProcessReward:
         return RewardResult(rewards=rewards, per_function=per_function, failures=failures, steps=steps)
 
 
+# an example's keys that are not columns: the chat messages and the prompt's text (passed as `prompts`)
+_NOT_COLUMNS = ("messages", "question")
+
+
 def score(reward_fn, examples: list[dict], owners: list[int], texts: list[str], lengths: list[int],
-          truncated: list[bool]) -> RewardResult:
+          truncated: list[bool], completion_ids: list[list[int]] | None = None) -> RewardResult:
     """Call a built reward on completions; completion j answers examples[owners[j]].
 
-    The reward sees each example's question and its other fields (`answer`, ...) as columns, plus
-    the completions' token lengths and truncation flags.
+    The reward sees each example's question as `prompts` and its other fields (`answer`, a dataset's
+    columns, ...) as columns, in the order of the completions, plus the completions' token lengths,
+    truncation flags and (when given) token ids.
     """
-    keys = [k for k in examples[0] if k not in ("messages", "question")]
-    columns = {k: [examples[i][k] for i in owners] for k in keys}
-    return reward_fn([examples[i]["question"] for i in owners], texts,
-                     {**columns, "completion_length": lengths, "truncated": truncated})
+    keys = [k for k in examples[0] if k not in _NOT_COLUMNS]
+    columns = {k: [examples[i].get(k) for i in owners] for k in keys}
+    rollout = {"completion_length": lengths, "truncated": truncated}
+    if completion_ids is not None:
+        rollout["completion_ids"] = completion_ids
+    return reward_fn([examples[i]["question"] for i in owners], texts, {**columns, **rollout})
+
+
+def token_ids(rollout) -> list[list[int]]:
+    """Each completion's token ids up to and including its EOS (a Rollout's `completion_ids` column)."""
+    return [ids[mask.bool()].tolist() for ids, mask in zip(rollout.completion_ids, rollout.completion_mask)]
+
+
+def _needs(fn: Callable) -> list[str]:
+    """The columns a reward function cannot do without: its parameters that have no default, other than the
+    prompts and completions (the first two positional ones, or by name for a TRL-style function)."""
+    keyword = getattr(fn, "user_function", None)  # grpo_cli.rewards.user.TRLFunction: called by keyword
+    try:
+        params = list(inspect.signature(keyword or fn).parameters.values())
+    except (TypeError, ValueError):
+        return []
+    if keyword is None:  # called as fn(prompts, completions, **columns): its first two positional parameters
+        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:2]
+        params = [p for p in params if p not in positional]
+    return [p.name for p in params if p.default is p.empty and p.name not in _RESERVED
+            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
+def check_columns(reward_fn, example: dict) -> None:
+    """ConfigError, before any model loads, when a reward function needs a column the data's examples lack
+    (the accuracy reward's `answer` on a dataset without one): its run would score nothing."""
+    have = [k for k in example if k not in (*_NOT_COLUMNS, "prompt")]
+    have += ["completion_length", "truncated", "completion_ids"]
+    if isinstance(reward_fn, ProcessReward):
+        functions = {"scorer": reward_fn._scorer.fn}
+        if reward_fn._outcome is not None:
+            functions.update({name: call.fn for name, call in reward_fn._outcome._calls.items()})
+    elif isinstance(reward_fn, OutcomeReward):
+        functions = {name: call.fn for name, call in reward_fn._calls.items()}
+    else:  # a reward of another kind: its own business
+        return
+    for name, fn in functions.items():
+        missing = [column for column in _needs(fn) if column not in have]
+        if missing:
+            raise ConfigError(f"reward function {name!r} needs column {missing[0]!r}, which the data does not have "
+                              f"(it has: {', '.join(have)}); add that column to the data, or choose a reward whose "
+                              f"functions need none (reward=custom reward.funcs=[...])")
+
+# ---- config checks: this module's settings, collected by config.validate --------------------------------
+
+CHECKS: list[Check] = [
+    Rule("reward.timeout_s", lambda v: v is None or (is_num(v) and v > 0),
+         "must be > 0 seconds or null (wait forever); set reward.timeout_s=10"),
+]

@@ -168,8 +168,8 @@ def answers_match(pred: str | None, ref: str | None) -> bool:
         return False
 
 
-def _reference(answer) -> str | None:
-    """The reference answer of one example: a number, '72', or a whole '... #### 72' solution."""
+def reference_answer(answer) -> str | None:
+    """The reference answer of one example: a number, '72', or a whole '... #### 72' solution; None: none."""
     if answer is None:
         return None
     text = str(answer)
@@ -185,7 +185,7 @@ def accuracy(prompts, completions, answer, correct=1.0, incorrect=0.0, **_):
     """
     scores: list[float | None] = []
     for completion, ref in zip(completions, answer, strict=True):
-        ref = _reference(ref)
+        ref = reference_answer(ref)
         if ref is None:
             scores.append(None)
         else:

@@ -35,7 +35,7 @@ from decimal import ROUND_HALF_UP, Decimal
 from fractions import Fraction
 
 from grpo_cli.errors import ConfigError
-from grpo_cli.rewards.outcome import _reference, answers_match, extract_answer
+from grpo_cli.rewards.outcome import answers_match, extract_answer, reference_answer
 
 # an expression side longer than this is not a hand calculation; also bounds ast.parse's input
 _MAX_SIDE_CHARS = 200
@@ -311,7 +311,7 @@ def verify_steps(text: str, answer=None, *, pattern: str | None = None, correct:
         claims = check_claims(text[start:end])
         reward = neutral if not claims else (correct if all(claims) else wrong)
         scored.append((end, float(reward)))
-    ref = _reference(answer)
+    ref = reference_answer(answer)
     if scored and ref is not None:
         outcome = outcome_correct if answers_match(extract_answer(text), ref) else outcome_wrong
         scored[-1] = (scored[-1][0], scored[-1][1] + float(outcome))
@@ -359,7 +359,7 @@ def chain_steps(text: str, solution: str, answer=None, *, correct: float = 1.0, 
         on_chain = found is not None and k < len(reference) and _chain_step(found) == reference[k]
         scored.append((end, float(correct if on_chain and all(claims) else wrong)))
         k += 1
-    ref = _reference(answer)
+    ref = reference_answer(answer)
     if scored and ref is not None:
         outcome = outcome_correct if answers_match(extract_answer(text), ref) else outcome_wrong
         scored[-1] = (scored[-1][0], scored[-1][1] + float(outcome))

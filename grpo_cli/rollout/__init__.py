@@ -1,9 +1,14 @@
 """Rollouts: the `Rollout` record every sampler returns and the sampler contract.
 
-A sampler (the `sampler` config group, one `_target_`) implements
+A sampler (the `sampler` config group, one `_target_`) is a `Sampler`: the shared `SamplerSettings`,
+the batching loop, and an engine's `_generate`; it offers
 
-    generate(policy, tokenizer, prompts, n, *, greedy=False, max_new_tokens=None, temperature=None) -> Rollout
+    generate(policy, tokenizer, prompts, n, *, greedy=False, max_new_tokens=None, temperature=None,
+             generator=None) -> Rollout
     sync(policy) -> None     # engines that hold their own copy of the weights refresh it here
+
+Randomness comes from the caller's `torch.Generator` (the training loop owns one, seeded per step), never
+from reseeding torch's global generator.
 
 The trainer calls `sync` once per step before `generate` and never asks which engine it has.
 Engines: `hf.HFSampler` (transformers `generate` with a shared prompt prefill) and `vllm.VLLMSampler`
@@ -16,12 +21,14 @@ generate (cumsum of the attention mask - 1, `position_ids`), and the trainer's f
 
 from __future__ import annotations
 
+import contextlib
 import re
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Iterator
+from dataclasses import dataclass, fields
 
 import torch
 
+from grpo_cli.checks import Check, Rule, is_int, is_num
 from grpo_cli.errors import DataError
 
 
@@ -75,13 +82,75 @@ class Rollout:
                        None if self.sampling_logp is None else self.sampling_logp[rows])
 
 
-class Sampler(Protocol):
-    """What the trainer, eval and sample need from a rollout engine."""
+def pad_id(tokenizer) -> int:
+    """The id that pads completions: the tokenizer's pad token, or its EOS when it has none."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+@dataclass
+class SamplerSettings:
+    """What every engine samples with: the `sampler` group's shared keys (their values and comments live in
+    conf/sampler/*.yaml; these defaults serve scripts and tests that build a sampler by hand)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 64
+    max_prompt_tokens: int = 1024
+    batch_size: int | None = None
+
+    def settings(self) -> SamplerSettings:
+        """The shared settings alone (for a fallback engine built from another's)."""
+        return SamplerSettings(**{f.name: getattr(self, f.name) for f in fields(SamplerSettings)})
+
+
+class Sampler(SamplerSettings):
+    """The contract the trainer, eval and sample use; engines implement `_generate` (and `sync` if they hold
+    their own weights)."""
+
+    def sync(self, policy) -> None:
+        """Nothing to push by default: the engine samples from the policy's own weights."""
 
     def generate(self, policy, tokenizer, prompts: list[str], n: int, *, greedy: bool = False,
-                 max_new_tokens: int | None = None, temperature: float | None = None) -> Rollout: ...
+                 max_new_tokens: int | None = None, temperature: float | None = None,
+                 generator: torch.Generator | None = None) -> Rollout:
+        """`n` completions for each prompt string (already chat-templated), rows grouped by prompt.
 
-    def sync(self, policy) -> None: ...
+        At most `batch_size` sequences go through one engine call, cut at whole groups (at least one
+        prompt's n completions per call), so a large step does not hold every KV cache at once.
+        """
+        per_call = len(prompts) if self.batch_size is None else max(1, self.batch_size // n)
+        parts = [self._generate(policy, tokenizer, prompts[i:i + per_call], n, greedy=greedy,
+                                max_new_tokens=max_new_tokens or self.max_new_tokens,
+                                temperature=temperature or self.temperature, generator=generator)
+                 for i in range(0, len(prompts), per_call)]
+        return Rollout.concat(parts, pad_id(tokenizer))
+
+    def _generate(self, policy, tokenizer, prompts: list[str], n: int, *, greedy: bool, max_new_tokens: int,
+                  temperature: float, generator: torch.Generator | None) -> Rollout:
+        raise NotImplementedError
+
+
+@contextlib.contextmanager
+def drawing_from(generator: torch.Generator | None) -> Iterator[None]:
+    """Run code that samples from torch's global generator (HF `generate` takes no generator) as if it drew
+    from `generator`: the global state is restored afterwards and `generator` moves on by what was drawn.
+
+    On CUDA the device generator is seeded from one draw of `generator`, so sampling there is a function of
+    `generator` too (bit-exact replay on a GPU also needs deterministic kernels).
+    """
+    if generator is None:
+        yield
+        return
+    cuda = torch.cuda.is_available()
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if cuda else []):
+        torch.set_rng_state(generator.get_state())
+        if cuda:
+            torch.cuda.manual_seed(int(torch.randint(0, 2**62, (1,))))
+        try:
+            yield
+        finally:
+            generator.set_state(torch.get_rng_state())
 
 
 class ChatPrompt(str):
@@ -146,7 +215,7 @@ def encode_prompts(tokenizer, prompts: list[str]) -> tuple[torch.Tensor, torch.T
         for text, is_message in getattr(prompt, "parts", None) or ((prompt, False),):
             ids += tokenizer(text, add_special_tokens=False, split_special_tokens=is_message).input_ids
         rows.append(ids)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad = pad_id(tokenizer)
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), pad, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
@@ -200,3 +269,19 @@ def char_ends_to_token_index(tokenizer, completion_ids: list[int], char_ends: li
                 lo = mid + 1
         out.append(lo)
     return out
+
+# ---- config checks: this module's settings, collected by config.validate --------------------------------
+
+CHECKS: list[Check] = [
+    Rule("sampler.temperature", lambda v: is_num(v) and v > 0,
+         "must be > 0 (for greedy decoding use a small value such as 1e-5 or eval's greedy pass); "
+         "set sampler.temperature=1.0"),
+    Rule("sampler.top_p", lambda v: is_num(v) and 0 < v <= 1, "must be in (0, 1]; set sampler.top_p=1.0"),
+    Rule("sampler.top_k", lambda v: is_int(v) and v >= 0, "must be an integer >= 0 (0: off); set sampler.top_k=0"),
+    Rule("sampler.max_new_tokens", lambda v: is_int(v) and v >= 1,
+         "must be an integer >= 1; set sampler.max_new_tokens=64"),
+    Rule("sampler.batch_size", lambda v: v is None or (is_int(v) and v >= 1),
+         "must be an integer >= 1 or null (one call per step); set sampler.batch_size=null"),
+    Rule("sampler.max_prompt_tokens", lambda v: is_int(v) and v >= 1,
+         "must be an integer >= 1; set sampler.max_prompt_tokens=1024"),
+]

@@ -8,53 +8,28 @@ The engine samples from the policy object the trainer updates, so `sync` has not
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 from transformers import GenerationConfig
 
 from grpo_cli.errors import ConfigError, DataError
 from grpo_cli.policy import autocast
-from grpo_cli.rollout import Rollout, encode_prompts, finish, position_ids
+from grpo_cli.rollout import Rollout, Sampler, drawing_from, encode_prompts, finish, pad_id, position_ids
 
 
-class HFSampler:
-    """Sampling settings (the `sampler` config group) and the generate call that uses them."""
-
-    def __init__(self, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, max_new_tokens: int = 64,
-                 max_prompt_tokens: int = 1024, batch_size: int | None = None):
-        self.max_prompt_tokens = max_prompt_tokens
-        self.batch_size = batch_size
-        self.temperature = temperature
-        self.top_p = top_p
-        self.top_k = top_k
-        self.max_new_tokens = max_new_tokens
-
-    def sync(self, policy) -> None:
-        """Nothing to push: generation runs on the policy's own weights."""
-
-    def generate(self, model, tokenizer, prompts: list[str], n: int, *, greedy: bool = False,
-                 max_new_tokens: int | None = None, temperature: float | None = None) -> Rollout:
-        """`n` completions for each prompt string (already chat-templated), rows grouped by prompt.
-
-        At most `batch_size` sequences go through one `generate` call, cut at whole groups (at least
-        one prompt's n completions per call), so a large step does not hold every KV cache at once.
-        """
-        per_call = len(prompts) if self.batch_size is None else max(1, self.batch_size // n)
-        parts = [self._generate(model, tokenizer, prompts[i:i + per_call], n, greedy, max_new_tokens, temperature)
-                 for i in range(0, len(prompts), per_call)]
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        return Rollout.concat(parts, pad)
+@dataclass
+class HFSampler(Sampler):
+    """The shared sampler settings (conf/sampler/default.yaml) and transformers `generate` on the policy."""
 
     @torch.no_grad()
-    def _generate(self, model, tokenizer, prompts: list[str], n: int, greedy: bool, max_new_tokens: int | None,
-                  temperature: float | None) -> Rollout:
+    def _generate(self, model, tokenizer, prompts: list[str], n: int, *, greedy: bool, max_new_tokens: int,
+                  temperature: float, generator: torch.Generator | None) -> Rollout:
         device = next(model.parameters()).device
-        check_prompts(model, tokenizer, prompts, self.max_prompt_tokens, max_new_tokens or self.max_new_tokens)
+        check_prompts(model, tokenizer, prompts, self.max_prompt_tokens, max_new_tokens)
         ids, mask = (t.to(device) for t in encode_prompts(tokenizer, prompts))  # [B, P], left-padded
-        eos = tokenizer.eos_token_id
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-        config = sampling_config(greedy, temperature or self.temperature, self.top_p, self.top_k,
-                                 max_new_tokens or self.max_new_tokens, eos, pad)
+        eos, pad = tokenizer.eos_token_id, pad_id(tokenizer)
+        config = sampling_config(greedy, temperature, self.top_p, self.top_k, max_new_tokens, eos, pad)
         was_training = model.training
         model.eval()
         with autocast(model):
@@ -71,7 +46,7 @@ class HFSampler:
                     prefill[key].batch_repeat_interleave(n)
             # generate runs the last prompt token and every new one; it asks for the last position's logits
             # only (logits_to_keep=1, transformers 5 does so for models whose forward takes it)
-            with own_generation_config(model):
+            with own_generation_config(model), drawing_from(generator):
                 full = model.generate(input_ids=ids.repeat_interleave(n, 0),
                                       attention_mask=mask.repeat_interleave(n, 0), **prefill,
                                       generation_config=config)

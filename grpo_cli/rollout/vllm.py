@@ -45,17 +45,20 @@ import os
 import random
 import signal
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+from omegaconf import DictConfig
 from peft.tuners.lora import LoraLayer
 from safetensors.torch import save_file
 
+from grpo_cli.checks import Check, Rule, get, is_int, is_num, one_of
 from grpo_cli.errors import ConfigError
 from grpo_cli.metrics import console
 from grpo_cli.policy import DTYPES
-from grpo_cli.rollout import Rollout, encode_prompts, finish
+from grpo_cli.rollout import Rollout, Sampler, drawing_from, encode_prompts, finish, pad_id
 from grpo_cli.rollout.hf import HFSampler, check_prompts
 
 # what config validation prints when sampler=vllm finds no vLLM
@@ -69,37 +72,28 @@ def installed() -> bool:
 
 
 def import_vllm():
-    """`import vllm`, with the settings it reads at import time: the engine in this process (no spawn), on the
-    trainer's threads, and only its errors on the console (its start-up warnings are for servers)."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    quiet = "VLLM_LOGGING_LEVEL" not in os.environ
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    """`import vllm`. The settings it reads from the environment (the engine in this process, on the trainer's
+    threads, only its errors on the console) are set once at the command line's entry (cli.VLLM_ENVIRONMENT)."""
     import vllm
 
-    if quiet:  # also when something imported vLLM before this did; its lazy imports (Triton's probes) log later
+    if os.environ.get("VLLM_LOGGING_LEVEL") == "ERROR":
+        # also when something imported vLLM before the level was read; its lazy imports (Triton's probes) log later
         logging.getLogger("vllm").setLevel(logging.ERROR)
     return vllm
 
-class VLLMSampler:
+@dataclass
+class VLLMSampler(Sampler):
     """The `sampler` settings (conf/sampler/vllm.yaml) and a vLLM engine started on first use."""
 
-    def __init__(self, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, max_new_tokens: int = 64,
-                 max_prompt_tokens: int = 1024, batch_size: int | None = None, dtype: str = "auto",
-                 enforce_eager: bool = True, max_model_len: int | None = None, cpu_kv_cache_gb: float = 1.0,
-                 gpu_memory_utilization: float = 0.3, enable_sleep_mode: bool = False):
-        self.temperature = temperature
-        self.top_p = top_p
-        self.top_k = top_k
-        self.max_new_tokens = max_new_tokens
-        self.max_prompt_tokens = max_prompt_tokens
-        self.batch_size = batch_size
-        self.dtype = dtype
-        self.enforce_eager = enforce_eager
-        self.max_model_len = max_model_len
-        self.cpu_kv_cache_gb = cpu_kv_cache_gb
-        self.gpu_memory_utilization = gpu_memory_utilization
-        self.enable_sleep_mode = enable_sleep_mode
+    # the engine's own settings, beside the shared ones (their comments: conf/sampler/vllm.yaml)
+    dtype: str = "auto"
+    enforce_eager: bool = True
+    max_model_len: int | None = None
+    cpu_kv_cache_gb: float = 1.0
+    gpu_memory_utilization: float = 0.3
+    enable_sleep_mode: bool = False
+
+    def __post_init__(self):
         self.llm = None  # the vLLM engine, once started
         self.fallback: HFSampler | None = None  # HF generate, when vLLM cannot serve the model
         self._folder: tempfile.TemporaryDirectory | None = None  # a model built in memory, written out for vLLM
@@ -114,42 +108,36 @@ class VLLMSampler:
         if self._ready(policy):
             self._push(policy)
 
-    def generate(self, model, tokenizer, prompts: list[str], n: int, *, greedy: bool = False,
-                 max_new_tokens: int | None = None, temperature: float | None = None) -> Rollout:
-        """`n` completions for each prompt string (already chat-templated), rows grouped by prompt."""
+    def generate(self, model, tokenizer, prompts: list[str], n: int, **options) -> Rollout:
+        """`n` completions for each prompt string (already chat-templated), rows grouped by prompt; `options`
+        as `Sampler.generate` takes them."""
         if not self._ready(model):
-            return self.fallback.generate(model, tokenizer, prompts, n, greedy=greedy, max_new_tokens=max_new_tokens,
-                                          temperature=temperature)
+            return self.fallback.generate(model, tokenizer, prompts, n, **options)
         self._push(model)
-        per_call = len(prompts) if self.batch_size is None else max(1, self.batch_size // n)
-        parts = [self._generate(model, tokenizer, prompts[i:i + per_call], n, greedy, max_new_tokens, temperature)
-                 for i in range(0, len(prompts), per_call)]
+        rollout = super().generate(model, tokenizer, prompts, n, **options)
         if self.enable_sleep_mode and self._on_gpu():
             self.llm.sleep(level=1)  # weights to host memory, KV cache freed: the update gets the GPU
             self._asleep = True
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        return Rollout.concat(parts, pad)
+        return rollout
 
     # ---- sampling ----------------------------------------------------------------------------
 
-    def _generate(self, model, tokenizer, prompts: list[str], n: int, greedy: bool, max_new_tokens: int | None,
-                  temperature: float | None) -> Rollout:
+    def _generate(self, model, tokenizer, prompts: list[str], n: int, *, greedy: bool, max_new_tokens: int,
+                  temperature: float, generator: torch.Generator | None) -> Rollout:
         from vllm import SamplingParams
 
         device = next(model.parameters()).device
-        max_new = max_new_tokens or self.max_new_tokens
-        check_prompts(model, tokenizer, prompts, self.max_prompt_tokens, max_new)
+        check_prompts(model, tokenizer, prompts, self.max_prompt_tokens, max_new_tokens)
         ids, mask = encode_prompts(tokenizer, prompts)  # [B, P], left-padded
-        eos = tokenizer.eos_token_id
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-        # one seed per prompt from torch's generator (seeded per step by the trainer); vLLM gives the
+        eos, pad = tokenizer.eos_token_id, pad_id(tokenizer)
+        # one seed per prompt from the caller's generator (the trainer seeds its own per step); vLLM gives the
         # i-th of the n samples seed + i
-        seeds = torch.randint(0, 2**31 - n, (len(prompts),)).tolist()
-        sampling = {} if greedy else {"temperature": temperature or self.temperature, "top_p": self.top_p,
-                                      "top_k": self.top_k}
+        with drawing_from(generator):
+            seeds = torch.randint(0, 2**31 - n, (len(prompts),)).tolist()
+        sampling = {} if greedy else {"temperature": temperature, "top_p": self.top_p, "top_k": self.top_k}
         # stop at the tokenizer's EOS only, as HF generate does: ignore_eos drops the EOS ids vLLM would
         # otherwise add from the model's generation_config
-        params = [SamplingParams(n=n, max_tokens=max_new, logprobs=0, ignore_eos=True, stop_token_ids=[eos],
+        params = [SamplingParams(n=n, max_tokens=max_new_tokens, logprobs=0, ignore_eos=True, stop_token_ids=[eos],
                                  detokenize=False, seed=None if greedy else seed,
                                  **({"temperature": 0.0} if greedy else sampling)) for seed in seeds]
         requests = [{"prompt_token_ids": row[keep.bool()].tolist()} for row, keep in zip(ids, mask)]
@@ -214,8 +202,7 @@ class VLLMSampler:
             console.print(f"warning: vLLM cannot serve this model ({type(err).__name__}: {reason}); sampling with "
                           f"HF generate instead (sampler=default)", style="yellow", markup=False, highlight=False,
                           soft_wrap=True)
-            self.fallback = HFSampler(self.temperature, self.top_p, self.top_k, self.max_new_tokens,
-                                      self.max_prompt_tokens, self.batch_size)
+            self.fallback = HFSampler(**vars(self.settings()))
             return False
         return True
 
@@ -350,3 +337,43 @@ def _process_state_kept():
         torch.set_num_threads(threads)
         for s, handler in handlers.items():
             signal.signal(s, handler)
+
+# ---- config checks: this module's settings, collected by config.validate --------------------------------
+
+def check_engine(cfg: DictConfig) -> list[str]:
+    """sampler=vllm needs vLLM (the install command, before any model loads); the importance-sampling
+    cap needs a sampler that returns its own log-probs."""
+    target = str(get(cfg, "sampler._target_")[1])
+    uses_vllm = target.startswith(__name__ + ".")
+    errors = []
+    if uses_vllm and not installed():
+        errors.append(f"sampler=vllm needs vLLM, which is not installed: {INSTALL}; or use sampler=default")
+    if uses_vllm and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # its in-process engine sets up torch.distributed
+        errors.append("sampler=vllm runs one engine in one process for now, not one per torchrun rank; launch "
+                      "without torchrun, or use sampler=default")
+    cap = get(cfg, "algo.is_correction_cap")[1]
+    if cap is not None and target.startswith("grpo_cli.rollout.hf."):
+        errors.append(f"algo.is_correction_cap ({cap!r}) corrects for a sampler with its own copy of the weights, "
+                      f"but HF generate samples from the policy itself; set algo.is_correction_cap=null or "
+                      f"sampler=vllm")
+    return errors
+
+
+CHECKS: list[Check] = [
+    Rule("sampler.dtype", lambda v: v == "auto" or v in DTYPES,
+         f"must be auto or {one_of(DTYPES)}; set sampler.dtype=auto"),
+    Rule("sampler.enforce_eager", lambda v: isinstance(v, bool),
+         "must be true or false; set sampler.enforce_eager=true"),
+    Rule("sampler.enforce_eager", lambda v: v is not False or torch.cuda.is_available(),
+         "must be true on a machine without a GPU: a compiled CPU graph would not see the weights each step pushes; "
+         "set sampler.enforce_eager=true"),
+    Rule("sampler.max_model_len", lambda v: v is None or (is_int(v) and v >= 1),
+         "must be an integer >= 1 or null (the model's context); set sampler.max_model_len=null"),
+    Rule("sampler.cpu_kv_cache_gb", lambda v: is_num(v) and v > 0,
+         "must be > 0 (GiB); set sampler.cpu_kv_cache_gb=1.0"),
+    Rule("sampler.gpu_memory_utilization", lambda v: is_num(v) and 0 < v <= 1,
+         "must be in (0, 1]; set sampler.gpu_memory_utilization=0.3"),
+    Rule("sampler.enable_sleep_mode", lambda v: isinstance(v, bool),
+         "must be true or false; set sampler.enable_sleep_mode=false"),
+    check_engine,
+]

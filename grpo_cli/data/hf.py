@@ -1,0 +1,236 @@
+"""Any dataset the `datasets` library reads, in TRL's two prompt formats (`data=hf`).
+
+    grpo train data=hf data.path=prompts.jsonl reward=custom 'reward.funcs=[my_rewards.fn]'
+    grpo train data=hf data.path=openai/gsm8k data.name=main data.prompt_field=question reward=gsm8k
+
+`data.path` is a hub name, a .jsonl/.json/.csv/.parquet file, a folder of such files (`train.jsonl`,
+`test.jsonl`, hub-style `data/train-*.parquet`) or a folder written by `Dataset.save_to_disk`; it is
+loaded once. The prompt column (`data.prompt_field`) holds, as in TRL's GRPOTrainer, either
+
+  - a string ("standard"): the user turn, after a `data.system_prompt` turn when one is set, or
+  - a list of `{"role", "content"}` messages ("conversational"): used as they are.
+
+Every other column rides along in the example under its own name, and so reaches every reward
+function as a keyword list; an `answer` column, when there is one, is the reference that the
+accuracy reward and `grpo eval`'s accuracy read. The held-out set is `data.test_split` when the
+dataset has it, else a seeded `heldout_size` slice of `data.split`; a training row whose prompt is
+also held out is dropped, so training never draws a held-out prompt.
+
+An example is `{"messages": [...], "question": TEXT, "prompt": AS_GIVEN, **other columns}`: `messages`
+for the chat template, `question` the prompt's text for logs and tables (the last user turn of a
+conversational prompt), and `prompt` the prompt as the dataset gives it, which a TRL-style reward
+function receives as `prompts` (grpo_cli.rewards.user). Rows are read from the Arrow table on demand.
+
+A hub name needs the network: without it, one line says so and how to pass a local copy, after a
+3 s connection check rather than the hub client's minute of retries.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from huggingface_hub import constants
+
+from grpo_cli.data.task import Example, _check_int, _Generated, _Task
+from grpo_cli.errors import ConfigError, DataError
+
+# file suffix -> the `datasets` builder that reads it
+BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+
+# an example's own keys (see the module docstring) and the columns the reward call adds (grpo_cli.rewards.score,
+# user.TRLFunction): a dataset column of one of these names would be overwritten, so it is refused
+RESERVED = ("messages", "question", "prompt", "prompts", "completions", "completion_ids", "completion_length",
+            "truncated")
+
+# seconds the hub may take to accept a connection before a hub name counts as unreachable
+_HUB_CHECK_S = 3.0
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().upper() in ("1", "ON", "YES", "TRUE")
+
+
+def _hub_reachable(endpoint: str) -> bool:
+    """Whether the hub's host accepts a TCP connection within a few seconds (a proxy in the environment: assume so)."""
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return True
+    url = urlparse(endpoint)
+    try:
+        socket.create_connection((url.hostname or "", url.port or (443 if url.scheme == "https" else 80)),
+                                 timeout=_HUB_CHECK_S).close()
+    except OSError:
+        return False
+    return True
+
+
+def _root_cause(err: BaseException) -> str:
+    """The innermost error's first line: `datasets` wraps a parse error in "An error occurred while generating"."""
+    while err.__cause__ is not None or err.__context__ is not None:
+        err = err.__cause__ or err.__context__
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"
+
+
+def load_hub(path: str, name: str | None = None):
+    """`datasets.load_dataset(path, name)` from the hub, or one DataError that says how to use a local copy."""
+    try:
+        import datasets
+    except ImportError:
+        raise ConfigError(f"loading {path} from the hub needs the `datasets` package: pip install datasets") from None
+    local = (f"where there is network, save it with `python -c \"import datasets; datasets.load_dataset('{path}'"
+             f"{'' if name is None else f', {name!r}'}).save_to_disk('DIR')\"`, copy DIR here and set data.path=DIR "
+             f"(or a local .jsonl/.parquet file)")
+    offline = _flag("HF_HUB_OFFLINE") or _flag("HF_DATASETS_OFFLINE")  # a copy in the HF cache, no network wanted
+    if not offline and not _hub_reachable(constants.ENDPOINT):
+        raise DataError(f"{path} is not a local file or folder, and the hub ({constants.ENDPOINT}) cannot be reached "
+                        f"(no network?); {local}; a copy already in the HF cache loads with HF_HUB_OFFLINE=1")
+    try:
+        return datasets.load_dataset(path, name)
+    except Exception as err:  # not found, gated, offline and not cached, a config name missing, ...
+        raise DataError(f"could not load {path}{'' if name is None else f' ({name})'} from the hub: "
+                        f"{_root_cause(err)}; {local}") from None
+
+
+def _load(path: str, name: str | None) -> tuple[dict, str]:
+    """({split name: Dataset}, a name for messages); a single file or saved Dataset is one split, None."""
+    try:
+        import datasets
+    except ImportError:
+        raise ConfigError("data=hf needs the `datasets` package: pip install datasets") from None
+    local = Path(path).expanduser()
+    if not local.exists():
+        if local.suffix in BUILDERS or path.startswith(("/", ".", "~")) or local.drive:
+            raise DataError(f"data.path ({path}) does not exist (looked in {Path.cwd()}); set data.path=... to a "
+                            f".jsonl/.json/.csv/.parquet file, a folder of them, a save_to_disk folder or a hub name")
+        loaded = load_hub(path, name)
+        return dict(loaded), path + ("" if name is None else f" ({name})")
+    try:
+        if local.is_file():
+            if local.suffix not in BUILDERS:
+                raise DataError(f"data.path ({path}) is a {local.suffix or 'suffix-less'} file; data=hf reads "
+                                f"{', '.join(BUILDERS)} files, folders of them and save_to_disk folders")
+            return {None: datasets.load_dataset(BUILDERS[local.suffix], data_files=str(local), split="train")}, path
+        if (local / "dataset_dict.json").exists() or (local / "state.json").exists():  # Dataset(Dict).save_to_disk
+            loaded = datasets.load_from_disk(str(local))
+        else:
+            loaded = datasets.load_dataset(str(local))
+    except DataError:
+        raise
+    except Exception as err:  # unreadable JSON, mixed column types, an empty folder, ...
+        raise DataError(f"could not read {path}: {_root_cause(err)}") from None
+    return (dict(loaded) if isinstance(loaded, datasets.DatasetDict) else {None: loaded}), path
+
+
+def _is_messages(value: Any) -> bool:
+    return (isinstance(value, list) and len(value) > 0
+            and all(isinstance(m, dict) and "role" in m and "content" in m for m in value))
+
+
+def _prompt_key(prompt: Any) -> str:
+    """Two rows with this key ask the same thing (whitespace and case aside)."""
+    text = prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True, default=str)
+    return " ".join(text.split()).lower()
+
+
+class HFTask(_Task):
+    """A `datasets` dataset as train and held-out examples; see the module docstring."""
+
+    def __init__(self, *, path: str, name: str | None, split: str, test_split: str | None, prompt_field: str,
+                 heldout_size: int, limit: int | None, seed: int, system_prompt: str | None) -> None:
+        super().__init__(seed=seed, heldout_size=heldout_size, system_prompt=system_prompt, instruction="{question}",
+                         few_shot=0)
+        _check_int("limit", limit, 1, 1000, nullable=True)
+        if not isinstance(path, str) or not path:
+            raise ConfigError(f"data.path ({path!r}) must be a file, a folder or a hub name; "
+                              f"set data.path=prompts.jsonl")
+        for key, value in (("split", split), ("prompt_field", prompt_field)):
+            if not isinstance(value, str) or not value:
+                raise ConfigError(f"data.{key} ({value!r}) must be a name; set data.{key}=... ")
+        splits, source = _load(path, name)
+        if None in splits:  # one file or one saved Dataset: it is the split to train on, whatever its name
+            train_set, test_set = splits[None], None
+        elif split not in splits:
+            raise ConfigError(f"data.split ({split!r}) is not a split of {source} (it has {', '.join(splits)}); "
+                              f"set data.split={next(iter(splits))}")
+        else:
+            train_set = splits[split]
+            test_set = splits.get(test_split) if test_split and test_split != split else None
+        self.path, self.name, self.split, self.test_split, self.limit = path, name, split, test_split, limit
+        self.prompt_field = prompt_field
+        self.source = source if test_set is None else f"{source} [{split}]"
+        self.conversational = self._check(train_set, source)
+        if test_set is not None and self._check(test_set, f"{source} [{test_split}]") != self.conversational:
+            raise DataError(f"{source}: the prompts of split {test_split!r} and of {split!r} are in different formats "
+                            f"(a string in one, messages in the other); make them the same")
+        self.columns = [c for c in train_set.column_names if c != prompt_field]
+
+        prompts = list(train_set[prompt_field])
+        if test_set is None:
+            order = list(range(len(prompts)))
+            random.Random(seed).shuffle(order)
+            held_ids = sorted(order[:heldout_size])
+            held_keys = {_prompt_key(prompts[i]) for i in held_ids}
+            test_set = train_set
+        else:
+            held_ids = list(range(len(test_set)))
+            held_keys = {_prompt_key(p) for p in test_set[prompt_field]}
+        taken = set(held_ids) if test_set is train_set else set()
+        train_ids = [i for i, p in enumerate(prompts) if i not in taken and _prompt_key(p) not in held_keys]
+        if not train_ids:
+            fix = (f"set data.heldout_size={max(1, len(prompts) // 10)}" if test_set is train_set
+                   else f"its prompts are all in split {test_split!r}; set data.test_split=null to hold out a slice")
+            raise DataError(f"{source} has no training rows left after holding out {len(held_ids)} ({len(prompts)} "
+                            f"rows, repeated prompts count once); {fix}")
+        if limit is not None:
+            train_ids = train_ids[:limit]
+        self.train: Sequence[Example] = _Generated(len(train_ids), lambda k: self._row(train_set, train_ids[k]))
+        self.heldout: Sequence[Example] = _Generated(len(held_ids), lambda k: self._row(test_set, held_ids[k]))
+
+    def _check(self, dataset, source: str) -> bool:
+        """Whether the prompts are messages (else strings); a DataError for a missing or mistyped column."""
+        field, columns = self.prompt_field, dataset.column_names
+        if field not in columns:
+            raise DataError(f"{source} has no column {field!r} (its columns: {', '.join(columns)}); set "
+                            f"data.prompt_field=... to the column holding the prompt")
+        if len(dataset) == 0:
+            raise DataError(f"{source} has no rows; set data.path=... to a dataset with prompts")
+        missing = dataset.data.column(field).null_count
+        if missing:
+            raise DataError(f"{source}: {missing} rows have no {field!r} (null); remove them or fill them in")
+        first = dataset[0][field]
+        if not isinstance(first, str) and not _is_messages(first):
+            raise DataError(f"{source}: column {field!r} holds {type(first).__name__} values ({str(first)[:80]!r}), "
+                            f"not a string or a list of {{\"role\", \"content\"}} messages; set "
+                            f"data.prompt_field=... to the prompt column (columns: {', '.join(columns)})")
+        clash = [c for c in columns if c != field and c in RESERVED]
+        if clash:
+            raise DataError(f"{source}: column {clash[0]!r} has a name grpo uses for the prompt or the reward "
+                            f"call ({', '.join(RESERVED)}); rename it (or make it the prompt: "
+                            f"data.prompt_field={clash[0]})")
+        return not isinstance(first, str)
+
+    def _row(self, dataset, index: int) -> Example:
+        row = dict(dataset[index])
+        prompt = row.pop(self.prompt_field)
+        if self.conversational:
+            if not _is_messages(prompt):
+                raise DataError(f"{self.source} row {index + 1}: {self.prompt_field!r} is not a list of "
+                                f"{{\"role\", \"content\"}} messages like the first row's; fix that row")
+            # Arrow gives every message every key of any message (None where absent): keep the ones it has
+            messages = [{k: v for k, v in m.items() if v is not None} for m in prompt]
+            users = [m["content"] for m in messages if m["role"] == "user"]
+            question = str(users[-1] if users else messages[-1]["content"])
+        else:
+            messages, question = self._messages(prompt), prompt
+        return {"messages": messages, "question": question, "prompt": prompt, **row}
+
+    def __repr__(self) -> str:
+        kind = "conversational" if self.conversational else "standard"
+        return f"HFTask({self.source}, {kind}, train={len(self.train)}, heldout={len(self.heldout)})"

@@ -1,0 +1,192 @@
+"""Reward functions from the user's own code, called as TRL's GRPOTrainer calls them (`reward=custom`).
+
+    grpo train data=hf data.path=prompts.jsonl reward=custom 'reward.funcs=[my_rewards.unit_reward,accuracy]'
+    grpo train ... reward=custom 'reward.funcs=[path/to/rewards.py:unit_reward]' 'reward.weights=[1.0,0.5]'
+
+Each entry of `reward.funcs` is `module.fn` (imported with the working directory first on sys.path:
+grpo_cli/cli.py puts it there, as `trl grpo --reward_funcs` does), `path/to/file.py:fn`, or a
+built-in's short name (`accuracy`, `format`: grpo_cli.rewards.outcome). A user's function runs
+unchanged from a GRPOTrainer script:
+
+    fn(prompts=..., completions=..., completion_ids=..., **columns) -> list[float | None]
+
+`prompts` are the prompts as the dataset gives them; `completions` are strings for string prompts
+and, for prompts given as messages, what TRL passes: `[{"role": "assistant", "content": text}]`
+each. `completion_ids` are each completion's token ids (EOS included); `columns` are the example's
+other fields (every dataset column but the prompt, for `data=hf`) plus `completion_length` and
+`truncated`. TRL's `trainer_state` and `log_extra` are not passed. A function may be `async def`.
+Functions of grpo_cli itself (the built-ins) get plain strings, as everywhere in grpo_cli.
+
+Everything that can be wrong from the config alone stops the run before the model loads (the
+commands build the reward first): a name that does not import (with the sys.path searched), a
+signature that cannot take `(prompts, completions, **kwargs)`, weights of the wrong length. A
+function that raises during a step costs its completions their score, as for every reward
+(grpo_cli.rewards._Guarded).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from grpo_cli.checks import is_num
+from grpo_cli.errors import ConfigError
+from grpo_cli.rewards import OutcomeReward
+from grpo_cli.rewards.outcome import accuracy, format_reward
+
+# short names for grpo_cli's own outcome functions, with their YAML defaults (format: GSM8K's "#### N" line)
+BUILTINS: dict[str, Callable] = {"accuracy": accuracy, "format": format_reward}
+
+# path/to/file.py:fn, executed once per file and process
+_FILES: dict[Path, Any] = {}
+
+
+def _search_path() -> str:
+    return ", ".join(p or "." for p in sys.path)
+
+
+def _import_file(file: Path, where: str) -> Any:
+    path = file.expanduser().resolve()
+    if path in _FILES:
+        return _FILES[path]
+    if not path.is_file():
+        raise ConfigError(f"{where}: {file} does not exist (looked in {Path.cwd()}); give a path to a .py file "
+                          f"(relative to the working directory) before :function")
+    # a name of its own per file, so two files called rewards.py do not replace each other in sys.modules
+    name = f"grpo_user_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and pickling look their module up here
+    try:
+        spec.loader.exec_module(module)
+    except Exception as err:
+        del sys.modules[name]
+        raise ConfigError(f"{where}: running {file} raised {type(err).__name__}: {err}; fix the file") from None
+    _FILES[path] = module
+    return module
+
+
+def _import_dotted(spec: str, where: str) -> tuple[Any, list[str]]:
+    """(the longest importable module prefix of `spec`, the attribute names after it)."""
+    parts = spec.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        module = ".".join(parts[:i])
+        try:
+            return importlib.import_module(module), parts[i:]
+        except ModuleNotFoundError as err:
+            if err.name is not None and (module == err.name or module.startswith(err.name + ".")):
+                continue  # this prefix is not a module: try a shorter one (module.Class.method)
+            raise ConfigError(f"{where}: importing {module} raised ModuleNotFoundError: {err}; install that "
+                              f"package or fix the import") from None
+        except Exception as err:
+            raise ConfigError(f"{where}: importing {module} raised {type(err).__name__}: {err}; fix the module"
+                              ) from None
+    raise ConfigError(f"{where}: no module named {parts[0]!r} on sys.path ({_search_path()}); put {parts[0]}.py "
+                      f"in the working directory, or give a file: path/to/{parts[0]}.py:{parts[-1]}")
+
+
+def load_function(spec: Any, where: str) -> tuple[str, Callable]:
+    """(metric name, callable) for one `reward.funcs` entry: `module.fn`, `path/to/file.py:fn` or a built-in."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ConfigError(f"{where} ({spec!r}) must be a name: module.function, path/to/file.py:function or a "
+                          f"built-in ({', '.join(BUILTINS)})")
+    spec = spec.strip()
+    if spec in BUILTINS:
+        return spec, BUILTINS[spec]
+    if ":" in spec:
+        file, _, attr = spec.rpartition(":")
+        owner, names, shown = _import_file(Path(file), where), attr.split("."), file
+    elif "." in spec:
+        owner, names = _import_dotted(spec, where)
+        shown = owner.__name__
+    else:
+        raise ConfigError(f"{where} ({spec}) is not a built-in ({', '.join(BUILTINS)}); name your function as "
+                          f"module.function or path/to/file.py:function")
+    obj = owner
+    for name in names:
+        if not hasattr(obj, name):
+            defined = sorted(k for k, v in vars(owner).items() if callable(v) and not k.startswith("_")
+                             and getattr(v, "__module__", None) == owner.__name__)
+            raise ConfigError(f"{where}: {shown} has no {name!r} (its functions: {', '.join(defined) or 'none'}); "
+                              f"fix the name in reward.funcs")
+        obj = getattr(obj, name)
+    if not callable(obj):
+        raise ConfigError(f"{where}: {spec} is a {type(obj).__name__}, not a function")
+    return getattr(obj, "__name__", names[-1]), obj
+
+
+def _check_signature(fn: Callable, spec: str, where: str) -> None:
+    """`fn` must take fn(prompts=..., completions=..., **columns): `**kwargs`, and no other required positional-only
+    parameter (a named one is a column, checked against the data by grpo_cli.rewards.check_columns)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # a builtin or C function without a signature: leave it to the call
+        return
+    shown = f"({', '.join(str(p) for p in params)})"
+    blocked = [p.name for p in params if p.kind is p.POSITIONAL_ONLY and p.default is p.empty]
+    if blocked or not any(p.kind is p.VAR_KEYWORD for p in params):
+        raise ConfigError(f"{where}: {spec} takes {shown}, but a reward function is called as fn(prompts=..., "
+                          f"completions=..., completion_ids=..., **columns), as TRL's GRPOTrainer calls it; give it "
+                          f"keyword parameters and **kwargs: def {getattr(fn, '__name__', 'fn')}(prompts, "
+                          f"completions, **kwargs)")
+
+
+class TRLFunction:
+    """A user's reward function, called as TRL's GRPOTrainer calls it (see the module docstring)."""
+
+    def __init__(self, fn: Callable, spec: str):
+        self.user_function, self.spec = fn, spec
+
+    def __call__(self, prompts: list, completions: list[str], **columns: Any) -> Any:
+        given = columns.pop("prompt", None)  # the prompts as the dataset gives them (data=hf)
+        if given is not None:
+            prompts = given
+        if prompts and isinstance(prompts[0], list):  # conversational: what TRL hands a reward function
+            completions = [[{"role": "assistant", "content": text}] for text in completions]
+        out = self.user_function(prompts=prompts, completions=completions, **columns)
+        return asyncio.run(out) if inspect.iscoroutine(out) else out
+
+    def __repr__(self) -> str:
+        return f"TRLFunction({self.spec})"
+
+
+class CustomReward(OutcomeReward):
+    """`reward=custom`: a weighted sum of the functions named in `funcs` (user code or built-ins).
+
+    Each function's raw score is logged as `rewards/<its __name__>/mean` (a built-in: its short name; a
+    second function of the same name gets `_2`).
+    """
+
+    def __init__(self, funcs: Any, weights: Any = None, timeout_s: float | None = 10.0):
+        specs = [funcs] if isinstance(funcs, str) else list(funcs or [])
+        if not specs:
+            raise ConfigError("reward.funcs is empty; name at least one function: reward.funcs=[my_rewards.fn]")
+        if weights is None:
+            weights = [1.0] * len(specs)
+        if isinstance(weights, (int, float)) and not isinstance(weights, bool):
+            weights = [weights]
+        if not isinstance(weights, (list, tuple)) or len(weights) != len(specs) or not all(is_num(w) for w in weights):
+            ones = ",".join(["1.0"] * len(specs))
+            raise ConfigError(f"reward.weights ({weights!r}) must be a list of numbers, one per function of "
+                              f"reward.funcs ({len(specs)}: {', '.join(map(str, specs))}); set "
+                              f"reward.weights=[{ones}] or reward.weights=null (1.0 each)")
+        functions: dict[str, Callable] = {}
+        named: dict[str, float] = {}
+        for i, (spec, weight) in enumerate(zip(specs, weights)):
+            where = f"reward.funcs[{i}]"
+            name, fn = load_function(spec, where)
+            if not str(getattr(fn, "__module__", "")).startswith("grpo_cli."):
+                _check_signature(fn, str(spec), where)
+                fn = TRLFunction(fn, str(spec))
+            unique, k = name, 2
+            while unique in functions:
+                unique, k = f"{name}_{k}", k + 1
+            functions[unique], named[unique] = fn, float(weight)
+        super().__init__(functions, weights=named, timeout_s=timeout_s)
