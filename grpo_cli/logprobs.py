@@ -45,7 +45,9 @@ class Bucket:
 
     rows: torch.Tensor  # [b] their positions in the rollout
     logp: torch.Tensor  # [b, T] log-probs of the completion tokens, 0 on padding; in the graph when grad=True
-    entropy: torch.Tensor | None  # [b, T] entropies (no gradient), 0 on padding; None unless asked for
+    # [b, T] entropies, 0 on padding; None unless asked for; in the graph with grad=True (whole-sequence path:
+    # only with entropy_grad=True)
+    entropy: torch.Tensor | None
 
 
 @dataclass
@@ -57,12 +59,14 @@ class Logprobs:
 
 
 def buckets(model, rollout: Rollout, *, with_entropy: bool = False, grad: bool = False,
-            bucket_rows: int = 8) -> Iterator[Bucket]:
+            entropy_grad: bool = False, bucket_rows: int = 8) -> Iterator[Bucket]:
     """The rollout's rows in buckets of at most `bucket_rows` rows of similar length, each scored when asked for.
 
     grad=True: each bucket's `logp` carries the gradient; back-propagate its loss before asking for the next
     bucket. When the buckets run out, the gradients the prompts' caches gathered go through the prompt pass
-    (a loop left early sends none). grad=False: no graph.
+    (a loop left early sends none). grad=False: no graph. `entropy_grad`: the loss differentiates the entropy
+    (the entropy bonus); the fused head gives it a gradient anyway at no cost unless used, the whole-sequence
+    path only when asked, since it then keeps each chunk's softmax.
     """
     body, head = _decoder_and_head(model)
     # checkpointed layers in training drop a KV cache they are given (transformers' GradientCheckpointingLayer)
@@ -70,7 +74,7 @@ def buckets(model, rollout: Rollout, *, with_entropy: bool = False, grad: bool =
     n, width = rollout.completion_ids.shape
     if head is None or checkpointing:
         with torch.set_grad_enabled(grad):
-            whole = full_sequence_logprobs(model, rollout, with_entropy=with_entropy)
+            whole = full_sequence_logprobs(model, rollout, with_entropy=with_entropy, entropy_grad=entropy_grad)
         yield Bucket(torch.arange(n, device=whole.logp.device), whole.logp, whole.entropy)
         return
     lengths = rollout.completion_mask.sum(1).clamp(min=1).tolist()  # [N] one host copy; EOS included
@@ -135,9 +139,10 @@ def _decoder_and_head(model):
     return body, (head if plain else None)
 
 
-def full_sequence_logprobs(model, rollout: Rollout, *, with_entropy: bool = False) -> Logprobs:
+def full_sequence_logprobs(model, rollout: Rollout, *, with_entropy: bool = False,
+                           entropy_grad: bool = False) -> Logprobs:
     """The log-probs the plain way: every row's whole padded prompt + completion through the model, in the
-    caller's grad mode (the entropies carry no gradient).
+    caller's grad mode (the entropies carry a gradient only with entropy_grad=True).
 
     Only the last T+1 positions go through the LM head (`logits_to_keep`); `token_logprobs` chunks the
     log-softmax over the vocabulary, in fp32 outside autocast (bf16 logits are upcast one chunk at a time).
@@ -151,5 +156,5 @@ def full_sequence_logprobs(model, rollout: Rollout, *, with_entropy: bool = Fals
     logp = token_logprobs(logits, rollout.completion_ids) * rollout.completion_mask  # [N, T]
     if not with_entropy:
         return Logprobs(logp, None)
-    with torch.no_grad():
-        return Logprobs(logp, token_entropy(logits.detach()) * rollout.completion_mask)
+    with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
+        return Logprobs(logp, token_entropy(logits) * rollout.completion_mask)

@@ -724,12 +724,12 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, *, chunk_size: in
     return _TokenLogprobs.apply(logits, tokens.long(), chunk_size)
 
 
-@torch.no_grad()
 def token_entropy(logits: torch.Tensor, *, chunk_size: int = 1024) -> torch.Tensor:
-    """Entropy of the next-token distribution at each position: [N, T, V] -> [N, T], for metrics.
+    """Entropy of the next-token distribution at each position: [N, T, V] -> [N, T].
 
-    H = logsumexp(x) - Σ softmax(x)·x, chunk by chunk like `token_logprobs`. Detached (computed
-    under no_grad): it is logged, never optimized.
+    H = logsumexp(x) - Σ softmax(x)·x, chunk by chunk like `token_logprobs`. In the caller's grad mode:
+    differentiable (the entropy bonus) when grad is on and the logits require it; autograd then keeps
+    each chunk's softmax, so call it under no_grad when the entropy is only logged.
     """
     if logits.dim() != 3:
         raise ValueError(f"logits must be [N, T, V], got {tuple(logits.shape)}")
@@ -750,6 +750,9 @@ class _HeadLogprobs(torch.autograd.Function):
     [M, V] logits never exist whole (SmolLM2, 32 x 64 positions: 400 MB of fp32 logits, and as much
     again for their gradient). Backward recomputes each chunk's logits from the saved hidden states:
     one more head matmul, in exchange for not holding them.
+
+    The entropies are differentiable too (the entropy bonus, `entropy_coef`): with H = lse - Σ p·x,
+    dH/dx_j = -p_j (log p_j + H), added to the log-prob's onehot(tok) - p in the same chunk.
     """
 
     @staticmethod
@@ -767,24 +770,33 @@ class _HeadLogprobs(torch.autograd.Function):
             out[a:b] = x.gather(-1, tokens[a:b, None]).squeeze(-1) - s
             if with_entropy:  # H = lse - Σ p·x, from the same chunk
                 entropy[a:b] = s - (torch.exp(x - s[:, None]) * x).sum(-1)
-        ctx.save_for_backward(hidden, weight, tokens, lse)
+        ctx.save_for_backward(hidden, weight, tokens, lse, entropy)
         ctx.chunk_size = chunk_size
-        ctx.mark_non_differentiable(entropy)
+        ctx.set_materialize_grads(False)  # an output the loss does not use (the entropy, mostly) gets None
+        if not with_entropy:
+            ctx.mark_non_differentiable(entropy)
         return out, entropy
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out, _grad_entropy):
-        hidden, weight, tokens, lse = ctx.saved_tensors
+    def backward(ctx, grad_out, grad_entropy):
+        hidden, weight, tokens, lse, entropy = ctx.saved_tensors
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None     # [M, D]
         grad_weight = (torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device)
                        if ctx.needs_input_grad[1] else None)                           # [V, D]
+        if grad_out is None:
+            grad_out = lse.new_zeros(lse.shape)
         for a in range(0, hidden.shape[0], ctx.chunk_size):
             b = min(a + ctx.chunk_size, hidden.shape[0])
             g = grad_out[a:b, None].to(lse.dtype)                                      # [c, 1]
             h = hidden[a:b].to(weight.dtype)
             # d/dx (x[tok] - lse) = onehot(tok) - softmax(x), x recomputed for this chunk: [c, V]
-            d = (h @ weight.T).to(lse.dtype).sub_(lse[a:b, None]).exp_().mul_(-g)
+            if grad_entropy is None:
+                d = (h @ weight.T).to(lse.dtype).sub_(lse[a:b, None]).exp_().mul_(-g)
+            else:  # + g_H · dH/dx = -g_H · p · (log p + H), log p = x - lse
+                log_p = (h @ weight.T).to(lse.dtype).sub_(lse[a:b, None])          # [c, V]
+                g_h = grad_entropy[a:b, None].to(lse.dtype)                           # [c, 1]
+                d = log_p.exp() * (-g - g_h * (log_p + entropy[a:b, None]))
             d.scatter_add_(-1, tokens[a:b, None], g)
             if grad_hidden is not None:
                 grad_hidden[a:b] = (d.to(weight.dtype) @ weight).to(hidden.dtype)
@@ -798,8 +810,9 @@ def head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tens
     """log softmax(hidden @ weightᵀ)[tokens] without the [M, V] logits: ([M] log-probs, [M] entropies or None).
 
     `hidden` [M, D] are the final (normed) hidden states of M positions, `weight` [V, D] the LM head, `tokens`
-    [M] the token each position predicts. Differentiable w.r.t. hidden and weight; the entropy (for
-    metrics) is not. fp32 results whatever the input precision, as `token_logprobs`.
+    [M] the token each position predicts. Both outputs are differentiable w.r.t. hidden and weight (the
+    entropy for the entropy bonus; an entropy the loss does not use costs nothing in backward). fp32 results
+    whatever the input precision, as `token_logprobs`.
     """
     if hidden.dim() != 2 or weight.dim() != 2 or tokens.shape != hidden.shape[:1] \
             or hidden.shape[1] != weight.shape[1]:

@@ -1034,8 +1034,35 @@ def test_head_logprobs_matches_log_softmax_of_the_head(chunk_size):
     assert torch.allclose(logp, slow, atol=1e-12)
     assert torch.allclose(entropy, -(full.exp() * full).sum(-1), atol=1e-12)
     assert torch.allclose(fast[0], hidden.grad, atol=1e-12) and torch.allclose(fast[1], weight.grad, atol=1e-12)
-    assert not entropy.requires_grad
+    assert entropy.requires_grad  # the entropy bonus differentiates it
     assert head_logprobs(hidden, weight, tokens)[1] is None  # entropy only when asked
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 64])
+def test_head_entropy_gradient_matches_autograd_of_the_softmax(chunk_size):
+    # the loss the entropy bonus makes: Σ w·logp + Σ u·H; the fused backward adds -u·p·(log p + H) per chunk
+    g = torch.Generator().manual_seed(10 + chunk_size)
+    hidden = torch.randn(9, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(11, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    tokens = torch.randint(0, 11, (9,), generator=g)
+    w, u = torch.randn(9, generator=g, dtype=torch.float64), torch.randn(9, generator=g, dtype=torch.float64)
+    logp, entropy = head_logprobs(hidden, weight, tokens, chunk_size=chunk_size, with_entropy=True)
+    ((logp * w).sum() + (entropy * u).sum()).backward()
+    fast = hidden.grad, weight.grad
+    hidden.grad = weight.grad = None
+    full = torch.log_softmax(hidden @ weight.T, -1)
+    slow_logp, slow_entropy = full.gather(-1, tokens[:, None]).squeeze(-1), -(full.exp() * full).sum(-1)
+    ((slow_logp * w).sum() + (slow_entropy * u).sum()).backward()
+    assert torch.allclose(fast[0], hidden.grad, atol=1e-12) and torch.allclose(fast[1], weight.grad, atol=1e-12)
+    # the entropy alone (no log-prob term) and gradcheck of both outputs
+    hidden.grad = None
+    head_logprobs(hidden, weight, tokens, chunk_size=chunk_size, with_entropy=True)[1].sum().backward()
+    again = torch.log_softmax(hidden @ weight.T, -1)
+    expected = torch.autograd.grad(-(again.exp() * again).sum(), hidden)[0]
+    assert torch.allclose(hidden.grad, expected, atol=1e-12)
+    assert torch.autograd.gradcheck(
+        lambda h, v: head_logprobs(h, v, tokens, chunk_size=chunk_size, with_entropy=True),
+        (hidden.detach().requires_grad_(), weight.detach().requires_grad_()))
 
 
 def test_head_logprobs_gradcheck_and_frozen_head():
