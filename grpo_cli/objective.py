@@ -840,4 +840,25 @@ CHECKS: list[Check] = [
     Rule("algo.advantage_std", lambda v: v in STDS, f"must be {one_of(STDS)}; set algo.advantage_std=population"),
     Rule("algo.is_correction_cap", lambda v: v is None or (is_num(v) and v >= 1),
          "must be >= 1 or null (off): the weight of a token both engines agree on is 1; set algo.is_correction_cap=2"),
+    Rule("algo.importance_sampling_level", lambda v: v in IMPORTANCE_SAMPLING_LEVELS,
+         f"must be {one_of(IMPORTANCE_SAMPLING_LEVELS)} (sequence: GSPO, or algo=gspo with its clip range); "
+         f"set algo.importance_sampling_level=token"),
+    Rule("algo.is_correction", lambda v: v in IS_CORRECTIONS,
+         f"must be {one_of(IS_CORRECTIONS)}; set algo.is_correction=token_truncate"),
+    Rule("algo.entropy_coef", lambda v: is_num(v) and math.isfinite(v),
+         "must be a number (0: off; verl uses ~1e-3); set algo.entropy_coef=0.0"),
+    Rule("algo.top_entropy_quantile", lambda v: is_num(v) and 0 < v <= 1,
+         "must be in (0, 1]: the share of highest-entropy tokens that carry the policy gradient (1.0: all; the "
+         "paper keeps 0.2); set algo.top_entropy_quantile=1.0"),
+    lambda cfg: _check_is_correction(cfg.get("algo")),
 ]
+
+
+def _check_is_correction(algo) -> list[str]:
+    """A sequence-level IS mode does nothing without a cap: say so rather than run without it."""
+    if algo is None or algo.get("is_correction") not in ("sequence_truncate", "sequence_mask"):
+        return []
+    if algo.get("is_correction_cap") is None:
+        return [f"algo.is_correction ({algo.is_correction}) needs a cap: set algo.is_correction_cap (a sequence "
+                f"cap is larger than a token one, e.g. 5; verl suggests 2-10), or algo.is_correction=token_truncate"]
+    return []

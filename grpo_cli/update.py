@@ -8,8 +8,11 @@ the update back-propagates each bucket's loss as soon as it is made (the loss is
 the peak holds one bucket's activations. `UpdateStats.metrics()` is what the step logs.
 
 `prepare` gathers the token mask, the rows that carry a gradient, the reference log-probs (adapter
-off, or its frozen copy in iterative RL; only when β > 0) and the old-policy log-probs (only when
-μ > 1), all with dropout off, so that the update only loops over micro-batches. `advantages` turns
+off, or its frozen copy in iterative RL; only when β > 0), the old-policy log-probs (only when
+μ > 1) and, with `algo.top_entropy_quantile` < 1, the batch's entropy threshold (over all ranks, from
+the policy before the update: one more forward when μ = 1), all with dropout off, so that the update
+only loops over micro-batches and their losses add up to the batch's whatever micro_batch_size and
+the number of ranks. `advantages` turns
 a reward result into the [N] outcome or [N, T] process advantages the loss reads.
 
 Where it departs from the paper: a process-supervised completion's final step ends at its last
@@ -31,7 +34,7 @@ import torch
 
 from grpo_cli.distributed import SINGLE, World
 from grpo_cli.logprobs import buckets, sequence_logprobs
-from grpo_cli.objective import GRPOLoss, masked_mean, outcome_advantages, process_advantages
+from grpo_cli.objective import GRPOLoss, high_entropy_threshold, masked_mean, outcome_advantages, process_advantages
 from grpo_cli.policy import reference
 from grpo_cli.rollout import Rollout, char_ends_to_token_index
 
@@ -80,6 +83,8 @@ class Batch:
     num_tokens: torch.Tensor  # counted tokens of the whole batch (all ranks): the bnpo/dapo mean is over them
     max_length: int  # the longest padded completion of all ranks: dr_grpo's constant divisor
     world: World = SINGLE
+    # 0-dim: the entropy at or above which a token keeps its policy-gradient term (top_entropy_quantile < 1)
+    entropy_threshold: torch.Tensor | None = None
 
 
 def micro_batches(rows: list[int], size: int) -> list[list[int]]:
@@ -111,16 +116,41 @@ def prepare(policy, rollout: Rollout, advantages: torch.Tensor, loss, num_iterat
         carries = advantages.reshape(n, -1).ne(0).any(1) & mask.bool().any(1)  # [N]
         active = carries.nonzero().flatten().tolist()
     old_logp = None
-    if num_iterations > 1 and active:
-        old_logp = torch.zeros_like(mask)
+    top_entropy = getattr(loss, "top_entropy_quantile", 1.0) < 1  # (a loss of another class may lack the option)
+    entropy = torch.zeros_like(mask) if top_entropy else None  # [N, T]; 0 on rows that are not updated
+    if (num_iterations > 1 or top_entropy) and active:
+        old_logp = torch.zeros_like(mask) if num_iterations > 1 else None
         for b in micro_batches(active, micro_batch_size):
-            old_logp[b] = sequence_logprobs(policy, rollout.select(b)).logp
+            scored = sequence_logprobs(policy, rollout.select(b), with_entropy=top_entropy)
+            if old_logp is not None:
+                old_logp[b] = scored.logp
+            if top_entropy:
+                entropy[b] = scored.entropy
+    threshold = None
+    if top_entropy:
+        rows = torch.zeros(n, dtype=torch.bool, device=device)
+        rows[active] = True
+        threshold = batch_entropy_threshold(entropy, mask.bool() & rows[:, None], loss.top_entropy_quantile, world)
     policy.train(was_training)
     # [2]: sequences and counted tokens of the whole batch; the longest padded completion of all ranks
     counts = world.sum(torch.tensor([n, mask.sum().item()], dtype=torch.float64))
     length = world.max(torch.tensor([mask.shape[1]]))
     return Batch(rollout, advantages, mask, active, ref_logp, old_logp, int(counts[0]),
-                 counts[1].to(mask.dtype).to(device).clamp(min=1), int(length[0]), world)
+                 counts[1].to(mask.dtype).to(device).clamp(min=1), int(length[0]), world, threshold)
+
+
+def batch_entropy_threshold(entropy: torch.Tensor, mask: torch.Tensor, quantile: float,
+                            world: World = SINGLE) -> torch.Tensor:
+    """`objective.high_entropy_threshold` over the counted tokens of every rank: [N, T] -> 0-dim.
+
+    Each rank's counted entropies, NaN-padded to the longest rank's count, are gathered (ranks hold
+    different numbers of tokens); NaN positions do not count.
+    """
+    mine = entropy[mask.bool()].float()  # [K] this rank's counted tokens
+    width = int(world.max(torch.tensor([mine.numel()]))[0])
+    padded = torch.nn.functional.pad(mine, (0, width - mine.numel()), value=float("nan"))
+    everyone = world.cat(padded)  # [world size · width]
+    return high_entropy_threshold(everyone[None], ~everyone.isnan()[None], quantile).to(entropy.device)
 
 
 @dataclass
@@ -154,7 +184,11 @@ def update(policy, optimizer, scheduler, batch: Batch, loss: GRPOLoss, num_itera
     weights stay what they were.
     """
     world = batch.world
-    loss_fn = loss.for_batch(batch.num_sequences, batch.num_tokens, batch.max_length)
+    loss_fn = loss.for_batch(batch.num_sequences, batch.num_tokens, batch.max_length,
+                             entropy_threshold=batch.entropy_threshold)
+    # the loss reads the entropy (entropy bonus, top-entropy mask); the bonus differentiates it (a loss of another
+    # class may lack these options)
+    loss_entropy, entropy_grad = getattr(loss, "needs_entropy", False), getattr(loss, "entropy_coef", 0) != 0
     # tokens updated on all ranks: the token-level statistics are averaged over them
     local_tokens = batch.mask[batch.active].sum() if batch.active else batch.mask.new_zeros(())
     active_tokens = world.sum(local_tokens.detach().clone()).clamp(min=1)
@@ -172,7 +206,7 @@ def update(policy, optimizer, scheduler, batch: Batch, loss: GRPOLoss, num_itera
         for rows in micro_batches(batch.active, micro_batch_size):
             sub, index = batch.rollout.select(rows), torch.tensor(rows, device=batch.mask.device)
             # forward and backward bucket by bucket: the peak holds one bucket's activations, not the micro-batch's
-            for bucket in buckets(policy, sub, with_entropy=True, grad=True):
+            for bucket in buckets(policy, sub, with_entropy=True, grad=True, entropy_grad=entropy_grad):
                 picked = index[bucket.rows]  # [b] the bucket's rows in the batch
                 mask = batch.mask[picked]
                 old = batch.old_logp[picked] if batch.old_logp is not None else bucket.logp.detach()
@@ -181,10 +215,10 @@ def update(policy, optimizer, scheduler, batch: Batch, loss: GRPOLoss, num_itera
                 sampling = None if sub.sampling_logp is None else sub.sampling_logp[bucket.rows]
                 # the bucket's share of the batch loss (the loss is a sum over rows)
                 bucket_loss, stats = loss_fn(bucket.logp, old, ref, batch.advantages[picked], mask,
-                                             sampling_logp=sampling)
+                                             sampling_logp=sampling, entropy=bucket.entropy if loss_entropy else None)
                 losses.append(bucket_loss.detach())
                 share = mask.sum() / active_tokens / num_iterations  # this bucket's share of the tokens
-                for key, value in {**stats, "entropy": masked_mean(bucket.entropy, mask)}.items():
+                for key, value in {**stats, "entropy": masked_mean(bucket.entropy.detach(), mask)}.items():
                     totals[key] = totals[key] + value.detach() * share
                 bucket_loss.backward()
         pass_loss = torch.stack(losses).sum() if losses else batch.mask.new_zeros(())

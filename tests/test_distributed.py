@@ -26,6 +26,15 @@ CASES = [(loss, beta, mu, scale, "mixed")
 # rank 1's groups all have equal rewards: with β = 0 it has no active row and runs no backward at all
 CASES += [(loss, 0.0, mu, scale, "dead_rank")
           for loss, mu, scale in itertools.product(["grpo", "dapo"], [1, 2], ["group", "batch"])]
+# #24's loss options (GRPOLoss keyword arguments); with them the rollout carries a sampler's own log-probs
+OPTIONS = {
+    "gspo": {"importance_sampling_level": "sequence", "epsilon_low": 3e-4, "epsilon_high": 4e-4},
+    "entropy": {"entropy_coef": 0.01, "top_entropy_quantile": 0.5},  # the batch threshold over both ranks
+    "seqmask": {"is_correction": "sequence_mask", "is_correction_cap": 3.0},
+    "seqtrunc": {"is_correction": "sequence_truncate", "is_correction_cap": 1.5},
+}
+CASES += [(loss, 0.04, mu, "group", option)
+          for loss, mu, option in itertools.product(["grpo", "dapo"], [1, 2], list(OPTIONS))]
 
 
 def _name(case) -> str:
@@ -58,6 +67,8 @@ def _batch(kind: str) -> tuple[Rollout, RewardResult]:
         rewards[8:] = [1.0] * 8
     rollout = Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, [""] * ROWS,
                       [bool(n == t_len) for n in lengths.tolist()])
+    if kind in OPTIONS:  # a sampler's log-probs near the policy's (tiny random model: about -log 64 a token)
+        rollout.sampling_logp = (-4.2 + 0.1 * torch.randn(ROWS, t_len, generator=g)) * completion_mask
     return rollout, RewardResult(rewards=rewards, per_function={})
 
 
@@ -72,7 +83,8 @@ def _step(case, world: World) -> tuple[dict, dict]:
     torch.manual_seed(0)
     policy, tokenizer = _policy()
     rollout, result = _local(*_batch(kind), world)
-    loss = GRPOLoss(beta=beta, epsilon_low=0.2, epsilon_high=None, kl_estimator="k3", loss_type=loss_type)
+    options = {"epsilon_low": 0.2, "epsilon_high": None, **OPTIONS.get(kind, {})}
+    loss = GRPOLoss(beta=beta, kl_estimator="k3", loss_type=loss_type, **options)
     params = [p for p in policy.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(params, lr=0.5)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)

@@ -4,10 +4,12 @@ exactly, resume is exact, and skipped work (reference forward, zero-advantage ba
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from grpo_cli import checkpoint, update
@@ -135,10 +137,19 @@ def test_zero_advantage_groups_make_no_backward(tmp_path, monkeypatch):
     assert count.with_grad == 0 and record["counts/backward_seqs"] == 0
 
 
+# #24's options: GSPO's sequence ratio (with μ = 2, so it is not 1), the entropy bonus with the top-entropy mask
+# (its threshold the batch's), and both at once
+OPTIONS = {"plain": [], "gspo": ["algo=gspo", "algo.num_iterations=2"],
+           "entropy": ["algo.entropy_coef=0.05", "algo.top_entropy_quantile=0.4"],
+           "gspo_entropy": ["algo=gspo", "algo.num_iterations=2", "algo.entropy_coef=0.05",
+                            "algo.top_entropy_quantile=0.4"]}
+
+
+@pytest.mark.parametrize("options", list(OPTIONS))
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
-def test_micro_batches_accumulate_to_the_full_batch_gradient(loss_type):
+def test_micro_batches_accumulate_to_the_full_batch_gradient(loss_type, options):
     """Gradients of one 8-row pass equal the sum over micro-batches of 3 (ragged split 3+3+2)."""
-    cfg = tiny_cfg(f"algo.loss_type={loss_type}", "algo.beta=0.04")
+    cfg = tiny_cfg(*OPTIONS[options], f"algo.loss_type={loss_type}", "algo.beta=0.04")
     policy, tokenizer, _ = build_policy(cfg.model)
     with torch.no_grad():  # move LoRA B off zero so policy != reference
         for name, p in policy.named_parameters():
@@ -148,8 +159,14 @@ def test_micro_batches_accumulate_to_the_full_batch_gradient(loss_type):
     torch.manual_seed(0)
     rollout = sampler.generate(policy, tokenizer, ["<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"] * 2, 4)
     advantages = torch.tensor([1.0, -1.0, 0.5, 0.0, 2.0, -0.5, 0.0, 1.5])
-    grads = {}
+    mu = cfg.algo.num_iterations
+    start = {n: p.detach().clone() for n, p in policy.named_parameters() if p.requires_grad}
+    grads, ratios = {}, {}
     for micro in (8, 3):
+        with torch.no_grad():
+            for n, p in policy.named_parameters():
+                if n in start:
+                    p.copy_(start[n])
         opt = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=0.0)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
         captured = {}
@@ -159,11 +176,39 @@ def test_micro_batches_accumulate_to_the_full_batch_gradient(loss_type):
 
         opt.step = capture
         loss = build(cfg.algo.loss)
-        batch = update.prepare(policy, rollout, advantages, loss, 1, micro, False)
-        update.update(policy, opt, sched, batch, loss, 1, micro, None)
+        batch = update.prepare(policy, rollout, advantages, loss, mu, micro, False)
+        if mu > 1:  # the policy moves after sampling (as after a first update), so the ratio is not 1
+            with torch.no_grad():
+                g = torch.Generator().manual_seed(5)
+                for n, p in policy.named_parameters():
+                    if n in start:
+                        p.add_(torch.randn(p.shape, generator=g) * 0.05)
+        ratios[micro] = update.update(policy, opt, sched, batch, loss, mu, micro, None).tokens["ratio_mean"]
         grads[micro] = captured
     for name in grads[8]:
         assert torch.allclose(grads[8][name], grads[3][name], atol=1e-6, rtol=1e-4), name
+    if mu > 1:
+        assert abs(ratios[8] - 1) > 1e-4 and ratios[8] == pytest.approx(ratios[3], rel=1e-5)
+
+
+def test_gspo_and_the_entropy_options_train_end_to_end(tmp_path):
+    """algo=gspo with μ = 2, and the entropy bonus with the top-entropy mask, through `grpo train`'s loop."""
+    cfg = tiny_cfg("algo=gspo", "algo.num_iterations=2", "trainer.max_steps=2")
+    loss = OmegaConf.to_container(cfg.algo.loss, resolve=True)
+    assert loss["importance_sampling_level"] == "sequence"
+    assert (loss["epsilon_low"], loss["epsilon_high"]) == (3e-4, 4e-4)
+    train.run(cfg, tmp_path / "gspo")
+    # the second pass is off-policy: the sequence ratio moves, and GSPO's narrow range clips some sequences
+    records = metrics(tmp_path / "gspo")
+    assert all(math.isfinite(r["loss"]) for r in records) and records[-1]["grad_norm"] > 0
+    assert any(r["clip_ratio/region_mean"] > 0 for r in records)
+
+    train.run(tiny_cfg("algo.entropy_coef=0.01", "algo.top_entropy_quantile=0.5", "trainer.max_steps=2"),
+              tmp_path / "entropy")
+    # μ = 1: the update's entropies are the ones the batch threshold (its median) was taken from, so half of the
+    # updated tokens keep the policy gradient, up to ties at the median
+    for r in metrics(tmp_path / "entropy"):
+        assert r["entropy_mask/kept_mean"] == pytest.approx(0.5, abs=0.05), r
 
 
 def test_process_rewards_give_per_token_advantages(tmp_path, monkeypatch):
