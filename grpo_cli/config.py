@@ -19,7 +19,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import get_object
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from grpo_cli import iterative, objective, policy, rewards, rollout
+from grpo_cli import groups, iterative, objective, policy, rewards, rollout
 from grpo_cli.checks import Check, Rule, is_num
 from grpo_cli.errors import ConfigError
 from grpo_cli.resources import CONF_DIR, RECIPES_DIR
@@ -68,7 +68,7 @@ OPTIMIZER: list[Check] = [
 
 # every library module that owns a config section, with its checks (grpo_cli.checks); a command adds its own
 LIBRARY_CHECKS: list[Check] = [*objective.CHECKS, *policy.CHECKS, *rollout.CHECKS, *vllm.CHECKS, *rewards.CHECKS,
-                               *iterative.CHECKS, *OPTIMIZER]
+                               *iterative.CHECKS, *groups.CHECKS, *OPTIMIZER]
 
 
 # sections of plain settings (no `_target_`): their keys are the ones their YAML file defines, so a

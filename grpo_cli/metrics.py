@@ -319,16 +319,17 @@ class CompletionsLog:
         """On resume: drop lines of steps after the checkpoint, so the file reads as one run."""
         truncate_jsonl(self.path, last_step)
 
-    def log(self, step: int, first_prompt: int, examples: list[dict], rollout, result, advantages,
+    def log(self, step: int, prompt_ids: list[int], examples: list[dict], rollout, result, advantages,
             world=None) -> None:
-        """Log step `step` if it is one of every `every`; examples[i] owns rows i*G .. i*G+G-1.
+        """Log step `step` if it is one of every `every`; examples[i] (stream position prompt_ids[i]) owns rows
+        i*G .. i*G+G-1.
 
         With N ranks (`world`), every rank calls this with its own slice and rank 0 writes them all, in
         rank order, each line with its `rank`.
         """
         if not self.every or step % self.every:
             return
-        lines = self.records(step, first_prompt, examples, rollout, result, advantages)
+        lines = self.records(step, prompt_ids, examples, rollout, result, advantages)
         if world is not None and world.size > 1:
             lines = [{**line, "rank": rank} for rank, part in enumerate(world.gather(lines)) for line in part]
             if not world.main:
@@ -338,13 +339,13 @@ class CompletionsLog:
         self.append(lines)
 
     @staticmethod
-    def records(step: int, first_prompt: int, examples: list[dict], rollout, result, advantages) -> list[dict]:
+    def records(step: int, prompt_ids: list[int], examples: list[dict], rollout, result, advantages) -> list[dict]:
         G = len(rollout.texts) // len(examples)
         adv = advantages.reshape(len(rollout.texts), -1)[:, 0].tolist()  # [N]; process: the first token's
         lengths = rollout.lengths
         out = []
         for row, text in enumerate(rollout.texts):
-            line = {"step": step, "prompt_id": first_prompt + row // G, "question": examples[row // G].get("question"),
+            line = {"step": step, "prompt_id": prompt_ids[row // G], "question": examples[row // G].get("question"),
                     "completion": text, "reward": result.rewards[row],
                     "rewards": {name: values[row] for name, values in result.per_function.items()},
                     "advantage": adv[row], "truncated": bool(rollout.truncated[row]), "length": int(lengths[row])}

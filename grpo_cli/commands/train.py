@@ -43,6 +43,7 @@ from grpo_cli.config import validate
 from grpo_cli.data import PromptStream
 from grpo_cli.distributed import World, init_world, world_size
 from grpo_cli.errors import ConfigError, RunError
+from grpo_cli.groups import Draw, GroupFilter
 from grpo_cli.instantiate import build
 from grpo_cli.iterative import IterativeRL
 from grpo_cli.metrics import (
@@ -60,8 +61,8 @@ from grpo_cli.metrics import (
     synchronize,
 )
 from grpo_cli.policy import build_policy
-from grpo_cli.rewards import check_columns, score, token_ids
-from grpo_cli.rollout import render_prompts
+from grpo_cli.rewards import check_columns, function_names, score, token_ids
+from grpo_cli.rollout import pad_id, render_prompts
 from grpo_cli.runs import claim, resume_config
 from grpo_cli.update import advantages, prepare, update
 
@@ -130,8 +131,11 @@ def _loop(cfg: DictConfig, run_dir: Path, ckpt: Path | None, world: World) -> Pa
     data = build(cfg.data)
     iterative = IterativeRL(cfg, run_dir) if cfg.iterative.iterations else None
     reward_fn = None if iterative else build(cfg.reward)
+    # which sampled groups each step trains on: all, or with dynamic sampling those whose filter metric varies
+    keep = GroupFilter(algo.dynamic_sampling, algo.filter_metric, algo.max_generation_batches)
     if reward_fn is not None:
         check_columns(reward_fn, data.train[0])
+        keep.check_metric(function_names(reward_fn))
     torch.manual_seed(trainer.seed)
     loss = build(algo.loss)
     policy, tokenizer, device = build_policy(cfg.model)
@@ -195,19 +199,27 @@ def _loop(cfg: DictConfig, run_dir: Path, ckpt: Path | None, world: World) -> Pa
             reset_peak_memory(device)
             t0 = time.perf_counter()
 
-            # 1. prompts: the next prompts_per_step examples of the seeded, resumable stream (this rank's slice)
-            examples = prompts.next(trainer.prompts_per_step)
-
-            # 2. rollout: G completions per prompt with the current policy (LoRA on)
+            # 1-3 once, or with dynamic sampling (algo.dynamic_sampling) on fresh prompts until prompts_per_step
+            #    groups whose rewards vary are kept (grpo_cli.groups)
             sampler.sync(policy)
-            rollout = _sample(sampler, policy, tokenizer, examples, algo.group_size, step, sampling)
-            synchronize(device)
-            t_rollout = time.perf_counter() - t0
+            draws, t_rollout = [], 0.0
+            while not keep.done(draws, trainer.prompts_per_step, algo.group_size, world):
+                # 1. prompts: the next prompts_per_step examples of the seeded, resumable stream (this rank's slice)
+                examples = prompts.next(trainer.prompts_per_step)
 
-            # 3. score: one reward per completion, or step rewards (process supervision)
-            owners = [i for i in range(len(examples)) for _ in range(algo.group_size)]
-            result = score(reward_fn, examples, owners, rollout.texts, rollout.lengths, rollout.truncated,
-                           token_ids(rollout))
+                # 2. rollout: G completions per prompt with the current policy (LoRA on)
+                t = time.perf_counter()
+                rollout = _sample(sampler, policy, tokenizer, examples, algo.group_size, step, sampling)
+                synchronize(device)
+                t_rollout += time.perf_counter() - t
+
+                # 3. score: one reward per completion, or step rewards (process supervision)
+                owners = [i for i in range(len(examples)) for _ in range(algo.group_size)]
+                result = score(reward_fn, examples, owners, rollout.texts, rollout.lengths, rollout.truncated,
+                               token_ids(rollout))
+                draws.append(Draw(examples, prompts.positions, rollout, result))
+            kept = keep.select(draws, trainer.prompts_per_step, algo.group_size, pad_id(tokenizer), world)
+            examples, rollout, result = kept.examples, kept.rollout, kept.result
 
             # 4. advantages: normalized within each group of G
             adv = advantages(result, rollout, tokenizer, algo.group_size, algo.advantage_scale, algo.advantage_std,
@@ -230,13 +242,13 @@ def _loop(cfg: DictConfig, run_dir: Path, ckpt: Path | None, world: World) -> Pa
 
             # 6. log: the metrics; every log_completions_every steps also what the model wrote
             record = {"step": step, **tags,
-                      **rollout_metrics(*_everyone(world, result, rollout), algo.group_size),
+                      **rollout_metrics(*_everyone(world, result, rollout), algo.group_size), **kept.metrics,
                       **stats.metrics(), "learning_rate": scheduler.get_last_lr()[0], "time/rollout_s": t_rollout,
                       "time/update_s": t_update, "time/step_s": t_step,
                       "tokens_per_s": record_tokens(world, rollout) / max(t_rollout, 1e-9),
                       "peak_memory_mb": peak_memory_mb(device), **step_memory(device)}
             log.log(record)
-            samples.log(step, prompts.drawn_from, examples, rollout, result, adv, world)
+            samples.log(step, kept.positions, examples, rollout, result, adv, world)
             state["step"] = step
             state["world_size"] = world.size
             state["data"] = prompts.state_dict()

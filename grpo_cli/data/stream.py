@@ -68,17 +68,23 @@ class StreamShard:
             raise ValueError(f"rank ({rank}) must be in [0, world_size={world_size})")
         self.stream, self.rank, self.world_size = stream, rank, world_size
         self.drawn_from: int | None = None  # the stream position of this rank's first example of the last draw
+        self.per_rank = 0  # examples of the last draw on this rank
 
     def next(self, k: int) -> list[Example]:
         if k % self.world_size:
             fix = k + self.world_size - k % self.world_size
             raise ConfigError(f"trainer.prompts_per_step ({k}) must divide by the number of ranks "
                               f"({self.world_size}); set trainer.prompts_per_step={fix}")
-        per_rank = k // self.world_size
+        per_rank = self.per_rank = k // self.world_size
         start = self.drawn_from = self.stream.position + self.rank * per_rank
         out = [self.stream[p] for p in range(start, start + per_rank)]
         self.stream.position += k
         return out
+
+    @property
+    def positions(self) -> list[int]:
+        """The stream positions of this rank's examples of the last draw (their prompt ids)."""
+        return list(range(self.drawn_from, self.drawn_from + self.per_rank)) if self.drawn_from is not None else []
 
     def state_dict(self) -> dict[str, int]:
         return self.stream.state_dict()

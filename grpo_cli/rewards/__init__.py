@@ -50,7 +50,8 @@ from grpo_cli.rewards.outcome import (
 from grpo_cli.rewards.steps import chain_step_rewards, chain_steps, split_steps, step_rewards, verify_steps
 
 __all__ = [
-    "OutcomeReward", "ProcessReward", "RewardResult", "score", "check_columns", "token_ids", "accuracy",
+    "OutcomeReward", "ProcessReward", "RewardResult", "score", "check_columns", "function_names", "token_ids",
+    "accuracy",
     "answers_match", "extract_answer", "reference_answer",
     "chain_step_rewards", "chain_steps", "format_reward", "length_penalty", "split_steps", "step_rewards",
     "verify_steps",
@@ -338,6 +339,16 @@ def _needs(fn: Callable) -> list[str]:
         params = [p for p in params if p not in positional]
     return [p.name for p in params if p.default is p.empty and p.name not in _RESERVED
             and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
+def function_names(reward_fn) -> list[str] | None:
+    """The names a reward reports its raw scores under (`per_function`, `rewards/<name>/mean`), or None for a
+    reward of another kind (it is known once it has run)."""
+    if isinstance(reward_fn, ProcessReward):
+        return ["steps", *(reward_fn._outcome._calls if reward_fn._outcome is not None else [])]
+    if isinstance(reward_fn, OutcomeReward):
+        return list(reward_fn._calls)
+    return None
 
 
 def check_columns(reward_fn, example: dict) -> None:
