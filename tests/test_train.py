@@ -211,6 +211,18 @@ def test_gspo_and_the_entropy_options_train_end_to_end(tmp_path):
         assert r["entropy_mask/kept_mean"] == pytest.approx(0.5, abs=0.05), r
 
 
+def test_the_overlong_penalty_shapes_the_trained_reward(tmp_path):
+    """algo.overlong_buffer through the loop: the penalty is logged and the reward is the raw scores' sum plus it."""
+    train.run(tiny_cfg("algo.overlong_buffer=4", "trainer.max_steps=1", "trainer.log_completions_every=1",
+                       "trainer.num_completions_to_print=0"), tmp_path)
+    for line in (tmp_path / "completions.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        # max_new_tokens 8, buffer 4: 0 up to 4 tokens, then -(L - 4)/4
+        assert row["rewards"]["overlong"] == -max(0, row["length"] - 4) / 4
+        assert row["reward"] == pytest.approx(sum(row["rewards"].values()))
+    assert metrics(tmp_path)[0]["rewards/overlong/mean"] < 0  # random text of the tiny model runs to the cap
+
+
 def test_process_rewards_give_per_token_advantages(tmp_path, monkeypatch):
     """reward=gsm8k_process: step rewards land on their end tokens -> advantages vary along a completion."""
     seen = []

@@ -61,7 +61,7 @@ from grpo_cli.metrics import (
     synchronize,
 )
 from grpo_cli.policy import build_policy
-from grpo_cli.rewards import check_columns, function_names, score, token_ids
+from grpo_cli.rewards import check_columns, function_names, overlong_shaping, score, token_ids
 from grpo_cli.rollout import pad_id, render_prompts
 from grpo_cli.runs import claim, resume_config
 from grpo_cli.update import advantages, prepare, update
@@ -217,6 +217,9 @@ def _loop(cfg: DictConfig, run_dir: Path, ckpt: Path | None, world: World) -> Pa
                 owners = [i for i in range(len(examples)) for _ in range(algo.group_size)]
                 result = score(reward_fn, examples, owners, rollout.texts, rollout.lengths, rollout.truncated,
                                token_ids(rollout))
+                # DAPO's soft overlong punishment in the last algo.overlong_buffer tokens (null: none)
+                result = overlong_shaping(result, rollout.lengths, cfg.sampler.max_new_tokens, algo.overlong_buffer,
+                                          algo.overlong_penalty)
                 draws.append(Draw(examples, prompts.positions, rollout, result))
             kept = keep.select(draws, trainer.prompts_per_step, algo.group_size, pad_id(tokenizer), world)
             examples, rollout, result = kept.examples, kept.rollout, kept.result

@@ -37,7 +37,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
-from grpo_cli.checks import Check, Rule, is_num
+from grpo_cli.checks import Check, Rule, is_int, is_num
 from grpo_cli.errors import ConfigError
 from grpo_cli.rewards.outcome import (
     accuracy,
@@ -321,6 +321,29 @@ def score(reward_fn, examples: list[dict], owners: list[int], texts: list[str], 
     return reward_fn([examples[i]["question"] for i in owners], texts, {**columns, **rollout})
 
 
+def overlong_shaping(result: RewardResult, lengths: list[int], max_length: int, buffer: int | None,
+                     penalty: float = 1.0) -> RewardResult:
+    """DAPO's soft overlong punishment (`outcome.length_penalty`, arXiv 2503.14476 eq. 13) added to any reward.
+
+    buffer None: `result` as it is. Otherwise each completion of L tokens gets
+    length_penalty(L; L_max=max_length, L_cache=buffer) · penalty, 0 down to -penalty over the last `buffer`
+    tokens before the cap: added to an outcome reward (a completion without a score keeps none), or to the
+    last step's reward of a process reward (the step whose text ran into the buffer; a completion with no
+    scored step has no reward to shape and keeps none). Logged as `rewards/overlong/mean`.
+    """
+    if buffer is None:
+        return result
+    shaped = length_penalty(None, None, completion_length=lengths, max_length=max_length, buffer=buffer,
+                            penalty=penalty)
+    rewards = [r if r is None or p is None else r + p for r, p in zip(result.rewards, shaped)]
+    steps = result.steps
+    if steps is not None:
+        steps = [s[:-1] + [(s[-1][0], s[-1][1] + p)] if s and p is not None else s for s, p in zip(steps, shaped)]
+        rewards = [sum(r for _, r in s) if s else None for s in steps]
+    return RewardResult(rewards=rewards, per_function={**result.per_function, "overlong": shaped},
+                        failures=result.failures, steps=steps)
+
+
 def token_ids(rollout) -> list[list[int]]:
     """Each completion's token ids up to and including its EOS (a Rollout's `completion_ids` column)."""
     return [ids[mask.bool()].tolist() for ids, mask in zip(rollout.completion_ids, rollout.completion_mask)]
@@ -373,7 +396,23 @@ def check_columns(reward_fn, example: dict) -> None:
 
 # ---- config checks: this module's settings, collected by config.validate --------------------------------
 
+def _check_overlong(cfg) -> list[str]:
+    """The buffer lies inside the completion budget (eq. 13 needs L_cache <= L_max)."""
+    buffer, budget = cfg.get("algo", {}).get("overlong_buffer"), cfg.get("sampler", {}).get("max_new_tokens")
+    if is_int(buffer) and is_int(budget) and buffer > budget >= 1:  # buffer < 1 has its own line
+        fit = max(1, budget // 4)
+        return [f"algo.overlong_buffer ({buffer}) must be at most sampler.max_new_tokens ({budget}): the penalty "
+                f"ramps over the last overlong_buffer tokens before the cap; set algo.overlong_buffer={fit}"]
+    return []
+
+
 CHECKS: list[Check] = [
+    Rule("algo.overlong_buffer", lambda v: v is None or (is_int(v) and v >= 1),
+         "must be an integer >= 1 (tokens before sampler.max_new_tokens) or null (off); "
+         "set algo.overlong_buffer=null"),
+    Rule("algo.overlong_penalty", lambda v: is_num(v) and v >= 0,
+         "must be a number >= 0 (DAPO's is 1); set algo.overlong_penalty=1.0"),
+    _check_overlong,
     Rule("reward.timeout_s", lambda v: v is None or (is_num(v) and v > 0),
          "must be > 0 seconds or null (wait forever); set reward.timeout_s=10"),
 ]
