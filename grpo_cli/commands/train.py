@@ -248,7 +248,8 @@ def _loop(cfg: DictConfig, run_dir: Path, ckpt: Path | None, world: World) -> Pa
                       **rollout_metrics(*_everyone(world, result, rollout), algo.group_size), **kept.metrics,
                       **stats.metrics(), "learning_rate": scheduler.get_last_lr()[0], "time/rollout_s": t_rollout,
                       "time/update_s": t_update, "time/step_s": t_step,
-                      "tokens_per_s": record_tokens(world, rollout) / max(t_rollout, 1e-9),
+                      # every draw's tokens: dynamic sampling samples more than it keeps
+                      "tokens_per_s": sum(record_tokens(world, d.rollout) for d in draws) / max(t_rollout, 1e-9),
                       "peak_memory_mb": peak_memory_mb(device), **step_memory(device)}
             log.log(record)
             samples.log(step, kept.positions, examples, rollout, result, adv, world)
