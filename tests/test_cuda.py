@@ -189,8 +189,10 @@ def test_train_waits_for_the_gpu_before_each_timer_and_logs_the_steps_peak_memor
     monkeypatch.setattr(train, "time", types.SimpleNamespace(perf_counter=lambda: events.append("clock")
                                                              or float(next(clock))))
     train.run(tiny_cfg("trainer.max_steps=1"), tmp_path)
-    # step start: wait, reset the peak, read the clock; rollout end: wait, read; update start: read; end: wait, read
-    assert events == ["synchronize", "reset", "clock", "synchronize", "clock", "clock", "synchronize", "clock"]
+    # step start: wait, reset the peak, read the clock; each draw's rollout: read, then wait and read at its end;
+    # update start: read; end: wait, read
+    assert events == ["synchronize", "reset", "clock", "clock", "synchronize", "clock", "clock", "synchronize",
+                      "clock"]
     [record] = metrics(tmp_path)
     assert record["memory/peak_allocated_gb"] == 1.5 and record["memory/peak_reserved_gb"] == 2.0
 

@@ -145,8 +145,12 @@ OPTIONS = {"plain": [], "gspo": ["algo=gspo", "algo.num_iterations=2"],
                             "algo.top_entropy_quantile=0.4"]}
 
 
-@pytest.mark.parametrize("options", list(OPTIONS))
-@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+# every loss type plain; each option with a per-sequence (grpo) and a per-token (dapo) aggregation
+ACCUMULATION = [(loss, "plain") for loss in ("grpo", "bnpo", "dr_grpo", "dapo")] + [
+    (loss, option) for option in OPTIONS if option != "plain" for loss in ("grpo", "dapo")]
+
+
+@pytest.mark.parametrize("loss_type,options", ACCUMULATION)
 def test_micro_batches_accumulate_to_the_full_batch_gradient(loss_type, options):
     """Gradients of one 8-row pass equal the sum over micro-batches of 3 (ragged split 3+3+2)."""
     cfg = tiny_cfg(*OPTIONS[options], f"algo.loss_type={loss_type}", "algo.beta=0.04")
