@@ -1,7 +1,7 @@
 """`grpo export`: a checkpoint as a model folder that other tools load without grpo-cli.
 
-    grpo export checkpoint=outputs/train/DATE/TIME output=smollm2-arith         # merged, bfloat16
-    grpo export checkpoint=RUN output=DIR export.dtype=float32                    # exact logits, CPU
+    grpo export checkpoint=outputs/train/DATE/TIME output=smollm2-arith         # merged, as it trained
+    grpo export checkpoint=RUN output=DIR export.dtype=bfloat16                   # half the size, for GPUs
     grpo export checkpoint=RUN/checkpoints/step_000020 output=DIR export.merge=false
 
 Merged (default): the LoRA update B·A·(alpha/r) is added into the base weights (peft's
@@ -20,8 +20,10 @@ files, so it is null and the caller passes the base model to `PeftModel.from_pre
 Both write `export.json`: the source checkpoint and step, the base model's identity (name, path or
 hub id, loader config), merge and dtype. Departures from the usual merge scripts: the merge runs
 on the CPU in float32 whatever the run trained in (merging in bf16 rounds the LoRA delta away), and
-only then are the weights cast to `export.dtype`; the folder is written beside the target and
-renamed into place, so a failed export never leaves half a model.
+only then are the weights cast to `export.dtype`: `auto` (the default) is the precision the policy
+trained in (its checkpoint's trainer_state.json records it), so an fp32 CPU run exports the logits
+it was trained and evaluated with. The folder is written beside the target and renamed into place,
+so a failed export (a full disk: one `error:` line, exit 1) never leaves half a model.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from grpo_cli.config import validate
 from grpo_cli.errors import ConfigError
 from grpo_cli.inference import inherit
 from grpo_cli.metrics import console, progress
-from grpo_cli.policy import build_policy
+from grpo_cli.policy import build_policy, resolve_device, resolve_dtype
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -59,9 +61,9 @@ def check(cfg: DictConfig) -> tuple[Path, Path]:
         raise ConfigError("\n".join(missing))
     validate(cfg)
     export_cfg = cfg.export
-    if export_cfg.dtype not in DTYPES:
-        raise ConfigError(f"export.dtype ({export_cfg.dtype!r}) must be one of {', '.join(DTYPES)}; "
-                          f"set export.dtype=bfloat16")
+    if export_cfg.dtype != "auto" and export_cfg.dtype not in DTYPES:
+        raise ConfigError(f"export.dtype ({export_cfg.dtype!r}) must be auto or one of {', '.join(DTYPES)}; "
+                          f"set export.dtype=auto")
     for key in ("merge", "overwrite"):
         if not isinstance(export_cfg[key], bool):
             raise ConfigError(f"export.{key} ({export_cfg[key]!r}) must be true or false; set export.{key}=true")
@@ -77,6 +79,17 @@ def check(cfg: DictConfig) -> tuple[Path, Path]:
             raise ConfigError(f"output={out} holds the checkpoint {ckpt}; overwriting it would delete the "
                               f"checkpoint: pass another folder")
     return ckpt, out
+
+
+def trained_dtype(ckpt: Path) -> str:
+    """The precision the checkpoint's policy trained in: its trainer_state's record, or (a checkpoint older
+    than that record) its model.dtype resolved as the trainer resolves it, on this machine."""
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    if state.get("dtype") in DTYPES:
+        return state["dtype"]
+    model = checkpoint.load_config(ckpt).model
+    dtype = resolve_dtype(model.get("dtype", "auto"), resolve_device(model.get("device", "auto")))
+    return str(dtype).removeprefix("torch.")
 
 
 def base_identity(model_cfg: DictConfig, base_model) -> dict:
@@ -107,6 +120,7 @@ def run(cfg: DictConfig, overrides: list[str] = ()) -> Path:
     cfg.model.device, cfg.model.dtype = "cpu", "float32"
     validate(cfg)
     step = json.loads((ckpt / "trainer_state.json").read_text()).get("step")
+    dtype = trained_dtype(ckpt) if export_cfg.dtype == "auto" else export_cfg.dtype
     with progress("export") as bar, files.folder(out) as tmp:
         task = bar.add_task("", total=4, info="base model")
         policy, tokenizer, _ = build_policy(cfg.model)
@@ -116,7 +130,7 @@ def run(cfg: DictConfig, overrides: list[str] = ()) -> Path:
         policy.eval()
         bar.update(task, advance=1, info="merge" if export_cfg.merge else "adapter folder")
         if export_cfg.merge:
-            model = policy.merge_and_unload().to(DTYPES[export_cfg.dtype])
+            model = policy.merge_and_unload().to(DTYPES[dtype])
             model.generation_config = generation_config(tokenizer)
             bar.update(task, advance=1, info="write")
             model.save_pretrained(tmp)
@@ -125,11 +139,11 @@ def run(cfg: DictConfig, overrides: list[str] = ()) -> Path:
             if base["revision"]:
                 policy.peft_config["default"].revision = base["revision"]
             bar.update(task, advance=1, info="write")
-            policy.to(DTYPES[export_cfg.dtype]).save_pretrained(tmp)
+            policy.to(DTYPES[dtype]).save_pretrained(tmp)
             (tmp / "README.md").unlink(missing_ok=True)  # peft's empty model card
         tokenizer.save_pretrained(tmp)
         record = {"checkpoint": str(ckpt.resolve()), "step": step, "merged": export_cfg.merge,
-                  "dtype": export_cfg.dtype, "base_model": base, "grpo_cli_version": __version__}
+                  "dtype": dtype, "base_model": base, "grpo_cli_version": __version__}
         (tmp / "export.json").write_text(json.dumps(record, indent=1) + "\n")
         bar.update(task, advance=1, info="done")
 
