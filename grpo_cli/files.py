@@ -16,6 +16,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 
+def io_error(err: BaseException) -> bool:
+    """An error of the file system (a full disk, a read-only folder): an OSError, or one that a library
+    wraps in its own type (safetensors: "I/O error: No space left on device (os error 28)")."""
+    return isinstance(err, OSError) or "(os error " in str(err)
+
+
 def fsync(path: Path) -> None:
     """Flush a file's or a folder's entry to disk."""
     fd = os.open(path, os.O_RDONLY)

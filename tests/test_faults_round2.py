@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
 import torch
-from test_runs import copy_run, grpo, one_line_error
+from test_runs import copy_run, grpo, one_line_error, tmpfs  # noqa: F401 (tmpfs: a fixture)
 from test_train import TINY, tiny_cfg
 
 from grpo_cli.commands import train
@@ -191,3 +192,26 @@ def test_save_reward_model_keeps_the_old_model_until_the_new_one_is_in_place(tmp
     monkeypatch.setattr(Path, "rename", real)
     save_reward_model(writer("model.safetensors", "new"), writer("tokenizer.json", "new"), folder, {"v": 2})
     assert (folder / "model.safetensors").read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["rm"]
+
+
+# ---- 6 and 7. export: a damaged newest checkpoint is named; a full disk is one line, no temp folder ------
+
+def test_export_names_the_damaged_checkpoint_it_skips(run2, tmp_path):
+    run = copy_run(run2, tmp_path / "run")
+    adapter = run / "checkpoints" / "step_000002" / "adapter_model.safetensors"
+    adapter.write_bytes(adapter.read_bytes()[:100])  # cut short, as by a kill mid-write
+    before = digests(run)
+    out = grpo("export", f"checkpoint={run}", f"output={tmp_path / 'out'}", f"hydra.run.dir={tmp_path / 'h'}")
+    assert out.returncode == 0, out.stderr[-2000:]
+    warnings = [line for line in out.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "skipping step_000002" in warnings[0] and str(adapter) in warnings[0]
+    assert json.loads((tmp_path / "out" / "export.json").read_text())["step"] == 1
+    assert digests(run) == before
+
+
+def test_export_to_a_full_disk_is_one_line_and_leaves_no_temporary_folder(run2, tmp_path, tmpfs):  # noqa: F811
+    disk = tmpfs("small", "size=64k")
+    out = grpo("export", f"checkpoint={run2}", f"output={disk / 'out'}", f"hydra.run.dir={tmp_path / 'h'}")
+    line = one_line_error(out, code=1)
+    assert "No space left on device" in line and f"export to {disk / 'out'} " in line
+    assert list(disk.iterdir()) == []  # neither out/ nor out.tmpNNN/

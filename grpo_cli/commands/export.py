@@ -39,7 +39,7 @@ from transformers import GenerationConfig
 from grpo_cli import __version__, checkpoint, files
 from grpo_cli.app import command_line_overrides, hydra_app
 from grpo_cli.config import validate
-from grpo_cli.errors import ConfigError
+from grpo_cli.errors import ConfigError, RunError
 from grpo_cli.inference import inherit
 from grpo_cli.metrics import console, progress
 from grpo_cli.policy import build_policy, resolve_device, resolve_dtype
@@ -67,7 +67,8 @@ def check(cfg: DictConfig) -> tuple[Path, Path]:
     for key in ("merge", "overwrite"):
         if not isinstance(export_cfg[key], bool):
             raise ConfigError(f"export.{key} ({export_cfg[key]!r}) must be true or false; set export.{key}=true")
-    ckpt = checkpoint.resolve(cfg.checkpoint)
+    # a run folder's newest checkpoint whose files read; a damaged newer one is skipped with one warning line
+    ckpt = checkpoint.resolve(cfg.checkpoint, warn=_warn)
     out = Path(str(cfg.output)).expanduser().resolve()
     if out.exists() and not out.is_dir():
         raise ConfigError(f"output={out} is a file; pass a folder to create")
@@ -90,6 +91,10 @@ def trained_dtype(ckpt: Path) -> str:
     model = checkpoint.load_config(ckpt).model
     dtype = resolve_dtype(model.get("dtype", "auto"), resolve_device(model.get("device", "auto")))
     return str(dtype).removeprefix("torch.")
+
+
+def _warn(line: str) -> None:
+    console.print(f"warning: {line}", style="yellow", markup=False, highlight=False, soft_wrap=True)
 
 
 def base_identity(model_cfg: DictConfig, base_model) -> dict:
@@ -121,6 +126,30 @@ def run(cfg: DictConfig, overrides: list[str] = ()) -> Path:
     validate(cfg)
     step = json.loads((ckpt / "trainer_state.json").read_text()).get("step")
     dtype = trained_dtype(ckpt) if export_cfg.dtype == "auto" else export_cfg.dtype
+    try:
+        record, base = _write(cfg, ckpt, out, step, dtype)
+    except Exception as err:
+        if not files.io_error(err):
+            raise
+        # files.folder has removed the temporary folder: the output is as it was
+        raise RunError(f"cannot write the export to {out} ({str(err).splitlines()[0][:200]}); it is as it "
+                       f"was: free space, or pass another folder: output=...") from None
+
+    console.print(files_table(out, record))
+    if export_cfg.merge:
+        how = f"AutoModelForCausalLM.from_pretrained({str(out)!r})  ·  vllm serve {out}"
+    elif base["name_or_path"]:  # the adapter config names a base that loads by itself
+        how = f"AutoPeftModelForCausalLM.from_pretrained({str(out)!r})"
+    else:  # a base built in memory (model=tiny): the caller builds it
+        how = f"PeftModel.from_pretrained(base_model, {str(out)!r})"
+    console.print(f"exported {ckpt} (step {step}) to {out}\nload with: {how}")
+    return out
+
+
+def _write(cfg: DictConfig, ckpt: Path, out: Path, step, dtype: str) -> tuple[dict, dict]:
+    """Build the policy, load the adapter, and write the export into `out` atomically; (export.json record,
+    base identity)."""
+    export_cfg = cfg.export
     with progress("export") as bar, files.folder(out) as tmp:
         task = bar.add_task("", total=4, info="base model")
         policy, tokenizer, _ = build_policy(cfg.model)
@@ -146,16 +175,7 @@ def run(cfg: DictConfig, overrides: list[str] = ()) -> Path:
                   "dtype": dtype, "base_model": base, "grpo_cli_version": __version__}
         (tmp / "export.json").write_text(json.dumps(record, indent=1) + "\n")
         bar.update(task, advance=1, info="done")
-
-    console.print(files_table(out, record))
-    if export_cfg.merge:
-        how = f"AutoModelForCausalLM.from_pretrained({str(out)!r})  ·  vllm serve {out}"
-    elif base["name_or_path"]:  # the adapter config names a base that loads by itself
-        how = f"AutoPeftModelForCausalLM.from_pretrained({str(out)!r})"
-    else:  # a base built in memory (model=tiny): the caller builds it
-        how = f"PeftModel.from_pretrained(base_model, {str(out)!r})"
-    console.print(f"exported {ckpt} (step {step}) to {out}\nload with: {how}")
-    return out
+    return record, base
 
 
 def files_table(out: Path, record: dict) -> Table:
