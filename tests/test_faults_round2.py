@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_runs import copy_run, grpo, one_line_error, tmpfs  # noqa: F401 (tmpfs: a fixture)
-from test_train import TINY, tiny_cfg
+from test_train import TINY, metrics, tiny_cfg
 
 from grpo_cli.commands import train
 from grpo_cli.config import compose, validate
@@ -215,3 +215,58 @@ def test_export_to_a_full_disk_is_one_line_and_leaves_no_temporary_folder(run2, 
     line = one_line_error(out, code=1)
     assert "No space left on device" in line and f"export to {disk / 'out'} " in line
     assert list(disk.iterdir()) == []  # neither out/ nor out.tmpNNN/
+
+
+# ---- 5. an engine that cannot start with its settings is an error; a fallback is recorded ---------------
+
+class FakeVLLM:
+    """vLLM's module as `import_vllm` returns it, with an `LLM` that fails as `error` says."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+    def LLM(self, **kwargs):  # noqa: N802 (vLLM's name)
+        raise self.error
+
+
+def test_a_fallback_to_hf_generate_is_recorded_in_the_runs_config(tmp_path, monkeypatch, capsys):
+    from grpo_cli import checkpoint
+    from grpo_cli.rollout import vllm as engine
+
+    monkeypatch.setattr(engine, "installed", lambda: True)
+    monkeypatch.setattr(engine, "import_vllm", lambda: FakeVLLM(ValueError("Model architectures ['X'] are not "
+                                                                           "supported for now.")))
+    train.run(tiny_cfg("sampler=vllm", "sampler.max_new_tokens=8", "trainer.max_steps=1"), tmp_path)
+    assert capsys.readouterr().err.count("vLLM cannot serve this model") == 1
+    saved = checkpoint.load_config(checkpoint.resolve(tmp_path)).sampler
+    assert saved._target_ == "grpo_cli.rollout.hf.HFSampler" and saved.max_new_tokens == 8 and "dtype" not in saved
+    # the resume samples as the run did, with HF generate: no engine is tried again
+    monkeypatch.setattr(engine, "import_vllm", lambda: pytest.fail("the resume tried vLLM again"))
+    train.run(tiny_cfg("trainer.max_steps=2", f"resume={tmp_path}"), tmp_path)
+    assert [r["step"] for r in metrics(tmp_path)] == [1, 2]
+
+
+def test_a_kv_cache_too_small_is_an_error_naming_the_setting(tmp_path, monkeypatch):
+    from grpo_cli.rollout import vllm as engine
+
+    monkeypatch.setattr(engine, "installed", lambda: True)
+    monkeypatch.setattr(engine, "import_vllm", lambda: FakeVLLM(ValueError(
+        "To serve at least one request with the model's max seq len (2048), (0.02 GiB KV cache is needed, which "
+        "is larger than the available KV cache memory (0.0 GiB). Try increasing `gpu_memory_utilization` ...")))
+    with pytest.raises(ConfigError) as err:
+        train.run(tiny_cfg("sampler=vllm", "sampler.cpu_kv_cache_gb=0.0001", "trainer.max_steps=1"), tmp_path)
+    assert str(err.value).splitlines() == [
+        "sampler=vllm cannot start with sampler.cpu_kv_cache_gb=0.0001: To serve at least one request with the "
+        "model's max seq len (2048), (0.02 GiB KV cache is needed, which is larger than the available KV cache "
+        "memory (0.0 GiB); raise sampler.cpu_kv_cache_gb, or set a shorter sampler.max_model_len (now the model "
+        "context)"]
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+@needs_vllm
+def test_cli_kv_cache_too_small_on_the_embedded_model_is_one_line(tmp_path):
+    out = grpo("train", "sampler=vllm", "sampler.cpu_kv_cache_gb=0.0001", "sampler.max_new_tokens=8",
+               "trainer.max_steps=1", "trainer.report_to=[]", f"hydra.run.dir={tmp_path / 'run'}", timeout=600)
+    line = one_line_error(out)
+    assert line.startswith("error: sampler=vllm cannot start with sampler.cpu_kv_cache_gb=0.0001: ")
+    assert "HF generate" not in out.stderr and not (tmp_path / "run" / "metrics.jsonl").exists()

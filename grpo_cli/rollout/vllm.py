@@ -33,7 +33,10 @@ from (seed, step): a run and its resume draw the same completions. Greedy reques
 
 A model vLLM cannot serve (an architecture or head size it lacks, a layout the weight push does not
 know) gets one warning line and HF generate with the same settings: the engine's start, first push
-and a one-token generation are tried before the first rollout.
+and a one-token generation are tried before the first rollout (`start`), and the run's saved config
+then names HF generate, so a resume samples as the run did. Settings that leave the engine too
+little memory (`sampler.cpu_kv_cache_gb`, `sampler.gpu_memory_utilization`) are an error naming
+the setting, not a fallback: a run must not sample with another engine than its config says.
 """
 
 from __future__ import annotations
@@ -45,12 +48,12 @@ import os
 import random
 import signal
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from peft.tuners.lora import LoraLayer
 from safetensors.torch import save_file
 
@@ -58,7 +61,7 @@ from grpo_cli.checks import Check, Rule, get, is_int, is_num, one_of
 from grpo_cli.errors import ConfigError
 from grpo_cli.metrics import console
 from grpo_cli.policy import DTYPES
-from grpo_cli.rollout import Rollout, Sampler, drawing_from, encode_prompts, finish, pad_id
+from grpo_cli.rollout import Rollout, Sampler, SamplerSettings, drawing_from, encode_prompts, finish, pad_id
 from grpo_cli.rollout.hf import HFSampler, check_prompts
 
 # what config validation prints when sampler=vllm finds no vLLM
@@ -199,12 +202,28 @@ class VLLMSampler(Sampler):
         except Exception as err:
             self.llm = None
             reason = " ".join(str(err).split())[:200] or type(err).__name__
+            if _out_of_memory(err):  # the settings, not the model: falling back would hide them
+                key, value = (("sampler.cpu_kv_cache_gb", self.cpu_kv_cache_gb) if on_cpu
+                              else ("sampler.gpu_memory_utilization", self.gpu_memory_utilization))
+                # vLLM's own advice names the GPU setting even on a CPU
+                needed = reason.split(" Try increasing")[0].rstrip(". ")
+                raise ConfigError(f"sampler=vllm cannot start with {key}={value}: {needed}; raise {key}, or set a "
+                                  f"shorter sampler.max_model_len (now {self.max_model_len or 'the model context'})"
+                                  ) from None
             console.print(f"warning: vLLM cannot serve this model ({type(err).__name__}: {reason}); sampling with "
                           f"HF generate instead (sampler=default)", style="yellow", markup=False, highlight=False,
                           soft_wrap=True)
             self.fallback = HFSampler(**vars(self.settings()))
             return False
         return True
+
+    def start(self, policy, section: DictConfig) -> DictConfig:
+        """Start the engine now; on a model vLLM cannot serve, HF generate's section (the shared settings), so
+        the run's saved config says what sampled and a resume samples the same way."""
+        if self._ready(policy):
+            return section
+        shared = {f.name: section[f.name] for f in fields(SamplerSettings) if f.name in section}
+        return OmegaConf.create({"_target_": f"{HFSampler.__module__}.{HFSampler.__qualname__}", **shared})
 
     def _model_folder(self, policy) -> Path:
         """The base model's local folder (config.json + safetensors), or a temporary copy of its weights."""
@@ -243,6 +262,13 @@ class VLLMSampler(Sampler):
             self.llm.apply_model(lambda model: _load_cpu(model, weights, self._packed))
         self.llm.reset_prefix_cache()
         self._pushed = stamp
+
+
+def _out_of_memory(err: BaseException) -> bool:
+    """The engine's memory (KV cache, weights) does not fit what it was given: vLLM's ValueError about the
+    KV cache or its blocks, or torch's out-of-memory error."""
+    text = str(err).lower()
+    return isinstance(err, torch.OutOfMemoryError) or "kv cache" in text or "cache blocks" in text
 
 
 def _base_model(policy):
