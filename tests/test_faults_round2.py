@@ -270,3 +270,27 @@ def test_cli_kv_cache_too_small_on_the_embedded_model_is_one_line(tmp_path):
     line = one_line_error(out)
     assert line.startswith("error: sampler=vllm cannot start with sampler.cpu_kv_cache_gb=0.0001: ")
     assert "HF generate" not in out.stderr and not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@needs_vllm
+def test_a_prompt_the_engine_refuses_at_run_time_is_one_line(tiny):
+    from vllm.exceptions import VLLMValidationError
+
+    from grpo_cli.errors import DataError
+    from grpo_cli.rollout.vllm import VLLMSampler
+
+    class Refuses:  # a started engine whose input check refuses the prompt, as vLLM's does
+        def generate(self, *args, **kwargs):
+            raise VLLMValidationError("The decoder prompt (length 40) is longer than the maximum model length "
+                                      "of 16. Make sure that `max_model_len` is no smaller than the number of "
+                                      "text tokens.")
+
+    model, tokenizer = tiny
+    sampler = VLLMSampler(max_new_tokens=4, max_model_len=16)
+    sampler.llm = Refuses()
+    with pytest.raises(DataError) as err:
+        sampler._generate(model, tokenizer, ["<|im_start|>user\nwhat is 1 + 1?<|im_end|>\n"], 1, greedy=True,
+                          max_new_tokens=4, temperature=1.0, generator=None)
+    assert len(str(err.value).splitlines()) == 1
+    assert str(err.value).startswith("a prompt does not fit the engine (The decoder prompt (length 40) is longer")
+    assert str(err.value).endswith("raise sampler.max_model_len (now 16) or lower sampler.max_prompt_tokens (1024)")

@@ -58,7 +58,7 @@ from peft.tuners.lora import LoraLayer
 from safetensors.torch import save_file
 
 from grpo_cli.checks import Check, Rule, get, is_int, is_num, one_of
-from grpo_cli.errors import ConfigError
+from grpo_cli.errors import ConfigError, DataError
 from grpo_cli.metrics import console
 from grpo_cli.policy import DTYPES
 from grpo_cli.rollout import Rollout, Sampler, SamplerSettings, drawing_from, encode_prompts, finish, pad_id
@@ -144,8 +144,15 @@ class VLLMSampler(Sampler):
                                  detokenize=False, seed=None if greedy else seed,
                                  **({"temperature": 0.0} if greedy else sampling)) for seed in seeds]
         requests = [{"prompt_token_ids": row[keep.bool()].tolist()} for row, keep in zip(ids, mask)]
-        with torch.random.fork_rng(devices=[]):  # vLLM's CPU sampler also draws from torch's generator
-            outputs = self.llm.generate(requests, params, use_tqdm=False)
+        try:
+            with torch.random.fork_rng(devices=[]):  # vLLM's CPU sampler also draws from torch's generator
+                outputs = self.llm.generate(requests, params, use_tqdm=False)
+        except Exception as err:  # VLLMValidationError; config validation keeps lengths apart, this is a backstop
+            if "maximum model length" not in str(err):
+                raise
+            raise DataError(f"a prompt does not fit the engine ({' '.join(str(err).split())[:160]}); raise "
+                            f"sampler.max_model_len (now {self.max_model_len or 'the model context'}) or lower "
+                            f"sampler.max_prompt_tokens ({self.max_prompt_tokens})") from None
         samples = [s for out in outputs for s in sorted(out.outputs, key=lambda s: s.index)]  # [N], grouped
         width = max(len(s.token_ids) for s in samples)
         completion = torch.full((len(samples), width), pad, dtype=torch.long)  # [N, T]
