@@ -294,3 +294,19 @@ def test_a_prompt_the_engine_refuses_at_run_time_is_one_line(tiny):
     assert len(str(err.value).splitlines()) == 1
     assert str(err.value).startswith("a prompt does not fit the engine (The decoder prompt (length 40) is longer")
     assert str(err.value).endswith("raise sampler.max_model_len (now 16) or lower sampler.max_prompt_tokens (1024)")
+
+
+# ---- low items -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("overrides, says", [
+    ([], "error: reward.name_or_path is required and has no value; set it on the command line: "
+         "reward.name_or_path=..."),
+    # a path that is not there: every completion went unscored (one warning), exit 0
+    (["reward.name_or_path=/nonexistent/rm"], "error: reward.name_or_path ('/nonexistent/rm') is neither a folder "
+                                               "that exists nor a hub id (ORG/MODEL)"),
+])
+def test_a_missing_reward_model_is_one_line_naming_reward_name_or_path(tmp_path, overrides, says):
+    tiny = [o for o in TINY if not o.startswith("+reward")]  # the digit reward belongs to the rule rewards
+    out = grpo("train", *tiny, "reward=orm", *overrides, "trainer.max_steps=1", f"hydra.run.dir={tmp_path / 'r'}")
+    assert one_line_error(out).startswith(says)
+    assert "run dir:" not in out.stderr and not (tmp_path / "r" / "metrics.jsonl").exists()
