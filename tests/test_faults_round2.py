@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from test_runs import copy_run, grpo, one_line_error, tmpfs  # noqa: F401 (tmpfs: a fixture)
 from test_train import TINY, metrics, tiny_cfg
 
@@ -310,3 +311,22 @@ def test_a_missing_reward_model_is_one_line_naming_reward_name_or_path(tmp_path,
     out = grpo("train", *tiny, "reward=orm", *overrides, "trainer.max_steps=1", f"hydra.run.dir={tmp_path / 'r'}")
     assert one_line_error(out).startswith(says)
     assert "run dir:" not in out.stderr and not (tmp_path / "r" / "metrics.jsonl").exists()
+
+
+def test_resuming_a_vllm_run_without_vllm_names_the_install_not_sampler_default(run2, tmp_path, monkeypatch):
+    from grpo_cli import checkpoint
+    from grpo_cli.rollout import vllm as engine
+
+    run = copy_run(run2, tmp_path / "run")
+    for ckpt in checkpoint.list_checkpoints(run):  # as a run sampled by vLLM saves it
+        saved = checkpoint.load_config(ckpt)
+        saved.sampler = compose("train", ["sampler=vllm", "sampler.max_new_tokens=8"]).sampler
+        (ckpt / "config.yaml").write_text(OmegaConf.to_yaml(saved))
+    before = digests(run)
+    monkeypatch.setattr(engine, "installed", lambda: False)
+    with pytest.raises(ConfigError) as err:
+        train.run(tiny_cfg("trainer.max_steps=3", f"resume={run}"), run, overrides=[f"resume={run}"])
+    assert str(err.value).splitlines() == [
+        f"this run samples with vLLM (sampler=vllm, in its saved config), which is not installed here: "
+        f"{engine.INSTALL}; a resumed run keeps its own sampler"]
+    assert digests(run) == before

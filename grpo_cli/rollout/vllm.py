@@ -380,7 +380,11 @@ def check_engine(cfg: DictConfig) -> list[str]:
     uses_vllm = target.startswith(__name__ + ".")
     errors = []
     if uses_vllm and not installed():
-        errors.append(f"sampler=vllm needs vLLM, which is not installed: {INSTALL}; or use sampler=default")
+        if get(cfg, "resume")[1]:  # a resumed run keeps its sampler: sampler=default would be refused
+            errors.append(f"this run samples with vLLM (sampler=vllm, in its saved config), which is not installed "
+                          f"here: {INSTALL}; a resumed run keeps its own sampler")
+        else:
+            errors.append(f"sampler=vllm needs vLLM, which is not installed: {INSTALL}; or use sampler=default")
     if uses_vllm and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # its in-process engine sets up torch.distributed
         errors.append("sampler=vllm runs one engine in one process for now, not one per torchrun rank; launch "
                       "without torchrun, or use sampler=default")
