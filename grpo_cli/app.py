@@ -25,6 +25,7 @@ from grpo_cli.config import compose, register_recipes
 from grpo_cli.distributed import init_world, start_time, world_size
 from grpo_cli.errors import ConfigError, RunError
 from grpo_cli.resources import CONF_DIR
+from grpo_cli.runs import enclosing_run, nested_error, taken_error
 
 
 def hydra_app(config_name: str) -> Callable:
@@ -68,6 +69,7 @@ def hydra_app(config_name: str) -> Callable:
             _precompose(config_name, sys.argv[1:])
             sys.argv += rank_overrides(config_name, sys.argv[1:])
             _check_output_dir(sys.argv[1:])
+            _check_not_in_a_run(config_name, sys.argv[1:])
             return app()
 
         return entry
@@ -83,13 +85,34 @@ def rank_overrides(config_name: str, argv: list[str]) -> list[str]:
     world = init_world()
     extra = []
     if not any(arg.startswith("hydra.run.dir=") for arg in argv):
-        hydra_node = OmegaConf.load(CONF_DIR / f"{config_name}.yaml").hydra
-        pattern = OmegaConf.to_container(hydra_node.run, resolve=False)["dir"]
-        when = start_time()
-        extra.append("hydra.run.dir=" + re.sub(r"\$\{now:([^}]*)\}", lambda m: when.strftime(m.group(1)), pattern))
+        extra.append("hydra.run.dir=" + _default_run_dir(config_name))
     if not world.main:
         extra += ["hydra.output_subdir=null", "hydra/job_logging=disabled"]
     return extra
+
+
+def _default_run_dir(config_name: str) -> str:
+    """conf/CONFIG_NAME.yaml's hydra.run.dir with ${now:...} read from rank 0's start time."""
+    hydra_node = OmegaConf.load(CONF_DIR / f"{config_name}.yaml").hydra
+    pattern = OmegaConf.to_container(hydra_node.run, resolve=False)["dir"]
+    when = start_time()
+    return re.sub(r"\$\{now:([^}]*)\}", lambda m: when.strftime(m.group(1)), pattern)
+
+
+def _check_not_in_a_run(config_name: str, argv: list[str]) -> None:
+    """A command's folder may not lie inside a training run's folder: that run's keep_last would delete it
+    (RUN/checkpoints/step_N/), and Hydra would rewrite the run's .hydra/ records before our code runs.
+    Only `grpo train resume=` may name a run folder itself (the run goes on in its own folder)."""
+    if any(a in ("-m", "--multirun") for a in argv):
+        return
+    given = [a.split("=", 1)[1] for a in argv if a.startswith("hydra.run.dir=")]
+    folder = Path(given[-1] if given else _default_run_dir(config_name))
+    resuming = config_name == "train" and any(a.startswith("resume=") and a != "resume=null" for a in argv)
+    outer = enclosing_run(folder, itself=not resuming)
+    if outer is not None:
+        same = config_name == "train" and outer == folder.absolute()
+        print(f"error: {taken_error(folder) if same else nested_error(folder, outer)}", file=sys.stderr)
+        sys.exit(2)
 
 
 def _check_output_dir(argv: list[str]) -> None:

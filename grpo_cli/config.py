@@ -23,6 +23,7 @@ from grpo_cli import groups, iterative, objective, policy, rewards, rollout
 from grpo_cli.checks import Check, Rule, is_num
 from grpo_cli.errors import ConfigError
 from grpo_cli.resources import CONF_DIR, RECIPES_DIR
+from grpo_cli.rewards import models as reward_models
 from grpo_cli.rollout import vllm
 
 
@@ -68,7 +69,7 @@ OPTIMIZER: list[Check] = [
 
 # every library module that owns a config section, with its checks (grpo_cli.checks); a command adds its own
 LIBRARY_CHECKS: list[Check] = [*objective.CHECKS, *policy.CHECKS, *rollout.CHECKS, *vllm.CHECKS, *rewards.CHECKS,
-                               *iterative.CHECKS, *groups.CHECKS, *OPTIMIZER]
+                               *reward_models.CHECKS, *iterative.CHECKS, *groups.CHECKS, *OPTIMIZER]
 
 
 # sections of plain settings (no `_target_`): their keys are the ones their YAML file defines, so a
@@ -122,8 +123,9 @@ def _check_targets(node: Any, path: str, errors: list[str]) -> None:
             if inspect.isfunction(obj) and required and not node.get("_partial_", False):
                 errors.append(f"{path} ({target}) needs {', '.join(required)} when it is called; "
                               f"add `_partial_: true` to {path}")
-        for k, child in node.items():
-            _check_targets(child, f"{path}.{k}", errors)
+        for k in node:
+            if not OmegaConf.is_missing(node, k):  # a ??? value is reported once, by validate, naming its key
+                _check_targets(node[k], f"{path}.{k}", errors)
     elif isinstance(node, ListConfig):
         for i, item in enumerate(node):
             _check_targets(item, f"{path}[{i}]", errors)

@@ -20,20 +20,32 @@ controller, nanoGPT wraps the model in DDP; this follows none of them exactly):
 - rank 0 alone writes (metrics reduced over ranks, completions of its own slice, checkpoints,
   plots); the run folder's time stamp is rank 0's (`start_time`), so every rank names the same folder.
 
+A rank that dies (kill -9, a crash) breaks the others' next collective: each ends with one RunError
+line naming the dead rank (found by the host and pid every rank gave at start), not the backend's
+"Connection reset by peer" traceback. Nothing written is half done: checkpoints are renamed into
+place whole, and a metrics line cut short is dropped on resume.
+
 A single process (no WORLD_SIZE in the environment, or 1) gets `SINGLE`, whose collectives return
 their input: the code paths are the same, and the 1-rank numbers are unchanged.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from grpo_cli.errors import RunError
+
 _START: datetime | None = None
+_WORLD: World | None = None
 
 
 @dataclass(frozen=True)
@@ -45,6 +57,8 @@ class World:
     local_rank: int = 0
     # where collectives run: NCCL reduces CUDA tensors only, gloo CPU ones
     device: str = "cpu"
+    # (host, pid) of every rank, in rank order: which one died, when a collective breaks
+    peers: tuple[tuple[str, int], ...] = ()
 
     @property
     def main(self) -> bool:
@@ -61,7 +75,8 @@ class World:
 
     def _reduce(self, tensor: torch.Tensor, op) -> torch.Tensor:
         there = tensor.to(self.device)
-        torch.distributed.all_reduce(there, op=op)
+        with self.lost_rank():
+            torch.distributed.all_reduce(there, op=op)
         if there is not tensor:
             tensor.copy_(there)
         return tensor
@@ -72,7 +87,8 @@ class World:
             return tensor
         there = tensor.to(self.device).contiguous()
         parts = [torch.empty_like(there) for _ in range(self.size)]
-        torch.distributed.all_gather(parts, there)
+        with self.lost_rank():
+            torch.distributed.all_gather(parts, there)
         return torch.cat(parts).to(tensor.device)
 
     def gather(self, obj) -> list:
@@ -80,7 +96,8 @@ class World:
         if self.size == 1:
             return [obj]
         out = [None] * self.size
-        torch.distributed.all_gather_object(out, obj)
+        with self.lost_rank():
+            torch.distributed.all_gather_object(out, obj)
         return out
 
     def broadcast(self, obj):
@@ -88,7 +105,8 @@ class World:
         if self.size == 1:
             return obj
         box = [obj]
-        torch.distributed.broadcast_object_list(box, src=0)
+        with self.lost_rank():
+            torch.distributed.broadcast_object_list(box, src=0)
         return box[0]
 
     def sum_gradients(self, params: list[torch.Tensor]) -> None:
@@ -115,8 +133,26 @@ class World:
         with torch.no_grad():
             for p in params:
                 there = p.data.to(self.device)
-                torch.distributed.broadcast(there, src=0)
+                with self.lost_rank():
+                    torch.distributed.broadcast(there, src=0)
                 p.data.copy_(there)
+
+    @contextlib.contextmanager
+    def lost_rank(self) -> Iterator[None]:
+        """A collective that breaks (gloo's "Connection reset by peer", NCCL's errors: RuntimeError kinds)
+        ends in a RunError naming the rank that is gone."""
+        try:
+            yield
+        except (RuntimeError, ConnectionError) as err:
+            here = socket.gethostname()
+            dead = [r for r, (host, pid) in enumerate(self.peers)
+                    if r != self.rank and host == here and not _alive(pid)]
+            who = (f"rank {dead[0]} (pid {self.peers[dead[0]][1]})" if len(dead) == 1 else
+                   f"ranks {', '.join(map(str, dead))}" if dead else "another rank")
+            reason = " ".join(str(err).split())[:120] or type(err).__name__
+            raise RunError(f"{who} stopped (killed or crashed), so rank {self.rank} cannot go on ({reason}); every "
+                           f"rank stops, the last checkpoint is whole: resume the run with grpo train resume=RUN"
+                           ) from None
 
     def slice(self, n: int) -> slice:
         """This rank's contiguous share of `n` items (n divisible by the world size)."""
@@ -127,6 +163,21 @@ class World:
 SINGLE = World()
 
 
+def _alive(pid: int) -> bool:
+    """The process runs (a zombie, killed but not yet reaped by its launcher, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def world_size() -> int:
     """The number of ranks the launcher asked for (WORLD_SIZE), 1 without a launcher."""
     return int(os.environ.get("WORLD_SIZE", "1"))
@@ -135,8 +186,11 @@ def world_size() -> int:
 def init_world() -> World:
     """Join the process group the launcher set up (NCCL on CUDA, one device per LOCAL_RANK; gloo on
     CPU); `SINGLE` without a launcher. Safe to call more than once."""
+    global _WORLD
     if world_size() == 1:
         return SINGLE
+    if _WORLD is not None and dist.is_initialized():
+        return _WORLD
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if not dist.is_initialized():
@@ -146,7 +200,10 @@ def init_world() -> World:
         else:
             dist.init_process_group("gloo")
     device = f"cuda:{local_rank}" if dist.get_backend() == "nccl" else "cpu"
-    return World(dist.get_rank(), dist.get_world_size(), local_rank, device)
+    world = World(dist.get_rank(), dist.get_world_size(), local_rank, device)
+    peers = tuple(world.gather((socket.gethostname(), os.getpid())))  # once: which rank is which process
+    _WORLD = World(world.rank, world.size, local_rank, device, peers)
+    return _WORLD
 
 
 def start_time() -> datetime:

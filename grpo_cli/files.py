@@ -16,6 +16,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 
+def io_error(err: BaseException) -> bool:
+    """An error of the file system (a full disk, a read-only folder): an OSError, or one that a library
+    wraps in its own type (safetensors: "I/O error: No space left on device (os error 28)")."""
+    return isinstance(err, OSError) or "(os error " in str(err)
+
+
 def fsync(path: Path) -> None:
     """Flush a file's or a folder's entry to disk."""
     fd = os.open(path, os.O_RDONLY)
@@ -52,7 +58,8 @@ def write_text(path: str | Path, text: str) -> Path:
 def folder(final: str | Path) -> Iterator[Path]:
     """`with files.folder(FINAL) as tmp:` write into `tmp`; on leaving, FINAL holds exactly what was written.
 
-    On an exception (a full disk, Ctrl-C) the temporary folder is removed and FINAL is as it was.
+    On an exception (a full disk, Ctrl-C, a failed rename) the temporary folder is removed and FINAL is
+    as it was.
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -70,6 +77,12 @@ def folder(final: str | Path) -> Iterator[Path]:
     old = final.with_name(f"{final.name}.old{os.getpid()}")
     if final.exists():
         final.rename(old)
-    tmp.rename(final)
+    try:
+        tmp.rename(final)
+    except BaseException:  # the old version goes back under its name; the new one is dropped
+        if old.exists() and not final.exists():
+            old.rename(final)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     fsync(final.parent)
-    shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(old, ignore_errors=True)  # only now that the new version is in place

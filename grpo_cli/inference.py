@@ -6,11 +6,14 @@ line leaves alone (`inherit`), and every checkpoint must fit the base model buil
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from omegaconf import DictConfig, OmegaConf
 
 from grpo_cli import checkpoint
 from grpo_cli.config import validate
 from grpo_cli.errors import ConfigError
+from grpo_cli.metrics import console
 from grpo_cli.policy import build_policy
 
 # what a checkpoint's config.yaml supplies to eval and sample unless the command line says otherwise
@@ -23,8 +26,8 @@ def inherit(cfg: DictConfig, saved: DictConfig, overrides: list[str]) -> DictCon
     A group override on the command line (`data=gsm8k`) keeps the composed section; dotted
     overrides (`data.limit=50`) are applied on top of the saved section. A different base model is
     an error: a LoRA adapter only fits the weights it was trained on. The reward of an iterative run
-    is not inherited: its reward model was retrained at every iteration (RUN/rm/iteration_NNN), so
-    the command's own reward (a rule reward by default) scores the completions.
+    is not inherited here: its reward model was retrained at every iteration (RUN/rm/iteration_NNN),
+    so its saved section names none; eval and sample score with the last one (`inference_config`).
     """
     cfg = cfg.copy()
     iterative = bool(OmegaConf.select(saved, "iterative.iterations", default=0))
@@ -44,6 +47,34 @@ def inherit(cfg: DictConfig, saved: DictConfig, overrides: list[str]) -> DictCon
         cfg[section] = merged
     return cfg
 
+
+
+def _iterative_reward(cfg: DictConfig, saved: DictConfig, ckpt: Path, overrides: list[str]) -> DictConfig:
+    """An iterative run's saved reward names no model (each iteration retrained one, in RUN/rm/iteration_NNN):
+    unless the command line picks a reward, its last reward model scores, said in one line; a run that saved
+    none yet is scored by the command's own reward, also said."""
+    if not OmegaConf.select(saved, "iterative.iterations", default=0) or "reward" not in saved \
+            or any(o.lstrip("+~").split("=")[0] == "reward" for o in overrides):
+        return cfg
+    run_dir = ckpt.parent.parent if checkpoint.step_of(ckpt) is not None else ckpt
+    models = sorted(p for p in (run_dir / "rm").glob("iteration_*") if (p / "config.json").is_file())
+    if not models:
+        _say(f"reward: {run_dir} retrained its reward model at each iteration and saved none yet; scoring with "
+             f"this command's reward ({cfg.reward.get('_target_')}); pass reward=... to choose another")
+        return cfg
+    cfg = cfg.copy()
+    cfg.reward = saved.reward.copy()
+    cfg.reward.name_or_path = str(models[-1])
+    dotted = [o.lstrip("+") for o in overrides if o.lstrip("+").startswith("reward.")]
+    if dotted:
+        cfg.reward = OmegaConf.merge(cfg.reward, OmegaConf.from_dotlist(dotted).reward)
+    _say(f"reward: {run_dir} retrained its reward model at each iteration; scoring with the last one, {models[-1]} "
+         f"(pass reward=... to choose another)")
+    return cfg
+
+
+def _say(line: str) -> None:
+    console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
 # loader options that say where files are cached, not which weights load
@@ -79,13 +110,15 @@ def inference_config(cfg, overrides: list[str], checkpoints: list, checks: tuple
     the model loads (`inference_policy`), so that a bad path, column or reward function stops it in seconds.
 
     The first checkpoint's saved config fills in model/data/reward/sampler unless the command line
-    overrides them. Every checkpoint must have been trained on the model built here: the same
+    overrides them (an iterative run's reward: its last reward model,
+    `_iterative_reward`). Every checkpoint must have been trained on the model built here: the same
     `model.loader` node (which weights load) and the same LoRA shape, or its adapter would not fit
     or, worse, fit other weights silently.
     """
     first = next((c for c in checkpoints if c is not None), None)
     if first is not None:
         cfg = inherit(cfg, checkpoint.load_config(first), overrides)
+        cfg = _iterative_reward(cfg, checkpoint.load_config(first), Path(first), overrides)
         ours = _base_identity(cfg.model)
         for ckpt in (c for c in checkpoints if c is not None):
             theirs = _base_identity(checkpoint.load_config(ckpt).model)

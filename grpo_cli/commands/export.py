@@ -1,7 +1,7 @@
 """`grpo export`: a checkpoint as a model folder that other tools load without grpo-cli.
 
-    grpo export checkpoint=outputs/train/DATE/TIME output=smollm2-arith         # merged, bfloat16
-    grpo export checkpoint=RUN output=DIR export.dtype=float32                    # exact logits, CPU
+    grpo export checkpoint=outputs/train/DATE/TIME output=smollm2-arith         # merged, as it trained
+    grpo export checkpoint=RUN output=DIR export.dtype=bfloat16                   # half the size, for GPUs
     grpo export checkpoint=RUN/checkpoints/step_000020 output=DIR export.merge=false
 
 Merged (default): the LoRA update B·A·(alpha/r) is added into the base weights (peft's
@@ -20,8 +20,10 @@ files, so it is null and the caller passes the base model to `PeftModel.from_pre
 Both write `export.json`: the source checkpoint and step, the base model's identity (name, path or
 hub id, loader config), merge and dtype. Departures from the usual merge scripts: the merge runs
 on the CPU in float32 whatever the run trained in (merging in bf16 rounds the LoRA delta away), and
-only then are the weights cast to `export.dtype`; the folder is written beside the target and
-renamed into place, so a failed export never leaves half a model.
+only then are the weights cast to `export.dtype`: `auto` (the default) is the precision the policy
+trained in (its checkpoint's trainer_state.json records it), so an fp32 CPU run exports the logits
+it was trained and evaluated with. The folder is written beside the target and renamed into place,
+so a failed export (a full disk: one `error:` line, exit 1) never leaves half a model.
 """
 
 from __future__ import annotations
@@ -37,10 +39,10 @@ from transformers import GenerationConfig
 from grpo_cli import __version__, checkpoint, files
 from grpo_cli.app import command_line_overrides, hydra_app
 from grpo_cli.config import validate
-from grpo_cli.errors import ConfigError
+from grpo_cli.errors import ConfigError, RunError
 from grpo_cli.inference import inherit
 from grpo_cli.metrics import console, progress
-from grpo_cli.policy import build_policy
+from grpo_cli.policy import build_policy, resolve_device, resolve_dtype
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -59,13 +61,14 @@ def check(cfg: DictConfig) -> tuple[Path, Path]:
         raise ConfigError("\n".join(missing))
     validate(cfg)
     export_cfg = cfg.export
-    if export_cfg.dtype not in DTYPES:
-        raise ConfigError(f"export.dtype ({export_cfg.dtype!r}) must be one of {', '.join(DTYPES)}; "
-                          f"set export.dtype=bfloat16")
+    if export_cfg.dtype != "auto" and export_cfg.dtype not in DTYPES:
+        raise ConfigError(f"export.dtype ({export_cfg.dtype!r}) must be auto or one of {', '.join(DTYPES)}; "
+                          f"set export.dtype=auto")
     for key in ("merge", "overwrite"):
         if not isinstance(export_cfg[key], bool):
             raise ConfigError(f"export.{key} ({export_cfg[key]!r}) must be true or false; set export.{key}=true")
-    ckpt = checkpoint.resolve(cfg.checkpoint)
+    # a run folder's newest checkpoint whose files read; a damaged newer one is skipped with one warning line
+    ckpt = checkpoint.resolve(cfg.checkpoint, warn=_warn)
     out = Path(str(cfg.output)).expanduser().resolve()
     if out.exists() and not out.is_dir():
         raise ConfigError(f"output={out} is a file; pass a folder to create")
@@ -77,6 +80,21 @@ def check(cfg: DictConfig) -> tuple[Path, Path]:
             raise ConfigError(f"output={out} holds the checkpoint {ckpt}; overwriting it would delete the "
                               f"checkpoint: pass another folder")
     return ckpt, out
+
+
+def trained_dtype(ckpt: Path) -> str:
+    """The precision the checkpoint's policy trained in: its trainer_state's record, or (a checkpoint older
+    than that record) its model.dtype resolved as the trainer resolves it, on this machine."""
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    if state.get("dtype") in DTYPES:
+        return state["dtype"]
+    model = checkpoint.load_config(ckpt).model
+    dtype = resolve_dtype(model.get("dtype", "auto"), resolve_device(model.get("device", "auto")))
+    return str(dtype).removeprefix("torch.")
+
+
+def _warn(line: str) -> None:
+    console.print(f"warning: {line}", style="yellow", markup=False, highlight=False, soft_wrap=True)
 
 
 def base_identity(model_cfg: DictConfig, base_model) -> dict:
@@ -107,31 +125,15 @@ def run(cfg: DictConfig, overrides: list[str] = ()) -> Path:
     cfg.model.device, cfg.model.dtype = "cpu", "float32"
     validate(cfg)
     step = json.loads((ckpt / "trainer_state.json").read_text()).get("step")
-    with progress("export") as bar, files.folder(out) as tmp:
-        task = bar.add_task("", total=4, info="base model")
-        policy, tokenizer, _ = build_policy(cfg.model)
-        base = base_identity(cfg.model, policy.get_base_model())
-        bar.update(task, advance=1, info="adapter")
-        checkpoint.load_adapter(policy, ckpt)
-        policy.eval()
-        bar.update(task, advance=1, info="merge" if export_cfg.merge else "adapter folder")
-        if export_cfg.merge:
-            model = policy.merge_and_unload().to(DTYPES[export_cfg.dtype])
-            model.generation_config = generation_config(tokenizer)
-            bar.update(task, advance=1, info="write")
-            model.save_pretrained(tmp)
-        else:
-            policy.peft_config["default"].base_model_name_or_path = base["name_or_path"]
-            if base["revision"]:
-                policy.peft_config["default"].revision = base["revision"]
-            bar.update(task, advance=1, info="write")
-            policy.to(DTYPES[export_cfg.dtype]).save_pretrained(tmp)
-            (tmp / "README.md").unlink(missing_ok=True)  # peft's empty model card
-        tokenizer.save_pretrained(tmp)
-        record = {"checkpoint": str(ckpt.resolve()), "step": step, "merged": export_cfg.merge,
-                  "dtype": export_cfg.dtype, "base_model": base, "grpo_cli_version": __version__}
-        (tmp / "export.json").write_text(json.dumps(record, indent=1) + "\n")
-        bar.update(task, advance=1, info="done")
+    dtype = trained_dtype(ckpt) if export_cfg.dtype == "auto" else export_cfg.dtype
+    try:
+        record, base = _write(cfg, ckpt, out, step, dtype)
+    except Exception as err:
+        if not files.io_error(err):
+            raise
+        # files.folder has removed the temporary folder: the output is as it was
+        raise RunError(f"cannot write the export to {out} ({str(err).splitlines()[0][:200]}); it is as it "
+                       f"was: free space, or pass another folder: output=...") from None
 
     console.print(files_table(out, record))
     if export_cfg.merge:
@@ -142,6 +144,38 @@ def run(cfg: DictConfig, overrides: list[str] = ()) -> Path:
         how = f"PeftModel.from_pretrained(base_model, {str(out)!r})"
     console.print(f"exported {ckpt} (step {step}) to {out}\nload with: {how}")
     return out
+
+
+def _write(cfg: DictConfig, ckpt: Path, out: Path, step, dtype: str) -> tuple[dict, dict]:
+    """Build the policy, load the adapter, and write the export into `out` atomically; (export.json record,
+    base identity)."""
+    export_cfg = cfg.export
+    with progress("export") as bar, files.folder(out) as tmp:
+        task = bar.add_task("", total=4, info="base model")
+        policy, tokenizer, _ = build_policy(cfg.model)
+        base = base_identity(cfg.model, policy.get_base_model())
+        bar.update(task, advance=1, info="adapter")
+        checkpoint.load_adapter(policy, ckpt)
+        policy.eval()
+        bar.update(task, advance=1, info="merge" if export_cfg.merge else "adapter folder")
+        if export_cfg.merge:
+            model = policy.merge_and_unload().to(DTYPES[dtype])
+            model.generation_config = generation_config(tokenizer)
+            bar.update(task, advance=1, info="write")
+            model.save_pretrained(tmp)
+        else:
+            policy.peft_config["default"].base_model_name_or_path = base["name_or_path"]
+            if base["revision"]:
+                policy.peft_config["default"].revision = base["revision"]
+            bar.update(task, advance=1, info="write")
+            policy.to(DTYPES[dtype]).save_pretrained(tmp)
+            (tmp / "README.md").unlink(missing_ok=True)  # peft's empty model card
+        tokenizer.save_pretrained(tmp)
+        record = {"checkpoint": str(ckpt.resolve()), "step": step, "merged": export_cfg.merge,
+                  "dtype": dtype, "base_model": base, "grpo_cli_version": __version__}
+        (tmp / "export.json").write_text(json.dumps(record, indent=1) + "\n")
+        bar.update(task, advance=1, info="done")
+    return record, base
 
 
 def files_table(out: Path, record: dict) -> Table:

@@ -169,6 +169,10 @@ def _loop(cfg: DictConfig, run_dir: Path, ckpt: Path | None, world: World) -> Pa
         aside = checkpoint.set_aside_after(run_dir, state["step"]) if world.main else None
         if aside is not None:
             console.print(f"[yellow]the checkpoints after step {state['step']} (an abandoned branch) moved to {aside}")
+    # the engine starts before the first rollout; its saved section says what samples (a fallback), for resume
+    cfg.sampler = sampler.start(policy, cfg.sampler)
+    # the precision the base weights ran in (model.dtype=auto depends on the machine): export.dtype=auto writes it
+    state["dtype"] = str(policy.get_input_embeddings().weight.dtype).removeprefix("torch.")
     # rank 0 writes the files; the other ranks' writers do nothing
     log = MetricsLog(run_dir, report_to, trainer.project, OmegaConf.to_container(cfg, resolve=True),
                      writes=world.main)

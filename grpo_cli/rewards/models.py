@@ -39,6 +39,7 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoTokenizer
 
+from grpo_cli.checks import Check, Rule
 from grpo_cli.errors import ConfigError
 from grpo_cli.policy import resolve_device, resolve_dtype
 from grpo_cli.rewards import OutcomeReward, ProcessReward
@@ -251,3 +252,31 @@ def process_reward_model(name_or_path: str | None = None, *, pattern: str | None
                              label=label, sigmoid=sigmoid, batch_size=batch_size, device=device, dtype=dtype,
                              trust_remote_code=trust_remote_code, revision=revision)
     return ProcessReward(prm, outcome=outcome, timeout_s=timeout_s)
+
+# ---- config checks: this module's settings, collected by config.validate --------------------------------
+
+def _loadable(name_or_path) -> bool:
+    """null (iterative RL trains one; otherwise the scorer names the key), a folder that exists, or a hub id
+    ("name" or "org/name"). Anything else would reach the hub only at the first score, whose error then
+    leaves every completion unscored."""
+    if name_or_path is None:
+        return True
+    if not isinstance(name_or_path, str) or not name_or_path.strip():
+        return False
+    if Path(name_or_path).expanduser().is_dir():
+        return True
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    looks_like_a_path = name_or_path.startswith(("/", ".", "~")) or "\\" in name_or_path
+    try:
+        validate_repo_id(name_or_path)
+    except HFValidationError:
+        return False
+    return not looks_like_a_path
+
+
+CHECKS: list[Check] = [
+    Rule("reward.name_or_path", _loadable,
+         "is neither a folder that exists nor a hub id (ORG/MODEL); set reward.name_or_path= to the folder `grpo rm` "
+         "wrote (RUN/model) or a hub id"),
+]

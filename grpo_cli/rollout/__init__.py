@@ -6,6 +6,7 @@ the batching loop, and an engine's `_generate`; it offers
     generate(policy, tokenizer, prompts, n, *, greedy=False, max_new_tokens=None, temperature=None,
              generator=None) -> Rollout
     sync(policy) -> None     # engines that hold their own copy of the weights refresh it here
+    start(policy, section) -> section   # the engine started; the config section of what samples
 
 Randomness comes from the caller's `torch.Generator` (the training loop owns one, seeded per step), never
 from reseeding torch's global generator.
@@ -28,8 +29,9 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from grpo_cli.checks import Check, Rule, is_int, is_num
+from grpo_cli.checks import Check, Rule, get, is_int, is_num
 from grpo_cli.errors import DataError
+from grpo_cli.policy import context_length
 
 
 @dataclass
@@ -110,6 +112,11 @@ class Sampler(SamplerSettings):
 
     def sync(self, policy) -> None:
         """Nothing to push by default: the engine samples from the policy's own weights."""
+
+    def start(self, policy, section):
+        """Start the engine before the first rollout; returns the `sampler` config section that builds what
+        samples (`section` itself, unless the engine falls back to another), for the run's saved config."""
+        return section
 
     def generate(self, policy, tokenizer, prompts: list[str], n: int, *, greedy: bool = False,
                  max_new_tokens: int | None = None, temperature: float | None = None,
@@ -272,6 +279,40 @@ def char_ends_to_token_index(tokenizer, completion_ids: list[int], char_ends: li
 
 # ---- config checks: this module's settings, collected by config.validate --------------------------------
 
+def check_lengths(cfg) -> list[str]:
+    """The longest prompt plus the longest completion must fit what the engine holds: vLLM's
+    sampler.max_model_len when set, else the model's context, when its config says it without loading the
+    weights (else rollout.hf.check_prompts checks it once the model is loaded). An engine that held fewer
+    would cut completions short without a word (vLLM does) or fail mid-run."""
+    prompt, new = get(cfg, "sampler.max_prompt_tokens")[1], get(cfg, "sampler.max_new_tokens")[1]
+    eval_new = get(cfg, "eval.max_new_tokens")[1]  # eval's own generation length, when it sets one
+    new, key = (eval_new, "eval.max_new_tokens") if is_int(eval_new) else (new, "sampler.max_new_tokens")
+    if not (is_int(prompt) and is_int(new) and prompt >= 1 and new >= 1) or get(cfg, "model")[1] is None:
+        return []  # the rules above report a bad value
+    context, model_len = context_length(cfg.model), get(cfg, "sampler.max_model_len")[1]
+    errors = []
+    if is_int(model_len) and context is not None and model_len > context:
+        errors.append(f"sampler.max_model_len ({model_len}) is longer than the model's context of {context} "
+                      f"tokens; set sampler.max_model_len={context} or null")
+    limit, what = ((model_len, "sampler.max_model_len") if is_int(model_len) and model_len >= 1
+                   else (context, "the model's context"))
+    if limit is not None and prompt + new > limit:
+        errors.append(f"sampler.max_prompt_tokens ({prompt}) + {key} ({new}) exceed {what} "
+                      + (f"({limit} tokens)" if what.startswith("sampler") else f"of {limit} tokens")
+                      + f": completions would be cut short; {length_fix(prompt, new, limit, key)}")
+    return errors
+
+
+def length_fix(prompt: int, new: int, limit: int, key: str = "sampler.max_new_tokens") -> str:
+    """A fix that can work for prompt + new > limit: shorter completions while the prompts leave room, else
+    shorter prompts, else both halved."""
+    if prompt < limit:
+        return f"set {key}={limit - prompt}" + (f" or sampler.max_prompt_tokens={limit - new}" if new < limit else "")
+    if new < limit:
+        return f"set sampler.max_prompt_tokens={limit - new}"
+    return f"set sampler.max_prompt_tokens={limit // 2} and {key}={limit - limit // 2}"
+
+
 CHECKS: list[Check] = [
     Rule("sampler.temperature", lambda v: is_num(v) and v > 0,
          "must be > 0 (for greedy decoding use a small value such as 1e-5 or eval's greedy pass); "
@@ -284,4 +325,5 @@ CHECKS: list[Check] = [
          "must be an integer >= 1 or null (one call per step); set sampler.batch_size=null"),
     Rule("sampler.max_prompt_tokens", lambda v: is_int(v) and v >= 1,
          "must be an integer >= 1; set sampler.max_prompt_tokens=1024"),
+    check_lengths,
 ]

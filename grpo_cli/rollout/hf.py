@@ -15,7 +15,16 @@ from transformers import GenerationConfig
 
 from grpo_cli.errors import ConfigError, DataError
 from grpo_cli.policy import autocast
-from grpo_cli.rollout import Rollout, Sampler, drawing_from, encode_prompts, finish, pad_id, position_ids
+from grpo_cli.rollout import (
+    Rollout,
+    Sampler,
+    drawing_from,
+    encode_prompts,
+    finish,
+    length_fix,
+    pad_id,
+    position_ids,
+)
 
 
 @dataclass
@@ -91,9 +100,10 @@ def check_prompts(model, tokenizer, prompts: list[str], max_prompt_tokens: int, 
     """
     context = getattr(model.config, "max_position_embeddings", None)
     if context is not None and max_prompt_tokens + max_new_tokens > context:
+        # config.validate checks this before the model loads wherever the model's config says its context
         raise ConfigError(f"sampler.max_prompt_tokens ({max_prompt_tokens}) + max_new_tokens ({max_new_tokens}) "
-                          f"exceed the model's context of {context} tokens; set sampler.max_prompt_tokens="
-                          f"{max(context - max_new_tokens, 1)}")
+                          f"exceed the model's context of {context} tokens; "
+                          f"{length_fix(max_prompt_tokens, max_new_tokens, context)}")
     for prompt in prompts:
         too_long = len(prompt) > 64 * max_prompt_tokens
         if not too_long:

@@ -33,7 +33,10 @@ from (seed, step): a run and its resume draw the same completions. Greedy reques
 
 A model vLLM cannot serve (an architecture or head size it lacks, a layout the weight push does not
 know) gets one warning line and HF generate with the same settings: the engine's start, first push
-and a one-token generation are tried before the first rollout.
+and a one-token generation are tried before the first rollout (`start`), and the run's saved config
+then names HF generate, so a resume samples as the run did. Settings that leave the engine too
+little memory (`sampler.cpu_kv_cache_gb`, `sampler.gpu_memory_utilization`) are an error naming
+the setting, not a fallback: a run must not sample with another engine than its config says.
 """
 
 from __future__ import annotations
@@ -45,20 +48,20 @@ import os
 import random
 import signal
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from peft.tuners.lora import LoraLayer
 from safetensors.torch import save_file
 
 from grpo_cli.checks import Check, Rule, get, is_int, is_num, one_of
-from grpo_cli.errors import ConfigError
+from grpo_cli.errors import ConfigError, DataError
 from grpo_cli.metrics import console
 from grpo_cli.policy import DTYPES
-from grpo_cli.rollout import Rollout, Sampler, drawing_from, encode_prompts, finish, pad_id
+from grpo_cli.rollout import Rollout, Sampler, SamplerSettings, drawing_from, encode_prompts, finish, pad_id
 from grpo_cli.rollout.hf import HFSampler, check_prompts
 
 # what config validation prints when sampler=vllm finds no vLLM
@@ -141,8 +144,15 @@ class VLLMSampler(Sampler):
                                  detokenize=False, seed=None if greedy else seed,
                                  **({"temperature": 0.0} if greedy else sampling)) for seed in seeds]
         requests = [{"prompt_token_ids": row[keep.bool()].tolist()} for row, keep in zip(ids, mask)]
-        with torch.random.fork_rng(devices=[]):  # vLLM's CPU sampler also draws from torch's generator
-            outputs = self.llm.generate(requests, params, use_tqdm=False)
+        try:
+            with torch.random.fork_rng(devices=[]):  # vLLM's CPU sampler also draws from torch's generator
+                outputs = self.llm.generate(requests, params, use_tqdm=False)
+        except Exception as err:  # VLLMValidationError; config validation keeps lengths apart, this is a backstop
+            if "maximum model length" not in str(err):
+                raise
+            raise DataError(f"a prompt does not fit the engine ({' '.join(str(err).split())[:160]}); raise "
+                            f"sampler.max_model_len (now {self.max_model_len or 'the model context'}) or lower "
+                            f"sampler.max_prompt_tokens ({self.max_prompt_tokens})") from None
         samples = [s for out in outputs for s in sorted(out.outputs, key=lambda s: s.index)]  # [N], grouped
         width = max(len(s.token_ids) for s in samples)
         completion = torch.full((len(samples), width), pad, dtype=torch.long)  # [N, T]
@@ -199,12 +209,28 @@ class VLLMSampler(Sampler):
         except Exception as err:
             self.llm = None
             reason = " ".join(str(err).split())[:200] or type(err).__name__
+            if _out_of_memory(err):  # the settings, not the model: falling back would hide them
+                key, value = (("sampler.cpu_kv_cache_gb", self.cpu_kv_cache_gb) if on_cpu
+                              else ("sampler.gpu_memory_utilization", self.gpu_memory_utilization))
+                # vLLM's own advice names the GPU setting even on a CPU
+                needed = reason.split(" Try increasing")[0].rstrip(". ")
+                raise ConfigError(f"sampler=vllm cannot start with {key}={value}: {needed}; raise {key}, or set a "
+                                  f"shorter sampler.max_model_len (now {self.max_model_len or 'the model context'})"
+                                  ) from None
             console.print(f"warning: vLLM cannot serve this model ({type(err).__name__}: {reason}); sampling with "
                           f"HF generate instead (sampler=default)", style="yellow", markup=False, highlight=False,
                           soft_wrap=True)
             self.fallback = HFSampler(**vars(self.settings()))
             return False
         return True
+
+    def start(self, policy, section: DictConfig) -> DictConfig:
+        """Start the engine now; on a model vLLM cannot serve, HF generate's section (the shared settings), so
+        the run's saved config says what sampled and a resume samples the same way."""
+        if self._ready(policy):
+            return section
+        shared = {f.name: section[f.name] for f in fields(SamplerSettings) if f.name in section}
+        return OmegaConf.create({"_target_": f"{HFSampler.__module__}.{HFSampler.__qualname__}", **shared})
 
     def _model_folder(self, policy) -> Path:
         """The base model's local folder (config.json + safetensors), or a temporary copy of its weights."""
@@ -243,6 +269,13 @@ class VLLMSampler(Sampler):
             self.llm.apply_model(lambda model: _load_cpu(model, weights, self._packed))
         self.llm.reset_prefix_cache()
         self._pushed = stamp
+
+
+def _out_of_memory(err: BaseException) -> bool:
+    """The engine's memory (KV cache, weights) does not fit what it was given: vLLM's ValueError about the
+    KV cache or its blocks, or torch's out-of-memory error."""
+    text = str(err).lower()
+    return isinstance(err, torch.OutOfMemoryError) or "kv cache" in text or "cache blocks" in text
 
 
 def _base_model(policy):
@@ -347,7 +380,11 @@ def check_engine(cfg: DictConfig) -> list[str]:
     uses_vllm = target.startswith(__name__ + ".")
     errors = []
     if uses_vllm and not installed():
-        errors.append(f"sampler=vllm needs vLLM, which is not installed: {INSTALL}; or use sampler=default")
+        if get(cfg, "resume")[1]:  # a resumed run keeps its sampler: sampler=default would be refused
+            errors.append(f"this run samples with vLLM (sampler=vllm, in its saved config), which is not installed "
+                          f"here: {INSTALL}; a resumed run keeps its own sampler")
+        else:
+            errors.append(f"sampler=vllm needs vLLM, which is not installed: {INSTALL}; or use sampler=default")
     if uses_vllm and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # its in-process engine sets up torch.distributed
         errors.append("sampler=vllm runs one engine in one process for now, not one per torchrun rank; launch "
                       "without torchrun, or use sampler=default")
