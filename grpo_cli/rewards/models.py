@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from huggingface_hub.utils import HFValidationError, validate_repo_id
 from transformers import AutoConfig, AutoTokenizer
 
 from grpo_cli.checks import Check, Rule
@@ -265,8 +266,6 @@ def _loadable(name_or_path) -> bool:
         return False
     if Path(name_or_path).expanduser().is_dir():
         return True
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
     looks_like_a_path = name_or_path.startswith(("/", ".", "~")) or "\\" in name_or_path
     try:
         validate_repo_id(name_or_path)
