@@ -39,7 +39,9 @@ def run2(tmp_path_factory) -> Path:
 
 # ---- 1. no run folder inside another run ----------------------------------------------------
 
-@pytest.mark.parametrize("command", ["train", "eval", "sample", "export"])
+# each case is a CLI start (~7 s): train in the fast suite, the other commands with `make test-all`
+@pytest.mark.parametrize("command", ["train", *(pytest.param(c, marks=pytest.mark.slow) for c in ("eval", "sample",
+                                                                                                 "export"))])
 def test_a_folder_inside_a_run_is_refused_before_hydra_writes(run2, tmp_path, command):
     run = copy_run(run2, tmp_path / "run")
     before = digests(run)
@@ -52,7 +54,7 @@ def test_a_folder_inside_a_run_is_refused_before_hydra_writes(run2, tmp_path, co
     assert digests(run) == before and not (run / "checkpoints" / "more").exists()
 
 
-@pytest.mark.parametrize("command", ["eval", "sample"])
+@pytest.mark.parametrize("command", ["eval", pytest.param("sample", marks=pytest.mark.slow)])
 def test_eval_and_sample_in_the_run_folder_itself_are_refused(run2, tmp_path, command):
     run = copy_run(run2, tmp_path / "run")
     before = digests(run)
@@ -265,6 +267,7 @@ def test_a_kv_cache_too_small_is_an_error_naming_the_setting(tmp_path, monkeypat
 
 
 @needs_vllm
+@pytest.mark.slow  # loads the embedded model into vLLM (~13 s); the stand-in test above runs in the fast suite
 def test_cli_kv_cache_too_small_on_the_embedded_model_is_one_line(tmp_path):
     out = grpo("train", "sampler=vllm", "sampler.cpu_kv_cache_gb=0.0001", "sampler.max_new_tokens=8",
                "trainer.max_steps=1", "trainer.report_to=[]", f"hydra.run.dir={tmp_path / 'run'}", timeout=600)

@@ -163,6 +163,7 @@ def test_standard_jsonl_columns_reach_a_user_reward_in_train_eval_and_sample(wor
     assert len(samples) == 4 and all(s["reward"] is not None for s in samples)
 
 
+@pytest.mark.slow  # 3 CLI runs (~21 s); the standard-format run above covers the same path in the fast suite
 def test_conversational_parquet_without_answers_trains_evals_and_samples_with_trl_rewards(workdir):
     # TRL's documented format reward runs unchanged beside a recording one; the data has no answer column
     out = grpo("train", *TINY, "data=hf", "data.path=chat.parquet", "data.heldout_size=2", "reward=custom",
@@ -309,21 +310,24 @@ STANDARD = ["data=hf", "data.path=standard.jsonl", "data.heldout_size=2"]
 RECORD = ["reward=custom", "reward.funcs=[my_rewards.record]"]
 
 
+# each case is a CLI start (~7 s): the ones marked slow run with `make test-all`
 @pytest.mark.parametrize("args, expected", [
     ([*STANDARD, *RECORD], None),  # the control: good input reaches the model load
     (["data=hf", "data.path=missing.jsonl", *RECORD], r"data.path \(missing.jsonl\) does not exist"),
-    ([*STANDARD, "data.prompt_field=text", *RECORD],
-     r"standard.jsonl has no column 'text' \(its columns: prompt, word, answer\)"),
-    (["data=hf", "data.path=numbers.jsonl", *RECORD], r"column 'prompt' holds int values"),
+    pytest.param([*STANDARD, "data.prompt_field=text", *RECORD],
+     r"standard.jsonl has no column 'text' \(its columns: prompt, word, answer\)", marks=pytest.mark.slow),
+    pytest.param(["data=hf", "data.path=numbers.jsonl", *RECORD], r"column 'prompt' holds int values",
+                 marks=pytest.mark.slow),
     ([*STANDARD, "reward=custom", "reward.funcs=[nowhere.fn]"],
      r"reward.funcs\[0\]: no module named 'nowhere' on sys.path \(.+\)"),
-    ([*STANDARD, "reward=custom", "reward.funcs=[my_rewards.nothing]"],
-     r"my_rewards has no 'nothing' \(its functions: .*record"),
+    pytest.param([*STANDARD, "reward=custom", "reward.funcs=[my_rewards.nothing]"],
+     r"my_rewards has no 'nothing' \(its functions: .*record", marks=pytest.mark.slow),
     ([*STANDARD, "reward=custom", "reward.funcs=[missing.py:fn]"], r"reward.funcs\[0\]: missing.py does not exist"),
     ([*STANDARD, "reward=custom", "reward.funcs=[my_rewards.no_kwargs]"],
      r"my_rewards.no_kwargs takes \(prompts, completions\), but .*\*\*kwargs"),
-    ([*STANDARD, "reward=custom", "reward.funcs=[my_rewards.record,accuracy]", "reward.weights=[1.0]"],
-     r"reward.weights \(\[1.0\]\) must be a list of numbers, one per function of reward.funcs \(2: "),
+    pytest.param([*STANDARD, "reward=custom", "reward.funcs=[my_rewards.record,accuracy]", "reward.weights=[1.0]"],
+     r"reward.weights \(\[1.0\]\) must be a list of numbers, one per function of reward.funcs \(2: ",
+                 marks=pytest.mark.slow),
     (["data=hf", "data.path=chat.parquet", "data.heldout_size=2", "reward=arithmetic"],
      r"reward function 'accuracy' needs column 'answer', which the data does not have"),
 ])

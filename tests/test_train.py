@@ -146,8 +146,10 @@ OPTIONS = {"plain": [], "gspo": ["algo=gspo", "algo.num_iterations=2"],
 
 
 # every loss type plain; each option with a per-sequence (grpo) and a per-token (dapo) aggregation
+# (the single options in `make test-all`; both together in the fast suite)
 ACCUMULATION = [(loss, "plain") for loss in ("grpo", "bnpo", "dr_grpo", "dapo")] + [
-    (loss, option) for option in OPTIONS if option != "plain" for loss in ("grpo", "dapo")]
+    pytest.param(loss, option, marks=[pytest.mark.slow] if option != "gspo_entropy" else [])
+    for option in OPTIONS if option != "plain" for loss in ("grpo", "dapo")]
 
 
 @pytest.mark.parametrize("loss_type,options", ACCUMULATION)
