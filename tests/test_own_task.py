@@ -313,7 +313,8 @@ RECORD = ["reward=custom", "reward.funcs=[my_rewards.record]"]
 # each case is a CLI start (~7 s): the ones marked slow run with `make test-all`
 @pytest.mark.parametrize("args, expected", [
     ([*STANDARD, *RECORD], None),  # the control: good input reaches the model load
-    (["data=hf", "data.path=missing.jsonl", *RECORD], r"data.path \(missing.jsonl\) does not exist"),
+    pytest.param(["data=hf", "data.path=missing.jsonl", *RECORD], r"data.path \(missing.jsonl\) does not exist",
+                 marks=pytest.mark.slow),
     pytest.param([*STANDARD, "data.prompt_field=text", *RECORD],
      r"standard.jsonl has no column 'text' \(its columns: prompt, word, answer\)", marks=pytest.mark.slow),
     pytest.param(["data=hf", "data.path=numbers.jsonl", *RECORD], r"column 'prompt' holds int values",
@@ -322,7 +323,8 @@ RECORD = ["reward=custom", "reward.funcs=[my_rewards.record]"]
      r"reward.funcs\[0\]: no module named 'nowhere' on sys.path \(.+\)"),
     pytest.param([*STANDARD, "reward=custom", "reward.funcs=[my_rewards.nothing]"],
      r"my_rewards has no 'nothing' \(its functions: .*record", marks=pytest.mark.slow),
-    ([*STANDARD, "reward=custom", "reward.funcs=[missing.py:fn]"], r"reward.funcs\[0\]: missing.py does not exist"),
+    pytest.param([*STANDARD, "reward=custom", "reward.funcs=[missing.py:fn]"],
+                 r"reward.funcs\[0\]: missing.py does not exist", marks=pytest.mark.slow),
     ([*STANDARD, "reward=custom", "reward.funcs=[my_rewards.no_kwargs]"],
      r"my_rewards.no_kwargs takes \(prompts, completions\), but .*\*\*kwargs"),
     pytest.param([*STANDARD, "reward=custom", "reward.funcs=[my_rewards.record,accuracy]", "reward.weights=[1.0]"],

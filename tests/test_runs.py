@@ -80,11 +80,12 @@ def test_cli_resume_alone_continues_with_the_runs_settings(run4, tmp_path):
     assert records[2] == {**records[2], **{k: metrics(run4)[2][k] for k in ("reward", "loss", "kl", "grad_norm")}}
 
 
+# each a CLI start (~7 s); test_resume_in_process_compares_every_key covers every key in the fast suite
 @pytest.mark.parametrize("override,key", [
     ("algo.group_size=8", "algo.group_size"),
-    ("optimizer.lr=0.5", "optimizer.lr"),
-    ("model.lora.r=8", "model.lora.r"),
-    ("sampler.max_new_tokens=32", "sampler.max_new_tokens"),
+    pytest.param("optimizer.lr=0.5", "optimizer.lr", marks=pytest.mark.slow),
+    pytest.param("model.lora.r=8", "model.lora.r", marks=pytest.mark.slow),
+    pytest.param("sampler.max_new_tokens=32", "sampler.max_new_tokens", marks=pytest.mark.slow),
     ("model=smollm2_135m", "model.name"),
 ])
 def test_resume_refuses_a_change_that_alters_the_math(run4, tmp_path, override, key):
