@@ -148,7 +148,7 @@ class GroupFilter:
             if r == world.rank:
                 draw, rows = draws[d], list(range(g * group_size, (g + 1) * group_size))
                 part = draw.rollout.select(rows)
-                pieces[(d, r, g)] = (draw.examples[g], draw.positions[g], _to_cpu(part),
+                pieces[(d, r, g)] = (draw.examples[g], draw.positions[g], part.to("cpu"),
                                      select_result(draw.result, rows))
         everyone = {}
         for part in world.gather(pieces) if world.size > 1 else [pieces]:
@@ -156,21 +156,11 @@ class GroupFilter:
         share = take // world.size
         mine = [everyone[key] for key in chosen[world.rank * share:(world.rank + 1) * share]]
         device = draws[0].rollout.completion_ids.device
-        rollout = _to(Rollout.concat([m[2] for m in mine], pad), device)
+        rollout = Rollout.concat([m[2] for m in mine], pad).to(device)
         result = concat_results([m[3] for m in mine])
         # the failures of every draw on this rank (the per-row selection above repeated each batch's count)
         result.failures = sum(d.result.failures for d in draws)
         return Kept([m[0] for m in mine], [m[1] for m in mine], rollout, result, metrics)
-
-
-def _to(rollout: Rollout, device) -> Rollout:
-    return Rollout(rollout.prompt_ids.to(device), rollout.prompt_mask.to(device), rollout.completion_ids.to(device),
-                   rollout.completion_mask.to(device), rollout.texts, rollout.truncated,
-                   None if rollout.sampling_logp is None else rollout.sampling_logp.to(device))
-
-
-def _to_cpu(rollout: Rollout) -> Rollout:
-    return _to(rollout, "cpu")
 
 
 # ---- config checks: this module's settings, collected by config.validate --------------------------------

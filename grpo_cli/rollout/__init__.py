@@ -76,6 +76,12 @@ class Rollout:
                        torch.cat([right(r.completion_mask, width_t, 0) for r in parts]),
                        [t for r in parts for t in r.texts], [t for r in parts for t in r.truncated], logp)
 
+    def to(self, device) -> Rollout:
+        """The same rows with every tensor on `device`."""
+        return Rollout(self.prompt_ids.to(device), self.prompt_mask.to(device), self.completion_ids.to(device),
+                       self.completion_mask.to(device), self.texts, self.truncated,
+                       None if self.sampling_logp is None else self.sampling_logp.to(device))
+
     def select(self, rows: torch.Tensor | list[int]) -> Rollout:
         rows = torch.as_tensor(rows, dtype=torch.long)
         pick = rows.tolist()
