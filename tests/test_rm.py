@@ -288,6 +288,46 @@ def trained(kind: str, data: list[dict], tiny, epochs: int = 1, lr: float = 1e-3
     return model, tokenizer, losses
 
 
+def test_class_weight_balances_a_hand_built_row_set():
+    # 2 right of 8: pos_weight = 6 negatives / 2 positives = 3, so each class weighs 2 x 3 = 6 x 1 = 6 in the loss
+    outcome = rows(2, label=1.0) + rows(6, prefix="w", label=0.0)
+    assert T.class_weight(outcome, "outcome") == 3.0
+    # a PRM counts labeled steps, not rows: steps 1, 0, 0.5 (>= 0.5 is positive, as the metrics count it), 0, 0
+    # -> 2 positive, 3 negative -> 3 / 2 = 1.5
+    steps = [{"prompt": "a", "completion": "xxxx", "steps": [[1, 1.0], [2, 0.0], [3, 0.5]]},
+             {"prompt": "b", "completion": "xx", "steps": [[1, 0.0], [2, 0.0]]}]
+    assert T.class_weight(steps, "process") == 1.5
+    # one class only: nothing to balance, weight 1 (0 would erase the only class there is)
+    assert T.class_weight(rows(5, label=0.0), "outcome") == 1.0 and T.class_weight(rows(5), "outcome") == 1.0
+
+
+def test_balanced_loss_weighs_each_positive_by_the_counts(tiny):
+    """The first batch's loss is the hand-written weighted BCE of the model's own logits, and retrain uses it
+    exactly when rm.balance is on."""
+    base, tokenizer = tiny
+    data = [{"prompt": f"q{i}", "completion": f"{i} c", "label": float(i < 2)} for i in range(8)]  # 2 right, 6 wrong
+    model = T.add_lora(T.new_classifier("outcome", base, tokenizer, seed=0), r=4, alpha=8, dropout=0.0,
+                       target_modules="all-linear")
+    inputs, where, targets = T.classifier.encode(tokenizer, data, "outcome", "{prompt}{completion}", "cpu")
+    with torch.no_grad():
+        x = T.classifier.logits_at(model, inputs, where)  # [8]
+    # -(w y log σ(x) + (1 - y) log σ(-x)), mean over 8 rows, w = 6 / 2 = 3
+    expected = -(3 * targets * torch.nn.functional.logsigmoid(x)
+                 + (1 - targets) * torch.nn.functional.logsigmoid(-x)).mean()
+    losses = T.train_classifier(model, tokenizer, data, kind="outcome", template="{prompt}{completion}", epochs=1,
+                                batch_size=8, lr=1e-3, seed=0, pos_weight=T.class_weight(data, "outcome"))
+    assert losses[0] == pytest.approx(float(expected), rel=1e-5)
+    unweighted = -(targets * torch.nn.functional.logsigmoid(x) + (1 - targets) * torch.nn.functional.logsigmoid(-x))
+    assert losses[0] != pytest.approx(float(unweighted.mean()), rel=1e-3)  # the weight changed the loss
+
+    settings = compose("train", ["model=tiny"]).rm
+    for balance, expected_weight in ((True, 3.0), (False, None)):
+        settings.balance, settings.epochs, settings.lora.r, settings.lora.alpha = balance, 1, 4, 8
+        fresh = T.new_classifier("outcome", base, tokenizer, seed=0)
+        _, report = T.retrain(fresh, tokenizer, data, [], settings, "outcome", seed=0)
+        assert report["pos_weight"] == expected_weight
+
+
 def test_new_classifier_copies_the_base_and_lora_leaves_it_alone(tiny):
     base, tokenizer = tiny
     model = T.new_classifier("outcome", base, tokenizer)
@@ -421,6 +461,7 @@ def test_a_reward_model_of_the_other_kind_is_refused(tiny, tmp_path):
     ("rm.epochs=0", r"rm.epochs \(0\) must be an integer >= 1"),
     ("rm.template='{completion}'", r"rm.template .* must hold \{prompt\} and \{completion\}"),
     ("labeler.k=0", r"labeler.k \(0\) must be an integer >= 1"),
+    ("rm.balance=maybe", r"rm.balance \('maybe'\) must be true or false .*; set rm.balance=true"),
 ])
 def test_bad_settings_stop_before_any_model_loads(tmp_path, override, message, monkeypatch):
     def no_model(*args, **kwargs):

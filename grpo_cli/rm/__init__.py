@@ -58,6 +58,7 @@ from grpo_cli.rm.classifier import (
     add_lora,
     binary_auc,
     check_settings,
+    class_weight,
     classification_metrics,
     evaluate,
     load_classifier,
@@ -82,7 +83,8 @@ from grpo_cli.rm.rows import (
 
 __all__ = [
     "AUTO_CLASS", "KINDS", "MonteCarloLabeler", "OutcomeLabeler", "ReplayBuffer", "Row", "VerifierLabeler", "add_lora",
-    "binary_auc", "check_rows", "check_settings", "check_share", "classification_metrics", "draw_samples", "evaluate",
-    "load_classifier", "new_classifier", "pick_problems", "predict", "read_labeled", "replay_count", "retrain",
+    "binary_auc", "check_rows", "check_settings", "check_share", "class_weight", "classification_metrics",
+    "draw_samples", "evaluate", "load_classifier", "new_classifier", "pick_problems", "predict", "read_labeled",
+    "replay_count", "retrain",
     "save_reward_model", "split_heldout", "starting_classifier", "train_classifier", "write_jsonl",
 ]

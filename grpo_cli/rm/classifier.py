@@ -1,6 +1,15 @@
 """The reward model: a one-logit ORM/PRM head on the base LM's backbone (new, or loaded from a
 `grpo rm` folder), LoRA on the backbone, binary cross-entropy training, scoring and held-out metrics
 (accuracy, AUC), the atomic save, and the checks of the `rm` settings (conf/rm/default.yaml).
+
+Both classes count (rm.balance=true, issue #28): a policy that is rarely right gives rows that are
+almost all wrong (11 right of 120 in the measured iterative run), and a plain BCE then learns the base
+rate ("always wrong" is 91% accurate) instead of what makes an answer right. We chose a class-weighted
+BCE, `pos_weight` = n_negative / n_positive counted on the training mix (`class_weight`), over drawing
+more samples until a share of them is right: it costs no sampling time, it is the same function of the
+rows on a resume, and it works at any positive rate, where drawing until 10% are right from a policy right
+1% of the time needs ~10x the samples. Its cost: few positives weigh a lot, so one odd right answer can
+pull the model; the gate (rm.min_auc, grpo_cli/iterative.py) catches a model that learned nothing.
 """
 
 from __future__ import annotations
@@ -51,6 +60,9 @@ def check_settings(R) -> None:
         raise ConfigError(f"rm.template ({R.template!r}) must hold {{prompt}} and {{completion}} once each, as "
                           f"reward.template does where the model scores; set rm.template='{{prompt}}{{completion}}'")
     check_share(R.replay.share)
+    if not isinstance(R.balance, bool):
+        raise ConfigError(f"rm.balance ({R.balance!r}) must be true or false (weigh each class's loss by the other's "
+                          f"count); set rm.balance=true")
 
 
 # ---- the model ---------------------------------------------------------------------------------
@@ -181,18 +193,34 @@ def logits_at(model, inputs: dict, where: tuple) -> torch.Tensor:
     return logits[rows.to(logits.device), tokens.to(logits.device), 0]  # [B, T, 1] -> [S]
 
 
+def class_weight(rows: list[Row], kind: str) -> float:
+    """BCE's `pos_weight` that gives both classes the same total weight: n_negative / n_positive.
+
+    Counted over the targets the loss sees (a row's label for an ORM, each labeled step for a PRM), a
+    label >= 0.5 counting as positive, as `classification_metrics` counts it. 1.0 when a class is
+    absent: there is nothing to balance (and 0 would erase the only class there is).
+    """
+    labels = [r["label"] for r in rows] if kind == "outcome" else [y for r in rows for _, y in r["steps"]]
+    positive = sum(y >= 0.5 for y in labels)
+    negative = len(labels) - positive
+    return negative / positive if positive and negative else 1.0
+
+
 def train_classifier(model, tokenizer, rows: list[Row], *, kind: str, template: str, epochs: int, batch_size: int,
                      lr: float, weight_decay: float = 0.0, max_grad_norm: float | None = 1.0, seed: int = 0,
+                     pos_weight: float | None = None,
                      advance: Callable[[int, float], None] | None = None) -> list[float]:
     """AdamW on binary cross-entropy over the trainable parameters; returns the loss of each batch.
 
     Rows are reshuffled every epoch (seeded); a batch's loss is the mean over its targets (rows for
-    an ORM, labeled steps for a PRM). `advance(rows_done, loss)` is called after each batch.
+    an ORM, labeled steps for a PRM), a positive target's term weighed by `pos_weight` (None: 1; see
+    `class_weight`). `advance(rows_done, loss)` is called after each batch.
     """
     device = next(model.parameters()).device
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     generator = torch.Generator().manual_seed(seed)
+    weight = None if pos_weight is None else torch.tensor(float(pos_weight), device=device)
     losses = []
     model.train()
     for _ in range(epochs):
@@ -203,7 +231,9 @@ def train_classifier(model, tokenizer, rows: list[Row], *, kind: str, template: 
             if targets.numel() == 0:
                 continue
             logits = logits_at(model, inputs, where)
-            loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, targets.to(logits.device))
+            # [S] logits vs [S] targets: -(w y log σ(x) + (1 - y) log(1 - σ(x))), averaged over the S targets
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, targets.to(logits.device),
+                                                                        pos_weight=weight)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             if max_grad_norm:
@@ -279,15 +309,18 @@ def retrain(model, tokenizer, train_rows: list[Row], heldout: list[Row], R, kind
     backbone + the whole head, settings `R` = the `rm` config section), merge, score `heldout` again.
 
     Shared by `grpo rm` and the iterations of `grpo train`. The report holds `heldout_before`,
-    `heldout_after` (`evaluate`'s metrics; None without held-out rows) and the first and last batch loss.
+    `heldout_after` (`evaluate`'s metrics; None without held-out rows), the first and last batch loss and
+    `pos_weight` (rm.balance: `class_weight` of `train_rows`; else None).
     """
     settings = dict(kind=kind, template=R.template, batch_size=R.batch_size)
     before = evaluate(model, tokenizer, heldout, **settings) if heldout else None
+    pos_weight = class_weight(train_rows, kind) if R.balance else None
     model = add_lora(model, **R.lora)
     losses = train_classifier(model, tokenizer, train_rows, kind=kind, template=R.template, epochs=R.epochs,
                               batch_size=R.batch_size, lr=R.lr, weight_decay=R.weight_decay,
-                              max_grad_norm=R.max_grad_norm, seed=R.seed if seed is None else seed, advance=advance)
+                              max_grad_norm=R.max_grad_norm, seed=R.seed if seed is None else seed,
+                              pos_weight=pos_weight, advance=advance)
     model = model.merge_and_unload()
     after = evaluate(model, tokenizer, heldout, **settings) if heldout else None
     return model, {"heldout_before": before, "heldout_after": after, "train_loss_first": losses[0] if losses else None,
-                   "train_loss_last": losses[-1] if losses else None}
+                   "train_loss_last": losses[-1] if losses else None, "pos_weight": pos_weight}
