@@ -16,13 +16,22 @@ of M = iterative.steps steps, the first step of iteration i (step i*M + 1) first
   4. continues training the reward model (the previous iteration's; at iteration 0
      reward.name_or_path, or a new head on the policy's base when that is null) on the mix, scoring
      the held-out rows before and after; saves it to RUN/rm/iteration_NNN/, and the steps of
-     iteration i are scored by it;
+     iteration i are scored by it, unless the gate below keeps the previous model;
   5. sets the reference policy to the current policy (`policy.set_reference`: a frozen copy of the
      LoRA adapter; two adapters however many iterations run), so the KL of that step is 0.
 One record per iteration (rows, replay counts, held-out accuracy/AUC before and after) goes to
 RUN/iterations.jsonl and a table; every step's metrics carry `iteration`. Checkpoints hold the
 iteration count, the reward model's folder (relative to RUN), the replay state and the reference
 adapter (checkpoint `reference/`), so a resume mid-iteration or at a boundary is exact.
+
+The gate (rm.min_auc, issue #28): a reward model must rank before it rewards. When the retrained model's
+AUC on the held-out rows (fresh samples of the current policy, labeled by the rule) is below rm.min_auc,
+the iteration keeps the model that scored the previous one, says so in one line and records
+`kept_previous`; the rejected model is kept for inspection in RUN/rm/rejected/iteration_NNN/ (outside
+rm/iteration_*, which eval reads as the run's reward models), and the next iteration trains the kept
+model further. There is nothing to keep at iteration 0 from a new head (reward.name_or_path=null): the
+new model is used and the line says so. Held-out rows of one class have no AUC: the gate cannot judge,
+and the retrained model is used.
 
 Departures from Algorithm 1: the paper resets the reference at the start of an iteration and
 retrains the reward model at its end, starting from a given model; here both happen at the start of
@@ -143,9 +152,12 @@ class IterativeRL:
             model, rm_tokenizer = rm.starting_classifier(self.model, kind, cfg.model.loader, device,
                                                         resolve_dtype(cfg.model.dtype, device), seed=seed)
             model, trained = rm.retrain(model, rm_tokenizer, mix, heldout, settings, kind, seed=seed)
-        folder = self.run_dir / "rm" / f"iteration_{i:03d}"
+        after = trained["heldout_after"] or {}
+        keep_previous = self._gate(i, step, after.get("auc"), settings.min_auc)
+        folder = self.run_dir / "rm" / ("rejected" if keep_previous else "") / f"iteration_{i:03d}"
         rm.save_reward_model(model, rm_tokenizer, folder, {"kind": kind, "template": settings.template, "iteration": i,
-                                                          "step": step, "heldout": trained["heldout_after"]})
+                                                          "step": step, "heldout": trained["heldout_after"],
+                                                          "kept_previous": keep_previous})
         del model
         held = {r["prompt"] for r in heldout}
         rm.write_jsonl(folder / "labeled.jsonl", [{**r, "split": "heldout" if r["prompt"] in held else "train"}
@@ -155,14 +167,44 @@ class IterativeRL:
         positives = sum(r["label"] >= 0.5 for r in rows) if kind == "outcome" else None
         record = {"iteration": i, "step": step, "samples": len(samples), "rows": len(rows), "positives": positives,
                   "train_new": info["new"], "train_replay": info["replay"], "replay_share": info["share"],
-                  "heldout": len(heldout), "rm_start": self.model, "rm": str(folder.relative_to(self.run_dir)),
-                  **trained, "time/sample_s": round(sampled - started, 1),
+                  "heldout": len(heldout), "rm_start": self.model,
+                  # the model that scores this iteration's steps, and the one this boundary trained
+                  "rm": self._relative(self.model if keep_previous else folder),
+                  "rm_trained": str(folder.relative_to(self.run_dir)), "min_auc": settings.min_auc,
+                  "kept_previous": keep_previous, **trained, "time/sample_s": round(sampled - started, 1),
                   "time/rm_s": round(time.time() - sampled, 1)}
         self.history.append(record)
         self._write_history()
-        self.model, self.done, self._reward = str(folder), i + 1, None
+        self.model = self.model if keep_previous else str(folder)
+        self.done, self._reward = i + 1, None
         console.print(history_table(self.history))
         return record
+
+    def _gate(self, i: int, step: int, auc: float | None, min_auc: float | None) -> bool:
+        """Whether iteration i keeps the previous reward model: the retrained one's held-out AUC is below
+        rm.min_auc and there is a previous one. One console line whenever the bar is set and not cleared."""
+        if min_auc is None:
+            return False
+        steps = f"steps {step}-{step + self.steps - 1}"
+        if auc is None:
+            console.print(f"[yellow]iteration {i}: the held-out rows hold one class only, so the retrained reward "
+                          f"model has no AUC and rm.min_auc={min_auc} cannot judge it; it scores {steps}")
+            return False
+        if auc >= min_auc:
+            return False
+        if self.model is None:
+            console.print(f"[yellow]iteration {i}: the retrained reward model's held-out AUC {auc:.3f} is below "
+                          f"rm.min_auc={min_auc}, but there is no previous model to keep (a new head); it scores "
+                          f"{steps}")
+            return False
+        console.print(f"[yellow]iteration {i}: the retrained reward model's held-out AUC {auc:.3f} is below "
+                      f"rm.min_auc={min_auc}: keeping the previous one ({self.model}) for {steps}")
+        return True
+
+    def _relative(self, path: str | Path) -> str:
+        """A path under the run folder relative to it (as checkpoints record it), any other as it is."""
+        path = Path(path)
+        return str(path.relative_to(self.run_dir)) if path.is_relative_to(self.run_dir) else str(path)
 
     def _write_history(self) -> None:
         rm.write_jsonl(self.run_dir / "iterations.jsonl", self.history)

@@ -128,6 +128,41 @@ def test_resume_at_a_boundary_and_mid_iteration_is_exact(tmp_path):
         shutil.copytree(tmp_path / "first" / "checkpoints", run / "checkpoints")
 
 
+def test_the_gate_keeps_the_previous_model_when_the_new_one_ranks_below_the_bar(tmp_path, monkeypatch, capsys):
+    """rm.min_auc=0.5: iteration 0's new head measures 0.3 (nothing earlier to keep: used, and said), iteration
+    1's retrained model 0.25 (iteration 0's model scores iteration 1, and trains on at iteration 2)."""
+    real, seen = iterative.rm.retrain, []
+
+    def measured(*args, **kwargs):  # the tiny model's labels are all 0 (no AUC): set the measured AUC here
+        model, report = real(*args, **kwargs)
+        seen.append(report)
+        if len(seen) <= 2:
+            report["heldout_after"] = {**report["heldout_after"], "auc": (0.3, 0.25)[len(seen) - 1]}
+        return model, report
+
+    monkeypatch.setattr(iterative.rm, "retrain", measured)
+    train.run(cfg("rm.min_auc=0.5", "iterative.steps=1", "trainer.max_steps=3", "trainer.save_every=1"), tmp_path)
+    said = " ".join(capsys.readouterr().err.split())  # rich wraps long lines
+    assert "iteration 0: the retrained reward model's held-out AUC 0.300 is below rm.min_auc=0.5, but there is no " \
+           "previous model to keep (a new head); it scores steps 1-1" in said
+    assert said.count("keeping the previous one") == 1
+    assert f"iteration 1: the retrained reward model's held-out AUC 0.250 is below rm.min_auc=0.5: keeping the " \
+           f"previous one ({tmp_path / 'rm/iteration_000'}) for steps 2-2" in said
+
+    history = iterations(tmp_path)
+    assert [h["kept_previous"] for h in history] == [False, True, False]
+    assert [h["rm"] for h in history] == ["rm/iteration_000", "rm/iteration_000", "rm/iteration_002"]
+    assert [h["rm_trained"] for h in history] == ["rm/iteration_000", "rm/rejected/iteration_001",
+                                                  "rm/iteration_002"]
+    assert history[2]["rm_start"] == str(tmp_path / "rm/iteration_000")  # the rejected model is not trained on
+    # eval reads rm/iteration_* as the run's reward models: the rejected one is kept apart
+    assert sorted(p.name for p in (tmp_path / "rm").iterdir()) == ["iteration_000", "iteration_002", "rejected",
+                                                                   "replay"]
+    assert (tmp_path / "rm/rejected/iteration_001/config.json").is_file()
+    state = json.loads((tmp_path / "checkpoints/step_000002/trainer_state.json").read_text())["iterative"]
+    assert state["rm"] == "rm/iteration_000"  # what a resume at step 3 restarts from
+
+
 def test_iterations_off_is_an_ordinary_run(tmp_path):
     train.run(compose("train", [*TINY, "trainer.max_steps=1"]), tmp_path)
     assert "iteration" not in metrics(tmp_path)[0]
@@ -142,6 +177,8 @@ def test_iterations_off_is_an_ordinary_run(tmp_path):
     (["rm.replay.share=-0.1"], r"rm.replay.share \(-0.1\) must be in \[0, 1\]"),
     (["labeler=verifier"], r"the labeler gives process labels, so set reward=prm"),
     (["rm.epochs=0"], r"rm.epochs \(0\) must be an integer >= 1"),
+    (["rm.min_auc=1.5"], r"rm.min_auc \(1.5\) must be in \[0, 1\] \(0.5: chance\) or null \(no gate\); "
+                         r"set rm.min_auc=0.6"),
 ])
 def test_bad_iterative_settings(overrides, message):
     with pytest.raises(ConfigError, match=message):

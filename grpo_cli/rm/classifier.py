@@ -60,6 +60,10 @@ def check_settings(R) -> None:
         raise ConfigError(f"rm.template ({R.template!r}) must hold {{prompt}} and {{completion}} once each, as "
                           f"reward.template does where the model scores; set rm.template='{{prompt}}{{completion}}'")
     check_share(R.replay.share)
+    if R.min_auc is not None and (isinstance(R.min_auc, bool) or not isinstance(R.min_auc, (int, float))
+                                  or not 0 <= R.min_auc <= 1):
+        raise ConfigError(f"rm.min_auc ({R.min_auc!r}) must be in [0, 1] (0.5: chance) or null (no gate); "
+                          f"set rm.min_auc=0.6")
     if not isinstance(R.balance, bool):
         raise ConfigError(f"rm.balance ({R.balance!r}) must be true or false (weigh each class's loss by the other's "
                           f"count); set rm.balance=true")
