@@ -20,7 +20,14 @@ of M = iterative.steps steps, the first step of iteration i (step i*M + 1) first
   5. sets the reference policy to the current policy (`policy.set_reference`: a frozen copy of the
      LoRA adapter; two adapters however many iterations run), so the KL of that step is 0.
 One record per iteration (rows, replay counts, held-out accuracy/AUC before and after) goes to
-RUN/iterations.jsonl and a table; every step's metrics carry `iteration`. Checkpoints hold the
+RUN/iterations.jsonl and a table; every step's metrics carry `iteration`. The number the paper's reason
+for iterating implies (an old reward model stops ranking the new policy's samples) is logged at each
+boundary, in the record and in that step's metrics.jsonl record: `rm/auc_current_policy_before`, the
+AUC of the model that scored the last iteration on fresh samples of the policy it produced (the held-out
+rows, labeled by the rule); `rm/auc_current_policy_after`, the retrained model's on the same rows; and
+`rm/auc_current_policy`, the one of the model that scores this iteration (after, unless the gate kept the
+previous model). None where the rows hold one class; at iteration 0 from a new head, "before" is the
+untrained head's. Checkpoints hold the
 iteration count, the reward model's folder (relative to RUN), the replay state and the reference
 adapter (checkpoint `reference/`), so a resume mid-iteration or at a boundary is exact.
 
@@ -173,12 +180,25 @@ class IterativeRL:
                   "rm_trained": str(folder.relative_to(self.run_dir)), "min_auc": settings.min_auc,
                   "kept_previous": keep_previous, **trained, "time/sample_s": round(sampled - started, 1),
                   "time/rm_s": round(time.time() - sampled, 1)}
+        before, after = (trained["heldout_before"] or {}).get("auc"), (trained["heldout_after"] or {}).get("auc")
+        record.update({"rm/auc_current_policy_before": before, "rm/auc_current_policy_after": after,
+                       "rm/auc_current_policy": before if keep_previous else after})
         self.history.append(record)
         self._write_history()
         self.model = self.model if keep_previous else str(folder)
         self.done, self._reward = i + 1, None
         console.print(history_table(self.history))
         return record
+
+    def metrics(self, step: int) -> dict:
+        """What `step`'s metrics.jsonl record carries from a boundary run at it (none inside an iteration)."""
+        for r in self.history:
+            if r["step"] == step:
+                return {"rm/auc_current_policy_before": r["rm/auc_current_policy_before"],
+                        "rm/auc_current_policy_after": r["rm/auc_current_policy_after"],
+                        "rm/auc_current_policy": r["rm/auc_current_policy"],
+                        "rm/kept_previous": int(r["kept_previous"])}
+        return {}
 
     def _gate(self, i: int, step: int, auc: float | None, min_auc: float | None) -> bool:
         """Whether iteration i keeps the previous reward model: the retrained one's held-out AUC is below
@@ -236,7 +256,8 @@ class IterativeRL:
 def history_table(history: list[dict]) -> Table:
     """One row per iteration: the reward model on fresh held-out samples of the policy, before/after retraining."""
     table = Table(title="iterative RL: the reward model on held-out samples of the current policy")
-    for col in ("iter", "step", "rows (right)", "new+replay", "held-out", "before acc/AUC", "after acc/AUC", "time"):
+    for col in ("iter", "step", "rows (right)", "new+replay", "held-out", "before acc/AUC", "after acc/AUC", "scores",
+                "time"):
         table.add_column(col, justify="right")
     fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
     for r in history:
@@ -245,6 +266,7 @@ def history_table(history: list[dict]) -> Table:
                       f"{r['train_new']}+{r['train_replay']}", str(r["heldout"]),
                       f"{fmt(b.get('accuracy'))}/{fmt(b.get('auc'))}",
                       f"{fmt(a.get('accuracy'))}/{fmt(a.get('auc'))}",
+                      "previous" if r.get("kept_previous") else "retrained",
                       f"{r['time/sample_s'] + r['time/rm_s']:.0f} s")
     return table
 

@@ -20,10 +20,12 @@ from safetensors.torch import load_file
 from test_train import TINY, deterministic, metrics
 
 from grpo_cli import checkpoint, iterative
+from grpo_cli import rm as T
 from grpo_cli.commands import train
 from grpo_cli.config import compose, validate
 from grpo_cli.errors import CheckpointError, ConfigError
 from grpo_cli.policy import reference
+from grpo_cli.rm import OutcomeLabeler
 
 REPO = Path(__file__).resolve().parent.parent
 # 3 iterations x 2 steps; per boundary 4 problems x 2 samples = 8 rows, 0.25 x 4 prompts = 1 held out (2 rows)
@@ -161,6 +163,56 @@ def test_the_gate_keeps_the_previous_model_when_the_new_one_ranks_below_the_bar(
     assert (tmp_path / "rm/rejected/iteration_001/config.json").is_file()
     state = json.loads((tmp_path / "checkpoints/step_000002/trainer_state.json").read_text())["iterative"]
     assert state["rm"] == "rm/iteration_000"  # what a resume at step 3 restarts from
+
+
+class AlternatingLabeler(OutcomeLabeler):
+    """Right, wrong, right, ... in sample order: both classes among each prompt's samples (the tiny model is never
+    right), so the held-out rows have an AUC."""
+
+    def __call__(self, samples, **_):
+        return [{"prompt": s["question"], "completion": s["completion"], "label": float(j % 2 == 0),
+                 "answer": s["answer"]} for j, s in enumerate(samples)]
+
+
+def pair_count(scores: list[float], labels: list[float]) -> float:
+    """AUC by hand: the share of (right, wrong) pairs the scores order right, a tie counting 1/2."""
+    pairs = [(p, n) for p, y in zip(scores, labels) if y == 1 for n, z in zip(scores, labels) if z == 0]
+    return sum(1.0 if p > n else 0.5 if p == n else 0.0 for p, n in pairs) / len(pairs)
+
+
+def test_auc_on_the_current_policy_before_and_after_retraining_matches_a_pair_count(tmp_path):
+    """Iteration 1's boundary: the held-out rows are samples of the policy at step 2 (in that boundary's replay file,
+    not iteration 0's), scored by iteration 0's model (before) and the retrained one (after), AUC = pair count."""
+    # 4 problems x 4 samples, half the prompts held out: 2 prompts x 4 samples = 8 rows, 4 right and 4 wrong,
+    # so each AUC is a count of 16 (right, wrong) pairs
+    train.run(cfg("labeler._target_=test_iterative.AlternatingLabeler", "rm.samples_per_problem=4",
+                  "rm.heldout_fraction=0.5", "rm.min_auc=null", "iterative.iterations=2", "iterative.steps=1",
+                  "trainer.max_steps=2"), tmp_path)
+    record = iterations(tmp_path)[1]
+    rows = [json.loads(line) for line in (tmp_path / "rm/iteration_001/labeled.jsonl").read_text().splitlines()]
+    heldout = [r for r in rows if r["split"] == "heldout"]
+    assert len(heldout) == 8 and sum(r["label"] for r in heldout) == 4
+    fresh = {r["completion"] for r in heldout}
+    replay = lambda i: {json.loads(line)["completion"]  # noqa: E731
+                        for line in (tmp_path / f"rm/replay/iteration_{i:03d}.jsonl").read_text().splitlines()}
+    assert fresh <= replay(1) and not fresh & replay(0)  # sampled at this boundary, from the policy as it is now
+
+    counted = {}
+    for when, folder in (("before", "iteration_000"), ("after", "iteration_001")):
+        model, tokenizer = T.load_classifier(tmp_path / "rm" / folder, "outcome", torch.device("cpu"), torch.float32)
+        scores, labels = T.predict(model, tokenizer, heldout, kind="outcome", template="{prompt}{completion}")
+        counted[when] = pair_count(scores, labels)
+    # (this run: 7 of 16 pairs ordered right before, 6 after: the tiny model learns nothing from 8 rows)
+    assert record["rm/auc_current_policy_before"] == pytest.approx(counted["before"])
+    assert record["rm/auc_current_policy_after"] == pytest.approx(counted["after"])
+    assert record["rm/auc_current_policy"] == record["rm/auc_current_policy_after"]  # no gate: the retrained one
+    # the same numbers in metrics.jsonl, at the boundary's step only
+    step2 = metrics(tmp_path)[1]
+    assert (step2["rm/auc_current_policy_before"], step2["rm/auc_current_policy_after"], step2["rm/kept_previous"]) \
+        == (record["rm/auc_current_policy_before"], record["rm/auc_current_policy_after"], 0)
+    # iteration 0 from a new head: the head is scored before training too (a random ranking), then retrained
+    step1, first = metrics(tmp_path)[0], iterations(tmp_path)[0]
+    assert step1["rm/auc_current_policy_after"] == first["heldout_after"]["auc"] is not None
 
 
 def test_iterations_off_is_an_ordinary_run(tmp_path):

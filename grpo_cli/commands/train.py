@@ -198,7 +198,8 @@ def _loop(cfg: DictConfig, run_dir: Path, ckpt: Path | None, world: World) -> Pa
             if iterative:
                 reward_fn = iterative.reward_for(step, policy, tokenizer)
                 state.update(iterative.state_dict())
-                tags = {"iteration": iterative.iteration(step)}
+                # at a boundary also the reward models' AUC on fresh samples of the current policy (before/after)
+                tags = {"iteration": iterative.iteration(step), **iterative.metrics(step)}
             synchronize(device)  # the timers below count GPU work, not just its queueing
             reset_peak_memory(device)
             t0 = time.perf_counter()
