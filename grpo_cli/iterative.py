@@ -40,6 +40,18 @@ model further. There is nothing to keep at iteration 0 from a new head (reward.n
 new model is used and the line says so. Held-out rows of one class have no AUC: the gate cannot judge,
 and the retrained model is used.
 
+Guards against the reward model's blind spots that GRPO amplifies (issue #28; the measured run's policy
+learned to ramble past the length cap because its reward model liked long text):
+  - iterative.truncated_reward: a completion cut at sampler.max_new_tokens gets this reward instead of
+    the model's score (`floor_truncated`), so it scores as the worst answer: a fixed floor, not the
+    batch's lowest score, because a floor is the same whatever else was sampled (the batch minimum ties a
+    truncated completion with the worst finished one, and moves with it). 0 is below every sigmoid score;
+    a PRM's truncated completion gets one step, at its last step's end, of that reward.
+  - the reward given to the policy is the model's score centered per group, not scaled by the group's
+    std: algo.advantage_scale=none (recipes/iterative_from_rm.yaml), so an advantage is score - group mean and a
+    preference of 0.01 moves the policy by 0.01, where the paper's group std would blow it up to ~1.
+    Centering in the reward itself would change nothing: the advantage subtracts the group mean anyway.
+
 Departures from Algorithm 1: the paper resets the reference at the start of an iteration and
 retrains the reward model at its end, starting from a given model; here both happen at the start of
 an iteration, so iteration 0 trains the first reward model on the initial policy's samples (a given
@@ -64,10 +76,42 @@ from grpo_cli.errors import ConfigError, RunError
 from grpo_cli.instantiate import build
 from grpo_cli.metrics import console
 from grpo_cli.policy import resolve_dtype, set_reference
+from grpo_cli.rewards import RewardResult
 
 # the reward config each labeler kind needs, as `reward=OPTION` names it
 _REWARD = {"outcome": ("grpo_cli.rewards.models.outcome_reward_model", "orm"),
            "process": ("grpo_cli.rewards.models.process_reward_model", "prm")}
+
+
+def floor_truncated(result: RewardResult, truncated: list[bool], completions: list[str],
+                    value: float | None) -> RewardResult:
+    """`result` with every truncated completion's reward set to `value` (None: `result` as it is).
+
+    Outcome: the reward is `value`. Process: the steps become one step of reward `value` at the last scored
+    step's end (or the completion's end when none was scored), so the process advantage gives every token
+    of it the same, lowest return. `per_function` keeps the model's raw scores, for the metrics.
+    """
+    if value is None or not any(truncated):
+        return result
+    rewards = [value if cut else r for r, cut in zip(result.rewards, truncated, strict=True)]
+    steps = result.steps
+    if steps is not None:
+        steps = [s if not cut else [(s[-1][0] if s else len(c), value)] if s or c else []
+                 for s, cut, c in zip(steps, truncated, completions, strict=True)]
+        rewards = [sum(r for _, r in s) if s else None for s in steps]
+    return RewardResult(rewards=rewards, per_function=result.per_function, failures=result.failures, steps=steps)
+
+
+class FlooredReward:
+    """A built reward whose truncated completions score `value` (`floor_truncated`); the rollout's
+    `truncated` column says which."""
+
+    def __init__(self, reward, value: float):
+        self.reward, self.value = reward, value
+
+    def __call__(self, prompts: list[str], completions: list[str], columns: dict | None = None) -> RewardResult:
+        result = self.reward(prompts, completions, columns)
+        return floor_truncated(result, list((columns or {})["truncated"]), list(completions), self.value)
 
 
 def check_settings(cfg: DictConfig) -> None:
@@ -123,6 +167,9 @@ class IterativeRL:
             self.boundary(self.iteration(step), step, policy, tokenizer)
         if self._reward is None:  # resumed mid-iteration: the reward model the checkpoint names
             self._reward = build(self.cfg.reward, name_or_path=self.model)
+            floor = self.cfg.iterative.truncated_reward
+            if floor is not None:
+                self._reward = FlooredReward(self._reward, floor)
         return self._reward
 
     def _seed(self, i: int) -> int:
@@ -283,5 +330,8 @@ CHECKS: list[Check] = [
     Rule("iterative.steps", lambda v: is_int(v) and v >= 1, "must be an integer >= 1; set iterative.steps=10"),
     Rule("iterative.temperature", lambda v: v is None or (is_num(v) and v > 0),
          "must be > 0 or null (sampler.temperature); set iterative.temperature=null"),
+    Rule("iterative.truncated_reward", lambda v: v is None or is_num(v),
+         "must be a number (the reward of a truncated completion; 0 is below every sigmoid score) or null (off); "
+         "set iterative.truncated_reward=0.0"),
     raised(check_settings),
 ]

@@ -25,6 +25,7 @@ from grpo_cli.commands import train
 from grpo_cli.config import compose, validate
 from grpo_cli.errors import CheckpointError, ConfigError
 from grpo_cli.policy import reference
+from grpo_cli.rewards import RewardResult
 from grpo_cli.rm import OutcomeLabeler
 
 REPO = Path(__file__).resolve().parent.parent
@@ -215,6 +216,38 @@ def test_auc_on_the_current_policy_before_and_after_retraining_matches_a_pair_co
     assert step1["rm/auc_current_policy_after"] == first["heldout_after"]["auc"] is not None
 
 
+def test_truncated_completions_score_lowest_by_hand():
+    # outcome: model scores .2 .9 .4 .7, the 2nd and 4th cut at the cap -> .2 0 .4 0 with a floor of 0: both
+    # truncated ones below every finished one, whatever the model thought of them
+    scores = RewardResult(rewards=[0.2, 0.9, 0.4, 0.7], per_function={"orm": [0.2, 0.9, 0.4, 0.7]})
+    floored = iterative.floor_truncated(scores, [False, True, False, True], ["a", "bb", "c", "dd"], 0.0)
+    assert floored.rewards == [0.2, 0.0, 0.4, 0.0]
+    assert floored.per_function == {"orm": [0.2, 0.9, 0.4, 0.7]}  # the model's own scores stay for the metrics
+    assert iterative.floor_truncated(scores, [False] * 4, ["a"] * 4, 0.0) is scores  # nothing cut: as it was
+    assert iterative.floor_truncated(scores, [True] * 4, ["a"] * 4, None) is scores  # off
+    # process: steps (3, .9) (6, .8) = 1.7 and (2, .1) = .1; the first is cut -> one step (6, -1) = -1, the
+    # lowest; a cut completion with no scored step gets one at its end, (4, -1)
+    steps = RewardResult(rewards=[1.7, 0.1, None], per_function={"steps": [0.85, 0.1, None]},
+                         steps=[[(3, 0.9), (6, 0.8)], [(2, 0.1)], []])
+    floored = iterative.floor_truncated(steps, [True, False, True], ["abcdef", "ab", "abcd"], -1.0)
+    assert floored.steps == [[(6, -1.0)], [(2, 0.1)], [(4, -1.0)]] and floored.rewards == [-1.0, 0.1, -1.0]
+
+
+def test_truncated_completions_score_lowest_in_a_run(tmp_path):
+    """iterative.truncated_reward=-1: every completion cut at the cap is rewarded -1, below every finished one
+    (the reward model's sigmoid scores lie in (0, 1)); a finished one keeps the model's score."""
+    train.run(cfg("iterative.truncated_reward=-1.0", "iterative.iterations=2", "iterative.steps=1",
+                  "trainer.max_steps=2", "trainer.log_completions_every=1", "algo.group_size=8",
+                  "trainer.prompts_per_step=4", "trainer.micro_batch_size=32"), tmp_path)
+    lines = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
+    cut = [r for r in lines if r["truncated"]]
+    finished = [r for r in lines if not r["truncated"]]
+    assert cut and finished, (len(cut), len(finished))  # both kinds, or the test shows nothing
+    assert all(r["reward"] == -1.0 and 0 < r["rewards"]["orm"] < 1 for r in cut)
+    assert all(r["reward"] == r["rewards"]["orm"] for r in finished)
+    assert max(r["reward"] for r in cut) < min(r["reward"] for r in finished)
+
+
 def test_iterations_off_is_an_ordinary_run(tmp_path):
     train.run(compose("train", [*TINY, "trainer.max_steps=1"]), tmp_path)
     assert "iteration" not in metrics(tmp_path)[0]
@@ -229,6 +262,8 @@ def test_iterations_off_is_an_ordinary_run(tmp_path):
     (["rm.replay.share=-0.1"], r"rm.replay.share \(-0.1\) must be in \[0, 1\]"),
     (["labeler=verifier"], r"the labeler gives process labels, so set reward=prm"),
     (["rm.epochs=0"], r"rm.epochs \(0\) must be an integer >= 1"),
+    (["iterative.truncated_reward=low"], r"iterative.truncated_reward \('low'\) must be a number .*; "
+                                         r"set iterative.truncated_reward=0.0"),
     (["rm.min_auc=1.5"], r"rm.min_auc \(1.5\) must be in \[0, 1\] \(0.5: chance\) or null \(no gate\); "
                          r"set rm.min_auc=0.6"),
 ])
