@@ -51,6 +51,11 @@ learned to ramble past the length cap because its reward model liked long text):
     std: algo.advantage_scale=none (recipes/iterative_from_rm.yaml), so an advantage is score - group mean and a
     preference of 0.01 moves the policy by 0.01, where the paper's group std would blow it up to ~1.
     Centering in the reward itself would change nothing: the advantage subtracts the group mean anyway.
+  - iterative.length_alarm (`length_shift`): each step's metrics carry iterative/length_shift (the mean
+    completion length relative to the iteration's first step's) and iterative/truncated_shift (the
+    truncated share minus the first step's); iterative/length_alarm is 1 when either moves by more than
+    the setting, and the first such step of an iteration prints one line. A function of the steps'
+    records (the checkpoint's history), so a resume gives the same numbers.
 
 Departures from Algorithm 1: the paper resets the reference at the start of an iteration and
 retrains the reward model at its end, starting from a given model; here both happen at the start of
@@ -171,6 +176,27 @@ class IterativeRL:
             if floor is not None:
                 self._reward = FlooredReward(self._reward, floor)
         return self._reward
+
+    def length_shift(self, record: dict, history: list[dict]) -> dict:
+        """The length-shift alarm's metrics for `record` (a step's metrics), against the first step of its
+        iteration (in `history`, the earlier steps' records, or `record` itself); {} with the alarm off."""
+        limit = self.cfg.iterative.length_alarm
+        if limit is None:
+            return {}
+        step, i = record["step"], self.iteration(record["step"])
+        first = i * self.steps + 1
+        earlier = [r for r in history if first <= r["step"] < step]
+        base = next((r for r in earlier if r["step"] == first), record)
+        length, base_length = record["completions/mean_length"], base["completions/mean_length"]
+        cut, base_cut = record["completions/clipped_ratio"], base["completions/clipped_ratio"]
+        shift = (length - base_length) / max(base_length, 1.0)
+        alarm = abs(shift) > limit or abs(cut - base_cut) > limit
+        if alarm and not any(r.get("iterative/length_alarm") for r in earlier):
+            console.print(f"[yellow]step {step}: the completions moved within iteration {i}: mean length "
+                          f"{base_length:.1f} -> {length:.1f} ({shift:+.0%}), truncated {base_cut:.0%} -> {cut:.0%}, "
+                          f"more than iterative.length_alarm={limit}; the reward model may be paying for length")
+        return {"iterative/length_shift": shift, "iterative/truncated_shift": cut - base_cut,
+                "iterative/length_alarm": int(alarm)}
 
     def _seed(self, i: int) -> int:
         return ((self.cfg.trainer.seed * 1_000_003 + self.cfg.rm.seed) * 1_000_003 + i) % 2**63
@@ -333,5 +359,8 @@ CHECKS: list[Check] = [
     Rule("iterative.truncated_reward", lambda v: v is None or is_num(v),
          "must be a number (the reward of a truncated completion; 0 is below every sigmoid score) or null (off); "
          "set iterative.truncated_reward=0.0"),
+    Rule("iterative.length_alarm", lambda v: v is None or (is_num(v) and v > 0),
+         "must be > 0 (the relative mean-length change or the truncated-share change that sounds the alarm) or "
+         "null (off); set iterative.length_alarm=0.25"),
     raised(check_settings),
 ]

@@ -248,6 +248,30 @@ def test_truncated_completions_score_lowest_in_a_run(tmp_path):
     assert max(r["reward"] for r in cut) < min(r["reward"] for r in finished)
 
 
+def test_length_shift_alarm_against_the_iterations_first_step(tmp_path, capsys):
+    rl = iterative.IterativeRL(cfg("iterative.steps=3", "trainer.max_steps=9", "iterative.length_alarm=0.25"),
+                               tmp_path)
+    history = []
+    for step, length, cut in ((1, 20.0, 0.44), (2, 24.0, 0.60), (3, 28.0, 0.50), (4, 30.0, 0.97), (5, 31.0, 0.97)):
+        record = {"step": step, "completions/mean_length": length, "completions/clipped_ratio": cut}
+        record.update(rl.length_shift(record, history))
+        history.append(record)
+    shifts = [(r["iterative/length_shift"], r["iterative/truncated_shift"], r["iterative/length_alarm"])
+              for r in history]
+    # step 1 is iteration 0's first: no shift. Step 2: (24 - 20) / 20 = +0.20, 0.60 - 0.44 = +0.16: both within
+    # 0.25. Step 3: (28 - 20) / 20 = +0.40 > 0.25: the alarm. Step 4 starts iteration 1 (its own baseline);
+    # step 5: 1 / 30 = +0.033, truncated +0.
+    assert [(round(a, 3), round(b, 3), c) for a, b, c in shifts] == [
+        (0.0, 0.0, 0), (0.2, 0.16, 0), (0.4, 0.06, 1), (0.0, 0.0, 0), (0.033, 0.0, 0)]
+    said = " ".join(capsys.readouterr().err.split())
+    assert said.count("the completions moved") == 1
+    assert "step 3: the completions moved within iteration 0: mean length 20.0 -> 28.0 (+40%), truncated 44% -> " \
+           "50%, more than iterative.length_alarm=0.25" in said
+    # off: no metrics
+    off = iterative.IterativeRL(cfg("iterative.length_alarm=null"), tmp_path)
+    assert off.length_shift(history[2], history[:2]) == {}
+
+
 def test_iterations_off_is_an_ordinary_run(tmp_path):
     train.run(compose("train", [*TINY, "trainer.max_steps=1"]), tmp_path)
     assert "iteration" not in metrics(tmp_path)[0]
@@ -264,6 +288,7 @@ def test_iterations_off_is_an_ordinary_run(tmp_path):
     (["rm.epochs=0"], r"rm.epochs \(0\) must be an integer >= 1"),
     (["iterative.truncated_reward=low"], r"iterative.truncated_reward \('low'\) must be a number .*; "
                                          r"set iterative.truncated_reward=0.0"),
+    (["iterative.length_alarm=0"], r"iterative.length_alarm \(0\) must be > 0 .*; set iterative.length_alarm=0.25"),
     (["rm.min_auc=1.5"], r"rm.min_auc \(1.5\) must be in \[0, 1\] \(0.5: chance\) or null \(no gate\); "
                          r"set rm.min_auc=0.6"),
 ])

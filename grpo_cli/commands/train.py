@@ -256,6 +256,8 @@ def _loop(cfg: DictConfig, run_dir: Path, ckpt: Path | None, world: World) -> Pa
                       # every draw's tokens: dynamic sampling samples more than it keeps
                       "tokens_per_s": sum(record_tokens(world, d.rollout) for d in draws) / max(t_rollout, 1e-9),
                       "peak_memory_mb": peak_memory_mb(device), **step_memory(device)}
+            if iterative:  # the length-shift alarm: mean length and truncated share against the iteration's start
+                record.update(iterative.length_shift(record, state["history"]))
             log.log(record)
             samples.log(step, kept.positions, examples, rollout, result, adv, world)
             state["step"] = step
