@@ -94,8 +94,12 @@ def test_bad_data_path_is_one_line(tmp_path):
 @pytest.mark.parametrize("recipe", sorted(p.stem for p in RECIPES_DIR.glob("*.yaml")))
 def test_every_recipe_composes_and_instantiates(recipe, gsm8k_path):
     cfg = compose("train", [f"+recipe={recipe}"])
+    overrides = [f"+recipe={recipe}"]
     if "path" in cfg.data:  # a file-backed task: point it at the local GSM8K copy
-        cfg = compose("train", [f"+recipe={recipe}", f"data.path={gsm8k_path}"])
+        overrides.append(f"data.path={gsm8k_path}")
+    if OmegaConf.is_missing(cfg.reward, "name_or_path"):  # a recipe that starts from a model the user gives
+        overrides.append("reward.name_or_path=some/model")
+    cfg = compose("train", overrides)
     validate(cfg, *train.CHECKS)
     # iterative RL trains its reward model at step 1 (reward.name_or_path null until then): it builds no reward here
     for section in ("data", "sampler") if cfg.iterative.iterations else ("data", "reward", "sampler"):

@@ -272,6 +272,18 @@ def test_length_shift_alarm_against_the_iterations_first_step(tmp_path, capsys):
     assert off.length_shift(history[2], history[:2]) == {}
 
 
+def test_the_from_rm_recipe_needs_a_model_and_turns_the_guards_on():
+    with pytest.raises(ConfigError, match=r"reward.name_or_path is required .*: reward.name_or_path=..."):
+        validate(compose("train", ["+recipe=iterative_from_rm"]))
+    config = validate(compose("train", ["+recipe=iterative_from_rm", "reward.name_or_path=some/model"]))
+    assert (config.rm.balance, config.rm.min_auc, config.iterative.truncated_reward, config.algo.advantage_scale,
+            config.iterative.length_alarm) == (True, 0.6, 0.0, "none", 0.25)
+    # the same job as recipes/iterative.yaml otherwise: what differs is the start and the guards
+    plain = compose("train", ["+recipe=iterative"])
+    assert (config.iterative.iterations, config.iterative.steps, config.rm.num_problems) == \
+        (plain.iterative.iterations, plain.iterative.steps, plain.rm.num_problems)
+
+
 def test_iterations_off_is_an_ordinary_run(tmp_path):
     train.run(compose("train", [*TINY, "trainer.max_steps=1"]), tmp_path)
     assert "iteration" not in metrics(tmp_path)[0]
