@@ -233,7 +233,7 @@ class IterativeRL:
                                                         resolve_dtype(cfg.model.dtype, device), seed=seed)
             model, trained = rm.retrain(model, rm_tokenizer, mix, heldout, settings, kind, seed=seed)
         after = trained["heldout_after"] or {}
-        keep_previous = self._gate(i, step, after.get("auc"), settings.min_auc)
+        keep_previous = self._gate(i, step, after.get("auc"), settings.min_auc, len(heldout))
         folder = self.run_dir / "rm" / ("rejected" if keep_previous else "") / f"iteration_{i:03d}"
         rm.save_reward_model(model, rm_tokenizer, folder, {"kind": kind, "template": settings.template, "iteration": i,
                                                           "step": step, "heldout": trained["heldout_after"],
@@ -273,12 +273,17 @@ class IterativeRL:
                         "rm/kept_previous": int(r["kept_previous"])}
         return {}
 
-    def _gate(self, i: int, step: int, auc: float | None, min_auc: float | None) -> bool:
-        """Whether iteration i keeps the previous reward model: the retrained one's held-out AUC is below
-        rm.min_auc and there is a previous one. One console line whenever the bar is set and not cleared."""
+    def _gate(self, i: int, step: int, auc: float | None, min_auc: float | None, heldout: int) -> bool:
+        """Whether iteration i keeps the previous reward model: the retrained one's AUC on its `heldout` rows
+        is below rm.min_auc and there is a previous one. One console line whenever the bar is set and not
+        cleared."""
         if min_auc is None:
             return False
         steps = f"steps {step}-{step + self.steps - 1}"
+        if not heldout:
+            console.print(f"[yellow]iteration {i}: no held-out rows (rm.heldout_fraction=0), so rm.min_auc={min_auc} "
+                          f"cannot judge the retrained reward model; it scores {steps}")
+            return False
         if auc is None:
             console.print(f"[yellow]iteration {i}: the held-out rows hold one class only, so the retrained reward "
                           f"model has no AUC and rm.min_auc={min_auc} cannot judge it; it scores {steps}")

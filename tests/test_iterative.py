@@ -165,6 +165,15 @@ def test_the_gate_keeps_the_previous_model_when_the_new_one_ranks_below_the_bar(
     state = json.loads((tmp_path / "checkpoints/step_000002/trainer_state.json").read_text())["iterative"]
     assert state["rm"] == "rm/iteration_000"  # what a resume at step 3 restarts from
 
+    # no held-out rows, or rows of one class: nothing to judge by, the retrained model is used, and said
+    rl = iterative.IterativeRL(cfg("rm.min_auc=0.5"), tmp_path / "other")
+    rl.model = "previous"
+    assert not rl._gate(1, 3, None, 0.5, heldout=0) and not rl._gate(1, 3, None, 0.5, heldout=2)
+    said = " ".join(capsys.readouterr().err.split())
+    assert "iteration 1: no held-out rows (rm.heldout_fraction=0), so rm.min_auc=0.5 cannot judge" in said
+    assert "iteration 1: the held-out rows hold one class only, so the retrained reward model has no AUC" in said
+    assert rl._gate(1, 3, 0.49, 0.5, heldout=2) and not rl._gate(1, 3, 0.5, 0.5, heldout=2)  # the bar is >=
+
 
 class AlternatingLabeler(OutcomeLabeler):
     """Right, wrong, right, ... in sample order: both classes among each prompt's samples (the tiny model is never
