@@ -76,7 +76,9 @@ def select_result(result: RewardResult, rows: list[int]) -> RewardResult:
     return RewardResult(rewards=[result.rewards[i] for i in rows],
                         per_function={k: [v[i] for i in rows] for k, v in result.per_function.items()},
                         failures=result.failures,
-                        steps=None if result.steps is None else [result.steps[i] for i in rows])
+                        steps=None if result.steps is None else [result.steps[i] for i in rows],
+                        outcome=None if result.outcome is None else [result.outcome[i] for i in rows],
+                        process_weight=result.process_weight)
 
 
 def concat_results(parts: list[RewardResult]) -> RewardResult:
@@ -84,7 +86,10 @@ def concat_results(parts: list[RewardResult]) -> RewardResult:
     return RewardResult(rewards=[r for p in parts for r in p.rewards],
                         per_function={k: [v for p in parts for v in p.per_function[k]] for k in names},
                         failures=sum(p.failures for p in parts),
-                        steps=None if not parts or parts[0].steps is None else [s for p in parts for s in p.steps])
+                        steps=None if not parts or parts[0].steps is None else [s for p in parts for s in p.steps],
+                        outcome=None if not parts or parts[0].outcome is None else [
+                            o for p in parts for o in p.outcome],
+                        process_weight=parts[0].process_weight if parts else None)
 
 
 class GroupFilter:

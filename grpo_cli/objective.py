@@ -121,7 +121,9 @@ def process_advantages(
     """Per-step rewards of N completions -> [N, length] per-token advantages (DeepSeekMath §4.1.3).
 
     `step_rewards[i]` are the K_i step rewards of completion i, `step_ends[i]` the completion-token
-    index of the last token of each step (strictly increasing, < length). Within each group every
+    index of the last token of each step (non-decreasing, < length: several steps may end on one token,
+    each counted on its own in the group's mean and std, e.g. a final answer's step and the reference
+    steps a completion never wrote, all at its last token). Within each group every
     step reward is normalized by the mean and population std of all step rewards of the group;
     token t of completion i gets the sum of its normalized step rewards whose step ends at or after
     t, so tokens after the last step end get 0. NaN step rewards are left out like NaN outcome
@@ -145,9 +147,9 @@ def process_advantages(
             raise ValueError(f"completion {i} has {len(rs)} step rewards but {len(es)} step ends")
         prev = -1
         for e in es:
-            if int(e) != e or e <= prev or e >= length:
+            if int(e) != e or e < prev or e < 0 or e >= length:
                 raise ValueError(
-                    f"completion {i}: step ends {list(es)} must be integers, strictly increasing, "
+                    f"completion {i}: step ends {list(es)} must be integers, non-decreasing, "
                     f"in [0, {length}) (token indices within the completion)"
                 )
             prev = e

@@ -45,28 +45,43 @@ def advantages(result, rollout: Rollout, tokenizer, group_size: int, scale: str,
 
     Outcome rewards of every rank are gathered first (scale=batch reads them all) and this rank's
     slice of the advantages is returned; process rewards are normalized per group, on this rank.
+    A process reward with a finite `process_weight` λ also carries outcome rewards: A = A_outcome + λ·A_process,
+    each normalized on its own within the group (PRIME, arXiv 2502.01456; PURE, 2504.15275).
     """
     if result.steps is None:
-        rewards = torch.tensor([math.nan if r is None else r for r in result.rewards], dtype=torch.float32)
-        everyone = world.cat(rewards)  # [N · world size], rank order
-        return outcome_advantages(everyone, group_size, scale=scale, std=std)[world.slice(everyone.numel())]
+        return _outcome(result.rewards, group_size, scale, std, world)
     step_rewards, step_ends = [], []
     completion_ids, keep = rollout.completion_ids.cpu(), rollout.completion_mask.cpu().bool()  # one host copy
     for row, steps in enumerate(result.steps):
         ids = completion_ids[row][keep[row]].tolist()
-        # several steps may end inside one token; keep the last reward per token so ends stay increasing
-        ends = char_ends_to_token_index(tokenizer, ids, [end for end, _ in steps]) if steps else []
-        if ends:
-            # the last step ends at the completion's last token (its EOS): the decision to stop belongs to the
-            # final step. Ending it at the last character instead left EOS after every step end, with
-            # advantage 0, so stopping was never penalized while writing on was (README, Process vs outcome)
-            ends[-1] = len(ids) - 1
-        by_token: dict[int, float] = {}
-        for t, (_, r) in zip(ends, steps):
-            by_token[t] = by_token.get(t, 0.0) + r
-        step_ends.append(sorted(by_token))
-        step_rewards.append([by_token[t] for t in sorted(by_token)])
-    return process_advantages(step_rewards, step_ends, group_size, rollout.completion_ids.shape[1])
+        text_end = len(rollout.texts[row])
+        # a step at char_end len(text) + 1 ends with the completion: on its last token (its EOS), the decision to
+        # stop; the others on the token holding their last character. Several steps may share a token (the
+        # answer's step and the unwritten slots): each stays a step of its own in the group's mean and std
+        inside = [end for end, _ in steps if end <= text_end]
+        ends = char_ends_to_token_index(tokenizer, ids, inside) if inside else []
+        ends += [len(ids) - 1] * (len(steps) - len(inside))
+        if ends and len(inside) == len(steps):
+            # no step ends with the completion: the last one does (with any sharing its token). At its last
+            # character instead, the EOS after it got advantage 0, so stopping was never penalized while writing on
+            # was (docs/process-supervision.md)
+            last = ends[-1]
+            ends = [len(ids) - 1 if t == last else t for t in ends]
+        step_ends.append(ends)
+        step_rewards.append([r for _, r in steps])
+    process = process_advantages(step_rewards, step_ends, group_size, rollout.completion_ids.shape[1])  # [N, T]
+    weight = getattr(result, "process_weight", None)
+    if weight is None or math.isinf(weight):  # process only: the paper's form
+        return process
+    outcome = _outcome(result.outcome, group_size, scale, std, world)  # [N], every completion token alike
+    return outcome[:, None] + weight * process
+
+
+def _outcome(rewards: list[float | None], group_size: int, scale: str, std: str, world: World) -> torch.Tensor:
+    """[N] group-normalized outcome advantages of this rank's rows (None: no score)."""
+    mine = torch.tensor([math.nan if r is None else r for r in rewards], dtype=torch.float32)
+    everyone = world.cat(mine)  # [N · world size], rank order
+    return outcome_advantages(everyone, group_size, scale=scale, std=std)[world.slice(everyone.numel())]
 
 
 @dataclass

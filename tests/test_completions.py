@@ -79,7 +79,8 @@ def test_process_rewards_log_their_steps(tmp_path, capsys):
     assert any(line["steps"] for line in lines)
     for line in lines:
         ends = [end for end, _ in line["steps"]]
-        assert ends == sorted(ends) and all(0 < end <= len(line["completion"]) for end in ends)
+        # len + 1: a step that ends with the completion (the answer's)
+        assert ends == sorted(ends) and all(0 < end <= len(line["completion"]) + 1 for end in ends)
         if line["steps"]:  # per_function["steps"] is the completion's mean step reward
             assert line["rewards"]["steps"] == pytest.approx(mean(r for _, r in line["steps"]))
     assert " [+" in capsys.readouterr().err or all(r <= 0 for line in lines for _, r in line["steps"])

@@ -118,13 +118,13 @@ def test_task_class_is_an_arithmetic_task():
 
 def test_hand_worked_solution_verifies():
     solution = "23 + 14 = 37\n37 - 9 = 28\n28 + 31 = 59"
-    # lines end at 12, 12 + 1 + 11 = 24 and 24 + 1 + 12 = 37; each holds (+1); the last also has the
-    # right answer (+1) -> 2
-    assert verify_steps(solution, "59") == [(12, 1.0), (24, 1.0), (37, 2.0)]
+    # lines end at 12, 12 + 1 + 11 = 24 and 24 + 1 + 12 = 37; each holds (+1); the answer (59, right) is a step
+    # of its own that ends with the completion (37 + 1 = 38, its EOS): +1
+    assert verify_steps(solution, "59") == [(12, 1.0), (24, 1.0), (37, 1.0), (38, 1.0)]
     # 37 - 9 is 28, not 29: that line -1; the next line still holds and the answer is still 59
-    assert verify_steps(solution.replace("= 28", "= 29"), "59") == [(12, 1.0), (24, -1.0), (37, 2.0)]
-    # 28 + 31 is 59, not 58: the line -1, and the answer (58) is wrong, -1 more -> -2
-    assert verify_steps(solution.replace("= 59", "= 58"), "59") == [(12, 1.0), (24, 1.0), (37, -2.0)]
+    assert verify_steps(solution.replace("= 28", "= 29"), "59") == [(12, 1.0), (24, -1.0), (37, 1.0), (38, 1.0)]
+    # 28 + 31 is 59, not 58: the line -1, and the answer (58) is wrong, -1
+    assert verify_steps(solution.replace("= 59", "= 58"), "59") == [(12, 1.0), (24, 1.0), (37, -1.0), (38, -1.0)]
 
 
 @pytest.mark.parametrize("overrides", [
@@ -137,17 +137,19 @@ def test_every_reference_line_correct_and_every_perturbed_line_wrong(overrides):
             {"solution": s, "answer": s.rsplit(" ", 1)[1]} for _, s in task.shots]:
         solution, answer = example["solution"], example["answer"]
         assert extract_answer(solution) == answer
-        # every line holds (+1); the last also carries the right answer (+1)
-        assert [r for _, r in verify_steps(solution, answer)] == [1.0] * (steps - 1) + [2.0]
-        assert [r for _, r in chain_steps(solution, solution, answer)] == [1.0] * (steps - 1) + [2.0]
+        # every line holds (+1), and the answer's step is right (+1)
+        assert [r for _, r in verify_steps(solution, answer)] == [1.0] * steps + [1.0]
+        assert [r for _, r in chain_steps(solution, solution, answer)] == [1.0] * steps + [1.0]
         lines = solution.split("\n")
         for k, line in enumerate(lines):
             a, op, b, c = LINE.match(line).groups()
             wrong = lines[:k] + [f"{a} {op} {b} = {int(c) + 1}"] + lines[k + 1:]
             rewards = [r for _, r in verify_steps("\n".join(wrong), answer)]
-            # line k is wrong (-1); a wrong last line also makes the answer wrong (-1 more)
-            expected = [1.0] * (steps - 1) + [2.0]
-            expected[k] = -2.0 if k == steps - 1 else -1.0
+            # line k is wrong (-1); a wrong last line also makes the answer's step wrong (-1)
+            expected = [1.0] * steps + [1.0]
+            expected[k] = -1.0
+            if k == steps - 1:
+                expected[-1] = -1.0
             assert rewards == expected, (solution, k)
             # the chain judge agrees: only the changed line is off the reference
             assert [r for _, r in chain_steps("\n".join(wrong), solution, answer)] == expected, (solution, k)
@@ -177,15 +179,18 @@ def test_process_reward_scores_a_reference_and_a_slip():
                    "3 + 1 = 4"]                               # true, but not a step of this problem
     solutions = ["3 + 9 = 12\n12 - 3 = 9\n9 - 1 = 8"] * 4
     result = reward(["Compute 3 + 9 - 3 - 1."] * 4, completions, {"answer": ["8"] * 4, "solution": solutions})
-    # lines end at 10, 10 + 1 + 10 = 21, 21 + 1 + 9 = 31
-    # reference: +1, +1, +1 and the answer +1 -> sum 4
-    # slip: +1, -1 (12 - 3 is 9); 8 - 1 = 7 holds but is not the reference's third step (9 - 1 = 8): -1,
-    # and the answer 7 is wrong: -1 more -> -2 on the last line, sum -2
-    # prose: neutral 0, the answer +1, and the 3 reference steps it never wrote -1 each -> -2
-    # the gamed line (what step_rewards paid +1 for): off the chain -1, answer 4 wrong -1, and 2 of the 3
-    # reference steps missing (it made one claim) -2 -> -4
-    assert result.steps == [[(10, 1.0), (21, 1.0), (31, 2.0)], [(10, 1.0), (21, -1.0), (31, -2.0)], [(16, -2.0)],
-                            [(9, -4.0)]]
+    # lines end at 10, 10 + 1 + 10 = 21, 21 + 1 + 9 = 31; the 3 slots, then the answer's step with the completion
+    # (31 + 1 = 32; the prose is 16 characters -> 17, the gamed line 9 -> 10), where unwritten slots end too
+    # reference: +1, +1, +1, answer +1 -> sum 4
+    # slip: +1, -1 (12 - 3 is 9); 8 - 1 = 7 holds but is not the reference's third step (9 - 1 = 8): -1;
+    # the answer 7 is wrong: -1 -> sum -2
+    # prose: no claim, no line step; the 3 slots never written -1 each, the answer 8 right +1 -> sum -2
+    # the gamed line (what step_rewards paid +1 for): off the chain -1, slots 2 and 3 never written -1 each, the
+    # answer 4 wrong -1 -> sum -4
+    assert result.steps == [[(10, 1.0), (21, 1.0), (31, 1.0), (32, 1.0)],
+                            [(10, 1.0), (21, -1.0), (31, -1.0), (32, -1.0)],
+                            [(17, -1.0), (17, -1.0), (17, -1.0), (17, 1.0)],
+                            [(9, -1.0), (10, -1.0), (10, -1.0), (10, -1.0)]]
     assert result.rewards == [4.0, -2.0, -2.0, -4.0]
     # the metric both recipes log, rewards/accuracy/mean
     assert result.per_function["accuracy"] == [1.0, 0.0, 1.0, 0.0]
@@ -193,23 +198,28 @@ def test_process_reward_scores_a_reference_and_a_slip():
 
 def test_chain_steps_needs_the_reference_step_in_order():
     solution = "6 - 3 = 3\n3 + 8 = 11\n11 - 7 = 4"
-    # the first step alone, then stop: +1, and the answer 3 is wrong -1 -> 0; with missing=-1 the two steps it
-    # never wrote cost 2 more -> -2, as much as trying them and slipping on the second (+1, -1, -1 -1)
-    assert chain_steps("6 - 3 = 3", solution, "4") == [(9, 0.0)]
-    assert chain_steps("6 - 3 = 3", solution, "4", missing=-1.0) == [(9, -2.0)]
-    assert [r for _, r in chain_steps("6 - 3 = 3\n3 + 8 = 12\n12 - 7 = 5", solution, "4", missing=-1.0)] == [
-        1.0, -1.0, -2.0]
+    # the first step alone, then stop: slot 1 +1 (at its last character, 9), slots 2 and 3 never written -1 each
+    # and the answer 3 wrong -1, all three with the completion (10, its EOS)
+    assert chain_steps("6 - 3 = 3", solution, "4") == [(9, 1.0), (10, -1.0), (10, -1.0), (10, -1.0)]
+    # missing=0 makes stopping early free again (the option the recipe does not take)
+    assert chain_steps("6 - 3 = 3", solution, "4", missing=0.0) == [(9, 1.0), (10, 0.0), (10, 0.0), (10, -1.0)]
+    # trying on and slipping on the second: +1, -1, -1 (off the chain after the slip), answer 5 wrong -1
+    assert [r for _, r in chain_steps("6 - 3 = 3\n3 + 8 = 12\n12 - 7 = 5", solution, "4")] == [1.0, -1.0, -1.0, -1.0]
     # all three steps written: nothing missing
-    assert [r for _, r in chain_steps(solution, solution, "4", missing=-1.0)] == [1.0, 1.0, 2.0]
-    # the right steps in the wrong order: line 1 is not step 1, line 2 is not step 2 (each -1)
-    assert [r for _, r in chain_steps("3 + 8 = 11\n6 - 3 = 3", solution, "4")] == [-1.0, -2.0]
-    # spacing and a trailing period do not matter; a closing line with no claim is neutral (0 + answer 1)
-    assert [r for _, r in chain_steps("6-3=3.\n3 +8 = 11\n11 - 7 = 4.\nSo the answer is 4.", solution, "4")] == [
-        1.0, 1.0, 1.0, 1.0]
-    # a true claim past the last reference step is not a step of this solution: -1 (plus the answer, +1)
-    assert [r for _, r in chain_steps(solution + "\n4 + 0 = 4", solution, "4")] == [1.0, 1.0, 1.0, 0.0]
-    # a right step with a wrong extra claim on the same line is wrong
-    assert [r for _, r in chain_steps("6 - 3 = 3 = 4", solution)] == [-1.0]
+    assert [r for _, r in chain_steps(solution, solution, "4")] == [1.0, 1.0, 1.0, 1.0]
+    # the right steps in the wrong order: line 1 is not step 1, line 2 is not step 2 (each -1), slot 3 missing -1,
+    # answer 3 wrong -1
+    assert [r for _, r in chain_steps("3 + 8 = 11\n6 - 3 = 3", solution, "4")] == [-1.0, -1.0, -1.0, -1.0]
+    # spacing and a trailing period do not matter; a closing line with no claim is no step (the answer's step ends
+    # with the completion: "6-3=3." ends at 6, "3 +8 = 11" at 16, "11 - 7 = 4." at 28, the text at 48 -> 49)
+    assert chain_steps("6-3=3.\n3 +8 = 11\n11 - 7 = 4.\nSo the answer is 4.", solution, "4") == [
+        (6, 1.0), (16, 1.0), (28, 1.0), (49, 1.0)]
+    # a true claim past the last reference step is an extra step: -1 (then the answer, +1)
+    assert [r for _, r in chain_steps(solution + "\n4 + 0 = 4", solution, "4")] == [1.0, 1.0, 1.0, -1.0, 1.0]
+    # a right step with a wrong extra claim on the same line is wrong (no answer given: no answer step)
+    assert [r for _, r in chain_steps("6 - 3 = 3 = 4", solution)] == [-1.0, -1.0, -1.0]
+    # truncated: the answer's step is wrong even though the text's last number is the answer
+    assert chain_steps(solution, solution, "4", truncated=True)[-1] == (len(solution) + 1, -1.0)
 
 
 def test_outcome_reward_scores_the_answer_alone():

@@ -155,12 +155,12 @@ def test_process_reward_sums_steps():
     completions = ["2 + 2 = 4\n#### 4", "2 + 2 = 5\nso\n#### 5", ""]
     result = reward(["p"] * 3, completions, {"answer": ["4", "4", "4"]})
     assert isinstance(result, RewardResult)
-    # 1: right (+1), last step 0 + outcome +1 -> [(9, 1), (16, 1)], sum 2, mean 1
-    # 2: wrong (-1), prose 0, last step 0 + outcome -1 -> sum -2, mean -2/3
+    # 1: right (+1), then the answer's step with the completion (16 chars -> 17; outcome +1): sum 2, mean 1
+    # 2: wrong (-1); "so" and "#### 5" make no claim (no step); the answer's step -1 at 19 + 1 -> sum -2, mean -1
     # 3: blank -> no steps, no score
-    assert result.steps == [[(9, 1.0), (16, 1.0)], [(9, -1.0), (12, 0.0), (19, -1.0)], []]
+    assert result.steps == [[(9, 1.0), (17, 1.0)], [(9, -1.0), (20, -1.0)], []]
     assert result.rewards == [2.0, -2.0, None]
-    assert result.per_function["steps"] == [1.0, pytest.approx(-2 / 3), None]
+    assert result.per_function["steps"] == [1.0, -1.0, None]
     assert result.per_function["accuracy"] == [1.0, 0.0, 0.0]
     assert result.failures == 0
 

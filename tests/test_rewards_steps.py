@@ -33,29 +33,41 @@ def test_split_steps_pattern():
 
 
 SOLUTION = (
-    "Tom has 3 boxes of 4 apples.\n"     # 28 chars, prose -> 0
+    "Tom has 3 boxes of 4 apples.\n"     # 28 chars, prose: no claim, no step
     "He has 3 * 4 = 12 apples.\n"        # ends at 28+1+25 = 54, right -> +1
     "He eats 2, so 12 - 2 = 9 remain.\n"  # ends at 54+1+32 = 87, wrong (10) -> -1
-    "#### 10"                            # ends at 87+1+7 = 95, no claim 0, answer right +1
+    "#### 10"                            # ends at 87+1+7 = 95, no claim: no step
 )
 
 
 def test_verify_steps_hand_worked_solution():
-    assert verify_steps(SOLUTION, answer="10") == [(28, 0.0), (54, 1.0), (87, -1.0), (95, 1.0)]
-    # a wrong final answer: the last step gets 0 + outcome_wrong (-1)
-    assert verify_steps(SOLUTION, answer="11")[-1] == (95, -1.0)
-    # no answer: no outcome term
-    assert verify_steps(SOLUTION)[-1] == (95, 0.0)
+    # two claim lines, then the answer (10, right) as a step of its own that ends with the completion (95 + 1 = 96:
+    # past the last character, on the EOS)
+    assert verify_steps(SOLUTION, answer="10") == [(54, 1.0), (87, -1.0), (96, 1.0)]
+    # a wrong final answer: the answer's step is outcome_wrong (-1)
+    assert verify_steps(SOLUTION, answer="11") == [(54, 1.0), (87, -1.0), (96, -1.0)]
+    # no answer: no answer step
+    assert verify_steps(SOLUTION) == [(54, 1.0), (87, -1.0)]
+    # truncated: it never finished, so its answer is wrong even though its last number is 10
+    assert verify_steps(SOLUTION, answer="10", truncated=True)[-1] == (96, -1.0)
 
 
 def test_verify_steps_options():
-    scores = verify_steps(SOLUTION, answer="10", correct=2.0, wrong=-3.0, neutral=0.5,
-                          outcome_correct=10.0, outcome_wrong=-10.0)
-    # prose 0.5, right 2, wrong -3, last step neutral 0.5 + outcome 10 = 10.5
-    assert [r for _, r in scores] == [0.5, 2.0, -3.0, 10.5]
+    scores = verify_steps(SOLUTION, answer="10", correct=2.0, wrong=-3.0, outcome_correct=10.0, outcome_wrong=-10.0)
+    # right 2, wrong -3, answer 10 (the prose lines are no steps)
+    assert [r for _, r in scores] == [2.0, -3.0, 10.0]
     # one step per "Step N:"; the two claims of step 1 both hold, step 2's does not
     text = "Step 1: 2 + 2 = 4, and 4 * 3 = 12. Step 2: 12 / 4 = 2."
     assert verify_steps(text, pattern=r"Step \d+:") == [(34, 1.0), (54, -1.0)]
+
+
+def test_verify_steps_clip():
+    # Clip (arXiv 2410.15115): a true line's +1 is capped at 0, a wrong one stays -1, the answer is not clipped
+    assert verify_steps(SOLUTION, answer="10", clip=True) == [(54, 0.0), (87, -1.0), (96, 1.0)]
+    # "one true unrelated line and stop" on a problem whose answer is 8: unclipped the line pays +1 and the
+    # answer -1 (sum 0, a group mean's worth when the others are wrong); clipped the line earns 0, sum -1
+    assert [r for _, r in verify_steps("6 + 3 = 9", answer="8")] == [1.0, -1.0]
+    assert [r for _, r in verify_steps("6 + 3 = 9", answer="8", clip=True)] == [0.0, -1.0]
 
 
 def test_verify_steps_blank_completion_has_no_steps():
@@ -143,36 +155,39 @@ def test_hostile_input_is_fast_and_scored(text):
     finally:
         gc.enable()
     assert elapsed < 0.1, f"{elapsed * 1000:.0f} ms of CPU"
-    assert len(scores) == 1 and isinstance(scores[0][1], float)
+    # at most the one line's step (at its last character) and the answer's (with the completion)
+    assert 1 <= len(scores) <= 2 and all(end in (len(text.rstrip()), len(text) + 1) and isinstance(r, float)
+                                         for end, r in scores)
 
 
-def test_unverifiable_claims_are_neutral():
-    # a power too large to check is no claim (0), not a crash and not a wrong step
-    assert verify_steps("9**9**9**9 = 1") == [(14, 0.0)]
-    # 10,000 + 1 + 10,000 + len(" = 1") = 20,005 characters
-    assert verify_steps("(" * 10_000 + "1" + ")" * 10_000 + " = 1") == [(20_005, 0.0)]
+def test_unverifiable_claims_are_no_steps():
+    # a power too large to check is no claim (no step), not a crash and not a wrong step; the answer's step remains
+    assert verify_steps("9**9**9**9 = 1") == []
+    assert verify_steps("9**9**9**9 = 1", answer="1") == [(15, 1.0)]  # 14 characters, the answer's step at 15
+    # 10,000 + 1 + 10,000 + len(" = 1") = 20,005 characters; the answer's step at 20,006
+    assert verify_steps("(" * 10_000 + "1" + ")" * 10_000 + " = 1", answer="2") == [(20_006, -1.0)]
 
 
 def test_step_rewards_scorer():
     completions = ["2 + 2 = 4\n#### 4", "2 + 2 = 5\n#### 5"]
-    # first: +1, then 0 + outcome +1; second: -1, then 0 + outcome -1
+    # first: the claim line +1, then the answer step +1; second: -1, then the answer step -1 ("#### N" is no claim)
     assert step_rewards(["q", "q"], completions, answer=["4", "4"], truncated=[False, False]) == [
-        [(9, 1.0), (16, 1.0)], [(9, -1.0), (16, -1.0)]]
+        [(9, 1.0), (17, 1.0)], [(9, -1.0), (17, -1.0)]]
     assert step_rewards(["q"], ["2 + 2 = 4"]) == [[(9, 1.0)]]
 
 
 def test_gsm8k_reference_solutions_have_few_wrong_steps(gsm8k_path):
     """The dataset's own arithmetic checks out: its last steps all score the outcome, and a wrong
-    intermediate step is a rare, real slip in the data (29 of 26,720 when written)."""
+    intermediate step is a rare, real slip in the data (29 of 24,590 claim steps when written)."""
     with open(gsm8k_path) as f:
         rows = [json.loads(line) for line in f]
     steps = wrong = 0
     for row in rows:
         final = row["answer"].split("####")[-1].strip()
         scores = verify_steps(row["answer"], answer=final)
-        # the last step is "#### N": no claim, outcome correct -> exactly +1
+        # the last step is the answer's: outcome correct -> exactly +1
         assert scores[-1][1] == 1.0, row["answer"]
         steps += len(scores) - 1
         wrong += sum(r < 0 for _, r in scores[:-1])
-    assert steps > 25_000
+    assert steps > 24_000
     assert wrong / steps < 0.002

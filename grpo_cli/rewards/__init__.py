@@ -26,6 +26,7 @@ option) stops it with the fix, and KeyboardInterrupt (Ctrl-C) passes through.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import logging
@@ -74,13 +75,18 @@ class RewardResult:
         malformed result. A call that raised is retried one completion at a time, so only the
         completions it fails on lose their score.
     steps: process rewards only: per completion, [(char_end, reward), ...] in text order, char_end
-        exclusive; [] when the completion has no scored step. None for outcome rewards.
+        exclusive (several steps may share one); [] when the completion has no scored step. None for
+        outcome rewards.
+    outcome: process rewards combined with outcome ones: per completion, the outcome functions' sum.
+    process_weight: λ of A = A_outcome + λ·A_process (`update.advantages`); None: process only.
     """
 
     rewards: list[float | None]
     per_function: dict[str, list[float | None]]
     failures: int = 0
     steps: list[list[tuple[int, float]]] | None = None
+    outcome: list[float | None] | None = None
+    process_weight: float | None = None
 
 
 def _failed(err: BaseException) -> bool:
@@ -190,11 +196,12 @@ def _steps(out: Any, completions: list[str]) -> list[list[tuple[int, float]] | N
         checked = []
         for end, reward in steps:
             end, reward = int(end), float(reward)
-            if not 0 < end <= len(text):
-                raise ValueError(f"step char_end {end} is outside the completion (length {len(text)})")
+            if not 0 < end <= len(text) + 1:  # len(text) + 1: the step ends with the completion (its EOS)
+                raise ValueError(f"step char_end {end} is outside the completion (length {len(text)}; "
+                                 f"{len(text) + 1} ends a step with the completion itself)")
             if math.isfinite(reward):
                 checked.append((end, reward))
-        result.append(sorted(checked))
+        result.append(sorted(checked, key=lambda step: step[0]))  # stable: the scorer's order within one end
     return result
 
 
@@ -268,13 +275,16 @@ class OutcomeReward:
 class ProcessReward:
     """Per-step rewards from `scorer`; a completion's reward is the sum of its step rewards.
 
-    `scorer(prompts, completions, **columns)` returns, per completion, [(char_end, reward), ...].
-    `outcome` functions, when given, are scored for the metrics only (`per_function`); they do not
-    change the rewards (the rule verifier folds the final answer into the last step itself).
+    `scorer(prompts, completions, **columns)` returns, per completion, [(char_end, reward), ...]; char_end
+    len(text) + 1 (`steps.end_of_completion`) ends a step with the completion, on its EOS token.
+    `outcome` functions are scored for the metrics (`per_function`). With `process_weight` λ (a number
+    >= 0) they are also the outcome half of the advantage, A = A_outcome + λ·A_process, each normalized on
+    its own within the group (PRIME, arXiv 2502.01456; PURE, 2504.15275): the answer's credit does not
+    shrink as the step count grows. None or inf: the step rewards alone (the paper's §4.1.3).
     """
 
     def __init__(self, scorer: Callable, outcome: dict[str, Callable] | None = None,
-                 timeout_s: float | None = 10.0):
+                 timeout_s: float | None = 10.0, process_weight: float | None = None):
         if not callable(scorer):
             raise ConfigError("reward.scorer is not callable: give it a _target_ (and `_partial_: true` "
                               "for a plain function such as grpo_cli.rewards.steps.step_rewards)")
@@ -282,7 +292,14 @@ class ProcessReward:
         outcome = dict(outcome or {})
         if "steps" in outcome:
             raise ConfigError("reward.outcome.steps clashes with the step metric of the same name; rename it")
+        if process_weight is not None and math.isinf(process_weight):
+            process_weight = None
+        if process_weight is not None and not outcome:
+            raise ConfigError(f"reward.process_weight ({process_weight}) weighs step credit against an outcome "
+                              f"reward, and reward.outcome is empty; add one (e.g. accuracy) or set "
+                              f"reward.process_weight=null (step rewards alone)")
         self.timeout_s = timeout_s
+        self.process_weight = None if process_weight is None else float(process_weight)
         self._scorer = _Guarded("steps", scorer, timeout_s, _steps)
         self._outcome = OutcomeReward(outcome, timeout_s=timeout_s) if outcome else None
 
@@ -294,11 +311,14 @@ class ProcessReward:
         rewards = [sum(r for _, r in s) if s else None for s in steps]
         per_function = {"steps": [sum(r for _, r in s) / len(s) if s else None for s in steps]}
         failures = int(failed)
+        outcome = None
         if self._outcome is not None:
             extra = self._outcome(prompts, completions, columns)
             per_function.update(extra.per_function)
             failures += extra.failures
-        return RewardResult(rewards=rewards, per_function=per_function, failures=failures, steps=steps)
+            outcome = extra.rewards if self.process_weight is not None else None
+        return RewardResult(rewards=rewards, per_function=per_function, failures=failures, steps=steps,
+                            outcome=outcome, process_weight=self.process_weight)
 
 
 # an example's keys that are not columns: the chat messages and the prompt's text (passed as `prompts`)
@@ -340,8 +360,8 @@ def overlong_shaping(result: RewardResult, lengths: list[int], max_length: int, 
     if steps is not None:
         steps = [s[:-1] + [(s[-1][0], s[-1][1] + p)] if s and p is not None else s for s, p in zip(steps, shaped)]
         rewards = [sum(r for _, r in s) if s else None for s in steps]
-    return RewardResult(rewards=rewards, per_function={**result.per_function, "overlong": shaped},
-                        failures=result.failures, steps=steps)
+    return dataclasses.replace(result, rewards=rewards, per_function={**result.per_function, "overlong": shaped},
+                               steps=steps)
 
 
 def token_ids(rollout) -> list[list[int]]:
@@ -407,6 +427,9 @@ def _check_overlong(cfg) -> list[str]:
 
 
 CHECKS: list[Check] = [
+    Rule("reward.process_weight", lambda v: v is None or (is_num(v) and v >= 0),
+         "must be a number >= 0 (λ of A_outcome + λ·A_process) or null (step rewards alone); "
+         "set reward.process_weight=1.0"),
     Rule("algo.overlong_buffer", lambda v: v is None or (is_int(v) and v >= 1),
          "must be an integer >= 1 (tokens before sampler.max_new_tokens) or null (off); "
          "set algo.overlong_buffer=null"),

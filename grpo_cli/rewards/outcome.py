@@ -178,18 +178,23 @@ def reference_answer(answer) -> str | None:
     return text.strip()
 
 
-def accuracy(prompts, completions, answer, correct=1.0, incorrect=0.0, **_):
+def accuracy(prompts, completions, answer, correct=1.0, incorrect=0.0, truncated=None, wrong_if_truncated=False,
+             **_):
     """`correct` when the completion's final answer equals the example's `answer`, else `incorrect`.
 
-    An example whose answer is None gets no score (None); a completion with no answer is incorrect.
+    An example whose answer is None gets no score (None); a completion with no answer is incorrect. With
+    `wrong_if_truncated`, a completion cut at max_new_tokens (the rollout's `truncated` column) is incorrect
+    whatever number it ended on: it never finished, and rewarding its last number pays for rambling.
     """
+    cut = [bool(t) for t in truncated] if truncated is not None and wrong_if_truncated else [False] * len(completions)
     scores: list[float | None] = []
-    for completion, ref in zip(completions, answer, strict=True):
+    for completion, ref, stopped in zip(completions, answer, cut, strict=True):
         ref = reference_answer(ref)
         if ref is None:
             scores.append(None)
         else:
-            scores.append(correct if answers_match(extract_answer(completion), ref) else incorrect)
+            right = not stopped and answers_match(extract_answer(completion), ref)
+            scores.append(correct if right else incorrect)
     return scores
 
 

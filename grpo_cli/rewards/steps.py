@@ -1,25 +1,36 @@
 """Reasoning steps: split a completion into steps and score each step by checking its arithmetic.
 
 DeepSeekMath's process supervision (arXiv 2402.03300, §4.1.3) rewards each step with a learned
-process reward model (PRM). This module is the rule-based stand-in: a step is scored by the
-arithmetic claims it makes, `expr = value` in the text or GSM8K calculator notes `<<expr=value>>`.
-All claims right -> `correct` (+1), any claim wrong -> `wrong` (-1), no claim -> `neutral` (0).
-When the example's `answer` is given, the final step also carries the outcome: `outcome_correct`
-(+1) or `outcome_wrong` (-1) is added to its reward, so a completion with clean arithmetic and a
-wrong final answer still ends low. A learned PRM lives in `grpo_cli.rewards.models`.
+process reward model (PRM). This module is the rule-based stand-in: a step is a line that makes an
+arithmetic claim, `expr = value` in the text or GSM8K calculator notes `<<expr=value>>`. All claims
+right -> `correct` (+1), any claim wrong -> `wrong` (-1). When the example's `answer` is given, the
+final answer is one more step at the end of the text: `outcome_correct` (+1) or `outcome_wrong` (-1),
+and a truncated completion's answer is wrong (`wrong_if_truncated`). A learned PRM lives in
+`grpo_cli.rewards.models`.
+
+Where this departs from scoring every line, and why. The trainer normalizes all step rewards of a
+group by their mean μ and std σ and gives each token the sum of the normalized rewards of the steps
+ending at or after it, so the first token's advantage is (Σ r_k - μ·N)/σ with N the completion's step
+count: when μ < 0 every extra step is worth |μ|/σ. A claim-free line ("So the answer is 5.", "Let me
+check.", a line cut off mid-claim) scored 0 was such a step: padding turned a wrong answer into a
+rewarded one (issue #27). So a line without a claim is not a step at all (no reward, not counted in
+μ, σ or the sum), and the answer is its own step rather than added to the last line's reward (which
+spanned -5..+2 and inflated σ).
 
 Arithmetic that holds is not a step that helps: on `data=multistep` a policy trained with
 `step_rewards` learned to write one true line that has nothing to do with the problem ("6 + 3 = 9"
 for "6 - 3 + 8 - 7") and stop (README, Process vs outcome). Where the example has a reference
 `solution` of one `a op b = c` line per step, `chain_step_rewards` is the stricter judge a PRM is
-meant to be: the k-th line with a claim is correct only when it is the reference's k-th step.
-With that judge alone the policy learned the next shortcut: write the first step and stop (+1 for
-the step, -1 for the answer: 0, while any slip later costs more), so each reference step never
-written costs `missing` too.
+meant to be: the k reference steps are k slots filled in order by the claim lines, each slot never
+written is a step scoring `missing` (-1) at the end, and claim lines past the k-th are `wrong`, so
+every completion of a problem has the same k + 1 steps plus one per extra claim. For GSM8K, which has
+no reference chain, `clip` (arXiv 2410.15115's Clip) caps each claim step's reward at 0: "one true
+unrelated line and stop" earns nothing for the line, and only the answer can pay.
 
 Steps are character spans `(start, end)`, end exclusive; a scored step is `(char_end, reward)`
 where char_end is that span's end. The trainer gives the reward to the token that holds the
-step's last character, `char_end - 1` (DeepSeekMath's "end token of each step").
+step's last character, `char_end - 1` (DeepSeekMath's "end token of each step"); the answer's step
+and the unwritten slots end with the completion (`end_of_completion`: len(text) + 1), on its EOS.
 
 The evaluator never calls `eval`: it parses with `ast` and walks an allowlist (numbers, + - * /
 // % ** and parentheses, unary minus), in exact `Fraction` arithmetic, with bounds on expression
@@ -299,32 +310,66 @@ def check_claims(step: str) -> list[bool]:
     return results
 
 
-def verify_steps(text: str, answer=None, *, pattern: str | None = None, correct: float = 1.0,
-                 wrong: float = -1.0, neutral: float = 0.0, outcome_correct: float = 1.0,
-                 outcome_wrong: float = -1.0) -> list[tuple[int, float]]:
-    """(char_end, reward) for each step of `text`; the final step also carries the outcome.
+def end_of_completion(text: str) -> int:
+    """The char_end of a step that ends with the completion itself, past its last character: the trainer puts it
+    on the completion's last token (its EOS), the decision to stop. A line's step ends on its own last character,
+    so the tokens after it (another line, or the EOS) carry only the steps still to come."""
+    return len(text) + 1
 
-    A completion with no steps (blank) gets [] — no score, whatever `answer` is.
-    """
-    scored = []
-    for start, end in split_steps(text, pattern):
-        claims = check_claims(text[start:end])
-        reward = neutral if not claims else (correct if all(claims) else wrong)
-        scored.append((end, float(reward)))
+
+def _close(scored: list[tuple[int, float]], tail: int, answer, text: str, *, unwritten: int, missing: float,
+           outcome_correct: float, outcome_wrong: float, truncated: bool) -> list[tuple[int, float]]:
+    """The steps at the completion's end, each its own step at `tail` (END_OF_COMPLETION, past the last
+    character): `missing` for each of the `unwritten` slots, then the final answer's slot when `answer` is given
+    (a truncated completion's answer is wrong: it never finished)."""
+    if not tail:
+        return scored
+    closing = [(tail, float(missing))] * unwritten
     ref = reference_answer(answer)
-    if scored and ref is not None:
-        outcome = outcome_correct if answers_match(extract_answer(text), ref) else outcome_wrong
-        scored[-1] = (scored[-1][0], scored[-1][1] + float(outcome))
-    return scored
+    if ref is not None:
+        right = not truncated and answers_match(extract_answer(text), ref)
+        closing.append((tail, float(outcome_correct if right else outcome_wrong)))
+    return scored + closing
 
 
-def step_rewards(prompts, completions, answer=None, pattern=None, correct=1.0, wrong=-1.0, neutral=0.0,
-                 outcome_correct=1.0, outcome_wrong=-1.0, **_) -> list[list[tuple[int, float]]]:
-    """Process scorer for `ProcessReward`: `verify_steps` on each completion with its `answer`."""
+def verify_steps(text: str, answer=None, *, pattern: str | None = None, correct: float = 1.0,
+                 wrong: float = -1.0, outcome_correct: float = 1.0, outcome_wrong: float = -1.0,
+                 truncated: bool = False, clip: bool = False) -> list[tuple[int, float]]:
+    """(char_end, reward) for each step of `text` that makes a claim, then the final answer's step.
+
+    A line (or `pattern` step) with no claim it can check is not a step: it carries no reward and does not
+    count in the group's normalization, so writing more of them changes nothing. With `answer`, the final
+    answer is one more step at the end of the text (+outcome_correct / outcome_wrong; wrong when `truncated`).
+    `clip` (arXiv 2410.15115's Clip): a claim step's reward is at most 0, so a true line earns nothing by
+    itself and only the answer can be positive. A completion with no step at all (blank) gets [].
+    """
+    spans = split_steps(text, pattern)
+    scored = []
+    for start, end in spans:
+        claims = check_claims(text[start:end])
+        if claims:
+            reward = correct if all(claims) else wrong
+            scored.append((end, float(min(reward, 0.0) if clip else reward)))
+    tail = end_of_completion(text) if spans else 0
+    return _close(scored, tail, answer, text, unwritten=0, missing=0.0, outcome_correct=outcome_correct,
+                  outcome_wrong=outcome_wrong, truncated=truncated)
+
+
+def _flags(column, n: int) -> list[bool]:
+    """The rollout's `truncated` column (None outside a rollout: nothing truncated)."""
+    return [bool(t) for t in column] if column is not None else [False] * n
+
+
+def step_rewards(prompts, completions, answer=None, truncated=None, pattern=None, correct=1.0, wrong=-1.0,
+                 outcome_correct=1.0, outcome_wrong=-1.0, wrong_if_truncated=True, clip=False,
+                 **_) -> list[list[tuple[int, float]]]:
+    """Process scorer for `ProcessReward`: `verify_steps` on each completion with its `answer`; with
+    `wrong_if_truncated`, a completion cut at max_new_tokens has a wrong answer."""
     answers = answer if answer is not None else [None] * len(completions)
-    return [verify_steps(c, a, pattern=pattern, correct=correct, wrong=wrong, neutral=neutral,
-                         outcome_correct=outcome_correct, outcome_wrong=outcome_wrong)
-            for c, a in zip(completions, answers, strict=True)]
+    cut = _flags(truncated, len(completions))
+    return [verify_steps(c, a, pattern=pattern, correct=correct, wrong=wrong, outcome_correct=outcome_correct,
+                         outcome_wrong=outcome_wrong, truncated=wrong_if_truncated and t, clip=clip)
+            for c, a, t in zip(completions, answers, cut, strict=True)]
 
 
 # one `a op b = c` claim, as the reference solutions of data=multistep write them
@@ -337,44 +382,44 @@ def _chain_step(match: re.Match) -> tuple[int, str, int, int]:
 
 
 def chain_steps(text: str, solution: str, answer=None, *, correct: float = 1.0, wrong: float = -1.0,
-                neutral: float = 0.0, outcome_correct: float = 1.0, outcome_wrong: float = -1.0,
-                missing: float = 0.0) -> list[tuple[int, float]]:
-    """(char_end, reward) for each line of `text`, judged against the reference chain `solution`.
+                missing: float = -1.0, outcome_correct: float = 1.0, outcome_wrong: float = -1.0,
+                truncated: bool = False, clip: bool = False) -> list[tuple[int, float]]:
+    """(char_end, reward) for the k slots of the reference chain `solution`, extra claims, and the answer.
 
-    A line with no arithmetic claim is `neutral`. The k-th line that has one is `correct` when its
-    first `a op b = c` is the reference's k-th step (same numbers, same operator, true result) and
-    every claim in it holds; otherwise `wrong` (an off-chain or extra step is wrong even when its
-    arithmetic holds). The final line also carries the outcome, as in `verify_steps`, and `missing`
-    for each reference step beyond the completion's claim lines (a solution that stops early).
+    Only a line that makes a claim is a step. The k-th such line fills slot k: `correct` when its first
+    `a op b = c` is the reference's k-th step (same numbers, same operator, true result) and every claim in
+    it holds, else `wrong`; a claim line past the reference's last slot is `wrong` (an extra step). Each slot
+    never written is a step of its own at the end of the text scoring `missing`, and the final answer one
+    more (`verify_steps`'s answer step). So every completion of a problem has the same k + 1 steps, plus one
+    per extra claim: a claim-free line changes no reward and no count. `clip`: claim steps at most 0.
     """
     reference = [_chain_step(m) for m in map(_CHAIN_CLAIM.search, solution.split("\n")) if m]
+    spans = split_steps(text)
     scored, k = [], 0
-    for start, end in split_steps(text):
+    for start, end in spans:
         line = text[start:end]
         claims = check_claims(line)
         found = _CHAIN_CLAIM.search(line)
         if not claims and found is None:
-            scored.append((end, float(neutral)))
             continue
         on_chain = found is not None and k < len(reference) and _chain_step(found) == reference[k]
-        scored.append((end, float(correct if on_chain and all(claims) else wrong)))
+        reward = correct if on_chain and all(claims) else wrong
+        scored.append((end, float(min(reward, 0.0) if clip else reward)))
         k += 1
-    ref = reference_answer(answer)
-    if scored and ref is not None:
-        outcome = outcome_correct if answers_match(extract_answer(text), ref) else outcome_wrong
-        scored[-1] = (scored[-1][0], scored[-1][1] + float(outcome))
-    if scored and k < len(reference):
-        scored[-1] = (scored[-1][0], scored[-1][1] + float(missing) * (len(reference) - k))
-    return scored
+    tail = end_of_completion(text) if spans else 0
+    return _close(scored, tail, answer, text, unwritten=max(len(reference) - k, 0), missing=missing,
+                  outcome_correct=outcome_correct, outcome_wrong=outcome_wrong, truncated=truncated)
 
 
-def chain_step_rewards(prompts, completions, solution=None, answer=None, correct=1.0, wrong=-1.0, neutral=0.0,
-                       outcome_correct=1.0, outcome_wrong=-1.0, missing=0.0, **_) -> list[list[tuple[int, float]]]:
+def chain_step_rewards(prompts, completions, solution=None, answer=None, truncated=None, correct=1.0, wrong=-1.0,
+                       missing=-1.0, outcome_correct=1.0, outcome_wrong=-1.0, wrong_if_truncated=True, clip=False,
+                       **_) -> list[list[tuple[int, float]]]:
     """Process scorer for `ProcessReward` on data with reference chains: `chain_steps` per completion."""
     if solution is None:
         raise ValueError("chain_step_rewards judges lines against each example's reference `solution`, and this "
                          "data has none; use data=multistep, or grpo_cli.rewards.steps.step_rewards")
     answers = answer if answer is not None else [None] * len(completions)
-    return [chain_steps(c, s, a, correct=correct, wrong=wrong, neutral=neutral,
-                        outcome_correct=outcome_correct, outcome_wrong=outcome_wrong, missing=missing)
-            for c, s, a in zip(completions, solution, answers, strict=True)]
+    cut = _flags(truncated, len(completions))
+    return [chain_steps(c, s, a, correct=correct, wrong=wrong, missing=missing, outcome_correct=outcome_correct,
+                        outcome_wrong=outcome_wrong, truncated=wrong_if_truncated and t, clip=clip)
+            for c, s, a, t in zip(completions, solution, answers, cut, strict=True)]

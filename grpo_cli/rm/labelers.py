@@ -72,8 +72,14 @@ class VerifierLabeler:
     def __call__(self, samples: list[dict], **_) -> list[Row]:
         rows = []
         for s in samples:
-            scored = verify_steps(s["completion"], s["answer"], pattern=self.pattern)
-            steps = [[end, 1.0 if r > 0 else 0.0] for end, r in scored if r != 0]
+            # the answer's step (at the completion's end) labels the last line together with that line's own
+            # reward, from their sum (a true last line with a wrong answer sums to 0: no label)
+            text = s["completion"]
+            last = len(text.rstrip())
+            summed: dict[int, float] = {}
+            for end, r in verify_steps(text, s["answer"], pattern=self.pattern):
+                summed[min(end, last)] = summed.get(min(end, last), 0.0) + r
+            steps = [[end, 1.0 if r > 0 else 0.0] for end, r in summed.items() if r != 0]
             if steps:
                 rows.append({"prompt": s["question"], "completion": s["completion"], "steps": steps,
                              "answer": s["answer"]})
