@@ -30,6 +30,10 @@ RESUMABLE = ("resume", "trainer.max_steps", "trainer.save_every", "trainer.keep_
              "trainer.completions_max_mb", "trainer.max_nonfinite_steps")
 
 
+# sections whose settings added after a run was saved take today's default when it resumes
+NEWER_TAKE_TODAYS = ("trainer.", "iterative.", "rm.")
+
+
 class RunLock:
     """An exclusive advisory lock on RUN/.lock, held until `release()` or the process ends (even by kill -9)."""
 
@@ -117,7 +121,8 @@ def resume_config(cfg: DictConfig, saved: DictConfig, overrides: list[str] | Non
     `overrides` are the command line's (`key=value`, `+key=value`, `group=option`): only those keys
     are compared with the saved run, so `grpo train resume=RUN` alone continues the run as it was.
     None (a library call) compares every key of `cfg`. A changed key that is not RESUMABLE is an
-    error naming it; trainer settings the saved config lacks (newer than the run) keep cfg's value.
+    error naming it; trainer, iterative and rm settings the saved config lacks (newer than the run) keep cfg's
+    value.
     """
     new, old = _flat(OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))), _flat(saved)
     names = sorted(new) if overrides is None else [o.lstrip("+~").split("=", 1)[0] for o in overrides]
@@ -136,9 +141,10 @@ def resume_config(cfg: DictConfig, saved: DictConfig, overrides: list[str] | Non
     if errors:
         raise ConfigError("\n".join(errors))
     merged = saved.copy()
-    # trainer settings newer than the run (absent from its config) take today's value; other absent
-    # keys belong to another group option (another model's loader) and stay out
-    newer = {k for k in set(new) - set(old) if k.startswith("trainer.")}
+    # settings newer than the run (absent from its config) in sections whose keys do not depend on a group option
+    # (trainer, iterative, rm: one option) take today's value; other absent keys belong to another group option
+    # (another model's loader) and stay out
+    newer = {k for k in set(new) - set(old) if k.startswith(NEWER_TAKE_TODAYS)}
     for key in sorted(asked | newer):
         if _resumable(key) or key in newer:
             OmegaConf.update(merged, key, new[key], force_add=True)

@@ -467,3 +467,28 @@ def test_kill_9_at_random_moments_then_resume_gives_the_uninterrupted_weights(tm
     a = load_file(straight / "checkpoints" / f"step_{steps:06d}" / "adapter_model.safetensors")
     b = load_file(run / "checkpoints" / f"step_{steps:06d}" / "adapter_model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_of_an_older_run_takes_todays_newer_settings():
+    # a run saved before iterative.length_alarm, rm.min_auc and trainer.max_nonfinite_steps existed: resuming it
+    # takes today's defaults for those (its loop reads them); a key of another group option (the hf loader's
+    # model.revision under the smollm2 model) is not added
+    from omegaconf import OmegaConf
+
+    from grpo_cli.runs import resume_config
+
+    cfg = compose("train", ["resume=somewhere"])
+    saved = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    for section, key in (("iterative", "length_alarm"), ("rm", "min_auc"), ("trainer", "max_nonfinite_steps")):
+        del saved[section][key]
+    merged = resume_config(cfg, saved, overrides=["resume=somewhere"])
+    assert merged.iterative.length_alarm == cfg.iterative.length_alarm == 0.25
+    assert merged.rm.min_auc == cfg.rm.min_auc == 0.6
+    assert merged.trainer.max_nonfinite_steps == cfg.trainer.max_nonfinite_steps
+    # the hf option's keys the smollm2 option lacks (model.name_or_path, its loader's revision, ...) stay out
+    hf = compose("train", ["model=hf", "model.name_or_path=x", "resume=somewhere"])
+    extra = [k for k in ("name_or_path", "loader.revision")
+             if OmegaConf.select(cfg.model, k, default="absent") == "absent"]
+    assert extra and all(OmegaConf.select(hf.model, k, default="absent") != "absent" for k in extra)
+    merged = resume_config(hf, saved, overrides=["resume=somewhere"])
+    assert all(OmegaConf.select(merged.model, k, default="absent") == "absent" for k in extra)
