@@ -57,6 +57,11 @@ learned to ramble past the length cap because its reward model liked long text):
     the setting, and the first such step of an iteration prints one line. A function of the steps'
     records (the checkpoint's history), so a resume gives the same numbers.
 
+iterative.retrain=false is the control the paper's reason for iterating implies (scripts/iterative_vs_fixed.py):
+iteration 0 trains the reward model as above, and every later boundary samples, labels and measures that same model
+on fresh samples of the current policy (rm/auc_current_policy_before; rows in RUN/rm/measured/iteration_NNN/) and
+resets the reference, but trains nothing: the same steps and samples, one reward model.
+
 Departures from Algorithm 1: the paper resets the reference at the start of an iteration and
 retrains the reward model at its end, starting from a given model; here both happen at the start of
 an iteration, so iteration 0 trains the first reward model on the initial policy's samples (a given
@@ -66,6 +71,7 @@ temperature (a rarely-right policy at temperature 1 gives almost only negative l
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -104,7 +110,7 @@ def floor_truncated(result: RewardResult, truncated: list[bool], completions: li
         steps = [s if not cut else [(s[-1][0] if s else len(c), value)] if s or c else []
                  for s, cut, c in zip(steps, truncated, completions, strict=True)]
         rewards = [sum(r for _, r in s) if s else None for s in steps]
-    return RewardResult(rewards=rewards, per_function=result.per_function, failures=result.failures, steps=steps)
+    return dataclasses.replace(result, rewards=rewards, steps=steps)
 
 
 class FlooredReward:
@@ -231,13 +237,28 @@ class IterativeRL:
             device = next(policy.parameters()).device
             model, rm_tokenizer = rm.starting_classifier(self.model, kind, cfg.model.loader, device,
                                                         resolve_dtype(cfg.model.dtype, device), seed=seed)
-            model, trained = rm.retrain(model, rm_tokenizer, mix, heldout, settings, kind, seed=seed)
-        after = trained["heldout_after"] or {}
-        keep_previous = self._gate(i, step, after.get("auc"), settings.min_auc, len(heldout))
-        folder = self.run_dir / "rm" / ("rejected" if keep_previous else "") / f"iteration_{i:03d}"
-        rm.save_reward_model(model, rm_tokenizer, folder, {"kind": kind, "template": settings.template, "iteration": i,
-                                                          "step": step, "heldout": trained["heldout_after"],
-                                                          "kept_previous": keep_previous})
+            # iterative.retrain=false (the fixed arm): after iteration 0 the model is only measured on the fresh rows
+            retrain = i == 0 or self.model is None or bool(cfg.iterative.retrain)
+            if retrain:
+                model, trained = rm.retrain(model, rm_tokenizer, mix, heldout, settings, kind, seed=seed)
+            else:
+                before = rm.evaluate(model, rm_tokenizer, heldout, kind=kind, template=settings.template,
+                                     batch_size=settings.batch_size) if heldout else None
+                trained = {"heldout_before": before, "heldout_after": None, "train_loss_first": None,
+                           "train_loss_last": None, "pos_weight": None}
+        if retrain:
+            after = trained["heldout_after"] or {}
+            keep_previous = self._gate(i, step, after.get("auc"), settings.min_auc, len(heldout))
+            folder = self.run_dir / "rm" / ("rejected" if keep_previous else "") / f"iteration_{i:03d}"
+            rm.save_reward_model(model, rm_tokenizer, folder, {"kind": kind, "template": settings.template,
+                                                              "iteration": i, "step": step,
+                                                              "heldout": trained["heldout_after"],
+                                                              "kept_previous": keep_previous})
+        else:  # nothing trained: the rows are kept beside the model they measured
+            keep_previous, folder = True, self.run_dir / "rm" / "measured" / f"iteration_{i:03d}"
+            folder.mkdir(parents=True, exist_ok=True)
+            console.print(f"iteration {i}: iterative.retrain=false, the reward model of iteration 0 scores steps "
+                          f"{step}-{step + self.steps - 1} (measured on {len(heldout)} fresh held-out rows)")
         del model
         held = {r["prompt"] for r in heldout}
         rm.write_jsonl(folder / "labeled.jsonl", [{**r, "split": "heldout" if r["prompt"] in held else "train"}
@@ -251,7 +272,8 @@ class IterativeRL:
                   # the model that scores this iteration's steps, and the one this boundary trained
                   "rm": self._relative(self.model if keep_previous else folder),
                   "rm_trained": str(folder.relative_to(self.run_dir)), "min_auc": settings.min_auc,
-                  "kept_previous": keep_previous, **trained, "time/sample_s": round(sampled - started, 1),
+                  "kept_previous": keep_previous, "retrained": retrain, **trained,
+                  "time/sample_s": round(sampled - started, 1),
                   "time/rm_s": round(time.time() - sampled, 1)}
         before, after = (trained["heldout_before"] or {}).get("auc"), (trained["heldout_after"] or {}).get("auc")
         record.update({"rm/auc_current_policy_before": before, "rm/auc_current_policy_after": after,
@@ -361,6 +383,9 @@ CHECKS: list[Check] = [
     Rule("iterative.steps", lambda v: is_int(v) and v >= 1, "must be an integer >= 1; set iterative.steps=10"),
     Rule("iterative.temperature", lambda v: v is None or (is_num(v) and v > 0),
          "must be > 0 or null (sampler.temperature); set iterative.temperature=null"),
+    Rule("iterative.retrain", lambda v: isinstance(v, bool),
+         "must be true (retrain the reward model at every iteration) or false (keep iteration 0's); "
+         "set iterative.retrain=true"),
     Rule("iterative.truncated_reward", lambda v: v is None or is_num(v),
          "must be a number (the reward of a truncated completion; 0 is below every sigmoid score) or null (off); "
          "set iterative.truncated_reward=0.0"),

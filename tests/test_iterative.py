@@ -378,3 +378,19 @@ def test_eval_of_an_iterative_run_scores_with_its_last_reward_model(tmp_path, ca
                              "reward=arithmetic"])
     report = evaluate.run(ruled, tmp_path / "eval2", [f"checkpoint={run}", "reward=arithmetic"])
     assert report["config"]["reward"]["_target_"] == "grpo_cli.rewards.OutcomeReward"
+
+
+def test_retrain_false_keeps_iteration_0s_model_and_measures_it_on_each_iterations_samples(tmp_path):
+    # the fixed-RM control (scripts/iterative_vs_fixed.py): 3 iterations x 2 steps, one reward model
+    train.run(cfg("iterative.retrain=false", "rm.min_auc=null"), tmp_path)
+    records = iterations(tmp_path)
+    assert [r["retrained"] for r in records] == [True, False, False]
+    assert [r["rm"] for r in records] == ["rm/iteration_000"] * 3
+    assert not (tmp_path / "rm" / "iteration_001").exists() and not (tmp_path / "rm" / "iteration_002").exists()
+    for i in (1, 2):  # the fresh rows each later boundary labeled, kept beside the model they measured
+        assert (tmp_path / "rm" / "measured" / f"iteration_{i:03d}" / "labeled.jsonl").exists()
+        # measured before (iteration 0's model on this iteration's held-out rows), nothing trained after
+        assert records[i]["heldout_before"] is not None and records[i]["heldout_after"] is None
+        assert records[i]["rm/auc_current_policy_after"] is None and records[i]["kept_previous"]
+    # the reference still resets at every boundary: the KL at each iteration's first step is 0
+    assert [m["kl"] for m in metrics(tmp_path) if m["step"] in (1, 3, 5)] == pytest.approx([0.0] * 3, abs=1e-6)
