@@ -26,35 +26,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from paired import REPO, bootstrap, grpo, last_checkpoint, read_jsonl, save_figure
+
 ARMS = ("iterative", "fixed")
-
-
-def grpo(*args: str, log: Path) -> float:
-    """Run `grpo ARGS` (this interpreter's grpo_cli), output to `log`; returns its wall time in seconds."""
-    start = time.perf_counter()
-    with log.open("w") as out:
-        done = subprocess.run([sys.executable, "-m", "grpo_cli", *args], cwd=REPO, stdout=out,
-                              stderr=subprocess.STDOUT)
-    if done.returncode:
-        sys.exit(f"grpo {' '.join(args)} failed (exit {done.returncode}); see {log}")
-    return time.perf_counter() - start
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def last_checkpoint(run: Path) -> Path | None:
-    found = sorted((run / "checkpoints").glob("step_*"))
-    return found[-1] if found else None
 
 
 def reward_model(out: Path, problems: int, extra: list[str]) -> tuple[Path, float | None]:
@@ -87,18 +65,6 @@ def train(arm: str, seed: int, args, model: Path, out: Path) -> dict:
     return {"arm": arm, "seed": seed, "run": str(run), "wall_s": wall, "checkpoint": str(last_checkpoint(run))}
 
 
-def bootstrap(diffs: dict[int, list[float]], draws: int, seed: int = 0) -> tuple[float, float]:
-    """95% interval of the mean over seeds of the per-seed mean difference; seeds, then problems, resampled."""
-    rng = random.Random(seed)
-    seeds = sorted(diffs)
-    means = []
-    for _ in range(draws):
-        picked = [diffs[rng.choice(seeds)] for _ in seeds]
-        means.append(statistics.mean(statistics.mean(rng.choices(d, k=len(d))) for d in picked))
-    means.sort()
-    return means[int(0.025 * draws)], means[int(0.975 * draws) - 1]
-
-
 def summarize(runs: list[dict], eval_rows: list[dict], limit: int, draws: int) -> dict:
     by_checkpoint: dict[str | None, dict[int, float]] = {}
     for row in eval_rows:
@@ -123,7 +89,7 @@ def summarize(runs: list[dict], eval_rows: list[dict], limit: int, draws: int) -
                       "length": [m["completions/mean_length"] for m in metrics],
                       "truncated": [m["completions/clipped_ratio"] for m in metrics]}
         per_seed.append(row)
-    low, high = bootstrap(diffs, draws)
+    low, high, _ = bootstrap(diffs, draws)
     base_acc = statistics.mean(base.values())
     above = all(row["iterative"]["accuracy"] > base_acc for row in per_seed)
     return {"base": base_acc, "d": statistics.mean(row["d"] for row in per_seed), "ci": [low, high],
@@ -171,10 +137,7 @@ def plot(s: dict, path: Path) -> None:
         ax.legend()
     fig.suptitle(f"iterative vs fixed reward model · held-out accuracy d = {s['d']:+.3f} "
                  f"(95% CI {s['ci'][0]:+.3f} … {s['ci'][1]:+.3f}), base {s['base']:.3f}", fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main() -> None:

@@ -27,14 +27,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from paired import REPO, bootstrap, grpo, last_checkpoint, read_jsonl, save_figure
+
 sys.path.insert(0, str(REPO))
 
 from grpo_cli.rewards.steps import chain_steps  # noqa: E402
@@ -42,29 +41,9 @@ from grpo_cli.rewards.steps import chain_steps  # noqa: E402
 ARMS = ("outcome", "process")
 
 
-def grpo(*args: str, log: Path) -> float:
-    """Run `grpo ARGS` (this interpreter's grpo_cli), output to `log`; returns its wall time in seconds."""
-    start = time.perf_counter()
-    with log.open("w") as out:
-        done = subprocess.run([sys.executable, "-m", "grpo_cli", *args], cwd=REPO, stdout=out,
-                              stderr=subprocess.STDOUT)
-    if done.returncode:
-        sys.exit(f"grpo {' '.join(args)} failed (exit {done.returncode}); see {log}")
-    return time.perf_counter() - start
-
-
-def last_checkpoint(run: Path) -> Path | None:
-    found = sorted((run / "checkpoints").glob("step_*"))
-    return found[-1] if found else None
-
-
 def finished(run: Path, steps: int) -> bool:
     ckpt = last_checkpoint(run)
     return ckpt is not None and int(ckpt.name[5:]) >= steps
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def train(arm: str, seed: int, steps: int, out: Path, extra: list[str]) -> dict:
@@ -104,19 +83,6 @@ def per_prompt(lines: list[dict], steps: set[int], key) -> dict[tuple[int, int],
 
 def accuracy(r: dict) -> float:
     return r["rewards"]["accuracy"] or 0.0
-
-
-def bootstrap(diffs: dict[int, list[float]], draws: int, seed: int = 0) -> tuple[float, float, float]:
-    """(2.5%, 97.5%, standard error) of the mean over seeds of the per-seed mean paired difference, resampling
-    seeds and then prompts within each seed."""
-    rng = random.Random(seed)
-    seeds = sorted(diffs)
-    means = []
-    for _ in range(draws):
-        picked = [diffs[rng.choice(seeds)] for _ in seeds]
-        means.append(statistics.mean(statistics.mean(rng.choices(d, k=len(d))) for d in picked))
-    means.sort()
-    return means[int(0.025 * draws)], means[int(0.975 * draws) - 1], statistics.stdev(means)
 
 
 def solution_of(seed: int):
@@ -252,10 +218,7 @@ def plot(results: dict, path: Path) -> None:
     ax.set_xlabel("seed")
     ax.legend()
     fig.suptitle("multistep: outcome vs outcome + process credit · endpoint window shaded", fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main() -> None:

@@ -64,24 +64,28 @@ def random_completion(rng: random.Random, example: dict, task) -> list[str]:
     return lines
 
 
-def random_group(seed: int) -> tuple[dict, list[list[str]]]:
+def random_group(seed: int):
+    """(example, each completion's lines, the texts, their [G, T] advantages, the rng, a row to change)."""
     rng = random.Random(seed)
     task = load_task("multistep")
     example = task.train[rng.randrange(1000)]
-    return example, [random_completion(rng, example, task) for _ in range(rng.randint(2, 8))], rng
+    group = [random_completion(rng, example, task) for _ in range(rng.randint(2, 8))]
+    texts = ["\n".join(lines) for lines in group]
+    return example, group, texts, group_advantages(texts, example)[0], rng, rng.randrange(len(group))
+
+
+def replaced(texts: list[str], i: int, text: str) -> list[str]:
+    return texts[:i] + [text] + texts[i + 1:]
 
 
 @pytest.mark.parametrize("seed", range(40))
 def test_a_claim_free_line_changes_no_tokens_advantage(seed):
     # issue #27: "So the answer is 5." / "Let me check." turned a wrong answer's first-token advantage from -0.16 to
     # +0.70 when claim-free lines scored 0 and counted in the group's mean; now they are no step at all
-    example, group, rng = random_group(seed)
-    texts = ["\n".join(lines) for lines in group]
-    before, _ = group_advantages(texts, example)
-    i = rng.randrange(len(group))
+    example, group, texts, before, rng, i = random_group(seed)
     at = rng.randint(0, len(group[i]))
     padded = group[i][:at] + [rng.choice(CLAIM_FREE)] + group[i][at:]
-    after, _ = group_advantages(texts[:i] + ["\n".join(padded)] + texts[i + 1:], example)
+    after, _ = group_advantages(replaced(texts, i, "\n".join(padded)), example)
     for row in range(len(texts)):
         if row == i:
             continue
@@ -102,10 +106,7 @@ def test_padding_with_a_claim_line_never_raises_the_first_tokens_advantage(seed)
     # a claim line appended after the completion's last line that is not the reference's next step: it fills a slot
     # the completion left empty with a wrong step (-1 for -1) or is an extra step (-1 more); either way the first
     # token's advantage, the sum of the completion's normalized step rewards, does not rise
-    example, group, rng = random_group(seed)
-    texts = ["\n".join(lines) for lines in group]
-    before, _ = group_advantages(texts, example)
-    i = rng.randrange(len(group))
+    example, group, texts, before, rng, i = random_group(seed)
     a, b = rng.randint(0, 9), rng.randint(0, 9)
     line = rng.choice([f"{a} + {b} = {a + b}", f"{a} + {b} = {a + b + 1}"])
     if " ".join(line.split()) in example["solution"].split("\n"):  # could be the reference's next step: not padding
@@ -114,15 +115,13 @@ def test_padding_with_a_claim_line_never_raises_the_first_tokens_advantage(seed)
     lines = group[i][:-1] + [line, group[i][-1]] if "answer" in group[i][-1] else (
         group[i] + [line, f"The answer is {extract_answer(texts[i])}."])
     padded = "\n".join(lines)
-    after, _ = group_advantages(texts[:i] + [padded] + texts[i + 1:], example)
+    after, _ = group_advantages(replaced(texts, i, padded), example)
     assert after[i, 0].item() <= before[i, 0].item() + 1e-5, (texts[i], padded)
 
 
 @pytest.mark.parametrize("seed", range(40))
 def test_a_truncated_completion_never_scores_above_the_same_text_finished(seed):
-    example, group, rng = random_group(seed)
-    texts = ["\n".join(lines) for lines in group]
-    i = rng.randrange(len(group))
+    example, group, texts, _, rng, i = random_group(seed)
     cut = [row == i for row in range(len(texts))]
     _, finished = group_advantages(texts, example)
     _, truncated = group_advantages(texts, example, truncated=cut)

@@ -1,0 +1,58 @@
+"""What the paired experiment scripts share (process_vs_outcome.py, iterative_vs_fixed.py): running `grpo` in a
+subprocess of this interpreter, a run's last checkpoint, JSONL files, and the two-level bootstrap of a paired mean.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def grpo(*args: str, log: Path) -> float:
+    """Run `grpo ARGS` (this interpreter's grpo_cli), output to `log`; returns its wall time in seconds."""
+    start = time.perf_counter()
+    with log.open("w") as out:
+        done = subprocess.run([sys.executable, "-m", "grpo_cli", *args], cwd=REPO, stdout=out,
+                              stderr=subprocess.STDOUT)
+    if done.returncode:
+        sys.exit(f"grpo {' '.join(args)} failed (exit {done.returncode}); see {log}")
+    return time.perf_counter() - start
+
+
+def last_checkpoint(run: Path) -> Path | None:
+    found = sorted((run / "checkpoints").glob("step_*"))
+    return found[-1] if found else None
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def bootstrap(diffs: dict[int, list[float]], draws: int, seed: int = 0) -> tuple[float, float, float]:
+    """(2.5%, 97.5%, standard error) of the mean over seeds of each seed's mean paired difference, resampling
+    the seeds and then the items (prompts, problems) within each seed."""
+    rng = random.Random(seed)
+    seeds = sorted(diffs)
+    means = []
+    for _ in range(draws):
+        picked = [diffs[rng.choice(seeds)] for _ in seeds]
+        means.append(statistics.mean(statistics.mean(rng.choices(d, k=len(d))) for d in picked))
+    means.sort()
+    return means[int(0.025 * draws)], means[int(0.975 * draws) - 1], statistics.stdev(means)
+
+
+def save_figure(fig, path: Path) -> None:
+    """Lay out, write (folders made) and close a matplotlib figure."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
