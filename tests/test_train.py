@@ -241,7 +241,11 @@ def test_process_rewards_give_per_token_advantages(tmp_path, monkeypatch):
 
     monkeypatch.setattr(train, "advantages", keep)
     # a prompt-independent reward: the tiny model's random text gets step scores from the rule verifier;
-    # newline-free random characters form one step per completion, so split on any 3 characters instead
+    # newline-free random characters form one step per completion, so split on any 3 characters instead, and
+    # random text makes no arithmetic claim (so no step): every chunk claims, true when it starts below "n"
+    from grpo_cli.rewards import steps
+
+    monkeypatch.setattr(steps, "check_claims", lambda chunk: [chunk[:1] < "n"])
     cfg = compose("train", [o for o in TINY if "digit" not in o] + [
         "reward=gsm8k_process", "trainer.max_steps=2", "sampler.max_new_tokens=12",
         "reward.scorer.pattern='(?s).{3}'"])
