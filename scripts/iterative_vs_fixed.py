@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/iterative_vs_fixed.py                                  # 3 seeds x {iterative, fixed}
     .venv/bin/python scripts/iterative_vs_fixed.py --seeds 0 --iterations 2 --steps 1 --problems 4 --limit 8 \\
-        --out /tmp/ivf                                                              # smoke run
+        --rm-problems 4 --out /tmp/ivf                                              # smoke run
 
 The claim, endpoint and analysis, fixed before any run:
 - the starting reward model: one `grpo rm sampler.temperature=0.5` (docs/reward-models.md: AUC 0.88), OUT/rm;
@@ -17,6 +17,9 @@ The claim, endpoint and analysis, fixed before any run:
   as the policy moves and rise again when the model is retrained;
 - secondary: completion length and truncated share per step (metrics.jsonl), the gate's decisions.
 - "iterating pays" means: the CI's lower bound > 0, and the iterative arm above the base model in every seed.
+- size, estimated before any run from docs/iterative-rl.md's timings (~15 s a GRPO step quiet, ~60 s a boundary of
+  24 problems x 4 samples): grpo rm ~5 min, 6 runs x 3 iterations x 5 steps ~7 min each, eval ~4 min: ~51 min;
+  the design's detectable difference (2.8 x the bootstrap SE) is reported with the result.
 
 Runs: OUT/train/ARM_sS (finished runs are skipped, interrupted ones resumed). Writes OUT/results.json,
 OUT/table.md and the plot (--plot). Sizes (--iterations, --steps, --problems) default to what fits an hour.
@@ -35,13 +38,12 @@ from paired import REPO, bootstrap, grpo, last_checkpoint, read_jsonl, save_figu
 ARMS = ("iterative", "fixed")
 
 
-def reward_model(out: Path, problems: int, extra: list[str]) -> tuple[Path, float | None]:
-    """The starting reward model (trained once): OUT/rm/model."""
+def reward_model(out: Path, extra: list[str]) -> tuple[Path, float | None]:
+    """The starting reward model (trained once, docs/reward-models.md's AUC 0.88 setting): OUT/rm/model."""
     folder = out / "rm"
     if not (folder / "model").exists():
         print(f"grpo rm -> {folder}", flush=True)
-        wall = grpo("rm", "sampler.temperature=0.5", f"rm.num_problems={problems}", f"hydra.run.dir={folder}",
-                    *extra, log=out / "logs" / "rm.log")
+        wall = grpo("rm", "sampler.temperature=0.5", f"hydra.run.dir={folder}", *extra, log=out / "logs" / "rm.log")
         (folder / "wall_s.json").write_text(json.dumps({"wall_s": wall}))
     timing = folder / "wall_s.json"
     return folder / "model", json.loads(timing.read_text())["wall_s"] if timing.exists() else None
@@ -89,10 +91,11 @@ def summarize(runs: list[dict], eval_rows: list[dict], limit: int, draws: int) -
                       "length": [m["completions/mean_length"] for m in metrics],
                       "truncated": [m["completions/clipped_ratio"] for m in metrics]}
         per_seed.append(row)
-    low, high, _ = bootstrap(diffs, draws)
+    low, high, se = bootstrap(diffs, draws)
     base_acc = statistics.mean(base.values())
     above = all(row["iterative"]["accuracy"] > base_acc for row in per_seed)
-    return {"base": base_acc, "d": statistics.mean(row["d"] for row in per_seed), "ci": [low, high],
+    return {"base": base_acc, "d": statistics.mean(row["d"] for row in per_seed), "ci": [low, high], "se": se,
+            "detectable": 2.8 * se,
             "iterative_above_base_every_seed": above, "iterating_pays": low > 0 and above, "per_seed": per_seed}
 
 
@@ -108,7 +111,8 @@ def table(s: dict) -> str:
                     f"{f['wall_s'] or 0:.0f} s |")
     return "\n".join(rows) + (
         f"\n\nBase model {s['base']:.3f}. Mean paired difference {s['d']:+.3f} (95% CI {s['ci'][0]:+.3f} … "
-        f"{s['ci'][1]:+.3f}); iterative above base in every seed: {s['iterative_above_base_every_seed']}; "
+        f"{s['ci'][1]:+.3f}; detectable ≈ {s['detectable']:.3f}); iterative above base in every seed: "
+        f"{s['iterative_above_base_every_seed']}; "
         f"iterating pays by the rule fixed in advance: **{'yes' if s['iterating_pays'] else 'no'}**.\n")
 
 
@@ -145,7 +149,9 @@ def main() -> None:
     parser.add_argument("--seeds", default="0,1,2", help="training seeds (trainer.seed), comma-separated")
     parser.add_argument("--iterations", type=int, default=3, help="iterative.iterations")
     parser.add_argument("--steps", type=int, default=5, help="iterative.steps (GRPO steps per iteration)")
-    parser.add_argument("--problems", type=int, default=24, help="rm.num_problems per boundary (and for grpo rm)")
+    parser.add_argument("--problems", type=int, default=24, help="rm.num_problems per boundary")
+    parser.add_argument("--rm-problems", type=int, default=None,
+                        help="rm.num_problems of the starting grpo rm (default: conf/rm's 64, the measured setting)")
     parser.add_argument("--limit", type=int, default=100, help="held-out problems to evaluate")
     parser.add_argument("--boot", type=int, default=10_000, help="bootstrap draws")
     parser.add_argument("--out", type=Path, default=REPO / "outputs" / "iterative_vs_fixed")
@@ -156,7 +162,7 @@ def main() -> None:
     out = args.out.resolve()
     (out / "logs").mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    model, rm_wall = reward_model(out, args.problems, [])
+    model, rm_wall = reward_model(out, [f"rm.num_problems={args.rm_problems}"] if args.rm_problems else [])
     runs = [train(arm, seed, args, model, out) for seed in seeds for arm in ARMS]
     eval_dir = out / "eval"
     if not (eval_dir / "eval_samples.jsonl").exists():
