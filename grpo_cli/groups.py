@@ -29,7 +29,7 @@ resumed run draws exactly what the uninterrupted run drew.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from grpo_cli.checks import Check, Rule, is_int
 from grpo_cli.distributed import SINGLE, World
@@ -73,12 +73,12 @@ def has_signal(scores: list[float | None], group_size: int) -> list[bool]:
 
 def select_result(result: RewardResult, rows: list[int]) -> RewardResult:
     """The rows `rows` of a reward result (failures are the batch's and stay with it)."""
-    return RewardResult(rewards=[result.rewards[i] for i in rows],
-                        per_function={k: [v[i] for i in rows] for k, v in result.per_function.items()},
-                        failures=result.failures,
-                        steps=None if result.steps is None else [result.steps[i] for i in rows],
-                        outcome=None if result.outcome is None else [result.outcome[i] for i in rows],
-                        process_weight=result.process_weight)
+    def pick(values: list | None) -> list | None:
+        return None if values is None else [values[i] for i in rows]
+
+    # every per-completion field picked, the rest (failures, process_weight) kept as they are
+    return replace(result, rewards=pick(result.rewards), steps=pick(result.steps),
+                   outcome=pick(result.outcome), per_function={k: pick(v) for k, v in result.per_function.items()})
 
 
 def concat_results(parts: list[RewardResult]) -> RewardResult:

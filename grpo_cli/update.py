@@ -70,11 +70,10 @@ def advantages(result, rollout: Rollout, tokenizer, group_size: int, scale: str,
         step_ends.append(ends)
         step_rewards.append([r for _, r in steps])
     process = process_advantages(step_rewards, step_ends, group_size, rollout.completion_ids.shape[1])  # [N, T]
-    weight = getattr(result, "process_weight", None)
-    if weight is None or math.isinf(weight):  # process only: the paper's form
+    if result.process_weight is None:  # process only: the paper's form (ProcessReward turns inf into None)
         return process
     outcome = _outcome(result.outcome, group_size, scale, std, world)  # [N], every completion token alike
-    return outcome[:, None] + weight * process
+    return outcome[:, None] + result.process_weight * process
 
 
 def _outcome(rewards: list[float | None], group_size: int, scale: str, std: str, world: World) -> torch.Tensor:
