@@ -60,7 +60,7 @@ test-all: install ## every test, slow ones included
 lint: install ## ruff over the package, tests and scripts (rules in pyproject.toml)
 	$(BIN)/ruff check grpo_cli tests $(wildcard scripts)
 
-bench: install ## grpo-cli vs TRL's GRPOTrainer, same job, side by side (quiet machine; TRL in its own venv; ~25 min)
+bench: install ## grpo-cli vs TRL's GRPOTrainer at two shapes (64-token arithmetic, GSM8K), side by side (quiet machine; TRL in its own venv; ~50 min)
 	$(BIN)/python scripts/bench.py $(ARGS)
 
 clean: ## remove the venv and run outputs
