@@ -17,6 +17,10 @@ then peft's `prepare_model_for_kbit_training`):
   - no `prepare_model_for_kbit_training`: it casts every non-4-bit weight to fp32 and turns on
     gradient checkpointing. Here those weights keep `model.dtype` and forwards run under
     `policy.autocast` as without quantization; gradient checkpointing stays `trainer.gradient_checkpointing`.
+
+Full precision where a 4-bit weight leaves the policy: vLLM starts from dequant(W) written to a
+temporary folder (`full_state_dict`), so also the layers no adapter touches hold what the policy
+computes with, and each push sends dequant(W) + ΔW (`full_weight`).
 """
 
 from __future__ import annotations
