@@ -20,7 +20,9 @@ then peft's `prepare_model_for_kbit_training`):
 
 Full precision where a 4-bit weight leaves the policy: vLLM starts from dequant(W) written to a
 temporary folder (`full_state_dict`), so also the layers no adapter touches hold what the policy
-computes with, and each push sends dequant(W) + ΔW (`full_weight`).
+computes with, and each push sends dequant(W) + ΔW (`full_weight`). `grpo export` merges
+dequant(W) + ΔW in float32 (`merge_dequantized`), where peft's `merge_and_unload` would quantize the
+sum back to 4 bits.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import importlib.util
 import torch
 from omegaconf import DictConfig
 from packaging.version import Version
+from peft.tuners.lora import LoraLayer
 
 from grpo_cli.checks import Check, Rule, get
 
@@ -99,6 +102,34 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
                 del state[key]
             state[f"{name}.weight"] = full_weight(module)
     return state
+
+
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.nn.Linear:
+    layer = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    layer.weight = torch.nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        layer.bias = torch.nn.Parameter(bias.detach().to(weight.dtype), requires_grad=False)
+    return layer
+
+
+@torch.no_grad()
+def merge_dequantized(policy):
+    """The base model of a LoRA `policy` on a 4-bit base, as plain float32 linear layers: dequant(W) + ΔW
+    (each active adapter's) for an adapted layer, dequant(W) for every other 4-bit layer."""
+    base = policy.get_base_model()
+    for name in [n for n, m in base.named_modules() if isinstance(m, LoraLayer)]:
+        layer = base.get_submodule(name)
+        inner = layer.get_base_layer()
+        weight = full_weight(inner).float()  # [out, in]
+        if not layer.disable_adapters:
+            for adapter in [a for a in layer.active_adapters if a in layer.lora_A]:
+                weight = weight + layer.get_delta_weight(adapter).float()
+        base.set_submodule(name, _linear(weight, inner.bias))
+    for name in [n for n, m in base.named_modules() if is_4bit(m)]:
+        module = base.get_submodule(name)
+        base.set_submodule(name, _linear(full_weight(module).float(), module.bias))
+    base.is_loaded_in_4bit = False
+    return base
 
 
 # ---- config checks: model.quantization, collected by config.validate through policy.CHECKS -----------------

@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from test_rollout_vllm import PROMPTS, hf_greedy, needs_vllm, set_adapter
 from test_train import metrics, tiny_cfg
+from transformers import AutoModelForCausalLM
 
 from grpo_cli import checkpoint, quantize
-from grpo_cli.commands import train
+from grpo_cli.commands import export, train
 from grpo_cli.config import compose, validate
 from grpo_cli.errors import ConfigError
 from grpo_cli.instantiate import build
@@ -156,6 +158,32 @@ def test_one_step_on_a_4bit_base_trains_lora_and_the_checkpoint_reloads(tmp_path
         assert torch.equal(state[key.replace(".weight", ".default.weight")], value), key
     q = policy.get_base_model().model.layers[0].self_attn.q_proj
     assert type(q.base_layer.weight).__name__ == "Params4bit"
+
+
+@needs_bnb
+def test_export_merges_dequantized_w_plus_delta_into_a_plain_model(tmp_path):
+    run_dir = tmp_path / "run"
+    last = train.run(tiny_cfg("trainer.max_steps=1", "trainer.save_every=1", FOUR_BIT), run_dir)
+    out = export.run(compose("export", [f"checkpoint={run_dir}", f"output={tmp_path / 'merged'}"]))
+    record = json.loads((out / "export.json").read_text())
+    assert record["quantization"] == "4bit" and record["merged"] and record["dtype"] == "float32"
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+
+    # plain transformers (no bitsandbytes layer) computes what the trained 4-bit policy computes
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert not any(quantize.is_4bit(m) for m in model.modules())
+    policy, tokenizer, _ = build_policy(checkpoint.load_config(last).model)
+    checkpoint.load_adapter(policy, last)
+    policy.eval()
+    ids = torch.tensor([tokenizer("What is 2+3?").input_ids])
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, policy(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
+
+    # the adapter export: LoRA weights only, the base named as the run's (full precision)
+    adapter = export.run(compose("export", [f"checkpoint={run_dir}", f"output={tmp_path / 'adapter'}",
+                                            "export.merge=false"]))
+    written = load_file(Path(adapter) / "adapter_model.safetensors")
+    assert set(written) == set(load_file(last / "adapter_model.safetensors"))
 
 
 @needs_bnb
