@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -67,6 +69,14 @@ def test_4bit_on_a_cpu_with_an_old_bitsandbytes_names_the_upgrade(monkeypatch):
     with pytest.raises(ConfigError, match=r"on a CPU needs bitsandbytes >= 0.50 .*0.45.5 is installed.*"
                                           r"pip install -U 'bitsandbytes>=0.50'.*CUDA GPU.*model.quantization=null"):
         validate(compose("train", ["model=tiny", FOUR_BIT]))
+
+
+@needs_bnb
+def test_a_grpo_process_imports_peft_with_bitsandbytes_installed_without_a_log_line():
+    # peft imports bitsandbytes whenever it is installed; its CPU backend logs a missing optional kernel package
+    code = "from grpo_cli.cli import setup_process; setup_process(); import peft"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stderr == ""
 
 
 @needs_bnb
