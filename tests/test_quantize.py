@@ -220,3 +220,22 @@ def test_vllm_on_a_4bit_smollm2_samples_what_the_policy_computes():
     gap = (trainer - ours.sampling_logp)[ours.completion_mask.bool()].abs()
     print(f"4-bit SmolLM2: mean |vLLM - trainer| log-prob {gap.mean():.2e}, max {gap.max():.2e}")
     assert gap.mean() < 1e-3 and gap.max() < 1e-2
+
+
+# ---- on a GPU (pytest -m cuda; skipped without one) -------------------------------------------------------
+
+@pytest.mark.cuda
+@needs_bnb
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_4bit_base_in_bf16_trains_lora_and_pushes_dequantized_weights(tmp_path):
+    cfg = tiny_cfg("trainer.max_steps=1", "trainer.save_every=1", FOUR_BIT, "model.device=cuda",
+                   "model.dtype=bfloat16")
+    last = train.run(cfg, tmp_path)
+    assert any(v.abs().sum() > 0 for k, v in load_file(last / "adapter_model.safetensors").items() if "lora_B" in k)
+    policy, _, _ = build_policy(cfg.model)
+    q = policy.get_base_model().model.layers[0].self_attn.q_proj
+    weight = q.base_layer.weight
+    assert type(weight).__name__ == "Params4bit" and weight.device.type == "cuda" and weight.dtype == torch.uint8
+    assert weight.quant_state.dtype == torch.bfloat16 and q.lora_A["default"].weight.dtype == torch.float32
+    pushed = merged_weights(policy, {})["model.layers.0.self_attn.q_proj.weight"]
+    assert pushed.dtype == torch.bfloat16 and pushed.device.type == "cuda" and pushed.shape == (32, 32)
