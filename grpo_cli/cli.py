@@ -11,6 +11,7 @@ import ctypes
 import ctypes.util
 import importlib
 import importlib.metadata
+import logging
 import os
 import sys
 import warnings
@@ -81,6 +82,12 @@ def setup_process(environ=None) -> None:
     environ.setdefault("TQDM_DISABLE", "1")
     for key, value in VLLM_ENVIRONMENT.items():
         environ.setdefault(key, value)
+    # bitsandbytes (the qlora extra) logs at import, on an AVX512-BF16 CPU, that an optional kernel package is
+    # missing; peft imports it whenever it is installed, so every command would print that line. The CPU path
+    # it is about stays off (quantize.quantize_4bit)
+    bnb_logger = logging.getLogger("bitsandbytes")
+    if bnb_logger.level == logging.NOTSET:
+        bnb_logger.setLevel(logging.ERROR)
     default_allocator_conf(environ)
     limit_heap_growth()
 

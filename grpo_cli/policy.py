@@ -33,7 +33,7 @@ from platformdirs import user_cache_dir
 from tokenizers import Tokenizer, decoders, models
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from grpo_cli import files
+from grpo_cli import files, quantize
 from grpo_cli.checks import Check, Rule, get, is_int, is_num, one_of
 from grpo_cli.errors import ConfigError
 from grpo_cli.instantiate import build
@@ -259,9 +259,15 @@ def build_policy(model_cfg):
     The base loads onto the device before LoRA wraps it, so the adapter's weights are made there too.
     """
     device = resolve_device(model_cfg.device)
+    # a run saved before quantization existed has no such key: a full-precision base, as it had then
+    four_bit = model_cfg.get("quantization") == "4bit"
+    # a 4-bit base loads into host memory and each linear layer is quantized as it moves to the device
     # a run saved before attn_implementation existed has no such key: transformers' choice, as it had then
-    base, tokenizer = build(model_cfg.loader, dtype=resolve_dtype(model_cfg.dtype, device), device=device,
+    base, tokenizer = build(model_cfg.loader, dtype=resolve_dtype(model_cfg.dtype, device),
+                            device=torch.device("cpu") if four_bit else device,
                             attn_implementation=model_cfg.get("attn_implementation"))
+    if four_bit:
+        base = quantize.quantize_4bit(base, device)
     policy = apply_lora(base.to(device), **model_cfg.lora)
     return policy, tokenizer, device
 
@@ -347,4 +353,5 @@ CHECKS: list[Check] = [
          "needs a CUDA GPU and the flash-attn package (pip install flash-attn --no-build-isolation); "
          "set model.attn_implementation=sdpa"),
     _trainable_dtype,
+    *quantize.CHECKS,
 ]

@@ -22,8 +22,12 @@ hub id, loader config), merge and dtype. Departures from the usual merge scripts
 on the CPU in float32 whatever the run trained in (merging in bf16 rounds the LoRA delta away), and
 only then are the weights cast to `export.dtype`: `auto` (the default) is the precision the policy
 trained in (its checkpoint's trainer_state.json records it), so an fp32 CPU run exports the logits
-it was trained and evaluated with. The folder is written beside the target and renamed into place,
-so a failed export (a full disk: one `error:` line, exit 1) never leaves half a model.
+it was trained and evaluated with. A run on a 4-bit base (`model.quantization=4bit`) merges into
+dequant(W) + ΔW, the weights it trained against, and exports them in full precision (no bitsandbytes
+needed to load them); `export.merge=false` writes the adapter, whose base is the full-precision
+model (quantize it again with model.quantization=4bit to get the trained policy back). The folder
+is written beside the target and renamed into place, so a failed export (a full disk: one `error:`
+line, exit 1) never leaves half a model.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.table import Table
 from transformers import GenerationConfig
 
-from grpo_cli import __version__, checkpoint, files
+from grpo_cli import __version__, checkpoint, files, quantize
 from grpo_cli.app import command_line_overrides, hydra_app
 from grpo_cli.config import validate
 from grpo_cli.errors import ConfigError, RunError
@@ -159,7 +163,9 @@ def _write(cfg: DictConfig, ckpt: Path, out: Path, step, dtype: str) -> tuple[di
         policy.eval()
         bar.update(task, advance=1, info="merge" if export_cfg.merge else "adapter folder")
         if export_cfg.merge:
-            model = policy.merge_and_unload().to(DTYPES[dtype])
+            # a 4-bit base (model.quantization=4bit): dequant(W) + ΔW in float32; peft's merge would quantize it again
+            merged = quantize.merge_dequantized(policy) if cfg.model.get("quantization") else policy.merge_and_unload()
+            model = merged.to(DTYPES[dtype])
             model.generation_config = generation_config(tokenizer)
             bar.update(task, advance=1, info="write")
             model.save_pretrained(tmp)
@@ -172,7 +178,8 @@ def _write(cfg: DictConfig, ckpt: Path, out: Path, step, dtype: str) -> tuple[di
             (tmp / "README.md").unlink(missing_ok=True)  # peft's empty model card
         tokenizer.save_pretrained(tmp)
         record = {"checkpoint": str(ckpt.resolve()), "step": step, "merged": export_cfg.merge,
-                  "dtype": dtype, "base_model": base, "grpo_cli_version": __version__}
+                  "dtype": dtype, "quantization": cfg.model.get("quantization"), "base_model": base,
+                  "grpo_cli_version": __version__}
         (tmp / "export.json").write_text(json.dumps(record, indent=1) + "\n")
         bar.update(task, advance=1, info="done")
     return record, base

@@ -5,7 +5,8 @@
 
 The engine starts at the first `sync` or `generate` (~20 s for SmolLM2 on a CPU), in this process
 (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), from the base model's folder (a model built in memory is written
-to a temporary folder first), and keeps its own copy of the weights. Prompts go in as token ids
+to a temporary folder first, and so is a 4-bit base, dequantized: vLLM holds full-precision weights),
+and keeps its own copy of the weights. Prompts go in as token ids
 (`encode_prompts`, the same ids HF generate gets); vLLM loads no tokenizer.
 
 Weights. `sync(policy)` (and `generate`, when the policy changed since the last push: a new step, the
@@ -57,6 +58,7 @@ from omegaconf import DictConfig, OmegaConf
 from peft.tuners.lora import LoraLayer
 from safetensors.torch import save_file
 
+from grpo_cli import quantize
 from grpo_cli.checks import Check, Rule, get, is_int, is_num, one_of
 from grpo_cli.errors import ConfigError, DataError
 from grpo_cli.metrics import console
@@ -233,17 +235,21 @@ class VLLMSampler(Sampler):
         return OmegaConf.create({"_target_": f"{HFSampler.__module__}.{HFSampler.__qualname__}", **shared})
 
     def _model_folder(self, policy) -> Path:
-        """The base model's local folder (config.json + safetensors), or a temporary copy of its weights."""
+        """The base model's local folder (config.json + safetensors), or a temporary copy of its weights (a model
+        built in memory, a 4-bit base)."""
         base = _base_model(policy)
         folder = Path(str(getattr(base.config, "_name_or_path", "") or ""))
-        if str(folder) and (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
+        # a 4-bit base is written out too, as dequant(W): the weights the policy computes with, also in the
+        # layers no adapter touches (the push sends only adapted layers), where the folder holds the original W
+        four_bit = any(quantize.is_4bit(m) for m in base.modules())
+        if str(folder) and (folder / "config.json").is_file() and any(folder.glob("*.safetensors")) and not four_bit:
             return folder
 
         self._folder = tempfile.TemporaryDirectory(prefix="grpo-vllm-")
         out = Path(self._folder.name)
         base.config.save_pretrained(out)
         weights, seen = {}, set()
-        for name, tensor in base.state_dict().items():
+        for name, tensor in quantize.full_state_dict(base).items():  # a 4-bit base dequantized: vLLM loads W
             if "lora_" in name or tensor.data_ptr() in seen:  # adapters; a tied copy (lm_head = embeddings)
                 continue
             seen.add(tensor.data_ptr())
@@ -307,7 +313,8 @@ def _fingerprint(policy) -> tuple:
 
 def merged_weights(policy, packed: dict[str, list[str]]) -> dict[str, torch.Tensor]:
     """{HF weight name: W + the active adapters' ΔW} of each adapted linear layer, plus the base weight of
-    every layer fused with one in vLLM (k_proj when only q_proj and v_proj carry adapters)."""
+    every layer fused with one in vLLM (k_proj when only q_proj and v_proj carry adapters). W of a 4-bit
+    base (model.quantization=4bit) is dequant(W): the engine holds full-precision weights."""
     base = _base_model(policy)
     layers = _lora_layers(policy)
     parts_of = {part: parts for parts in packed.values() for part in parts}  # "q_proj" -> [q, k, v]
@@ -320,11 +327,11 @@ def merged_weights(policy, packed: dict[str, list[str]]) -> dict[str, torch.Tens
         module = base.get_submodule(name)
         layer = layers.get(name)
         if layer is None:
-            out[f"{name}.weight"] = module.weight.detach()
+            out[f"{name}.weight"] = quantize.full_weight(module)  # dequant(W) of a 4-bit base
             continue
         if any(layer.use_dora.get(a, False) for a in _active(layer)):
             raise NotImplementedError(f"{name} carries a DoRA adapter, which the weight push does not merge")
-        weight = layer.get_base_layer().weight.detach()
+        weight = quantize.full_weight(layer.get_base_layer())
         deltas = [layer.get_delta_weight(a) for a in _active(layer)]
         if deltas:
             weight = (weight.float() + sum(d.float() for d in deltas)).to(weight.dtype)
