@@ -97,16 +97,18 @@ def buckets(model, rollout: Rollout, *, with_entropy: bool = False, grad: bool =
         rows = torch.tensor(members, device=which.device)  # [b]
         own = which[rows]  # [b] each row's prompt
         t = max(lengths[i] for i in members)
+        # the decoder runs once per bucket, even one of one-token rows (on that token, its output unused but in the
+        # graph): under FSDP every rank then runs the same forwards and backwards (grpo_cli.fsdp)
+        run = max(t - 1, 1)
         with torch.set_grad_enabled(grad), autocast(model):
             tokens = rollout.completion_ids[rows, :t]  # [b, t]
-            hidden = last[own][:, None]  # [b, 1, D]
-            if t > 1:  # tokens 0..t-2 continue the shared prompt caches; their outputs predict tokens 1..t-1
-                shared = DynamicCache(ddp_cache_data=[(kv[i][own], kv[i + 1][own]) for i in range(0, len(kv), 2)])
-                mask = torch.cat([p_mask[own], rollout.completion_mask[rows, :t - 1]], 1)  # [b, P+t-1]
-                pos = p_mask[own].sum(1, keepdim=True) + torch.arange(t - 1, device=mask.device)
-                h = body(input_ids=tokens[:, :-1], attention_mask=mask, position_ids=pos, use_cache=True,
-                         **{cache_key: shared}).last_hidden_state  # [b, t-1, D]
-                hidden = torch.cat([hidden, h], 1)  # [b, t, D]
+            # tokens 0..t-2 continue the shared prompt caches; their outputs predict tokens 1..t-1
+            shared = DynamicCache(ddp_cache_data=[(kv[i][own], kv[i + 1][own]) for i in range(0, len(kv), 2)])
+            mask = torch.cat([p_mask[own], rollout.completion_mask[rows, :run]], 1)  # [b, P+run]
+            pos = p_mask[own].sum(1, keepdim=True) + torch.arange(run, device=mask.device)
+            h = body(input_ids=rollout.completion_ids[rows, :run], attention_mask=mask, position_ids=pos,
+                     use_cache=True, **{cache_key: shared}).last_hidden_state  # [b, run, D]
+            hidden = torch.cat([last[own][:, None], h], 1)[:, :t]  # [b, t, D]
             logp, entropy = head_logprobs(hidden.flatten(0, 1), head.weight, tokens.flatten(),
                                           with_entropy=with_entropy)
             logp = torch.nn.functional.pad(logp.view(-1, t), (0, width - t)) * rollout.completion_mask[rows]  # [b, T]
