@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from grpo_cli.fsdp import gather_root
 from grpo_cli.objective import head_logprobs, token_entropy, token_logprobs
 from grpo_cli.policy import autocast
 from grpo_cli.rollout import Rollout, position_ids
@@ -68,6 +69,7 @@ def buckets(model, rollout: Rollout, *, with_entropy: bool = False, grad: bool =
     (the entropy bonus); the fused head gives it a gradient anyway at no cost unless used, the whole-sequence
     path only when asked, since it then keeps each chunk's softmax.
     """
+    gather_root(model)  # a sharded base (trainer.fsdp): the embeddings and the head's weight read below
     body, head = _decoder_and_head(model)
     # checkpointed layers in training drop a KV cache they are given (transformers' GradientCheckpointingLayer)
     checkpointing = body.training and any(getattr(m, "gradient_checkpointing", False) for m in body.modules())
