@@ -22,10 +22,11 @@ Where it departs from the data-parallel run (the numbers are the same, the sched
 - sampling (HF generate) calls the model once per new token and ranks stop at different lengths, so
   the rollout runs on the whole base (`whole`): every layer gathered at its start, freed at its end.
   Its peak holds the whole base on every rank, as without FSDP; the update's holds 1/N of the layers
-  plus the root's weights (kept gathered from the first forward to the next rollout: logprobs reads
-  the LM head's weight and calls the decoder directly, outside the root's own forward);
-- not supported (config checks refuse them): sampler=vllm (its weight push reads whole weights),
-  gradient checkpointing (not tested with this schedule). One process: nothing to shard, a no-op.
+  plus the root's weights (gathered for each `logprobs.buckets` call, `root_gathered`: it reads the
+  LM head's weight and calls the decoder directly, outside the root's own forward);
+- sampler=vllm is refused (commands/train.py check_world): its weight push reads whole weights from the
+  policy. Gradient checkpointing works (its whole-sequence path: one root forward per micro-batch).
+  One process: nothing to shard, a no-op, so a run resumes on any number of ranks with or without it.
 """
 
 from __future__ import annotations
@@ -52,8 +53,8 @@ def shard(policy, world: World) -> str:
     for layer in base.get_decoder().layers:
         fully_shard(layer, mesh=mesh, ignored_params=lora)
     fully_shard(base, mesh=mesh, ignored_params=lora)
-    # the root's weights stay gathered from their first use until `whole` frees them: logprobs reads the
-    # head's weight between backwards, which would otherwise free it after each
+    # the root's weights stay gathered through a `root_gathered` block: logprobs reads the head's weight between
+    # backwards, and FSDP would free it after each
     base.set_reshard_after_backward(False, recurse=False)
     # FSDP names its root in the first forward it sees; logprobs calls the decoder directly, so the first
     # forward is the root's: one token, no gradient
@@ -87,12 +88,24 @@ def sharded(model) -> bool:
     return bool(_modules(model))
 
 
-def gather_root(model) -> None:
-    """The root's weights (embeddings, norm, LM head) gathered, for code that reads them outside the root's
-    forward (logprobs); nothing when they already are, or when the model is not sharded."""
+@contextlib.contextmanager
+def root_gathered(model) -> Iterator[None]:
+    """Context: the root's weights (embeddings, norm, LM head) gathered, for code that calls the decoder and reads
+    the head's weight outside the root's forward (logprobs); freed at the end. Nothing when not sharded.
+
+    Freed first, then gathered: whether a group is gathered is each rank's own state (rank 0 alone saves
+    checkpoints, and `state_dict` frees every group), so every rank joins the one all-gather whatever it held.
+    """
     modules = _modules(model)
-    if modules:
-        modules[0].unshard()  # a no-op when gathered: every rank is in the same state, so all call it or none
+    if not modules:
+        yield
+        return
+    modules[0].reshard()  # local: no collective
+    modules[0].unshard()
+    try:
+        yield
+    finally:
+        modules[0].reshard()
 
 
 @contextlib.contextmanager
@@ -100,8 +113,9 @@ def whole(policy) -> Iterator[None]:
     """Context: every base weight gathered, none freed after a forward (generate's forwards are as many as
     the rank's longest completion, different on each rank); all freed at the end. Nothing when not sharded."""
     modules = _modules(policy)
-    for m in modules:
+    for m in modules:  # freed first, then gathered: every rank joins every all-gather (see root_gathered)
         m.set_reshard_after_forward(False, recurse=False)
+        m.reshard()
         m.unshard()
     try:
         yield

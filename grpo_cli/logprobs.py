@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from grpo_cli.fsdp import gather_root
+from grpo_cli.fsdp import root_gathered
 from grpo_cli.objective import head_logprobs, token_entropy, token_logprobs
 from grpo_cli.policy import autocast
 from grpo_cli.rollout import Rollout, position_ids
@@ -69,7 +69,12 @@ def buckets(model, rollout: Rollout, *, with_entropy: bool = False, grad: bool =
     (the entropy bonus); the fused head gives it a gradient anyway at no cost unless used, the whole-sequence
     path only when asked, since it then keeps each chunk's softmax.
     """
-    gather_root(model)  # a sharded base (trainer.fsdp): the embeddings and the head's weight read below
+    with root_gathered(model):  # a sharded base (trainer.fsdp): the embeddings and the head's weight read below
+        yield from _buckets(model, rollout, with_entropy, grad, entropy_grad, bucket_rows)
+
+
+def _buckets(model, rollout: Rollout, with_entropy: bool, grad: bool, entropy_grad: bool,
+             bucket_rows: int) -> Iterator[Bucket]:
     body, head = _decoder_and_head(model)
     # checkpointed layers in training drop a KV cache they are given (transformers' GradientCheckpointingLayer)
     checkpointing = body.training and any(getattr(m, "gradient_checkpointing", False) for m in body.modules())
