@@ -133,6 +133,7 @@ def lockstep(active: list[int], n: int, world: World) -> tuple[list[int], list[i
     most = int(world.max(torch.tensor([len(active)]))[0])
     if not active and not most:
         return [], []
-    spare = [i for i in range(n) if i not in set(active)] or list(range(n))
+    taken = set(active)
+    spare = [i for i in range(n) if i not in taken] or list(range(n))  # all active: repeat rows
     fillers = [spare[i % len(spare)] for i in range(most - len(active))]
     return active + fillers, fillers
