@@ -14,7 +14,8 @@ controller, nanoGPT wraps the model in DDP; this follows none of them exactly):
 - gradients are summed with one `all_reduce` of the flattened LoRA gradients per optimizer step, not
   with DDP: DDP reduces inside each backward, and ranks run different numbers of backwards here (rows
   whose advantage is 0 are skipped, so a rank can have none). A rank with no active row still joins
-  the one reduction, so nothing waits forever. The adapter is a few MB: one reduction costs little;
+  the one reduction, so nothing waits forever. The adapter is a few MB: one reduction costs little
+  (trainer.fsdp shards the frozen base on top of this and keeps it: grpo_cli.fsdp);
 - the adapter starts from rank 0's weights (broadcast), each rank samples with its own seed, a
   function of (seed, step, rank);
 - rank 0 alone writes (metrics reduced over ranks, completions of its own slice, checkpoints,

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from grpo_cli.fsdp import root_gathered
 from grpo_cli.objective import head_logprobs, token_entropy, token_logprobs
 from grpo_cli.policy import autocast
 from grpo_cli.rollout import Rollout, position_ids
@@ -68,6 +69,12 @@ def buckets(model, rollout: Rollout, *, with_entropy: bool = False, grad: bool =
     (the entropy bonus); the fused head gives it a gradient anyway at no cost unless used, the whole-sequence
     path only when asked, since it then keeps each chunk's softmax.
     """
+    with root_gathered(model):  # a sharded base (trainer.fsdp): the embeddings and the head's weight read below
+        yield from _buckets(model, rollout, with_entropy, grad, entropy_grad, bucket_rows)
+
+
+def _buckets(model, rollout: Rollout, with_entropy: bool, grad: bool, entropy_grad: bool,
+             bucket_rows: int) -> Iterator[Bucket]:
     body, head = _decoder_and_head(model)
     # checkpointed layers in training drop a KV cache they are given (transformers' GradientCheckpointingLayer)
     checkpointing = body.training and any(getattr(m, "gradient_checkpointing", False) for m in body.modules())
@@ -97,16 +104,18 @@ def buckets(model, rollout: Rollout, *, with_entropy: bool = False, grad: bool =
         rows = torch.tensor(members, device=which.device)  # [b]
         own = which[rows]  # [b] each row's prompt
         t = max(lengths[i] for i in members)
+        # the decoder runs once per bucket, even one of one-token rows (on that token, its output unused but in the
+        # graph): under FSDP every rank then runs the same forwards and backwards (grpo_cli.fsdp)
+        run = max(t - 1, 1)
         with torch.set_grad_enabled(grad), autocast(model):
             tokens = rollout.completion_ids[rows, :t]  # [b, t]
-            hidden = last[own][:, None]  # [b, 1, D]
-            if t > 1:  # tokens 0..t-2 continue the shared prompt caches; their outputs predict tokens 1..t-1
-                shared = DynamicCache(ddp_cache_data=[(kv[i][own], kv[i + 1][own]) for i in range(0, len(kv), 2)])
-                mask = torch.cat([p_mask[own], rollout.completion_mask[rows, :t - 1]], 1)  # [b, P+t-1]
-                pos = p_mask[own].sum(1, keepdim=True) + torch.arange(t - 1, device=mask.device)
-                h = body(input_ids=tokens[:, :-1], attention_mask=mask, position_ids=pos, use_cache=True,
-                         **{cache_key: shared}).last_hidden_state  # [b, t-1, D]
-                hidden = torch.cat([hidden, h], 1)  # [b, t, D]
+            # tokens 0..t-2 continue the shared prompt caches; their outputs predict tokens 1..t-1
+            shared = DynamicCache(ddp_cache_data=[(kv[i][own], kv[i + 1][own]) for i in range(0, len(kv), 2)])
+            mask = torch.cat([p_mask[own], rollout.completion_mask[rows, :run]], 1)  # [b, P+run]
+            pos = p_mask[own].sum(1, keepdim=True) + torch.arange(run, device=mask.device)
+            h = body(input_ids=rollout.completion_ids[rows, :run], attention_mask=mask, position_ids=pos,
+                     use_cache=True, **{cache_key: shared}).last_hidden_state  # [b, run, D]
+            hidden = torch.cat([last[own][:, None], h], 1)[:, :t]  # [b, t, D]
             logp, entropy = head_logprobs(hidden.flatten(0, 1), head.weight, tokens.flatten(),
                                           with_entropy=with_entropy)
             logp = torch.nn.functional.pad(logp.view(-1, t), (0, width - t)) * rollout.completion_mask[rows]  # [b, T]

@@ -27,7 +27,9 @@ from grpo_cli.errors import ConfigError
 # settings a resumed run may change; everything else comes from the run's saved config
 RESUMABLE = ("resume", "trainer.max_steps", "trainer.save_every", "trainer.keep_last", "trainer.report_to",
              "trainer.project", "trainer.log_completions_every", "trainer.num_completions_to_print",
-             "trainer.completions_max_mb", "trainer.max_nonfinite_steps")
+             "trainer.completions_max_mb", "trainer.max_nonfinite_steps",
+             # how the base is held across ranks, not what is computed (tests/test_fsdp.py: the same weights)
+             "trainer.fsdp")
 
 
 # sections whose settings added after a run was saved take today's default when it resumes

@@ -23,16 +23,19 @@ step's advantage; rows whose advantage is zero everywhere are skipped when β = 
 With N ranks (grpo_cli.distributed) each rank holds its slice of the batch; the counts the loss
 divides by and the outcome rewards the advantages normalize over are the whole batch's, and the
 gradients are summed once per optimizer step, so N ranks take the 1-rank step on the same batch.
+With the base sharded (trainer.fsdp, grpo_cli.fsdp) every rank also runs as many rows as the busiest one, its
+spare rows masked out of the loss (`Batch.fillers`): FSDP's per-layer gathers need the same passes everywhere.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from grpo_cli.distributed import SINGLE, World
+from grpo_cli.fsdp import lockstep, sharded
 from grpo_cli.logprobs import buckets, sequence_logprobs
 from grpo_cli.objective import GRPOLoss, high_entropy_threshold, masked_mean, outcome_advantages, process_advantages
 from grpo_cli.policy import reference
@@ -99,6 +102,9 @@ class Batch:
     world: World = SINGLE
     # 0-dim: the entropy at or above which a token keeps its policy-gradient term (top_entropy_quantile < 1)
     entropy_threshold: torch.Tensor | None = None
+    # a sharded base (trainer.fsdp): rows run after `active` with a zero loss mask, so every rank runs the same
+    # forwards and backwards (grpo_cli.fsdp.lockstep); [] otherwise
+    fillers: list[int] = field(default_factory=list)
 
 
 def micro_batches(rows: list[int], size: int) -> list[list[int]]:
@@ -129,12 +135,14 @@ def prepare(policy, rollout: Rollout, advantages: torch.Tensor, loss, num_iterat
     else:
         carries = advantages.reshape(n, -1).ne(0).any(1) & mask.bool().any(1)  # [N]
         active = carries.nonzero().flatten().tolist()
+    # a sharded base: every rank runs as many rows as the busiest one (its own spare rows, masked out of the loss)
+    run, fillers = lockstep(active, n, world) if sharded(policy) else (active, [])
     old_logp = None
     top_entropy = getattr(loss, "top_entropy_quantile", 1.0) < 1  # (a loss of another class may lack the option)
     entropy = torch.zeros_like(mask) if top_entropy else None  # [N, T]; 0 on rows that are not updated
-    if (num_iterations > 1 or top_entropy) and active:
+    if (num_iterations > 1 or top_entropy) and run:
         old_logp = torch.zeros_like(mask) if num_iterations > 1 else None
-        for b in micro_batches(active, micro_batch_size):
+        for b in micro_batches(run, micro_batch_size):
             scored = sequence_logprobs(policy, rollout.select(b), with_entropy=top_entropy)
             if old_logp is not None:
                 old_logp[b] = scored.logp
@@ -150,7 +158,7 @@ def prepare(policy, rollout: Rollout, advantages: torch.Tensor, loss, num_iterat
     counts = world.sum(torch.tensor([n, mask.sum().item()], dtype=torch.float64))
     length = world.max(torch.tensor([mask.shape[1]]))
     return Batch(rollout, advantages, mask, active, ref_logp, old_logp, int(counts[0]),
-                 counts[1].to(mask.dtype).to(device).clamp(min=1), int(length[0]), world, threshold)
+                 counts[1].to(mask.dtype).to(device).clamp(min=1), int(length[0]), world, threshold, fillers)
 
 
 def batch_entropy_threshold(entropy: torch.Tensor, mask: torch.Tensor, quantile: float,
@@ -229,6 +237,11 @@ def update(policy, optimizer, scheduler, batch: Batch, loss: GRPOLoss, num_itera
     local_tokens = batch.mask[batch.active].sum() if batch.active else batch.mask.new_zeros(())
     active_tokens = world.sum(local_tokens.detach().clone()).clamp(min=1)
     params = [p for p in policy.parameters() if p.requires_grad]
+    # the fillers (sharded base only) run with a zero mask: no loss, no gradient, no statistics
+    rows_run, loss_mask = batch.active + batch.fillers, batch.mask
+    if batch.fillers:
+        loss_mask = batch.mask.clone()
+        loss_mask[batch.fillers] = 0.0
     # the token statistics: 0-dim tensors summed on the device, no host transfer per micro-batch; every rank has
     # the same keys, even one with no active row
     names = [*loss.stat_names(with_sampling_logp=batch.rollout.sampling_logp is not None), "entropy"]
@@ -239,12 +252,12 @@ def update(policy, optimizer, scheduler, batch: Batch, loss: GRPOLoss, num_itera
     policy.train()
     for _ in range(num_iterations):
         losses = []
-        for rows in micro_batches(batch.active, micro_batch_size):
+        for rows in micro_batches(rows_run, micro_batch_size):
             sub, index = batch.rollout.select(rows), torch.tensor(rows, device=batch.mask.device)
             # forward and backward bucket by bucket: the peak holds one bucket's activations, not the micro-batch's
             for bucket in buckets(policy, sub, with_entropy=True, grad=True, entropy_grad=entropy_grad):
                 picked = index[bucket.rows]  # [b] the bucket's rows in the batch
-                mask = batch.mask[picked]
+                mask = loss_mask[picked]
                 old = batch.old_logp[picked] if batch.old_logp is not None else bucket.logp.detach()
                 ref = batch.ref_logp[picked] if batch.ref_logp is not None else None
                 # the sampler's own log-probs (vLLM): sampler/logp_gap and, with algo.is_correction_cap, IS weights

@@ -77,11 +77,16 @@ def _local(rollout: Rollout, result: RewardResult, world: World) -> tuple[Rollou
     return rollout.select(rows), RewardResult(rewards=[result.rewards[i] for i in rows], per_function={})
 
 
-def _step(case, world: World) -> tuple[dict, dict]:
-    """One `update` of `case` on this rank's share of the batch; (LoRA weights, stats)."""
+def _step(case, world: World, fsdp: bool = False) -> tuple[dict, dict]:
+    """One `update` of `case` on this rank's share of the batch; (LoRA weights, stats). `fsdp`: the base sharded
+    over the ranks first (tests/test_fsdp.py)."""
     loss_type, beta, mu, scale, kind = case
     torch.manual_seed(0)
     policy, tokenizer = _policy()
+    if fsdp:
+        from grpo_cli import fsdp as sharding
+
+        sharding.shard(policy, world)
     rollout, result = _local(*_batch(kind), world)
     options = {"epsilon_low": 0.2, "epsilon_high": None, **OPTIONS.get(kind, {})}
     loss = GRPOLoss(beta=beta, kl_estimator="k3", loss_type=loss_type, **options)

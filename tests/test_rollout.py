@@ -262,6 +262,22 @@ def test_shared_prefix_does_each_prompt_once_and_never_makes_full_logits():
     assert head_calls == []  # the fused head reads lm_head.weight; the module (a full [.., V] output) never runs
 
 
+def test_every_bucket_runs_the_decoder_once_even_of_one_token_rows():
+    """A bucket of one-token rows needs only the prompts' last hidden state, but runs the decoder on its token
+    anyway (output unused): under FSDP every rank must run the same forwards and backwards (grpo_cli.fsdp)."""
+    model, tokenizer = load_tiny_random(seed=3)
+    rollout = _ragged_rollout(tokenizer, list(range(12)))
+    rows = []
+    hook = model.get_input_embeddings().register_forward_hook(lambda m, a, out: rows.append(tuple(out.shape[:2])))
+    try:
+        with torch.no_grad():
+            sequence_logprobs(model, rollout, bucket_rows=2)
+    finally:
+        hook.remove()
+    # lengths 1,1 | 2,2 | 3,3 | 4,5 | 6,7 | 8,9: the first bucket runs its one token, the others all but the last
+    assert rows[1:] == [(2, 1), (2, 1), (2, 2), (2, 4), (2, 6), (2, 8)]
+
+
 def test_gradient_checkpointing_takes_the_whole_sequence_path():
     """Checkpointed layers drop the KV cache they are given; the shared path would score completions
     without their prompts. Under checkpointing in training the whole-sequence forward runs instead."""

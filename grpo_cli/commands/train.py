@@ -19,7 +19,8 @@ and resets the reference at each iteration's first step); one "step" is one expl
 followed by μ optimizer steps.
 
 Under torchrun (`torchrun --nproc-per-node N $(which grpo) train ...`) each rank runs this loop on its
-slice of every step's prompts; grpo_cli.distributed says how the work is split and why.
+slice of every step's prompts; grpo_cli.distributed says how the work is split and why, and grpo_cli.fsdp
+how `trainer.fsdp=true` shards the frozen base over the ranks.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from omegaconf import DictConfig, OmegaConf
 from transformers import get_scheduler
 from transformers.trainer_utils import SchedulerType
 
-from grpo_cli import checkpoint
+from grpo_cli import checkpoint, fsdp
 from grpo_cli.app import command_line_overrides, hydra_app
 from grpo_cli.checks import Check, Rule, is_int, is_num, raised
 from grpo_cli.config import validate
@@ -110,6 +111,12 @@ def check_world(cfg: DictConfig, size: int) -> list[str]:
         fit = per_step + size - per_step % size
         errors.append(f"trainer.prompts_per_step ({per_step}) must divide by the number of ranks ({size}): each "
                       f"rank takes an equal share of whole groups; set trainer.prompts_per_step={fit}")
+    if size > 1 and cfg.trainer.get("fsdp") is True:
+        target = str(cfg.sampler.get("_target_", ""))
+        if not target.startswith("grpo_cli.rollout.hf."):
+            errors.append(f"trainer.fsdp=true samples with HF generate on the gathered base; sampler {target} pushes "
+                          f"whole weights from the policy, which FSDP does not hold: set sampler=default, or "
+                          f"trainer.fsdp=false")
     if size > 1 and cfg.iterative.iterations:
         errors.append(f"iterative RL (iterative.iterations={cfg.iterative.iterations}) runs in one process only "
                       f"for now; launch it without torchrun, or set iterative.iterations=0")
@@ -142,6 +149,8 @@ def _loop(cfg: DictConfig, run_dir: Path, ckpt: Path | None, world: World) -> Pa
     world.copy_from_main([p for p in policy.parameters() if p.requires_grad])  # one adapter init on every rank
     if trainer.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if trainer.fsdp:  # the frozen base sharded over the ranks; prints how much of it each rank holds
+        console.print(fsdp.shard(policy, world))
     # this rank's view of the seeded, resumable stream: every rank advances it alike and keeps its own slice
     prompts = PromptStream(data.train, trainer.seed).shard(world.rank, world.size)
     sampler = build(cfg.sampler)
@@ -214,7 +223,8 @@ def _loop(cfg: DictConfig, run_dir: Path, ckpt: Path | None, world: World) -> Pa
 
                 # 2. rollout: G completions per prompt with the current policy (LoRA on)
                 t = time.perf_counter()
-                rollout = _sample(sampler, policy, tokenizer, examples, algo.group_size, step, sampling)
+                with fsdp.whole(policy):  # a sharded base gathered while sampling (trainer.fsdp); else nothing
+                    rollout = _sample(sampler, policy, tokenizer, examples, algo.group_size, step, sampling)
                 synchronize(device)
                 t_rollout += time.perf_counter() - t
 
@@ -376,6 +386,7 @@ CHECKS: list[Check] = [
          "must be an integer >= 0; set trainer.warmup_steps=0"),
     Rule("trainer.gradient_checkpointing", lambda v: isinstance(v, bool),
          "must be true or false; set trainer.gradient_checkpointing=false"),
+    Rule("trainer.fsdp", lambda v: isinstance(v, bool), "must be true or false; set trainer.fsdp=false"),
     Rule("trainer.max_nonfinite_steps", lambda v: is_int(v) and v >= 1,
          "must be an integer >= 1; set trainer.max_nonfinite_steps=3"),
     Rule("trainer.max_steps", lambda v: is_int(v) and v >= 1, "must be an integer >= 1; set trainer.max_steps=10"),
