@@ -148,6 +148,8 @@ def test_fsdp_config_checks_name_the_fix():
     vllm = train.check_world(compose("train", ["model=tiny", "trainer.fsdp=true", "sampler=vllm"]), 2)
     assert len(vllm) == 1 and vllm[0].endswith("set sampler=default, or trainer.fsdp=false")
     assert train.check_world(compose("train", ["model=tiny", "sampler=vllm"]), 2) == []
+    quant = train.check_world(compose("train", ["model=tiny", "trainer.fsdp=true", "model.quantization=4bit"]), 2)
+    assert len(quant) == 1 and "set model.quantization=null" in quant[0]
     rule = next(c for c in train.CHECKS if getattr(c, "key", None) == "trainer.fsdp")
     assert rule(compose("train", ["model=tiny", "trainer.fsdp=1"])) == [
         "trainer.fsdp (1) must be true or false; set trainer.fsdp=false"]

@@ -117,6 +117,10 @@ def check_world(cfg: DictConfig, size: int) -> list[str]:
             errors.append(f"trainer.fsdp=true samples with HF generate on the gathered base; sampler {target} pushes "
                           f"whole weights from the policy, which FSDP does not hold: set sampler=default, or "
                           f"trainer.fsdp=false")
+        if cfg.model.get("quantization"):  # FSDP2 would shard bitsandbytes' packed 4-bit weights: never tried
+            errors.append(f"trainer.fsdp=true with model.quantization={cfg.model.quantization} is not supported: "
+                          f"FSDP sharding of a 4-bit base has not been built or tested; set model.quantization=null "
+                          f"(the base sharded in full precision) or trainer.fsdp=false (a 4-bit base on every rank)")
     if size > 1 and cfg.iterative.iterations:
         errors.append(f"iterative RL (iterative.iterations={cfg.iterative.iterations}) runs in one process only "
                       f"for now; launch it without torchrun, or set iterative.iterations=0")
