@@ -37,11 +37,39 @@ def test_sampler_vllm_without_vllm_names_the_install(monkeypatch):
     validate(compose("eval", ["sampler=vllm"]))
 
 
-def test_sampler_vllm_under_torchrun_is_refused(monkeypatch):
+def test_sampler_vllm_under_torchrun_validates_one_engine_per_rank(monkeypatch):
+    monkeypatch.setattr("grpo_cli.rollout.vllm.installed", lambda: True)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # what torchrun sets
+    validate(compose("train", ["sampler=vllm", "trainer.prompts_per_step=4"]))
+    validate(compose("eval", ["sampler=vllm"]))
+
+
+def test_tensor_parallel_is_refused_where_it_cannot_run(monkeypatch):
     monkeypatch.setattr("grpo_cli.rollout.vllm.installed", lambda: True)
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ConfigError, match=r"^sampler=vllm runs one engine in one process .*launch without torchrun"):
-        validate(compose("train", ["sampler=vllm"]))
+    train = ["sampler=vllm", "trainer.prompts_per_step=4"]
+
+    def error(command, overrides):
+        with pytest.raises(ConfigError) as err:
+            validate(compose(command, overrides))
+        return str(err.value).splitlines()
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert error("train", [*train, "sampler.tensor_parallel_size=2"]) == [
+        "sampler.tensor_parallel_size (2) splits the engine over GPUs, and this machine has none; "
+        "set sampler.tensor_parallel_size=1"]
+    assert error("train", [*train, "sampler.tensor_parallel_size=0"]) == [
+        "sampler.tensor_parallel_size (0) must be an integer >= 1; set sampler.tensor_parallel_size=1"]
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    validate(compose("train", [*train, "sampler.tensor_parallel_size=2"]))  # 2 ranks, one engine over both
+    assert error("train", [*train, "sampler.tensor_parallel_size=3"]) == [
+        "sampler.tensor_parallel_size (3) must divide the number of torchrun ranks (2): each engine runs on that "
+        "many ranks; launch with torchrun --nproc-per-node 3, or set sampler.tensor_parallel_size=1"]
+    assert error("eval", ["sampler=vllm", "sampler.tensor_parallel_size=2"])[0].startswith(
+        "sampler.tensor_parallel_size (2) works in grpo train only")
+    monkeypatch.setenv("WORLD_SIZE", "1")  # one process: nothing to split the engine over
+    assert error("train", [*train, "sampler.tensor_parallel_size=2"])[0].startswith(
+        "sampler.tensor_parallel_size (2) must divide the number of torchrun ranks (1)")
 
 
 @pytest.mark.skipif(HAS_VLLM, reason="vLLM is installed here: the in-process check above covers it")

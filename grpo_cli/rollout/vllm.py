@@ -58,6 +58,7 @@ from peft.tuners.lora import LoraLayer
 from safetensors.torch import save_file
 
 from grpo_cli.checks import Check, Rule, get, is_int, is_num, one_of
+from grpo_cli.distributed import world_size
 from grpo_cli.errors import ConfigError, DataError
 from grpo_cli.metrics import console
 from grpo_cli.policy import DTYPES
@@ -95,6 +96,7 @@ class VLLMSampler(Sampler):
     cpu_kv_cache_gb: float = 1.0
     gpu_memory_utilization: float = 0.3
     enable_sleep_mode: bool = False
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
         self.llm = None  # the vLLM engine, once started
@@ -144,9 +146,10 @@ class VLLMSampler(Sampler):
                                  detokenize=False, seed=None if greedy else seed,
                                  **({"temperature": 0.0} if greedy else sampling)) for seed in seeds]
         requests = [{"prompt_token_ids": row[keep.bool()].tolist()} for row, keep in zip(ids, mask)]
+        requests, params, mine = self._shared(requests, params)
         try:
             with torch.random.fork_rng(devices=[]):  # vLLM's CPU sampler also draws from torch's generator
-                outputs = self.llm.generate(requests, params, use_tqdm=False)
+                outputs = self.llm.generate(requests, params, use_tqdm=False)[mine]
         except Exception as err:  # VLLMValidationError; config validation keeps lengths apart, this is a backstop
             if "maximum model length" not in str(err):
                 raise
@@ -164,6 +167,21 @@ class VLLMSampler(Sampler):
                          completion.to(device), eos, pad)
         rollout.sampling_logp = logp.to(device) * rollout.completion_mask  # 0 after EOS
         return rollout
+
+    def _shared(self, requests: list[dict], params: list) -> tuple[list[dict], list, slice]:
+        """With tensor parallelism the ranks of one engine must all submit the same requests (each runs the same
+        scheduler and its share of every matmul): every rank's requests, in rank order, and where this rank's
+        are among them. One rank per engine: its own, all of them."""
+        if self.tensor_parallel_size == 1:
+            return requests, params, slice(None)
+        from vllm.distributed.parallel_state import get_tp_group
+
+        group = get_tp_group()  # the engine's ranks, made by vLLM from torchrun's world (a gloo group on cpu_group)
+        parts = [None] * group.world_size
+        torch.distributed.all_gather_object(parts, (requests, params), group=group.cpu_group)
+        start = sum(len(r) for r, _ in parts[:group.rank_in_group])
+        return ([r for part, _ in parts for r in part], [p for _, part in parts for p in part],
+                slice(start, start + len(requests)))
 
     # ---- the engine --------------------------------------------------------------------------
 
@@ -194,6 +212,11 @@ class VLLMSampler(Sampler):
                 "dtype": str(dtype).removeprefix("torch."),
                 "enforce_eager": self.enforce_eager, "max_model_len": self.max_model_len,
                 "logprobs_mode": "raw_logprobs", "generation_config": "vllm", "enable_prefix_caching": True}
+        if world_size() > 1:
+            # under torchrun: the engine joins the trainer's process group instead of making its own (one engine
+            # per `tensor_parallel_size` ranks; 1: every rank an engine of its own, on its own device)
+            args.update(distributed_executor_backend="external_launcher",
+                        tensor_parallel_size=self.tensor_parallel_size)
         if on_cpu:
             args["kv_cache_memory_bytes"] = int(self.cpu_kv_cache_gb * 2**30)
         else:
@@ -385,15 +408,30 @@ def check_engine(cfg: DictConfig) -> list[str]:
                           f"here: {INSTALL}; a resumed run keeps its own sampler")
         else:
             errors.append(f"sampler=vllm needs vLLM, which is not installed: {INSTALL}; or use sampler=default")
-    if uses_vllm and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # its in-process engine sets up torch.distributed
-        errors.append("sampler=vllm runs one engine in one process for now, not one per torchrun rank; launch "
-                      "without torchrun, or use sampler=default")
+    tp, ranks = get(cfg, "sampler.tensor_parallel_size")[1], world_size()
+    if uses_vllm and is_int(tp) and tp > 1:
+        errors.extend(_check_tensor_parallel(cfg, tp, ranks))
     cap = get(cfg, "algo.is_correction_cap")[1]
     if cap is not None and target.startswith("grpo_cli.rollout.hf."):
         errors.append(f"algo.is_correction_cap ({cap!r}) corrects for a sampler with its own copy of the weights, "
                       f"but HF generate samples from the policy itself; set algo.is_correction_cap=null or "
                       f"sampler=vllm")
     return errors
+
+
+def _check_tensor_parallel(cfg: DictConfig, tp: int, ranks: int) -> list[str]:
+    """What an engine split over `tp` torchrun ranks needs: GPUs, a rank count it divides, and ranks that
+    submit prompts together (training does; eval's and sample's shards differ in size)."""
+    fix = "set sampler.tensor_parallel_size=1"
+    if not torch.cuda.is_available():
+        return [f"sampler.tensor_parallel_size ({tp}) splits the engine over GPUs, and this machine has none; {fix}"]
+    if ranks % tp:
+        return [f"sampler.tensor_parallel_size ({tp}) must divide the number of torchrun ranks ({ranks}): each "
+                f"engine runs on that many ranks; launch with torchrun --nproc-per-node {tp}, or {fix}"]
+    if "trainer" not in cfg:
+        return [f"sampler.tensor_parallel_size ({tp}) works in grpo train only: eval and sample give ranks shares "
+                f"of different sizes, which ranks sharing an engine cannot take; {fix}"]
+    return []
 
 
 CHECKS: list[Check] = [
@@ -412,5 +450,7 @@ CHECKS: list[Check] = [
          "must be in (0, 1]; set sampler.gpu_memory_utilization=0.3"),
     Rule("sampler.enable_sleep_mode", lambda v: isinstance(v, bool),
          "must be true or false; set sampler.enable_sleep_mode=false"),
+    Rule("sampler.tensor_parallel_size", lambda v: is_int(v) and v >= 1,
+         "must be an integer >= 1; set sampler.tensor_parallel_size=1"),
     check_engine,
 ]
