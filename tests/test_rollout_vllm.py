@@ -208,3 +208,102 @@ def test_greedy_equals_hf_after_each_sync_and_logp_gap_is_small(smollm2):
         ours = sampler.generate(policy, tokenizer, prompts, 1, greedy=True)
         theirs = hf_greedy(policy, tokenizer, prompts)
     assert ours.texts == theirs.texts and ours.texts != base_texts
+
+
+# --------------------------------------------------------------------------- under torchrun (needs vLLM)
+
+G = 4  # completions per prompt in the torchrun tests: 4 prompts x 4 = 16 rows, 8 on each of 2 ranks
+
+
+def _rewards(rollout):
+    """A reward that varies within each group: the completion's length in characters, mod 3."""
+    from grpo_cli.rewards import RewardResult
+
+    return RewardResult(rewards=[float(len(text) % 3) for text in rollout.texts], per_function={})
+
+
+def _one_update(policy, tokenizer, rollout, world) -> dict[str, torch.Tensor]:
+    """One GRPO update of `policy` on this rank's `rollout` (SGD, so the step is a plain sum of gradients)."""
+    from grpo_cli import update
+    from grpo_cli.objective import GRPOLoss
+
+    loss = GRPOLoss(beta=0.04, epsilon_low=0.2, epsilon_high=None, kl_estimator="k3", loss_type="grpo")
+    params = [p for p in policy.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(params, lr=0.5)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    adv = update.advantages(_rewards(rollout), rollout, tokenizer, G, "group", "population", world)
+    # micro-batches of 4 (one group each); truncated rows train too (8 tokens: nearly all are truncated)
+    batch = update.prepare(policy, rollout, adv, loss, 1, 4, False, world)
+    update.update(policy, optimizer, scheduler, batch, loss, 1, 4, 1.0)
+    return {n: p.detach().clone() for n, p in policy.named_parameters() if p.requires_grad}
+
+
+def _adapted_smollm2():
+    from grpo_cli.policy import build_policy
+    from grpo_cli.rollout import render_prompts
+
+    policy, tokenizer, _ = build_policy(compose("train").model)
+    set_adapter(policy, 1)
+    policy.eval()
+    return policy, tokenizer, render_prompts(tokenizer, PROMPTS)
+
+
+def _vllm_rank(rank: int, size: int, rendezvous: str, out: str) -> None:
+    """One torchrun-like rank: its own vLLM engine samples its 2 prompts x G, then one update on them."""
+    from grpo_cli.cli import setup_process
+
+    setup_process()  # what `grpo` sets before vLLM is imported: the engine in this process, quiet
+    host, port = rendezvous.removeprefix("tcp://").split(":")
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(size), MASTER_ADDR=host,
+                      MASTER_PORT=port)
+    torch.set_num_threads(1)
+    from safetensors.torch import save_file
+
+    from grpo_cli.commands.train import step_seed
+    from grpo_cli.distributed import init_world
+    from grpo_cli.rollout.vllm import VLLMSampler
+
+    world = init_world()  # gloo, as grpo train makes it; the engine joins it (external launcher)
+    try:
+        policy, tokenizer, prompts = _adapted_smollm2()
+        sampler = VLLMSampler(max_new_tokens=8, max_model_len=512, cpu_kv_cache_gb=0.25)
+        sampler.sync(policy)
+        assert sampler.llm is not None, "vLLM fell back to HF generate"
+        generator = torch.Generator().manual_seed(step_seed(0, 1, rank))  # as the trainer seeds step 1
+        rollout = sampler.generate(policy, tokenizer, prompts[world.slice(len(prompts))], G, generator=generator)
+        parts = world.gather(rollout)
+        save_file(_one_update(policy, tokenizer, rollout, world), str(Path(out) / f"r{rank}.safetensors"))
+        if world.main:
+            torch.save(parts, Path(out) / "rollouts.pt")
+    finally:
+        # both ranks leave together; the group stays up: vLLM's groups hang off it and tear themselves down
+        # at exit (destroying it first makes that teardown raise "Invalid process group specified")
+        torch.distributed.barrier()
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_two_vllm_ranks_sample_their_own_groups_and_take_the_one_process_step(tmp_path):
+    from safetensors.torch import load_file
+    from test_distributed import _two_ranks
+
+    from grpo_cli.distributed import SINGLE
+    from grpo_cli.rollout import Rollout, pad_id
+
+    _two_ranks(_vllm_rank, tmp_path)
+    parts = torch.load(tmp_path / "rollouts.pt", weights_only=False)
+    assert [p.completion_ids.shape[0] for p in parts] == [8, 8]  # 2 prompts x G on each rank
+    assert not torch.equal(parts[0].prompt_ids[0], parts[1].prompt_ids[0])  # each rank its own prompts
+    policy, tokenizer, _ = _adapted_smollm2()
+    # one process, the same 16 completions: the update both ranks took together
+    one = _one_update(policy, tokenizer, Rollout.concat(parts, pad_id(tokenizer)), SINGLE)
+    ranks = [load_file(str(tmp_path / f"r{r}.safetensors")) for r in range(2)]
+    start, _, _ = _adapted_smollm2()
+    before = {n: p for n, p in start.named_parameters() if p.requires_grad}
+    assert any(not torch.allclose(before[n], w, atol=1e-4) for n, w in one.items())  # the step moved the weights
+    gaps = []
+    for name, w in one.items():
+        assert torch.equal(ranks[0][name], ranks[1][name]), name  # both ranks took the same summed step
+        gaps.append((ranks[0][name] - w).abs().max().item())
+    print(f"largest |2 ranks - 1 process| LoRA weight: {max(gaps):.1e}")
+    assert max(gaps) < 1e-5
