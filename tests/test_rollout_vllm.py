@@ -131,6 +131,26 @@ def test_a_model_vllm_cannot_serve_falls_back_to_hf_with_one_warning(tiny, monke
     assert sampler.generate(model, tokenizer, ["<|im_start|>user\n2+2<|im_end|>\n"], 1).sampling_logp is None
 
 
+@needs_vllm
+def test_a_model_the_engine_cannot_split_is_a_config_error_not_a_fallback(tiny, monkeypatch):
+    from grpo_cli.rollout.vllm import VLLMSampler, import_vllm
+
+    vllm = import_vllm()
+
+    def refuse(**kwargs):  # what vLLM 0.32 says for SmolLM2-135M and tensor_parallel_size=2 (CPU, 2 ranks)
+        raise ValueError("1 validation error for VllmConfig\n  Value error, Total number of attention heads (9) must "
+                         "be divisible by tensor parallel size (2). [type=value_error, input_value=...]")
+
+    monkeypatch.setattr(vllm, "LLM", refuse)
+    model, _ = tiny
+    with pytest.raises(ConfigError) as err:
+        VLLMSampler(tensor_parallel_size=2).sync(model)
+    assert str(err.value) == (
+        "sampler=vllm cannot split this model over sampler.tensor_parallel_size=2 ranks: Total number of attention "
+        "heads (9) must be divisible by tensor parallel size (2); set sampler.tensor_parallel_size to a number "
+        "that divides it, or 1")
+
+
 PROMPTS = [[{"role": "user", "content": q}] for q in
            ("What is 17 + 25?", "Name a colour.", "What is 9 times 8? Answer with the number.", "Say hello.")]
 

@@ -61,6 +61,7 @@ import importlib.util
 import logging
 import os
 import random
+import re
 import signal
 import tempfile
 from dataclasses import dataclass, fields
@@ -255,6 +256,11 @@ class VLLMSampler(Sampler):
                 raise ConfigError(f"sampler=vllm cannot start with {key}={value}: {needed}; raise {key}, or set a "
                                   f"shorter sampler.max_model_len (now {self.max_model_len or 'the model context'})"
                                   ) from None
+            split = re.search(r"[^,.]*divisible by tensor parallel size[^.]*", " ".join(str(err).split()))
+            if split and self.tensor_parallel_size > 1:  # a setting again (SmolLM2-135M has 9 attention heads)
+                raise ConfigError(f"sampler=vllm cannot split this model over sampler.tensor_parallel_size="
+                                  f"{self.tensor_parallel_size} ranks: {split.group(0).strip()}; set "
+                                  f"sampler.tensor_parallel_size to a number that divides it, or 1") from None
             console.print(f"warning: vLLM cannot serve this model ({type(err).__name__}: {reason}); sampling with "
                           f"HF generate instead (sampler=default)", style="yellow", markup=False, highlight=False,
                           soft_wrap=True)
