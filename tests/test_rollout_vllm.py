@@ -329,6 +329,44 @@ def test_two_vllm_ranks_sample_their_own_groups_and_take_the_one_process_step(tm
     assert max(gaps) < 1e-5
 
 
+def _shared_rank(rank: int, size: int, rendezvous: str, out: str) -> None:
+    """Ranks of one 2-way engine with different numbers of requests: what `_shared` gives each."""
+    import json
+
+    from vllm.distributed import parallel_state
+
+    from grpo_cli.rollout.vllm import VLLMSampler
+
+    torch.distributed.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=size)
+    try:
+        # vLLM's tensor-parallel group of an engine over both ranks (what the external launcher makes of them)
+        group = type("Group", (), {"world_size": size, "rank_in_group": rank, "cpu_group": None})
+        parallel_state.get_tp_group = lambda: group
+        mine = [{"prompt_token_ids": [rank, i]} for i in range(2 + rank)]  # rank 0: 2 requests, rank 1: 3
+        requests, params, where = VLLMSampler(tensor_parallel_size=2)._shared(mine, [f"seed {rank}.{i}"
+                                                                                     for i in range(2 + rank)])
+        assert requests[where] == mine
+        Path(out, f"shared_r{rank}.json").write_text(json.dumps([requests, params, [where.start, where.stop]]))
+    finally:
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+@needs_vllm
+def test_ranks_of_one_engine_submit_every_rank_requests_and_keep_their_own(tmp_path):
+    import json
+
+    from test_distributed import _two_ranks
+
+    _two_ranks(_shared_rank, tmp_path)
+    got = [json.loads((tmp_path / f"shared_r{r}.json").read_text()) for r in range(2)]
+    every = [[0, 0], [0, 1], [1, 0], [1, 1], [1, 2]]  # rank 0's 2 requests, then rank 1's 3
+    for rank, (requests, params, where) in enumerate(got):
+        assert [r["prompt_token_ids"] for r in requests] == every  # the same requests, in the same order
+        assert params == ["seed 0.0", "seed 0.1", "seed 1.0", "seed 1.1", "seed 1.2"]  # each with its own seed
+        assert where == [[0, 2], [2, 5]][rank]
+
+
 # the embedded SmolLM2 sampled by vLLM, small: 4 prompts x G = 16 completions of at most 16 tokens a step
 VLLM_SMALL = ["sampler=vllm", "sampler.max_new_tokens=16", "sampler.max_prompt_tokens=256",
               "sampler.max_model_len=512", "sampler.cpu_kv_cache_gb=0.25"]
