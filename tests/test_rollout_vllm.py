@@ -411,3 +411,19 @@ def test_torchrun_train_and_eval_with_an_engine_per_rank(tmp_path):
                                                                           "hf": "HFSampler"}[name]
     assert [i for i, _ in texts["vllm"]] == list(range(5))  # every problem once
     assert texts["vllm"] == texts["hf"]
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_torchrun_model_vllm_cannot_serve_falls_back_on_every_rank_and_trains(tmp_path):
+    from test_distributed import _grpo
+
+    # the tiny model's head size (8) is one vLLM's CPU attention lacks: each rank's engine starts, fails its
+    # one-token check, and the rank samples with HF generate; the trainer's process group must survive that
+    done = _grpo(tmp_path, "train", "model=tiny", *VLLM_SMALL, f"algo.group_size={G}", "trainer.prompts_per_step=4",
+                 "trainer.max_steps=2", "trainer.report_to=[]")
+    warnings = [line for line in (done.stdout + done.stderr).splitlines() if "vLLM cannot serve" in line]
+    assert len(warnings) == 1 and "head_dim=8" in warnings[0], warnings  # rank 0 speaks, once
+    run = next((tmp_path / "outputs" / "train").glob("*/*"))
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 2
+    assert "grpo_cli.rollout.hf.HFSampler" in (run / "checkpoints" / "step_000002" / "config.yaml").read_text()

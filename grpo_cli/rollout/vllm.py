@@ -121,6 +121,7 @@ class VLLMSampler(Sampler):
         self._packed: dict[str, list[str]] = {}  # vLLM's fused layers: {"qkv_proj": ["q_proj", "k_proj", ...]}
         self._pushed = None  # fingerprint of the policy weights the engine holds
         self._asleep = False
+        self._failed = None  # an engine that started but cannot serve the model, kept under torchrun (`_ready`)
 
     # ---- the contract ------------------------------------------------------------------------
 
@@ -246,6 +247,9 @@ class VLLMSampler(Sampler):
                 self.llm.generate([{"prompt_token_ids": [0, 1]}],
                                   vllm.SamplingParams(max_tokens=1, detokenize=False), use_tqdm=False)
         except Exception as err:
+            # under torchrun an engine that started and then failed (the one-token check) is kept, not shut down:
+            # its shutdown destroys the default process group, the trainer's own, and the next collective fails
+            self._failed = self.llm if world_size() > 1 else None
             self.llm = None
             reason = " ".join(str(err).split())[:200] or type(err).__name__
             if _out_of_memory(err):  # the settings, not the model: falling back would hide them
