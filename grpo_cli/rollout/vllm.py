@@ -49,9 +49,11 @@ from (seed, step): a run and its resume draw the same completions. Greedy reques
 A model vLLM cannot serve (an architecture or head size it lacks, a layout the weight push does not
 know) gets one warning line and HF generate with the same settings: the engine's start, first push
 and a one-token generation are tried before the first rollout (`start`), and the run's saved config
-then names HF generate, so a resume samples as the run did. Settings that leave the engine too
-little memory (`sampler.cpu_kv_cache_gb`, `sampler.gpu_memory_utilization`) are an error naming
-the setting, not a fallback: a run must not sample with another engine than its config says.
+then names HF generate, so a resume samples as the run did. Under torchrun such an engine is kept, not
+shut down: vLLM's shutdown destroys the default process group, which is the trainer's there. Settings
+that leave the engine too little memory (`sampler.cpu_kv_cache_gb`, `sampler.gpu_memory_utilization`)
+or that it cannot split the model by (`sampler.tensor_parallel_size`) are an error naming the setting,
+not a fallback: a run must not sample with another engine than its config says.
 """
 
 from __future__ import annotations
