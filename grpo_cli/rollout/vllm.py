@@ -24,18 +24,18 @@ with the old weights:
 
 Under torchrun (`torchrun --nproc-per-node N $(which grpo) train sampler=vllm ...`) every rank starts its
 own engine in its own process, on its own device, with vLLM's external launcher
-(`distributed_executor_backend="external_launcher"`): the engine joins the process group torchrun and
-the trainer made (gloo on CPU, NCCL on CUDA) instead of making one, which is what a second in-process
-engine would otherwise clash with. With `sampler.tensor_parallel_size` 1 (the default) each rank's
-engine is whole and samples that rank's slice of the step's groups with the rank's own seeds, as HF
-generate does; the engines start together (they agree on the KV cache size with one reduction) but
-never wait on each other while sampling, so eval's shards of unequal size are fine. Each rank pushes
-the same merged weights at each `sync` (the adapter is the same on every rank) and, with sleep mode on
-CUDA, sleeps during its own update. `sampler.cpu_kv_cache_gb` is per rank. With
-`sampler.tensor_parallel_size` k > 1 (CUDA, grpo train only) each engine spans k ranks; they run one
-scheduler each on the same requests, so every rank submits the k ranks' requests together and keeps
-its own outputs (`_shared`). Ran here: 2 gloo ranks on a CPU (tests/test_rollout_vllm.py, the torchrun
-tests). Not run here: CUDA, tensor_parallel_size > 1, sleep mode per rank.
+(`distributed_executor_backend="external_launcher"`): the engine joins the process group torchrun and the
+trainer made (gloo on CPU, NCCL on CUDA) instead of making one of its own. With
+`sampler.tensor_parallel_size` 1 (the default) each rank's engine is whole and samples that rank's slice
+of the step's groups with the rank's own seeds, as HF generate does; the engines start together (vLLM
+builds its groups from the trainer's, collectively) but never wait on each other while sampling, so
+eval's shards of unequal size are fine. Each rank pushes the same merged weights at each `sync` (the
+adapter is the same on every rank) and, with sleep mode on CUDA, sleeps during its own update.
+`sampler.cpu_kv_cache_gb` is per rank. With `sampler.tensor_parallel_size` k > 1 (CUDA, grpo train only)
+each engine spans k ranks; they run one scheduler each on the same requests, so every rank submits the k
+ranks' requests together and keeps its own outputs (`_shared`). Ran here: 2 gloo ranks on a CPU
+(tests/test_rollout_vllm.py, the torchrun tests). Not run here: CUDA, tensor_parallel_size > 1, sleep
+mode per rank.
 
 Log-probs. `Rollout.sampling_logp` holds vLLM's `raw_logprobs` of each sampled token (`logprobs=0`:
 the sampled token only): log-softmax of the engine's logits before temperature, top-p and top-k,
