@@ -37,11 +37,39 @@ def test_sampler_vllm_without_vllm_names_the_install(monkeypatch):
     validate(compose("eval", ["sampler=vllm"]))
 
 
-def test_sampler_vllm_under_torchrun_is_refused(monkeypatch):
+def test_sampler_vllm_under_torchrun_validates_one_engine_per_rank(monkeypatch):
+    monkeypatch.setattr("grpo_cli.rollout.vllm.installed", lambda: True)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # what torchrun sets
+    validate(compose("train", ["sampler=vllm", "trainer.prompts_per_step=4"]))
+    validate(compose("eval", ["sampler=vllm"]))
+
+
+def test_tensor_parallel_is_refused_where_it_cannot_run(monkeypatch):
     monkeypatch.setattr("grpo_cli.rollout.vllm.installed", lambda: True)
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ConfigError, match=r"^sampler=vllm runs one engine in one process .*launch without torchrun"):
-        validate(compose("train", ["sampler=vllm"]))
+    train = ["sampler=vllm", "trainer.prompts_per_step=4"]
+
+    def error(command, overrides):
+        with pytest.raises(ConfigError) as err:
+            validate(compose(command, overrides))
+        return str(err.value).splitlines()
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert error("train", [*train, "sampler.tensor_parallel_size=2"]) == [
+        "sampler.tensor_parallel_size (2) splits the engine over GPUs, and this machine has none; "
+        "set sampler.tensor_parallel_size=1"]
+    assert error("train", [*train, "sampler.tensor_parallel_size=0"]) == [
+        "sampler.tensor_parallel_size (0) must be an integer >= 1; set sampler.tensor_parallel_size=1"]
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    validate(compose("train", [*train, "sampler.tensor_parallel_size=2"]))  # 2 ranks, one engine over both
+    assert error("train", [*train, "sampler.tensor_parallel_size=3"]) == [
+        "sampler.tensor_parallel_size (3) must divide the number of torchrun ranks (2): each engine runs on that "
+        "many ranks; launch with torchrun --nproc-per-node 3, or set sampler.tensor_parallel_size=1"]
+    assert error("eval", ["sampler=vllm", "sampler.tensor_parallel_size=2"])[0].startswith(
+        "sampler.tensor_parallel_size (2) works in grpo train only")
+    monkeypatch.setenv("WORLD_SIZE", "1")  # one process: nothing to split the engine over
+    assert error("train", [*train, "sampler.tensor_parallel_size=2"])[0].startswith(
+        "sampler.tensor_parallel_size (2) must divide the number of torchrun ranks (1)")
 
 
 @pytest.mark.skipif(HAS_VLLM, reason="vLLM is installed here: the in-process check above covers it")
@@ -101,6 +129,26 @@ def test_a_model_vllm_cannot_serve_falls_back_to_hf_with_one_warning(tiny, monke
         "for now. Supported: ...); sampling with HF generate instead (sampler=default)"]
     sampler.sync(model)  # the fallback needs no push
     assert sampler.generate(model, tokenizer, ["<|im_start|>user\n2+2<|im_end|>\n"], 1).sampling_logp is None
+
+
+@needs_vllm
+def test_a_model_the_engine_cannot_split_is_a_config_error_not_a_fallback(tiny, monkeypatch):
+    from grpo_cli.rollout.vllm import VLLMSampler, import_vllm
+
+    vllm = import_vllm()
+
+    def refuse(**kwargs):  # what vLLM 0.32 says for SmolLM2-135M and tensor_parallel_size=2 (CPU, 2 ranks)
+        raise ValueError("1 validation error for VllmConfig\n  Value error, Total number of attention heads (9) must "
+                         "be divisible by tensor parallel size (2). [type=value_error, input_value=...]")
+
+    monkeypatch.setattr(vllm, "LLM", refuse)
+    model, _ = tiny
+    with pytest.raises(ConfigError) as err:
+        VLLMSampler(tensor_parallel_size=2).sync(model)
+    assert str(err.value) == (
+        "sampler=vllm cannot split this model over sampler.tensor_parallel_size=2 ranks: Total number of attention "
+        "heads (9) must be divisible by tensor parallel size (2); set sampler.tensor_parallel_size to a number "
+        "that divides it, or 1")
 
 
 PROMPTS = [[{"role": "user", "content": q}] for q in
@@ -180,3 +228,202 @@ def test_greedy_equals_hf_after_each_sync_and_logp_gap_is_small(smollm2):
         ours = sampler.generate(policy, tokenizer, prompts, 1, greedy=True)
         theirs = hf_greedy(policy, tokenizer, prompts)
     assert ours.texts == theirs.texts and ours.texts != base_texts
+
+
+# --------------------------------------------------------------------------- under torchrun (needs vLLM)
+
+G = 4  # completions per prompt in the torchrun tests: 4 prompts x 4 = 16 rows, 8 on each of 2 ranks
+
+
+def _rewards(rollout):
+    """A reward that varies within each group: the completion's length in characters, mod 3."""
+    from grpo_cli.rewards import RewardResult
+
+    return RewardResult(rewards=[float(len(text) % 3) for text in rollout.texts], per_function={})
+
+
+def _one_update(policy, tokenizer, rollout, world) -> dict[str, torch.Tensor]:
+    """One GRPO update of `policy` on this rank's `rollout` (SGD, so the step is a plain sum of gradients)."""
+    from grpo_cli import update
+    from grpo_cli.objective import GRPOLoss
+
+    loss = GRPOLoss(beta=0.04, epsilon_low=0.2, epsilon_high=None, kl_estimator="k3", loss_type="grpo")
+    params = [p for p in policy.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(params, lr=0.5)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    adv = update.advantages(_rewards(rollout), rollout, tokenizer, G, "group", "population", world)
+    # micro-batches of 4 (one group each); truncated rows train too (8 tokens: nearly all are truncated)
+    batch = update.prepare(policy, rollout, adv, loss, 1, 4, False, world)
+    update.update(policy, optimizer, scheduler, batch, loss, 1, 4, 1.0)
+    return {n: p.detach().clone() for n, p in policy.named_parameters() if p.requires_grad}
+
+
+def _adapted_smollm2():
+    from grpo_cli.policy import build_policy
+    from grpo_cli.rollout import render_prompts
+
+    policy, tokenizer, _ = build_policy(compose("train").model)
+    set_adapter(policy, 1)
+    policy.eval()
+    return policy, tokenizer, render_prompts(tokenizer, PROMPTS)
+
+
+def _vllm_rank(rank: int, size: int, rendezvous: str, out: str) -> None:
+    """One torchrun-like rank: its own vLLM engine samples its 2 prompts x G, then one update on them."""
+    from grpo_cli.cli import setup_process
+
+    setup_process()  # what `grpo` sets before vLLM is imported: the engine in this process, quiet
+    host, port = rendezvous.removeprefix("tcp://").split(":")
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(size), MASTER_ADDR=host,
+                      MASTER_PORT=port)
+    torch.set_num_threads(1)
+    from safetensors.torch import save_file
+
+    from grpo_cli.commands.train import step_seed
+    from grpo_cli.distributed import init_world
+    from grpo_cli.rollout.vllm import VLLMSampler
+
+    world = init_world()  # gloo, as grpo train makes it; the engine joins it (external launcher)
+    try:
+        policy, tokenizer, prompts = _adapted_smollm2()
+        sampler = VLLMSampler(max_new_tokens=8, max_model_len=512, cpu_kv_cache_gb=0.25)
+        sampler.sync(policy)
+        assert sampler.llm is not None, "vLLM fell back to HF generate"
+        generator = torch.Generator().manual_seed(step_seed(0, 1, rank))  # as the trainer seeds step 1
+        rollout = sampler.generate(policy, tokenizer, prompts[world.slice(len(prompts))], G, generator=generator)
+        parts = world.gather(rollout)
+        save_file(_one_update(policy, tokenizer, rollout, world), str(Path(out) / f"r{rank}.safetensors"))
+        if world.main:
+            torch.save(parts, Path(out) / "rollouts.pt")
+    finally:
+        # both ranks leave together; the group stays up: vLLM's groups hang off it and tear themselves down
+        # at exit (destroying it first makes that teardown raise "Invalid process group specified")
+        torch.distributed.barrier()
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_two_vllm_ranks_sample_their_own_groups_and_take_the_one_process_step(tmp_path):
+    from safetensors.torch import load_file
+    from test_distributed import _two_ranks
+
+    from grpo_cli.distributed import SINGLE
+    from grpo_cli.rollout import Rollout, pad_id
+
+    _two_ranks(_vllm_rank, tmp_path)
+    parts = torch.load(tmp_path / "rollouts.pt", weights_only=False)
+    assert [p.completion_ids.shape[0] for p in parts] == [8, 8]  # 2 prompts x G on each rank
+    assert not torch.equal(parts[0].prompt_ids[0], parts[1].prompt_ids[0])  # each rank its own prompts
+    policy, tokenizer, _ = _adapted_smollm2()
+    # one process, the same 16 completions: the update both ranks took together
+    one = _one_update(policy, tokenizer, Rollout.concat(parts, pad_id(tokenizer)), SINGLE)
+    ranks = [load_file(str(tmp_path / f"r{r}.safetensors")) for r in range(2)]
+    start, _, _ = _adapted_smollm2()
+    before = {n: p for n, p in start.named_parameters() if p.requires_grad}
+    assert any(not torch.allclose(before[n], w, atol=1e-4) for n, w in one.items())  # the step moved the weights
+    gaps = []
+    for name, w in one.items():
+        assert torch.equal(ranks[0][name], ranks[1][name]), name  # both ranks took the same summed step
+        gaps.append((ranks[0][name] - w).abs().max().item())
+    print(f"largest |2 ranks - 1 process| LoRA weight: {max(gaps):.1e}")
+    assert max(gaps) < 1e-5
+
+
+def _shared_rank(rank: int, size: int, rendezvous: str, out: str) -> None:
+    """Ranks of one 2-way engine with different numbers of requests: what `_shared` gives each."""
+    import json
+
+    from vllm.distributed import parallel_state
+
+    from grpo_cli.rollout.vllm import VLLMSampler
+
+    torch.distributed.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=size)
+    try:
+        # vLLM's tensor-parallel group of an engine over both ranks (what the external launcher makes of them)
+        group = type("Group", (), {"world_size": size, "rank_in_group": rank, "cpu_group": None})
+        parallel_state.get_tp_group = lambda: group
+        mine = [{"prompt_token_ids": [rank, i]} for i in range(2 + rank)]  # rank 0: 2 requests, rank 1: 3
+        requests, params, where = VLLMSampler(tensor_parallel_size=2)._shared(mine, [f"seed {rank}.{i}"
+                                                                                     for i in range(2 + rank)])
+        assert requests[where] == mine
+        Path(out, f"shared_r{rank}.json").write_text(json.dumps([requests, params, [where.start, where.stop]]))
+    finally:
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+@needs_vllm
+def test_ranks_of_one_engine_submit_every_rank_requests_and_keep_their_own(tmp_path):
+    import json
+
+    from test_distributed import _two_ranks
+
+    _two_ranks(_shared_rank, tmp_path)
+    got = [json.loads((tmp_path / f"shared_r{r}.json").read_text()) for r in range(2)]
+    every = [[0, 0], [0, 1], [1, 0], [1, 1], [1, 2]]  # rank 0's 2 requests, then rank 1's 3
+    for rank, (requests, params, where) in enumerate(got):
+        assert [r["prompt_token_ids"] for r in requests] == every  # the same requests, in the same order
+        assert params == ["seed 0.0", "seed 0.1", "seed 1.0", "seed 1.1", "seed 1.2"]  # each with its own seed
+        assert where == [[0, 2], [2, 5]][rank]
+
+
+# the embedded SmolLM2 sampled by vLLM, small: 4 prompts x G = 16 completions of at most 16 tokens a step
+VLLM_SMALL = ["sampler=vllm", "sampler.max_new_tokens=16", "sampler.max_prompt_tokens=256",
+              "sampler.max_model_len=512", "sampler.cpu_kv_cache_gb=0.25"]
+
+
+@needs_vllm
+@pytest.mark.slow
+@pytest.mark.ci
+def test_torchrun_train_and_eval_with_an_engine_per_rank(tmp_path):
+    import json
+
+    from test_distributed import _grpo
+
+    _grpo(tmp_path, "train", *VLLM_SMALL, f"algo.group_size={G}", "trainer.prompts_per_step=4",
+          "trainer.micro_batch_size=8", "trainer.max_steps=2", "trainer.save_every=2", "trainer.report_to=[]",
+          "trainer.log_completions_every=1", "trainer.num_completions_to_print=0")
+    runs = list((tmp_path / "outputs" / "train").glob("*/*"))
+    assert len(runs) == 1, runs  # both ranks wrote into the one folder
+    run = runs[0]
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 2
+    saved = (run / "checkpoints" / "step_000002" / "config.yaml").read_text()
+    assert "grpo_cli.rollout.vllm.VLLMSampler" in saved  # vLLM sampled (no fallback to HF generate)
+    rows = [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
+    for step in (1, 2):
+        mine = [r for r in rows if r["step"] == step]
+        assert len(mine) == 16 and {r["rank"] for r in mine} == {0, 1}  # completions of both ranks' engines
+        prompts = {rank: {r["prompt_id"] for r in mine if r["rank"] == rank} for rank in (0, 1)}
+        assert len(prompts[0]) == len(prompts[1]) == 2 and not prompts[0] & prompts[1]
+
+    # greedy eval of the checkpoint: vLLM on 2 ranks (5 problems: 3 on rank 0 in 2 batches, 2 on rank 1 in 1, so
+    # the engines must not wait on each other) equals HF generate in one process
+    ckpt = run / "checkpoints" / "step_000002"
+    args = ["eval", f"checkpoint={ckpt}", "eval.limit=5", "eval.batch_size=2", "eval.max_new_tokens=16"]
+    _grpo(tmp_path, *args, *VLLM_SMALL, f"hydra.run.dir={tmp_path / 'vllm'}")
+    _grpo(tmp_path, *args, "sampler=default", f"hydra.run.dir={tmp_path / 'hf'}", ranks=1)
+    texts = {}
+    for name in ("vllm", "hf"):
+        lines = [json.loads(line) for line in (tmp_path / name / "eval_samples.jsonl").read_text().splitlines()]
+        texts[name] = sorted((r["index"], r["greedy"]["text"]) for r in lines)
+        report = json.loads((tmp_path / name / "eval.json").read_text())
+        assert report["config"]["sampler"]["_target_"].split(".")[-1] == {"vllm": "VLLMSampler",
+                                                                          "hf": "HFSampler"}[name]
+    assert [i for i, _ in texts["vllm"]] == list(range(5))  # every problem once
+    assert texts["vllm"] == texts["hf"]
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_torchrun_model_vllm_cannot_serve_falls_back_on_every_rank_and_trains(tmp_path):
+    from test_distributed import _grpo
+
+    # the tiny model's head size (8) is one vLLM's CPU attention lacks: each rank's engine starts, fails its
+    # one-token check, and the rank samples with HF generate; the trainer's process group must survive that
+    done = _grpo(tmp_path, "train", "model=tiny", *VLLM_SMALL, f"algo.group_size={G}", "trainer.prompts_per_step=4",
+                 "trainer.max_steps=2", "trainer.report_to=[]")
+    warnings = [line for line in (done.stdout + done.stderr).splitlines() if "vLLM cannot serve" in line]
+    assert len(warnings) == 1 and "head_dim=8" in warnings[0], warnings  # rank 0 speaks, once
+    run = next((tmp_path / "outputs" / "train").glob("*/*"))
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 2
+    assert "grpo_cli.rollout.hf.HFSampler" in (run / "checkpoints" / "step_000002" / "config.yaml").read_text()

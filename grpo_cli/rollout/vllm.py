@@ -23,6 +23,21 @@ with the old weights:
     does; with `enable_sleep_mode` the engine sleeps (weights to host memory, KV cache freed) between
     rollouts, so the update has the GPU. Not run here: this project's machines have no GPU.
 
+Under torchrun (`torchrun --nproc-per-node N $(which grpo) train sampler=vllm ...`) every rank starts its
+own engine in its own process, on its own device, with vLLM's external launcher
+(`distributed_executor_backend="external_launcher"`): the engine joins the process group torchrun and the
+trainer made (gloo on CPU, NCCL on CUDA) instead of making one of its own. With
+`sampler.tensor_parallel_size` 1 (the default) each rank's engine is whole and samples that rank's slice
+of the step's groups with the rank's own seeds, as HF generate does; the engines start together (vLLM
+builds its groups from the trainer's, collectively) but never wait on each other while sampling, so
+eval's shards of unequal size are fine. Each rank pushes the same merged weights at each `sync` (the
+adapter is the same on every rank) and, with sleep mode on CUDA, sleeps during its own update.
+`sampler.cpu_kv_cache_gb` is per rank. With `sampler.tensor_parallel_size` k > 1 (CUDA, grpo train only)
+each engine spans k ranks; they run one scheduler each on the same requests, so every rank submits the k
+ranks' requests together and keeps its own outputs (`_shared`). Ran here: 2 gloo ranks on a CPU
+(tests/test_rollout_vllm.py, the torchrun tests). Not run here: CUDA, tensor_parallel_size > 1, sleep
+mode per rank.
+
 Log-probs. `Rollout.sampling_logp` holds vLLM's `raw_logprobs` of each sampled token (`logprobs=0`:
 the sampled token only): log-softmax of the engine's logits before temperature, top-p and top-k,
 i.e. the policy's plain distribution at temperature 1, the one `sequence_logprobs` scores. So the
@@ -35,9 +50,11 @@ from (seed, step): a run and its resume draw the same completions. Greedy reques
 A model vLLM cannot serve (an architecture or head size it lacks, a layout the weight push does not
 know) gets one warning line and HF generate with the same settings: the engine's start, first push
 and a one-token generation are tried before the first rollout (`start`), and the run's saved config
-then names HF generate, so a resume samples as the run did. Settings that leave the engine too
-little memory (`sampler.cpu_kv_cache_gb`, `sampler.gpu_memory_utilization`) are an error naming
-the setting, not a fallback: a run must not sample with another engine than its config says.
+then names HF generate, so a resume samples as the run did. Under torchrun such an engine is kept, not
+shut down: vLLM's shutdown destroys the default process group, which is the trainer's there. Settings
+that leave the engine too little memory (`sampler.cpu_kv_cache_gb`, `sampler.gpu_memory_utilization`)
+or that it cannot split the model by (`sampler.tensor_parallel_size`) are an error naming the setting,
+not a fallback: a run must not sample with another engine than its config says.
 """
 
 from __future__ import annotations
@@ -47,6 +64,7 @@ import importlib.util
 import logging
 import os
 import random
+import re
 import signal
 import tempfile
 from dataclasses import dataclass, fields
@@ -60,6 +78,7 @@ from safetensors.torch import save_file
 
 from grpo_cli import quantize
 from grpo_cli.checks import Check, Rule, get, is_int, is_num, one_of
+from grpo_cli.distributed import world_size
 from grpo_cli.errors import ConfigError, DataError
 from grpo_cli.metrics import console
 from grpo_cli.policy import DTYPES
@@ -97,6 +116,7 @@ class VLLMSampler(Sampler):
     cpu_kv_cache_gb: float = 1.0
     gpu_memory_utilization: float = 0.3
     enable_sleep_mode: bool = False
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
         self.llm = None  # the vLLM engine, once started
@@ -105,6 +125,7 @@ class VLLMSampler(Sampler):
         self._packed: dict[str, list[str]] = {}  # vLLM's fused layers: {"qkv_proj": ["q_proj", "k_proj", ...]}
         self._pushed = None  # fingerprint of the policy weights the engine holds
         self._asleep = False
+        self._failed = None  # an engine that started but cannot serve the model, kept under torchrun (`_ready`)
 
     # ---- the contract ------------------------------------------------------------------------
 
@@ -146,9 +167,10 @@ class VLLMSampler(Sampler):
                                  detokenize=False, seed=None if greedy else seed,
                                  **({"temperature": 0.0} if greedy else sampling)) for seed in seeds]
         requests = [{"prompt_token_ids": row[keep.bool()].tolist()} for row, keep in zip(ids, mask)]
+        requests, params, mine = self._shared(requests, params)
         try:
             with torch.random.fork_rng(devices=[]):  # vLLM's CPU sampler also draws from torch's generator
-                outputs = self.llm.generate(requests, params, use_tqdm=False)
+                outputs = self.llm.generate(requests, params, use_tqdm=False)[mine]
         except Exception as err:  # VLLMValidationError; config validation keeps lengths apart, this is a backstop
             if "maximum model length" not in str(err):
                 raise
@@ -166,6 +188,21 @@ class VLLMSampler(Sampler):
                          completion.to(device), eos, pad)
         rollout.sampling_logp = logp.to(device) * rollout.completion_mask  # 0 after EOS
         return rollout
+
+    def _shared(self, requests: list[dict], params: list) -> tuple[list[dict], list, slice]:
+        """With tensor parallelism the ranks of one engine must all submit the same requests (each runs the same
+        scheduler and its share of every matmul): every rank's requests, in rank order, and where this rank's
+        are among them. One rank per engine: its own, all of them."""
+        if self.tensor_parallel_size == 1:
+            return requests, params, slice(None)
+        from vllm.distributed.parallel_state import get_tp_group
+
+        group = get_tp_group()  # the engine's ranks, made by vLLM from torchrun's world (a gloo group on cpu_group)
+        parts = [None] * group.world_size
+        torch.distributed.all_gather_object(parts, (requests, params), group=group.cpu_group)
+        start = sum(len(r) for r, _ in parts[:group.rank_in_group])
+        return ([r for part, _ in parts for r in part], [p for _, part in parts for p in part],
+                slice(start, start + len(requests)))
 
     # ---- the engine --------------------------------------------------------------------------
 
@@ -196,6 +233,11 @@ class VLLMSampler(Sampler):
                 "dtype": str(dtype).removeprefix("torch."),
                 "enforce_eager": self.enforce_eager, "max_model_len": self.max_model_len,
                 "logprobs_mode": "raw_logprobs", "generation_config": "vllm", "enable_prefix_caching": True}
+        if world_size() > 1:
+            # under torchrun: the engine joins the trainer's process group instead of making its own (one engine
+            # per `tensor_parallel_size` ranks; 1: every rank an engine of its own, on its own device)
+            args.update(distributed_executor_backend="external_launcher",
+                        tensor_parallel_size=self.tensor_parallel_size)
         if on_cpu:
             args["kv_cache_memory_bytes"] = int(self.cpu_kv_cache_gb * 2**30)
         else:
@@ -209,6 +251,9 @@ class VLLMSampler(Sampler):
                 self.llm.generate([{"prompt_token_ids": [0, 1]}],
                                   vllm.SamplingParams(max_tokens=1, detokenize=False), use_tqdm=False)
         except Exception as err:
+            # under torchrun an engine that started and then failed (the one-token check) is kept, not shut down:
+            # its shutdown destroys the default process group, the trainer's own, and the next collective fails
+            self._failed = self.llm if world_size() > 1 else None
             self.llm = None
             reason = " ".join(str(err).split())[:200] or type(err).__name__
             if _out_of_memory(err):  # the settings, not the model: falling back would hide them
@@ -219,6 +264,11 @@ class VLLMSampler(Sampler):
                 raise ConfigError(f"sampler=vllm cannot start with {key}={value}: {needed}; raise {key}, or set a "
                                   f"shorter sampler.max_model_len (now {self.max_model_len or 'the model context'})"
                                   ) from None
+            split = re.search(r"[^,.]*divisible by tensor parallel size[^.]*", " ".join(str(err).split()))
+            if split and self.tensor_parallel_size > 1:  # a setting again (SmolLM2-135M has 9 attention heads)
+                raise ConfigError(f"sampler=vllm cannot split this model over sampler.tensor_parallel_size="
+                                  f"{self.tensor_parallel_size} ranks: {split.group(0).strip()}; set "
+                                  f"sampler.tensor_parallel_size to a number that divides it, or 1") from None
             console.print(f"warning: vLLM cannot serve this model ({type(err).__name__}: {reason}); sampling with "
                           f"HF generate instead (sampler=default)", style="yellow", markup=False, highlight=False,
                           soft_wrap=True)
@@ -392,15 +442,30 @@ def check_engine(cfg: DictConfig) -> list[str]:
                           f"here: {INSTALL}; a resumed run keeps its own sampler")
         else:
             errors.append(f"sampler=vllm needs vLLM, which is not installed: {INSTALL}; or use sampler=default")
-    if uses_vllm and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # its in-process engine sets up torch.distributed
-        errors.append("sampler=vllm runs one engine in one process for now, not one per torchrun rank; launch "
-                      "without torchrun, or use sampler=default")
+    tp, ranks = get(cfg, "sampler.tensor_parallel_size")[1], world_size()
+    if uses_vllm and is_int(tp) and tp > 1:
+        errors.extend(_check_tensor_parallel(cfg, tp, ranks))
     cap = get(cfg, "algo.is_correction_cap")[1]
     if cap is not None and target.startswith("grpo_cli.rollout.hf."):
         errors.append(f"algo.is_correction_cap ({cap!r}) corrects for a sampler with its own copy of the weights, "
                       f"but HF generate samples from the policy itself; set algo.is_correction_cap=null or "
                       f"sampler=vllm")
     return errors
+
+
+def _check_tensor_parallel(cfg: DictConfig, tp: int, ranks: int) -> list[str]:
+    """What an engine split over `tp` torchrun ranks needs: GPUs, a rank count it divides, and ranks that
+    submit prompts together (training does; eval's and sample's shards differ in size)."""
+    fix = "set sampler.tensor_parallel_size=1"
+    if not torch.cuda.is_available():
+        return [f"sampler.tensor_parallel_size ({tp}) splits the engine over GPUs, and this machine has none; {fix}"]
+    if ranks % tp:
+        return [f"sampler.tensor_parallel_size ({tp}) must divide the number of torchrun ranks ({ranks}): each "
+                f"engine runs on that many ranks; launch with torchrun --nproc-per-node {tp}, or {fix}"]
+    if "trainer" not in cfg:
+        return [f"sampler.tensor_parallel_size ({tp}) works in grpo train only: eval and sample give ranks shares "
+                f"of different sizes, which ranks sharing an engine cannot take; {fix}"]
+    return []
 
 
 CHECKS: list[Check] = [
@@ -419,5 +484,7 @@ CHECKS: list[Check] = [
          "must be in (0, 1]; set sampler.gpu_memory_utilization=0.3"),
     Rule("sampler.enable_sleep_mode", lambda v: isinstance(v, bool),
          "must be true or false; set sampler.enable_sleep_mode=false"),
+    Rule("sampler.tensor_parallel_size", lambda v: is_int(v) and v >= 1,
+         "must be an integer >= 1; set sampler.tensor_parallel_size=1"),
     check_engine,
 ]
