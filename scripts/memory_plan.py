@@ -6,7 +6,8 @@
 Per rank, in GB (10^9 bytes), for LoRA r16 on the 7 projections, bf16 compute, AdamW:
   - base weights: 2 bytes a parameter (bf16); NF4 (model.quantization=4bit, double quant): 0.5 byte plus
     ~0.016 byte of block constants (a 64-value block's 8-bit absmax, itself quantized in blocks of 256);
-    trainer.fsdp=true shards the bf16 base over the N ranks (1/N each), one layer whole at a time;
+    trainer.fsdp=true shards the bf16 base over the N ranks (1/N each), one layer whole at a time
+    (with HF generate: FSDP with sampler=vllm is refused today);
   - adapter: 16 bytes an adapter parameter (fp32 weight, gradient, AdamW's two moments), on every rank;
   - activations of one 8-row bucket (what the update holds at once, logprobs.py): 8 rows x (prompt + completion)
     tokens x layers x 34 x hidden bytes (Korthikanti et al. 2022's 16-bit transformer-layer figure with fused
@@ -111,13 +112,21 @@ SAMPLERS = {"vllm": "vLLM", "vllm_sleep": "vLLM asleep in the update", "hf": "HF
 def options(gpus: int) -> list[tuple[str, dict]]:
     """Settings in the order the table prefers them: the exact model before the 4-bit one (QLoRA changes the
     numbers), and for each, vLLM awake, vLLM asleep during the update, then HF generate (the slowest rollout);
-    plain LoRA, then gradient checkpointing, then (on several GPUs) the base sharded with vLLM tensor-parallel."""
+    plain LoRA, then gradient checkpointing; on several GPUs also vLLM tensor-parallel over them, and FSDP with
+    HF generate (FSDP with vLLM is refused today: the weight push reads whole weights)."""
     exact = [("LoRA", {}), ("LoRA + checkpointing", {"checkpointing": True})]
     if gpus > 1:
-        exact.append((f"FSDP x{gpus} + checkpointing", {"fsdp_ranks": gpus, "checkpointing": True, "tp": gpus}))
+        exact += [("LoRA + checkpointing", {"checkpointing": True, "tp": gpus}),
+                  (f"FSDP x{gpus} + checkpointing", {"fsdp_ranks": gpus, "checkpointing": True})]
     quant = [("QLoRA + checkpointing", {"quant4": True, "checkpointing": True})]
-    return [(name, {**kwargs, "sampler": sampler}) for kinds in (exact, quant) for sampler in SAMPLERS
-            for name, kwargs in kinds]
+    out = []
+    for kinds in (exact, quant):
+        for sampler in SAMPLERS:
+            for name, kwargs in kinds:
+                if ("tp" in kwargs and sampler == "hf") or ("fsdp_ranks" in kwargs and sampler != "hf"):
+                    continue
+                out.append((name, {**kwargs, "sampler": sampler}))
+    return out
 
 
 def first_fit(m: Arch, job: Job, gpu_gb: float, gpus: int) -> tuple[str, float] | None:

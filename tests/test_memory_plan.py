@@ -62,5 +62,8 @@ def test_first_fit_prefers_the_fastest_setting_that_fits():
     assert plan.first_fit(TOY, long, 5.0, 1)[0] == "LoRA + checkpointing; HF generate"
     assert plan.first_fit(TOY, long, 4.6, 1)[0] == "QLoRA + checkpointing; vLLM asleep in the update"  # 4.05 GB
     assert plan.first_fit(TOY, long, 3.5, 1)[0] == "QLoRA + checkpointing; HF generate"  # 0.516 + 1.5 + 1.22
-    # 2 GPUs: FSDP halves the base (1 GB) plus one layer whole (1 GB), vLLM TP 2 holds 1 GB: 2 + 1.5 + 1.03 + 1.22
-    assert plan.first_fit(TOY, long, 5.8, 2)[0] == "FSDP x2 + checkpointing; vLLM, TP 2"
+    # 2 GPUs: vLLM TP 2 holds 1 GB + KV: 2 + 1.5 + 1.03 + 1.22 = 5.75 GB awake, checkpointed
+    assert plan.first_fit(TOY, long, 5.8, 2)[0] == "LoRA + checkpointing; vLLM, TP 2"
+    # 4 GPUs: FSDP (HF generate only) holds a quarter of the base (0.5 GB) plus one of 2 layers whole (1 GB):
+    # 1.5 + 1.5 + 1.22 = 4.22 GB, under vLLM TP 4 asleep (2 + 1.5 + 1.22 = 4.72) and plain HF generate (4.72)
+    assert plan.first_fit(TOY, long, 4.5, 4)[0] == "FSDP x4 + checkpointing; HF generate"
