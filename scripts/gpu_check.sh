@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The CUDA path, checked on one GPU in under 8 minutes (#12):
+# The CUDA path, checked on one GPU (phases 1-7, ~15 minutes) and on 2 GPUs (8-9) (#12, #25):
 #
 #   scripts/gpu_check.sh [LOG_DIR]          # default LOG_DIR: /tmp/gpu_check
 #   PYTHON=/path/to/python scripts/gpu_check.sh   # another interpreter than .venv/bin/python
@@ -9,7 +9,12 @@
 #    memory in the metrics, a reward model on the GPU);
 # 3. a 3-step bf16 `grpo train` of the embedded SmolLM2-135M (LoRA) on the GPU;
 # 4. `grpo eval` of its checkpoint on 8 held-out problems;
-# 5. each step's times and peak memory, from the run's metrics.jsonl.
+# 5. each step's times and peak memory, from the run's metrics.jsonl;
+# 6. (#25) QLoRA: 2 steps with model.quantization=4bit (bitsandbytes NF4 on the GPU);
+# 7. (#25) vLLM with sleep mode: 2 steps of sampler=vllm sampler.enable_sleep_mode=true (when vLLM is installed);
+# with 2 GPUs or more, (#25) on 2 ranks:
+# 8. torchrun, an engine per rank: 2 steps of sampler=vllm, then the torchrun/two-rank vLLM tests;
+# 9. FSDP2: 3 steps with trainer.fsdp=true and 3 without, same seeds; the adapters must agree to bf16 rounding.
 #
 # Every phase has its own time limit and log (LOG_DIR/NN-phase.log, also echoed); a failed phase does
 # not stop the later ones, and the script exits 1 if any failed. Needs a CUDA build of torch in the
@@ -81,6 +86,44 @@ missing = [c for c in cols if c not in rows[-1]]
 if missing:
     sys.exit(f"missing from metrics.jsonl: {missing}")
 EOF
+
+phase 06-qlora 240 "$PY" -m grpo_cli train model.device=cuda model.dtype=bfloat16 model.quantization=4bit \
+  trainer.max_steps=2 trainer.save_every=2 "trainer.report_to=[]" "hydra.run.dir=$LOG_DIR/qlora"
+
+has_vllm() { "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"; }
+if has_vllm; then
+  phase 07-vllm-sleep 300 "$PY" -m grpo_cli train model.device=cuda model.dtype=bfloat16 sampler=vllm \
+    sampler.enable_sleep_mode=true trainer.max_steps=2 "trainer.report_to=[]" "hydra.run.dir=$LOG_DIR/vllm"
+else
+  echo "vLLM is not installed (pip install -e '.[vllm]'): 07-vllm-sleep and 08-torchrun-vllm left out"
+fi
+
+GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())")
+BIN="$(dirname "$PY")"
+if ((GPUS >= 2)); then
+  rm -rf "$LOG_DIR/tr-vllm" "$LOG_DIR/fsdp" "$LOG_DIR/dp"
+  if has_vllm; then
+    phase 08-torchrun-vllm 420 bash -c "'$BIN/torchrun' --standalone --nproc-per-node 2 '$BIN/grpo' train \
+      sampler=vllm trainer.max_steps=2 'trainer.report_to=[]' 'hydra.run.dir=$LOG_DIR/tr-vllm' && \
+      '$PY' -m pytest -q -m slow -p no:cacheprovider tests/test_rollout_vllm.py -k 'torchrun or two_vllm_ranks'"
+  fi
+  for arm in fsdp dp; do
+    phase "09-$arm" 300 "$BIN/torchrun" --standalone --nproc-per-node 2 "$BIN/grpo" train \
+      "trainer.fsdp=$([ $arm = fsdp ] && echo true || echo false)" sampler=default trainer.max_steps=3 \
+      trainer.save_every=3 "trainer.report_to=[]" "hydra.run.dir=$LOG_DIR/$arm"
+  done
+  phase 09-fsdp-vs-dp 60 "$PY" - "$LOG_DIR/fsdp" "$LOG_DIR/dp" <<'EOF'
+import sys
+from pathlib import Path
+from safetensors.torch import load_file
+a, b = (load_file(sorted(Path(d).rglob("adapter_model.safetensors"))[-1]) for d in sys.argv[1:3])
+gap = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+print(f"largest LoRA weight difference, FSDP vs plain data parallel after 3 steps: {gap:.2e}")
+sys.exit(1 if gap > 1e-2 else 0)
+EOF
+else
+  echo "$GPUS GPU(s): the 2-rank phases (08, 09) need 2"
+fi
 
 say "done"
 if ((${#FAILED[@]})); then
