@@ -76,7 +76,7 @@ def installed() -> bool:
 
 def import_vllm():
     """`import vllm`. The settings it reads from the environment (the engine in this process, on the trainer's
-    threads, only its errors on the console) are set once at the command line's entry (cli.VLLM_ENVIRONMENT)."""
+    threads, only its errors on the console) are set once at the command line's entry (cli.setup_process)."""
     import vllm
 
     if os.environ.get("VLLM_LOGGING_LEVEL") == "ERROR":
@@ -193,7 +193,8 @@ class VLLMSampler(Sampler):
         args = {"model": str(self._model_folder(policy)), "skip_tokenizer_init": True, "seed": 0,
                 "dtype": str(dtype).removeprefix("torch."),
                 "enforce_eager": self.enforce_eager, "max_model_len": self.max_model_len,
-                "logprobs_mode": "raw_logprobs", "generation_config": "vllm", "enable_prefix_caching": True}
+                "logprobs_mode": "raw_logprobs", "generation_config": "vllm", "enable_prefix_caching": True,
+                "use_tqdm_on_load": os.environ.get("TQDM_DISABLE") != "1"}  # its weight-loading bar (cli.py)
         if on_cpu:
             args["kv_cache_memory_bytes"] = int(self.cpu_kv_cache_gb * 2**30)
         else:
