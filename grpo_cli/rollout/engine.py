@@ -11,6 +11,7 @@ falls back to HF generate in vllm.py, whose line then says so instead.
 
 from __future__ import annotations
 
+import inspect
 import os
 from dataclasses import dataclass, fields
 
@@ -80,6 +81,11 @@ def hf_section(section: DictConfig) -> DictConfig:
 def auto(**settings):
     """The sampler `auto` picks, for code that builds an `auto` section itself (commands `choose` first)."""
     return build(choose(OmegaConf.create({"_target_": AUTO, **settings})).section)
+
+
+# its keys are vLLM's sampler's (conf/sampler/auto.yaml composes vllm.yaml), so config.validate checks them against
+# that signature and names a typo before anything is chosen
+auto.__signature__ = inspect.signature(vllm_engine.VLLMSampler)
 
 
 def name(sampler) -> str:
