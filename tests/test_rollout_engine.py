@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -9,6 +11,7 @@ from omegaconf import OmegaConf
 from grpo_cli.config import compose, validate
 from grpo_cli.rollout import engine
 from grpo_cli.rollout.hf import HFSampler
+from grpo_cli.rollout.sizing import EngineSize, Job, engine_size, kv_bytes_per_token
 from grpo_cli.rollout.vllm import VLLMSampler
 
 HF_LINE = "sampler: HF generate"
@@ -171,3 +174,49 @@ def test_a_default_run_with_vllm_prints_our_lines_only(tmp_path):
     assert [line for line in lines if not any(re.fullmatch(p, line) for p in OUR_LINES)] == [], out.stdout
     assert len(lines) == len(OUR_LINES), out.stdout
 
+
+# --------------------------------------------------------------------------- the engine's sizes from the job
+
+# SmolLM2-135M: 30 layers, 9 heads of 64 (hidden 576), 3 KV heads; fp32 -> 2 × 30 × 3 × 64 × 4 = 46,080 bytes a token
+SMOLLM2 = SimpleNamespace(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, hidden_size=576)
+PER_TOKEN = 46_080
+
+
+def size(job, **given):
+    settings = {"per_token": PER_TOKEN, "job": job, "max_prompt_tokens": 1024, "max_new_tokens": 32,
+                "batch_size": None, "context": 8192, "max_model_len": None, "cpu_kv_cache_gb": None} | given
+    return engine_size(**settings)
+
+
+def test_kv_bytes_a_token_from_the_model_config():
+    assert kv_bytes_per_token(SMOLLM2, 4) == PER_TOKEN
+    assert kv_bytes_per_token(SMOLLM2, 2) == 23_040  # bf16: half
+    # no num_key_value_heads (multi-head attention): every head has its K and V: 2 × 2 × 4 × 8 × 4 = 512
+    assert kv_bytes_per_token(SimpleNamespace(num_hidden_layers=2, num_attention_heads=4, hidden_size=32), 4) == 512
+
+
+def test_the_engine_is_sized_from_the_job():
+    # the default job: 4 prompts × G=8 = 32 sequences of 1024 + 32 = 1056 tokens, held in 9 blocks of 128 = 1152;
+    # 32 × 1152 = 36,864 tokens × 46,080 B = 1,698,693,120 B, + 10% = 1,868,562,432 B (~1.74 GiB)
+    assert size(Job(4, 8)) == EngineSize(1056, 1_868_562_432)
+    # sampler.batch_size=12 sends 12 // 8 = 1 prompt a call: 8 sequences, a quarter: 467,140,608 B
+    assert size(Job(4, 8), batch_size=12) == EngineSize(1056, 467_140_608)
+    # batch_size below one group still sends a whole group (Sampler.generate): 8 sequences again
+    assert size(Job(4, 8), batch_size=3) == EngineSize(1056, 467_140_608)
+    # eval's longer completions (eval.max_new_tokens=256): 1024 + 256 = 1280 tokens = 10 blocks; 32 greedy
+    # sequences × 1280 = 40,960 tokens × 46,080 B = 1,887,436,800 B, + 10% = 2,076,180,480 B
+    assert size(Job(32, 1, max_new_tokens=256)) == EngineSize(1280, 2_076_180_480)
+    # a short prompt bound: 100 + 8 = 108 tokens, held in one block of 128; 2 sequences × 128 = 256 tokens
+    # × 46,080 = 11,796,480 B, + 10% = 12,976,128 B
+    assert size(Job(1, 2), max_prompt_tokens=100, max_new_tokens=8) == EngineSize(108, 12_976_128)
+    # a caller that does not say (rm's draws): room for one sequence, vLLM's floor: 1152 × 46,080 × 1.1
+    assert size(None) == EngineSize(1056, 58_392_576)
+    # never past the model's context
+    assert size(Job(1), max_prompt_tokens=8000, max_new_tokens=256).max_model_len == 8192
+
+
+def test_the_users_own_sizes_are_kept():
+    assert size(Job(4, 8), max_model_len=512, cpu_kv_cache_gb=0.5) == EngineSize(512, 2**29)
+    assert size(Job(4, 8), cpu_kv_cache_gb=1.0) == EngineSize(1056, 2**30)
+    # max_model_len alone: the cache sized for it: 32 × 512 (4 blocks) × 46,080 = 754,974,720 B, + 10% = 830,472,192 B
+    assert size(Job(4, 8), max_model_len=512) == EngineSize(512, 830_472_192)

@@ -49,6 +49,7 @@ from grpo_cli.policy import adapter_enabled
 from grpo_cli.rewards import answers_match, check_columns, extract_answer, reference_answer, score, token_ids
 from grpo_cli.rollout import render_prompts
 from grpo_cli.rollout.engine import choose, say
+from grpo_cli.rollout.sizing import Job
 
 
 @hydra_app("eval")
@@ -144,7 +145,9 @@ def _evaluate(cfg: DictConfig, out_dir: Path, overrides: list[str], world: World
     cfg.sampler = chosen.section
     policy, tokenizer = inference_policy(cfg)
     sampler = build(cfg.sampler)
-    cfg.sampler = sampler.start(policy, cfg.sampler)  # eval.json and the rows' digests say what sampled
+    # eval.json and the rows' digests say what sampled; an engine is sized for one scoring batch
+    job = Job(eval_cfg.batch_size, max(1, eval_cfg.num_samples), eval_cfg.max_new_tokens)
+    cfg.sampler = sampler.start(policy, cfg.sampler, job)
     say(sampler, chosen.why)
     # eval.limit caps the held-out problems; data.limit (when set) caps them too, as users expect
     limits = [n for n in (eval_cfg.limit, cfg.data.get("limit")) if n]

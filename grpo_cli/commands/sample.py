@@ -28,6 +28,7 @@ from grpo_cli.policy import adapter_enabled
 from grpo_cli.rewards import answers_match, check_columns, extract_answer, reference_answer, score, token_ids
 from grpo_cli.rollout import render_prompts
 from grpo_cli.rollout.engine import choose, say
+from grpo_cli.rollout.sizing import Job
 
 
 @hydra_app("sample")
@@ -56,7 +57,8 @@ def run(cfg: DictConfig, overrides: list[str] = ()) -> list[dict]:
     if ckpt is not None:
         checkpoint.load_adapter(policy, ckpt)
     sampler = build(chosen.section)
-    sampler.start(policy, chosen.section)  # before the first prompt: a model vLLM cannot serve says so here
+    # before the first prompt (a model vLLM cannot serve says so here), sized for this one call
+    sampler.start(policy, chosen.section, Job(len(problems), sample_cfg.n))
     say(sampler, chosen.why)
     with adapter_enabled(policy, ckpt is not None):
         prompts = render_prompts(tokenizer, [p["messages"] for p in problems])

@@ -64,6 +64,7 @@ from grpo_cli.policy import build_policy
 from grpo_cli.rewards import check_columns, function_names, overlong_shaping, score, token_ids
 from grpo_cli.rollout import pad_id, render_prompts
 from grpo_cli.rollout.engine import Choice, choose, say
+from grpo_cli.rollout.sizing import Job
 from grpo_cli.runs import claim, resume_config
 from grpo_cli.update import advantages, prepare, update
 
@@ -175,7 +176,8 @@ def _loop(cfg: DictConfig, run_dir: Path, ckpt: Path | None, world: World, why: 
         if aside is not None:
             console.print(f"[yellow]the checkpoints after step {state['step']} (an abandoned branch) moved to {aside}")
     # the engine starts before the first rollout; its saved section says what samples (a fallback), for resume
-    cfg.sampler = sampler.start(policy, cfg.sampler)
+    # (sized for one step's prompts × group_size on this rank, where the config leaves the engine's sizes null)
+    cfg.sampler = sampler.start(policy, cfg.sampler, Job(trainer.prompts_per_step // world.size, algo.group_size))
     say(sampler, why)  # which engine samples and why, in one line
     # the precision the base weights ran in (model.dtype=auto depends on the machine): export.dtype=auto writes it
     state["dtype"] = str(policy.get_input_embeddings().weight.dtype).removeprefix("torch.")
