@@ -13,7 +13,8 @@ from reseeding torch's global generator.
 
 The trainer calls `sync` once per step before `generate` and never asks which engine it has.
 Engines: `hf.HFSampler` (transformers `generate` with a shared prompt prefill) and `vllm.VLLMSampler`
-(vLLM with its own copy of the weights, refreshed by `sync`; `sampler=vllm`).
+(vLLM with its own copy of the weights, refreshed by `sync`; `sampler=vllm`); `engine.choose` picks one of
+them for `sampler=auto`, the default, before the model loads.
 
 Prompts are left-padded (every completion starts at the same column); position ids follow HF
 generate (cumsum of the attention mask - 1, `position_ids`), and the trainer's forward
