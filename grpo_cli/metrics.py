@@ -24,6 +24,10 @@ from grpo_cli import files
 from grpo_cli.errors import ConfigError
 
 console = Console(stderr=True)
+if not console.is_terminal and "COLUMNS" not in os.environ:
+    # piped to a file, rich would assume 80 columns and cut the progress bar's last columns ("eta 0:00:…");
+    # lines are as long as their text instead (up to this width), as a log file wants them
+    console.width = 200
 
 
 @contextlib.contextmanager

@@ -57,7 +57,9 @@ def train(arm: str, seed: int, args, model: Path, out: Path) -> dict:
     if ckpt is None or int(ckpt.name[5:]) < steps:
         print(f"train {arm} seed {seed} -> {run}", flush=True)
         how = [f"resume={run}"] if ckpt else [
-            "+recipe=iterative_from_rm", f"reward.name_or_path={model}", f"iterative.retrain={arm == 'iterative'}",
+            # HF generate, as measured (sampler=auto would pick vLLM where it is installed)
+            "+recipe=iterative_from_rm", "sampler=short", f"reward.name_or_path={model}",
+            f"iterative.retrain={arm == 'iterative'}",
             f"iterative.iterations={args.iterations}", f"iterative.steps={args.steps}", f"trainer.max_steps={steps}",
             f"rm.num_problems={args.problems}", f"trainer.seed={seed}", "trainer.report_to=[]",
             f"hydra.run.dir={run}", *args.overrides]

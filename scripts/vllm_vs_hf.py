@@ -26,7 +26,7 @@ sys.path.insert(0, str(REPO))
 
 from process_vs_outcome import grpo, last_checkpoint  # noqa: E402  (this folder is on sys.path)
 
-SAMPLERS = {"hf": [], "vllm": ["sampler=vllm", "sampler.max_new_tokens=32"]}
+SAMPLERS = {"hf": ["sampler=short"], "vllm": ["sampler=vllm", "sampler.max_new_tokens=32"]}
 
 
 def greedy_rows(out: Path) -> dict[tuple[str | None, int], dict]:

@@ -79,9 +79,13 @@ def test_allowed_values_come_from_the_module_that_owns_them():
 
 
 def test_unknown_key_in_a_component_names_the_fix():
-    cfg = compose("train", ["+sampler.temprature=0.7"])
+    cfg = compose("train", ["sampler=short", "+sampler.temprature=0.7"])
     with pytest.raises(ConfigError, match=r"sampler.temprature is not a parameter of grpo_cli.rollout.hf.HFSampler"):
         validate(cfg)
+    # sampler=auto (the default) takes vLLM's sampler's keys, whichever engine it picks
+    with pytest.raises(ConfigError, match=r"sampler.temprature is not a parameter of grpo_cli.rollout.engine.auto; "
+                                          r"remove it or use one of: temperature, top_p"):
+        validate(compose("train", ["+sampler.temprature=0.7"]))
 
 
 def test_bad_data_path_is_one_line(tmp_path):

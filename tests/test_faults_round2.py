@@ -263,8 +263,8 @@ def test_a_kv_cache_too_small_is_an_error_naming_the_setting(tmp_path, monkeypat
     assert str(err.value).splitlines() == [
         "sampler=vllm cannot start with sampler.cpu_kv_cache_gb=0.0001: To serve at least one request with the "
         "model's max seq len (2048), (0.02 GiB KV cache is needed, which is larger than the available KV cache "
-        "memory (0.0 GiB); raise sampler.cpu_kv_cache_gb, or set a shorter sampler.max_model_len (now the model "
-        "context)"]
+        "memory (0.0 GiB); raise sampler.cpu_kv_cache_gb, or set a shorter sampler.max_model_len (now 1032: "
+        "sampler.max_prompt_tokens 1024 + max_new_tokens 8)"]
     assert not (tmp_path / "metrics.jsonl").exists()
 
 

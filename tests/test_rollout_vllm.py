@@ -100,7 +100,7 @@ def test_is_correction_cap_needs_a_sampler_with_its_own_logprobs(monkeypatch):
     monkeypatch.setattr("grpo_cli.rollout.vllm.installed", lambda: True)
     validate(compose("train", ["sampler=vllm", "algo.is_correction_cap=2"]))
     with pytest.raises(ConfigError, match=r"^algo.is_correction_cap \(2\) .*set algo.is_correction_cap=null"):
-        validate(compose("train", ["algo.is_correction_cap=2"]))  # HF generate: nothing to correct
+        validate(compose("train", ["sampler=short", "algo.is_correction_cap=2"]))  # HF generate: nothing to correct
     with pytest.raises(ConfigError, match=r"algo.is_correction_cap \(0.5\) must be >= 1"):
         validate(compose("train", ["sampler=vllm", "algo.is_correction_cap=0.5"]))
 
@@ -109,7 +109,7 @@ def test_is_correction_cap_needs_a_sampler_with_its_own_logprobs(monkeypatch):
 
 
 @needs_vllm
-def test_a_model_vllm_cannot_serve_falls_back_to_hf_with_one_warning(tiny, monkeypatch, capsys):
+def test_a_model_vllm_cannot_serve_falls_back_to_hf_with_one_line(tiny, monkeypatch, capsys):
     from grpo_cli.rollout.vllm import VLLMSampler, import_vllm
 
     vllm = import_vllm()  # as the sampler imports it: vLLM's import-time warnings stay off the console
@@ -125,8 +125,8 @@ def test_a_model_vllm_cannot_serve_falls_back_to_hf_with_one_warning(tiny, monke
     assert rollout.completion_ids.shape[0] == 2 and rollout.sampling_logp is None  # HF generate's rollout
     err = capsys.readouterr().err
     assert [line for line in err.splitlines() if line.strip()] == [
-        "warning: vLLM cannot serve this model (ValueError: Model architectures ['FooForCausalLM'] are not supported "
-        "for now. Supported: ...); sampling with HF generate instead (sampler=default)"]
+        "sampler: HF generate (vLLM cannot serve this model: ValueError: Model architectures ['FooForCausalLM'] are "
+        "not supported for now. Supported: ...)"]
     sampler.sync(model)  # the fallback needs no push
     assert sampler.generate(model, tokenizer, ["<|im_start|>user\n2+2<|im_end|>\n"], 1).sampling_logp is None
 

@@ -48,6 +48,8 @@ from grpo_cli.metrics import console, mean, progress, quiet
 from grpo_cli.policy import adapter_enabled
 from grpo_cli.rewards import answers_match, check_columns, extract_answer, reference_answer, score, token_ids
 from grpo_cli.rollout import render_prompts
+from grpo_cli.rollout.engine import choose, say
+from grpo_cli.rollout.sizing import Job
 
 
 @hydra_app("eval")
@@ -139,9 +141,14 @@ def _evaluate(cfg: DictConfig, out_dir: Path, overrides: list[str], world: World
     data = build(cfg.data)  # the data and the reward before the model: a bad path, column or function stops here
     reward_fn = build(cfg.reward)
     check_columns(reward_fn, data.heldout[0])
+    chosen = choose(cfg.sampler)  # sampler=auto: vLLM when installed and usable (a checkpoint's own sampler as it is)
+    cfg.sampler = chosen.section
     policy, tokenizer = inference_policy(cfg)
     sampler = build(cfg.sampler)
-    cfg.sampler = sampler.start(policy, cfg.sampler)  # eval.json and the rows' digests say what sampled
+    # eval.json and the rows' digests say what sampled; an engine is sized for one scoring batch
+    job = Job(eval_cfg.batch_size, max(1, eval_cfg.num_samples), eval_cfg.max_new_tokens)
+    cfg.sampler = sampler.start(policy, cfg.sampler, job)
+    say(sampler, chosen.why)
     # eval.limit caps the held-out problems; data.limit (when set) caps them too, as users expect
     limits = [n for n in (eval_cfg.limit, cfg.data.get("limit")) if n]
     problems = list(data.heldout)[: min(limits)] if limits else list(data.heldout)

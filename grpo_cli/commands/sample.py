@@ -27,6 +27,8 @@ from grpo_cli.metrics import console
 from grpo_cli.policy import adapter_enabled
 from grpo_cli.rewards import answers_match, check_columns, extract_answer, reference_answer, score, token_ids
 from grpo_cli.rollout import render_prompts
+from grpo_cli.rollout.engine import choose, say
+from grpo_cli.rollout.sizing import Job
 
 
 @hydra_app("sample")
@@ -50,10 +52,14 @@ def run(cfg: DictConfig, overrides: list[str] = ()) -> list[dict]:
     else:
         problems = list(build(cfg.data).heldout[: sample_cfg.num_prompts])
         check_columns(reward_fn, problems[0])
+    chosen = choose(cfg.sampler)  # sampler=auto: vLLM when installed and usable (a checkpoint's own sampler as it is)
     policy, tokenizer = inference_policy(cfg)
     if ckpt is not None:
         checkpoint.load_adapter(policy, ckpt)
-    sampler = build(cfg.sampler)
+    sampler = build(chosen.section)
+    # before the first prompt (a model vLLM cannot serve says so here), sized for this one call
+    sampler.start(policy, chosen.section, Job(len(problems), sample_cfg.n))
+    say(sampler, chosen.why)
     with adapter_enabled(policy, ckpt is not None):
         prompts = render_prompts(tokenizer, [p["messages"] for p in problems])
         rollout = sampler.generate(policy, tokenizer, prompts, sample_cfg.n,

