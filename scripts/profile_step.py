@@ -34,6 +34,9 @@ def main() -> None:
 
     from torch.profiler import ProfilerActivity, profile
 
+    from grpo_cli.cli import setup_process
+
+    setup_process()  # as the CLI does first: the libraries quiet, the allocator set
     import grpo_cli.commands.train as train_cmd
 
     phases: dict[str, list] = defaultdict(list)  # phase -> [(wall s, profiler)] of each call in the last step

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -205,18 +206,22 @@ def test_kv_bytes_a_token_from_the_model_config():
 
 
 def test_the_engine_is_sized_from_the_job():
-    # the default job: 4 prompts × G=8 = 32 sequences of 1024 + 32 = 1056 tokens, held in 9 blocks of 128 = 1152;
-    # 32 × 1152 = 36,864 tokens × 46,080 B = 1,698,693,120 B, + 10% = 1,868,562,432 B (~1.74 GiB)
-    assert size(Job(4, 8)) == EngineSize(1056, 1_868_562_432)
-    # sampler.batch_size=12 sends 12 // 8 = 1 prompt a call: 8 sequences, a quarter: 467,140,608 B
-    assert size(Job(4, 8), batch_size=12) == EngineSize(1056, 467_140_608)
-    # batch_size below one group still sends a whole group (Sampler.generate): 8 sequences again
-    assert size(Job(4, 8), batch_size=3) == EngineSize(1056, 467_140_608)
-    # eval's longer completions (eval.max_new_tokens=256): 1024 + 256 = 1280 tokens = 10 blocks; 32 greedy
-    # sequences × 1280 = 40,960 tokens × 46,080 B = 1,887,436,800 B, + 10% = 2,076,180,480 B
+    # the default job: 4 prompts × G=8 of up to 1024 + 32 = 1056 tokens. Unshared, each sequence 9 blocks of 128
+    # (72 a prompt); shared, a prompt's 8 full blocks once + each sample ceil((127 + 32) / 128) = 2 blocks of its
+    # own: 8 + 16 = 24 a prompt, 96 blocks = 12,288 tokens × 46,080 B = 566,231,040 B, + 10% = 622,854,144 B
+    assert size(Job(4, 8)) == EngineSize(1056, 622_854_144)
+    # sampler.batch_size=12 sends 12 // 8 = 1 prompt a call: 24 blocks = 3,072 × 46,080 × 1.1 = 155,713,536 B
+    assert size(Job(4, 8), batch_size=12) == EngineSize(1056, 155_713_536)
+    # batch_size below one group still sends a whole group (Sampler.generate): 1 prompt again
+    assert size(Job(4, 8), batch_size=3) == EngineSize(1056, 155_713_536)
+    # eval's greedy rows (n = 1, eval.max_new_tokens=256): 1024 + 256 = 1280 tokens, 10 blocks unshared (less than
+    # 8 + ceil(383 / 128) = 11); 32 × 10 = 320 blocks = 40,960 tokens × 46,080 B = 1,887,436,800 B, + 10%
     assert size(Job(32, 1, max_new_tokens=256)) == EngineSize(1280, 2_076_180_480)
-    # a short prompt bound: 100 + 8 = 108 tokens, held in one block of 128; 2 sequences × 128 = 256 tokens
-    # × 46,080 = 11,796,480 B, + 10% = 12,976,128 B
+    # the bench's GSM8K shape: 4 × G=8, 256 new: 8 + 8 × 3 = 32 blocks a prompt (unshared 8 × 10 = 80), 128 in
+    # all = 16,384 tokens × 46,080 × 1.1 = 830,472,192 B
+    assert size(Job(4, 8, max_new_tokens=256)) == EngineSize(1280, 830_472_192)
+    # a short prompt bound: 100 + 8 = 108 tokens, one block a sequence unshared (2), shared 1 + 2 × 1 = 3: 2 blocks
+    # = 256 tokens × 46,080 = 11,796,480 B, + 10% = 12,976,128 B
     assert size(Job(1, 2), max_prompt_tokens=100, max_new_tokens=8) == EngineSize(108, 12_976_128)
     # a caller that does not say (rm's draws): room for one sequence, vLLM's floor: 1152 × 46,080 × 1.1
     assert size(None) == EngineSize(1056, 58_392_576)
@@ -227,5 +232,26 @@ def test_the_engine_is_sized_from_the_job():
 def test_the_users_own_sizes_are_kept():
     assert size(Job(4, 8), max_model_len=512, cpu_kv_cache_gb=0.5) == EngineSize(512, 2**29)
     assert size(Job(4, 8), cpu_kv_cache_gb=1.0) == EngineSize(1056, 2**30)
-    # max_model_len alone: the cache sized for it: 32 × 512 (4 blocks) × 46,080 = 754,974,720 B, + 10% = 830,472,192 B
-    assert size(Job(4, 8), max_model_len=512) == EngineSize(512, 830_472_192)
+    # max_model_len alone: the cache sized for it: prompts up to 512 - 32 = 480 tokens, 4 full blocks shared + 8 × 2
+    # = 20 a prompt (unshared 8 × 4 = 32); 80 blocks = 10,240 tokens × 46,080 = 471,859,200 B, + 10% = 519,045,120 B
+    assert size(Job(4, 8), max_model_len=512) == EngineSize(512, 519_045_120)
+
+
+def _anon_rss_mb() -> float:
+    fields = dict(line.split(":", 1) for line in open("/proc/self/status"))
+    return int(fields["RssAnon"].split()[0]) / 1024
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads Linux's /proc")
+def test_trim_heap_gives_freed_layer_sized_blocks_back():
+    from grpo_cli.rollout.vllm import trim_heap
+
+    # 200 blocks of 3 MB (under the CLI's 4 MiB mmap threshold: from the heap, like a pushed layer's merged weight),
+    # touched, then all but the last freed: glibc keeps them below the live one until trimmed
+    blocks = [torch.ones(3 * 2**20 // 4) for _ in range(200)]
+    keep = blocks[-1]
+    del blocks
+    before = _anon_rss_mb()
+    assert trim_heap()
+    assert _anon_rss_mb() < before - 300, "malloc_trim returned less than half of the 600 MB freed"
+    del keep

@@ -2,8 +2,11 @@
 (`sampler.max_model_len`) and, on a CPU, its KV cache (`sampler.cpu_kv_cache_gb`).
 
     longest sequence = sampler.max_prompt_tokens + the job's max_new_tokens    (capped by the model's context)
-    KV cache bytes   = sequences one engine call holds × whole blocks of the longest sequence × bytes a token
-                       × (1 + MARGIN_PERCENT/100), at least one longest sequence (what vLLM needs to start)
+    KV cache bytes   = blocks one engine call holds × BLOCK tokens × bytes a token × (1 + MARGIN_PERCENT/100)
+    blocks           = prompts × min(n × blocks of the longest sequence,
+                                     blocks of the prompt bound + n × blocks of (BLOCK - 1 + new tokens))
+                       (a prompt's n samples share its full blocks through prefix caching; at least one longest
+                       sequence, what vLLM needs to start)
     bytes a token    = 2 (K and V) × layers × KV heads × head size × bytes of the cache's dtype
 
 `max_prompt_tokens` and not the longest prompt of the data: every prompt is checked against it
@@ -61,6 +64,12 @@ def engine_size(*, per_token: int, job: Job | None, max_prompt_tokens: int, max_
     prompts, n = (job.prompts, job.n) if job else (1, 1)
     if batch_size is not None:  # Sampler.generate sends at most batch_size // n prompts a call, at least one
         prompts = min(prompts, max(1, batch_size // n))
-    sequences = max(1, prompts * n)
-    tokens = sequences * math.ceil(length / BLOCK) * BLOCK
+    prompts, n = max(1, prompts), max(1, n)
+    # a prompt's n samples share its full blocks (prefix caching); each sample holds the prompt's partial last
+    # block and its new tokens: at most ceil((BLOCK - 1 + new) / BLOCK) blocks of its own. Unshared (n = 1, or
+    # when that is less), each sequence holds whole blocks of the longest sequence
+    prompt = max(0, int(length) - new)
+    shared = math.ceil(prompt / BLOCK) + n * math.ceil((BLOCK - 1 + new) / BLOCK)
+    blocks = prompts * min(n * math.ceil(length / BLOCK), shared)
+    tokens = blocks * BLOCK
     return EngineSize(int(length), -(-tokens * per_token * (100 + MARGIN_PERCENT) // 100))  # integer ceil
