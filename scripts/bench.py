@@ -77,8 +77,8 @@ def ours(a, shape: str, out: Path, tag: str, extra: list[str]) -> dict:
     _, rss = run([sys.executable, "-m", "grpo_cli", "train", f"+recipe={SHAPES[shape]['recipe']}", *extra,
                   f"trainer.max_steps={a.steps}", f"hydra.run.dir={run_dir}"], out / f"{tag}.log")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]  # steps 2..N
-    config = (run_dir / ".hydra" / "config.yaml").read_text() if (run_dir / ".hydra" / "config.yaml").exists() else ""
-    engine = "vLLM" if "rollout.vllm." in config else "HF generate"
+    # the engine the run's own line names ("sampler: vLLM (...)"; a model vLLM cannot serve says HF generate)
+    engine = "vLLM" if "sampler: vLLM" in (out / f"{tag}.log").read_text() else "HF generate"
 
     def median(key):
         return statistics.median(r[key] for r in records)
