@@ -106,15 +106,19 @@ def _worker(rank: int, size: int, init_method: str, out: str) -> None:
     try:
         world = World(rank, size, rank)
         for case in CASES:
-            weights, stats = _step(case, world)
-            save_file(weights, str(Path(out) / f"{_name(case)}_r{rank}.safetensors"))
-            save_file({k: torch.tensor(float(v)) for k, v in stats.items()},
-                      str(Path(out) / f"{_name(case)}_stats_r{rank}.safetensors"))
+            _save_step(out, case, rank, *_step(case, world))
     finally:
         # both ranks leave together: a rank that tears the group down while the other is still in it can make
         # gloo abort the other (seen once: exit -6, "terminate called without an active exception")
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
+
+
+def _save_step(out: str, case: tuple, rank: int, weights: dict, stats: dict) -> None:
+    """One rank's LoRA weights and step statistics for `case`, where the test process reads them."""
+    save_file(weights, str(Path(out) / f"{_name(case)}_r{rank}.safetensors"))
+    save_file({k: torch.tensor(float(v)) for k, v in stats.items()},
+              str(Path(out) / f"{_name(case)}_stats_r{rank}.safetensors"))
 
 
 def _rendezvous() -> str:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-from test_distributed import ROWS, TORCHRUN_TINY, _grpo, _name, _policy, _step, _two_ranks
+from safetensors.torch import load_file
+from test_distributed import ROWS, TORCHRUN_TINY, _grpo, _name, _policy, _save_step, _step, _two_ranks
 
 from grpo_cli import fsdp
 from grpo_cli.distributed import SINGLE, World
@@ -30,10 +30,7 @@ def _worker(rank: int, size: int, init_method: str, out: str) -> None:
         held, whole = fsdp.resident_bytes(policy)
         Path(out, f"memory_r{rank}.json").write_text(json.dumps({"line": line, "held": held, "whole": whole}))
         for case in CASES:
-            weights, stats = _step(case, world, fsdp=True)
-            save_file(weights, str(Path(out) / f"{_name(case)}_r{rank}.safetensors"))
-            save_file({k: torch.tensor(float(v)) for k, v in stats.items()},
-                      str(Path(out) / f"{_name(case)}_stats_r{rank}.safetensors"))
+            _save_step(out, case, rank, *_step(case, world, fsdp=True))
     finally:
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
