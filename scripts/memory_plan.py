@@ -25,6 +25,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from grpo_cli.rollout.sizing import kv_bytes_per_token
+
 GB = 1e9
 LORA_TARGETS = 7  # q, k, v, o, gate, up, down
 
@@ -85,7 +87,7 @@ def activations_gb(m: Arch, job: Job, checkpointing: bool) -> float:
 def kv_cache_gb(m: Arch, job: Job) -> float:
     """vLLM's KV cache for the rank's rollout, bf16."""
     tokens = job.prompts_per_rank * job.group_size * (job.prompt_tokens + job.new_tokens)
-    return tokens * 2 * m.num_hidden_layers * m.num_key_value_heads * m.head_dim * 2 / GB
+    return tokens * kv_bytes_per_token(m, 2) / GB  # the rule the engine's own sizing uses (rollout/sizing.py)
 
 
 def per_rank_gb(m: Arch, job: Job, *, quant4: bool = False, fsdp_ranks: int = 1, checkpointing: bool = False,
