@@ -246,7 +246,7 @@ def _anon_rss_mb() -> float:
 def test_trim_heap_gives_freed_layer_sized_blocks_back():
     from grpo_cli.rollout.vllm import trim_heap
 
-    # 200 blocks of 3 MB (under the CLI's 4 MiB mmap threshold: from the heap, like a pushed layer's merged weight),
+    # 200 blocks of 3 MB (under the CLI's 64 MiB mmap threshold: from the heap, like a pushed layer's merged weight),
     # touched, then all but the last freed: glibc keeps them below the live one until trimmed
     blocks = [torch.ones(3 * 2**20 // 4) for _ in range(200)]
     keep = blocks[-1]

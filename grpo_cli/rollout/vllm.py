@@ -343,7 +343,7 @@ class VLLMSampler(Sampler):
         else:
             self.llm.apply_model(lambda model: _load_cpu(model, weights, self._packed))
             del weights
-            # the merged weights and the engine's repacking left layer-sized blocks (under the CLI's 4 MiB mmap
+            # the merged weights and the engine's repacking left layer-sized blocks (under the CLI's 64 MiB mmap
             # threshold, so from the heap) free but held: ~1 GB of SmolLM2's resident memory, back to the OS
             trim_heap()
         self.llm.reset_prefix_cache()
