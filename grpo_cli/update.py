@@ -105,6 +105,20 @@ class Batch:
     # a sharded base (trainer.fsdp): rows run after `active` with a zero loss mask, so every rank runs the same
     # forwards and backwards (grpo_cli.fsdp.lockstep); [] otherwise
     fillers: list[int] = field(default_factory=list)
+    # rows per length bucket of the update's forward/backward (`logprobs.buckets`): one bucket's activations are the
+    # update's peak, so long completions take fewer rows (`bucket_rows_for`); the same on every rank
+    bucket_rows: int = 8
+
+
+def bucket_rows_for(width: int, bucket_tokens: int | None, most: int = 8) -> int:
+    """Rows per update bucket for completions padded to `width` tokens: as many as fit `bucket_tokens` tokens
+    (rows × width), at least 1 and at most `most`; None: `most`.
+
+    1024 tokens, `most` 8: width 64 -> 8 rows, 256 -> 4, 2048 -> 1.
+    """
+    if bucket_tokens is None:
+        return most
+    return max(1, min(most, bucket_tokens // max(width, 1)))
 
 
 def micro_batches(rows: list[int], size: int) -> list[list[int]]:
@@ -114,8 +128,9 @@ def micro_batches(rows: list[int], size: int) -> list[list[int]]:
 
 @torch.no_grad()
 def prepare(policy, rollout: Rollout, advantages: torch.Tensor, loss, num_iterations: int, micro_batch_size: int,
-            mask_truncated_completions: bool, world: World = SINGLE) -> Batch:
-    """The Batch for `rollout`: masks, active rows, reference and old log-probs (dropout off)."""
+            mask_truncated_completions: bool, world: World = SINGLE, bucket_tokens: int | None = None) -> Batch:
+    """The Batch for `rollout`: masks, active rows, reference and old log-probs (dropout off), and the rows per
+    update bucket for `bucket_tokens` (`bucket_rows_for`, from the longest padded completion of all ranks)."""
     device = rollout.completion_ids.device
     advantages = advantages.to(device)
     mask = rollout.completion_mask.float()  # [N, T]; 1 up to and including EOS
@@ -158,7 +173,8 @@ def prepare(policy, rollout: Rollout, advantages: torch.Tensor, loss, num_iterat
     counts = world.sum(torch.tensor([n, mask.sum().item()], dtype=torch.float64))
     length = world.max(torch.tensor([mask.shape[1]]))
     return Batch(rollout, advantages, mask, active, ref_logp, old_logp, int(counts[0]),
-                 counts[1].to(mask.dtype).to(device).clamp(min=1), int(length[0]), world, threshold, fillers)
+                 counts[1].to(mask.dtype).to(device).clamp(min=1), int(length[0]), world, threshold, fillers,
+                 bucket_rows_for(int(length[0]), bucket_tokens))
 
 
 def batch_entropy_threshold(entropy: torch.Tensor, mask: torch.Tensor, quantile: float,
@@ -255,7 +271,8 @@ def update(policy, optimizer, scheduler, batch: Batch, loss: GRPOLoss, num_itera
         for rows in micro_batches(rows_run, micro_batch_size):
             sub, index = batch.rollout.select(rows), torch.tensor(rows, device=batch.mask.device)
             # forward and backward bucket by bucket: the peak holds one bucket's activations, not the micro-batch's
-            for bucket in buckets(policy, sub, with_entropy=True, grad=True, entropy_grad=entropy_grad):
+            for bucket in buckets(policy, sub, with_entropy=True, grad=True, entropy_grad=entropy_grad,
+                                  bucket_rows=batch.bucket_rows):
                 picked = index[bucket.rows]  # [b] the bucket's rows in the batch
                 mask = loss_mask[picked]
                 old = batch.old_logp[picked] if batch.old_logp is not None else bucket.logp.detach()

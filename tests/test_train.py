@@ -298,3 +298,31 @@ def test_masked_truncated_completions_get_no_update(tmp_path):
     complete = round(8 * (1 - masked["completions/clipped_ratio"]))  # 2 prompts x G=4, same rollout in both
     assert complete < 8
     assert masked["counts/backward_seqs"] <= complete < unmasked["counts/backward_seqs"]
+
+
+def test_bucket_rows_fit_the_token_budget():
+    # rows x the longest padded completion <= bucket_tokens, between 1 and 8 rows
+    assert update.bucket_rows_for(64, 1024) == 8      # 1024 // 64 = 16, capped at 8
+    assert update.bucket_rows_for(256, 1024) == 4     # the GSM8K shape: 4 x 256 = 1024
+    assert update.bucket_rows_for(300, 1024) == 3     # 1024 // 300 = 3
+    assert update.bucket_rows_for(2048, 1024) == 1    # longer than the budget: one row at a time
+    assert update.bucket_rows_for(256, None) == 8     # no budget: 8 rows
+
+
+def test_the_update_backs_up_buckets_of_the_token_budget(tmp_path, monkeypatch):
+    # sampler.max_new_tokens=8 pads completions to at most 8 tokens: a 16-token budget takes 2 rows a bucket
+    seen = []
+    real = update.buckets
+
+    def spy(model, rollout, **kw):
+        for bucket in real(model, rollout, **kw):
+            if kw.get("grad"):
+                seen.append(len(bucket.rows))
+            yield bucket
+
+    monkeypatch.setattr(update, "buckets", spy)
+    train.run(tiny_cfg("trainer.max_steps=1", "algo.beta=0.04", "trainer.bucket_tokens=16"), tmp_path / "a")
+    assert seen and max(seen) == 2 and sum(seen) == 8  # 2 prompts x G=4, every row once, 2 at a time
+    seen.clear()
+    train.run(tiny_cfg("trainer.max_steps=1", "algo.beta=0.04", "trainer.bucket_tokens=null"), tmp_path / "b")
+    assert seen == [4, 4]  # 8 rows a bucket, within micro-batches of 4

@@ -259,7 +259,7 @@ def _loop(cfg: DictConfig, run_dir: Path, ckpt: Path | None, world: World, why: 
             # 5. update: reference and old log-probs first, then μ passes of the clipped objective
             t1 = time.perf_counter()
             batch = prepare(policy, rollout, adv, loss, algo.num_iterations, trainer.micro_batch_size,
-                            algo.mask_truncated_completions, world)
+                            algo.mask_truncated_completions, world, trainer.bucket_tokens)
             stats = update(policy, optimizer, scheduler, batch, loss, algo.num_iterations, trainer.micro_batch_size,
                            trainer.max_grad_norm)
             synchronize(device)
@@ -407,6 +407,8 @@ CHECKS: list[Check] = [
          "must be an integer >= 1; set trainer.prompts_per_step=4"),
     Rule("trainer.micro_batch_size", lambda v: is_int(v) and v >= 1,
          "must be an integer >= 1; set trainer.micro_batch_size=8"),
+    Rule("trainer.bucket_tokens", lambda v: v is None or (is_int(v) and v >= 1),
+         "must be an integer >= 1 or null (8 rows a bucket); set trainer.bucket_tokens=1024"),
     Rule("trainer.save_every", lambda v: is_int(v) and v >= 1, "must be an integer >= 1; set trainer.save_every=20"),
     Rule("trainer.keep_last", lambda v: v is None or (is_int(v) and v >= 1),
          "must be an integer >= 1 or null (keep all); set trainer.keep_last=3"),
