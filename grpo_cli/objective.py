@@ -745,35 +745,56 @@ def token_entropy(logits: torch.Tensor, *, chunk_size: int = 1024) -> torch.Tens
     return out
 
 
+# the softmax the fused head keeps from forward for backward, in elements (fp32: 512 MB); above it backward
+# recomputes the logits (one more head matmul per chunk)
+KEEP_PROBS_ELEMENTS = 2**27
+
+
 class _HeadLogprobs(torch.autograd.Function):
     """log_softmax(hidden @ weightᵀ)[tokens], the LM head and the log-softmax fused, chunk by chunk.
 
-    Forward and backward each make one chunk of [chunk, V] logits at a time and drop it, so the
-    [M, V] logits never exist whole (SmolLM2, 32 x 64 positions: 400 MB of fp32 logits, and as much
-    again for their gradient). Backward recomputes each chunk's logits from the saved hidden states:
-    one more head matmul, in exchange for not holding them.
+    Forward makes one chunk of [chunk, V] logits at a time and drops it, so the [M, V] logits never exist
+    (SmolLM2, 32 x 64 positions: 400 MB of fp32 logits, and as much again for their gradient). What backward
+    needs of them is the softmax p: when a gradient will be asked for and [M, V] fits `keep_elements`
+    (a length bucket: 1024 positions x SmolLM2's 49,152 = 200 MB), forward keeps p, and backward is
+    p·(-g) + onehot·g and one matmul per chunk; otherwise backward recomputes each chunk's logits from the
+    saved hidden states (one more head matmul, and the exp, per chunk). Each chunk is exponentiated once:
+    y = x - max, e = exp(y), lse = max + log Σe, H = log Σe - Σ e·y / Σe (the same H = lse - Σ p·x).
 
     The entropies are differentiable too (the entropy bonus, `entropy_coef`): with H = lse - Σ p·x,
-    dH/dx_j = -p_j (log p_j + H), added to the log-prob's onehot(tok) - p in the same chunk.
+    dH/dx_j = -p_j (log p_j + H), added to the log-prob's onehot(tok) - p in the same chunk (from recomputed
+    logits: log p of a kept p can underflow).
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, tokens, chunk_size, with_entropy):
+    def forward(ctx, hidden, weight, tokens, chunk_size, with_entropy, keep_elements):
         m = hidden.shape[0]
         cd = _compute_dtype(weight.dtype)
         out = hidden.new_empty(m, dtype=cd)              # [M] log-probs
         lse = hidden.new_empty(m, dtype=cd)              # [M] logsumexp, for backward
         entropy = hidden.new_empty(m if with_entropy else 0, dtype=cd)
+        keep = (hidden.requires_grad or weight.requires_grad) and m * weight.shape[0] <= keep_elements
+        probs = hidden.new_empty((m, weight.shape[0]) if keep else (0,), dtype=cd)  # [M, V] softmax, kept
         for a in range(0, m, chunk_size):
             b = min(a + chunk_size, m)
-            x = (hidden[a:b].to(weight.dtype) @ weight.T).to(cd)   # [c, V]: one chunk of logits
-            s = torch.logsumexp(x, -1)
+            y = (hidden[a:b].to(weight.dtype) @ weight.T).to(cd)   # [c, V]: one chunk of logits
+            picked = y.gather(-1, tokens[a:b, None]).squeeze(-1)    # [c] the tokens' logits
+            top = y.amax(-1, keepdim=True)                          # [c, 1]
+            y.sub_(top)                                             # y = x - max, in place
+            if keep:
+                e = torch.exp(y, out=probs[a:b])
+            else:
+                e = y.exp() if with_entropy else y.exp_()           # y is needed for H only
+            total = e.sum(-1)                                       # [c] Σ exp(x - max)
+            s = top.squeeze(-1) + total.log()
             lse[a:b] = s
-            out[a:b] = x.gather(-1, tokens[a:b, None]).squeeze(-1) - s
-            if with_entropy:  # H = lse - Σ p·x, from the same chunk
-                entropy[a:b] = s - (torch.exp(x - s[:, None]) * x).sum(-1)
-        ctx.save_for_backward(hidden, weight, tokens, lse, entropy)
-        ctx.chunk_size = chunk_size
+            out[a:b] = picked - s
+            if with_entropy:  # H = log Σe - Σ e·y / Σe, the dot product without a [c, V] temporary
+                entropy[a:b] = total.log() - torch.bmm(e[:, None, :], y[:, :, None]).view(-1) / total
+            if keep:
+                e.div_(total[:, None])                              # p, for backward
+        ctx.save_for_backward(hidden, weight, tokens, lse, entropy, probs)
+        ctx.chunk_size, ctx.kept = chunk_size, keep
         ctx.set_materialize_grads(False)  # an output the loss does not use (the entropy, mostly) gets None
         if not with_entropy:
             ctx.mark_non_differentiable(entropy)
@@ -782,7 +803,7 @@ class _HeadLogprobs(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, grad_entropy):
-        hidden, weight, tokens, lse, entropy = ctx.saved_tensors
+        hidden, weight, tokens, lse, entropy, probs = ctx.saved_tensors
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None     # [M, D]
         grad_weight = (torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device)
                        if ctx.needs_input_grad[1] else None)                           # [V, D]
@@ -792,8 +813,10 @@ class _HeadLogprobs(torch.autograd.Function):
             b = min(a + ctx.chunk_size, hidden.shape[0])
             g = grad_out[a:b, None].to(lse.dtype)                                      # [c, 1]
             h = hidden[a:b].to(weight.dtype)
-            # d/dx (x[tok] - lse) = onehot(tok) - softmax(x), x recomputed for this chunk: [c, V]
-            if grad_entropy is None:
+            # d/dx (x[tok] - lse) = onehot(tok) - softmax(x): [c, V]
+            if grad_entropy is None and ctx.kept:  # the kept softmax (not in place: backward may run again)
+                d = probs[a:b] * -g
+            elif grad_entropy is None:  # x recomputed for this chunk
                 d = (h @ weight.T).to(lse.dtype).sub_(lse[a:b, None]).exp_().mul_(-g)
             else:  # + g_H · dH/dx = -g_H · p · (log p + H), log p = x - lse
                 log_p = (h @ weight.T).to(lse.dtype).sub_(lse[a:b, None])          # [c, V]
@@ -804,17 +827,19 @@ class _HeadLogprobs(torch.autograd.Function):
                 grad_hidden[a:b] = (d.to(weight.dtype) @ weight).to(hidden.dtype)
             if grad_weight is not None:
                 grad_weight += d.T @ h.to(lse.dtype)
-        return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None)
+        return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None, None)
 
 
 def head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, *, chunk_size: int = 512,
-                  with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  with_entropy: bool = False,
+                  keep_elements: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(hidden @ weightᵀ)[tokens] without the [M, V] logits: ([M] log-probs, [M] entropies or None).
 
     `hidden` [M, D] are the final (normed) hidden states of M positions, `weight` [V, D] the LM head, `tokens`
     [M] the token each position predicts. Both outputs are differentiable w.r.t. hidden and weight (the
     entropy for the entropy bonus; an entropy the loss does not use costs nothing in backward). fp32 results
-    whatever the input precision, as `token_logprobs`.
+    whatever the input precision, as `token_logprobs`. `keep_elements`: the largest [M, V] softmax kept from
+    forward for backward (None: KEEP_PROBS_ELEMENTS; 0: none, backward recomputes the logits).
     """
     if hidden.dim() != 2 or weight.dim() != 2 or tokens.shape != hidden.shape[:1] \
             or hidden.shape[1] != weight.shape[1]:
@@ -822,7 +847,8 @@ def head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tens
                          f"{tuple(weight.shape)} and {tuple(tokens.shape)}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size ({chunk_size}) must be >= 1")
-    logp, entropy = _HeadLogprobs.apply(hidden, weight, tokens.long(), chunk_size, with_entropy)
+    keep = KEEP_PROBS_ELEMENTS if keep_elements is None else keep_elements
+    logp, entropy = _HeadLogprobs.apply(hidden, weight, tokens.long(), chunk_size, with_entropy, keep)
     return logp, (entropy if with_entropy else None)
 
 # ---- config checks: this module's settings, collected by config.validate --------------------------------

@@ -1024,15 +1024,17 @@ def test_token_entropy(chunk_size):
 # --------------------------------------------------------------------------- the fused LM head
 
 
+@pytest.mark.parametrize("keep_elements", [None, 0])   # the softmax kept for backward, or recomputed there
 @pytest.mark.parametrize("chunk_size", [1, 4, 7, 1000])   # M = 10: 4 and 7 don't divide it
-def test_head_logprobs_matches_log_softmax_of_the_head(chunk_size):
+def test_head_logprobs_matches_log_softmax_of_the_head(chunk_size, keep_elements):
     g = torch.Generator().manual_seed(chunk_size)
     hidden = torch.randn(10, 6, generator=g, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(13, 6, generator=g, dtype=torch.float64, requires_grad=True)
     tokens = torch.randint(0, 13, (10,), generator=g)
     w = torch.randn(10, generator=g, dtype=torch.float64)
 
-    logp, entropy = head_logprobs(hidden, weight, tokens, chunk_size=chunk_size, with_entropy=True)
+    logp, entropy = head_logprobs(hidden, weight, tokens, chunk_size=chunk_size, with_entropy=True,
+                                  keep_elements=keep_elements)
     (logp * w).sum().backward()
     fast = hidden.grad, weight.grad
     hidden.grad = weight.grad = None
@@ -1085,15 +1087,27 @@ def test_head_logprobs_gradcheck_and_frozen_head():
     assert hidden.grad is not None and frozen.grad is None
 
 
-def test_head_logprobs_saves_no_logits():
-    # forward and backward keep [M, D] hidden states and [M] values, never the [M, V] logits
+def test_head_logprobs_keeps_the_softmax_within_its_limit_and_never_the_logits():
+    # M = 12 positions, V = 200: within the limit forward keeps the [M, V] softmax for backward (rows sum to 1),
+    # over it (or with no gradient to come) nothing larger than the head itself; the logits are never kept
     hidden = torch.randn(12, 8, requires_grad=True)
     weight = torch.randn(200, 8)
-    saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x) or x, lambda x: x):
-        head_logprobs(hidden, weight, torch.randint(0, 200, (12,)), chunk_size=5)
-    assert max(x.numel() for x in saved) == weight.numel()  # the head itself, not a copy of logits
-    assert all(x.numel() < 12 * 200 or x.data_ptr() == weight.data_ptr() for x in saved)
+    tokens = torch.randint(0, 200, (12,))
+
+    def saved_by(**kw):
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x) or x, lambda x: x):
+            head_logprobs(hidden, weight, tokens, chunk_size=5, **kw)
+        return [x for x in saved if x.numel() > weight.numel()]
+
+    kept = saved_by()
+    assert len(kept) == 1 and kept[0].shape == (12, 200)
+    assert torch.allclose(kept[0].sum(-1), torch.ones(12)) and torch.allclose(
+        kept[0], torch.softmax(hidden.detach() @ weight.T, -1), atol=1e-6)
+    assert saved_by(keep_elements=12 * 200 - 1) == []  # one element over: recomputed in backward
+    assert saved_by(keep_elements=0) == []
+    with torch.no_grad():  # the reference forward: nothing kept
+        assert saved_by() == []
 
 
 def test_head_logprobs_low_precision_and_errors():
