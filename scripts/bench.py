@@ -9,7 +9,8 @@ all 7 projections, 4 prompts x G=8, beta 0.04, the `grpo` loss, the whole batch 
   - arithmetic (`recipes/bench.yaml`): 2-digit addition prompts (~40 tokens), at most 64 new tokens;
   - gsm8k (`recipes/bench_gsm8k.yaml`): ../shared/data/gsm8k problems with data=gsm8k's instruction (~150-token
     prompts), at most 256 new tokens. TRL runs it with gradient checkpointing (`--gc`, its own default): without
-    it TRL's first step outgrows this machine's 24 GB. Ours needs none (its update backs up 8 rows at a time).
+    it TRL's first step outgrows this machine's 24 GB. Ours needs none (its update backs up one length bucket at a
+    time, at most trainer.bucket_tokens rows x tokens).
 Arms, each a fresh process per round, rounds interleaved: `trl` (in its own scratch venv, --trl-venv, made by
 ../shared/bench/setup_trl_venv.sh when missing; never in this project's), `ours` (`grpo train` with the sampler it
 picks by default), `ours_hf` (sampler=default, HF generate), `ours_vllm` (sampler=vllm).
