@@ -23,23 +23,23 @@ class LeanLinear(LoraLinear):
     """A peft LoRA `Linear` whose plain case runs `addmm(base(x), s·A(dropout(x)), Bᵀ)`."""
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        if args or kwargs or self.disable_adapters or self.merged or self.lora_variant:
+        names = [name for name in self.active_adapters if name in self.lora_A]
+        # outside autocast the base's output has its weight's dtype: an adapter in another one takes peft's
+        # promotion rules, as does a bias on B (checked before the base runs, so it runs once)
+        mixed = not torch.is_autocast_enabled(x.device.type) and any(
+            self.lora_B[name].weight.dtype != self.base_layer.weight.dtype for name in names)
+        if (args or kwargs or self.disable_adapters or self.merged or self.lora_variant or mixed
+                or any(self.lora_B[name].bias is not None for name in names)):
             return super().forward(x, *args, **kwargs)
         result = self.base_layer(x)  # [..., out]
-        for name in self.active_adapters:
-            if name not in self.lora_A:
-                continue
+        for name in names:
             lora_a, lora_b = self.lora_A[name], self.lora_B[name]
-            if lora_b.bias is not None or (result.dtype != lora_b.weight.dtype
-                                           and not torch.is_autocast_enabled(result.device.type)):
-                return super().forward(x, *args, **kwargs)  # peft's promotion rules for mixed precision
             x = self._cast_input_dtype(x, lora_a.weight.dtype)  # as peft (off inside policy.autocast)
             low = lora_a(self.lora_dropout[name](x)) * self.scaling[name]  # [..., r]
             # [M, out] + [M, r] @ [r, out]: the sum made by the matmul
             result = torch.addmm(result.reshape(-1, result.shape[-1]), low.reshape(-1, low.shape[-1]),
                                  lora_b.weight.T).view(result.shape)
         return result
-
 
 def lean(policy):
     """Give `policy`'s plain LoRA linear layers `LeanLinear`'s forward (in place); returns `policy`."""

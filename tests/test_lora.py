@@ -77,3 +77,21 @@ def test_lean_forward_with_dropout_in_eval_mode_matches():
     ids = torch.randint(3, 40, (2, 9), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         assert torch.allclose(plain(input_ids=ids).logits, lean(input_ids=ids).logits, atol=1e-5)
+
+
+def test_a_base_in_another_precision_takes_peft_s_forward_and_runs_the_base_once():
+    # a bf16 base under fp32 adapters, outside autocast: peft's promotion rules, its output, one base matmul
+    plain, lean = policies()
+    for p in (plain, lean):
+        p.base_model.model.model.layers.to(torch.bfloat16)
+        for name, w in p.named_parameters():
+            if "lora_" in name:
+                w.data = w.data.float()
+    calls = []
+    layer = next(m for m in lean.modules() if type(m) is lora.LeanLinear)
+    layer.base_layer.register_forward_hook(lambda *_: calls.append(1))
+    x = torch.randn(3, layer.in_features, dtype=torch.bfloat16)
+    twin = next(m for m in plain.modules() if type(m) is lora.LoraLinear)
+    with torch.no_grad():
+        assert torch.equal(layer(x), twin(x))
+    assert calls == [1]
