@@ -39,6 +39,9 @@ from grpo_cli.objective import head_logprobs, token_entropy, token_logprobs
 from grpo_cli.policy import autocast
 from grpo_cli.rollout import Rollout, position_ids
 
+# rows scored together by default: the most a length bucket holds (the update's may hold fewer, trainer.bucket_tokens)
+BUCKET_ROWS = 8
+
 
 @dataclass
 class Bucket:
@@ -60,7 +63,7 @@ class Logprobs:
 
 
 def buckets(model, rollout: Rollout, *, with_entropy: bool = False, grad: bool = False,
-            entropy_grad: bool = False, bucket_rows: int = 8) -> Iterator[Bucket]:
+            entropy_grad: bool = False, bucket_rows: int = BUCKET_ROWS) -> Iterator[Bucket]:
     """The rollout's rows in buckets of at most `bucket_rows` rows of similar length, each scored when asked for.
 
     grad=True: each bucket's `logp` carries the gradient; back-propagate its loss before asking for the next
@@ -128,7 +131,8 @@ def _buckets(model, rollout: Rollout, with_entropy: bool, grad: bool, entropy_gr
 
 
 @torch.no_grad()
-def sequence_logprobs(model, rollout: Rollout, *, with_entropy: bool = False, bucket_rows: int = 8) -> Logprobs:
+def sequence_logprobs(model, rollout: Rollout, *, with_entropy: bool = False,
+                      bucket_rows: int = BUCKET_ROWS) -> Logprobs:
     """Every row's log-probs (and entropies), no gradient: the buckets, back in the rollout's row order."""
     parts = list(buckets(model, rollout, with_entropy=with_entropy, bucket_rows=bucket_rows))
     back = torch.argsort(torch.cat([b.rows for b in parts]))  # rows back from length order to the rollout's

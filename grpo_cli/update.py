@@ -36,7 +36,7 @@ import torch
 
 from grpo_cli.distributed import SINGLE, World
 from grpo_cli.fsdp import lockstep, sharded
-from grpo_cli.logprobs import buckets, sequence_logprobs
+from grpo_cli.logprobs import BUCKET_ROWS, buckets, sequence_logprobs
 from grpo_cli.objective import GRPOLoss, high_entropy_threshold, masked_mean, outcome_advantages, process_advantages
 from grpo_cli.policy import reference
 from grpo_cli.rollout import Rollout, char_ends_to_token_index
@@ -107,10 +107,10 @@ class Batch:
     fillers: list[int] = field(default_factory=list)
     # rows per length bucket of the update's forward/backward (`logprobs.buckets`): one bucket's activations are the
     # update's peak, so long completions take fewer rows (`bucket_rows_for`); the same on every rank
-    bucket_rows: int = 8
+    bucket_rows: int = BUCKET_ROWS
 
 
-def bucket_rows_for(width: int, bucket_tokens: int | None, most: int = 8) -> int:
+def bucket_rows_for(width: int, bucket_tokens: int | None, most: int = BUCKET_ROWS) -> int:
     """Rows per update bucket for completions padded to `width` tokens: as many as fit `bucket_tokens` tokens
     (rows × width), at least 1 and at most `most`; None: `most`.
 
