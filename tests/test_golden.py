@@ -39,6 +39,10 @@ def test_three_tiny_steps_match_the_pinned_numbers(tmp_path):
     assert all(r["clip_ratio/region_mean"] > 0 for r in records)  # the clip is active, so the pin guards it
     for record, golden in zip(records, GOLDEN, strict=True):
         for key, value in golden.items():
-            # abs 1e-7: the loss is a sum of terms of ~1e-2, and summing them in another order (micro-batches,
-            # length buckets) moves it by ~5e-8; the changes this test exists for move it by 1e-3 or more
-            assert record[key] == pytest.approx(value, rel=1e-5, abs=1e-7), (record["step"], key)
+            # abs 2e-7: the loss is a sum of terms of ~1e-2, and summing them in another order (micro-batches,
+            # length buckets) moves it by ~5e-8, another CPU's kernels by up to 6.7e-8 (step 3 on an AMD EPYC
+            # against the pinning machine); grad_norm rel 1e-4: two AdamW steps on, that CPU's rounding moved
+            # step 3's by 1.6e-5. The changes this test exists for move these numbers by 1e-3 or more (a clip
+            # range of 0.021 instead of 0.02 already fails step 1's loss)
+            rel = 1e-4 if key == "grad_norm" else 1e-5
+            assert record[key] == pytest.approx(value, rel=rel, abs=2e-7), (record["step"], key)
