@@ -154,7 +154,10 @@ def test_hostile_input_is_fast_and_scored(text):
         elapsed = time.thread_time() - start
     finally:
         gc.enable()
-    assert elapsed < 0.1, f"{elapsed * 1000:.0f} ms of CPU"
+    # 0.5 s: the longest linear cases (20,000 claims, a 50,000-term sum) take 85-139 ms of CPU on the slowest
+    # machine seen (a matmul probe at 55-95 GFLOP/s), 3x less on a fast one; a quadratic scan of them, or a
+    # power evaluated, takes seconds
+    assert elapsed < 0.5, f"{elapsed * 1000:.0f} ms of CPU"
     # at most the one line's step (at its last character) and the answer's (with the completion)
     assert 1 <= len(scores) <= 2 and all(end in (len(text.rstrip()), len(text) + 1) and isinstance(r, float)
                                          for end, r in scores)
