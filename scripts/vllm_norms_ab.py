@@ -3,8 +3,8 @@
     .venv/bin/python scripts/vllm_norms_ab.py                     # the bench's 64-token shape, 4 rounds
     .venv/bin/python scripts/vllm_norms_ab.py --new 256 --rounds 3
 
-One engine, as the vLLM sampler starts it on a CPU (fp32, eager, prefix caching, the KV cache given), on the
-embedded SmolLM2-135M; 4 random prompts of `--prompt` tokens x n=8 at temperature 1. Rounds alternate the two
+One engine, the vLLM sampler's own (`VLLMSampler.start`, sized for the job), on the embedded SmolLM2-135M with
+a LoRA adapter; 4 random prompts of `--prompt` tokens x n=8 at temperature 1. Rounds alternate the two
 ways (the modules' forward swapped in place), each round with its own sampling seeds, the same for both ways,
 so both draw the same completions when the numerics agree: the script prints how many did, the largest
 log-prob gap over them, and each way's seconds. Run it on a quiet machine.
@@ -27,21 +27,30 @@ def main() -> None:
     from grpo_cli.cli import setup_process
 
     setup_process()  # as the CLI: the libraries quiet, the engine in this process
-    import torch
-    import vllm
-    from vllm import SamplingParams
-    from vllm.model_executor.layers.layernorm import RMSNorm
+    import functools
 
-    from grpo_cli.policy import load_embedded_gguf
+    import torch
+    from omegaconf import OmegaConf
+    from vllm import SamplingParams
+
+    from grpo_cli.policy import apply_lora, load_embedded_gguf
+    from grpo_cli.rollout.sizing import Job
+    from grpo_cli.rollout.vllm import VLLMSampler
     from grpo_cli.rollout.vllm_kernels import fused_cpu_norms
 
-    folder = load_embedded_gguf()[0].config._name_or_path  # the cached safetensors folder
-    llm = vllm.LLM(model=folder, skip_tokenizer_init=True, seed=0, dtype="float32", enforce_eager=True,
-                   max_model_len=a.prompt + a.new + 8, enable_prefix_caching=True,
-                   kv_cache_memory_bytes=int(0.6 * 2**30), logprobs_mode="raw_logprobs", generation_config="vllm")
-    # vLLM's own forward of each norm, by module name, to put back between rounds
-    vllms = llm.apply_model(lambda m: {n: x._forward_method for n, x in m.named_modules()
-                                       if isinstance(x, RMSNorm)})[0]
+    model, _ = load_embedded_gguf()
+    policy = apply_lora(model, 16, 32, 0.0, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                             "down_proj"])
+    sampler = VLLMSampler(max_new_tokens=a.new, max_prompt_tokens=a.prompt)
+    sampler.start(policy, OmegaConf.create({}), Job(4, 8, a.new))  # the engine as grpo train starts it
+    llm = sampler.llm
+    # vLLM's own forward of each norm the engine put on the kernels (the partial's second argument), by name
+    def own(module):
+        method = getattr(module, "_forward_method", None)
+        return method.args[1] if isinstance(method, functools.partial) and method.func.__name__ == "_fused" else None
+
+    vllms = llm.apply_model(lambda m: {n: own(x) for n, x in m.named_modules() if own(x) is not None})[0]
+    print(f"{len(vllms)} norms on the fused kernels at the engine's start")
 
     def use(fused: bool) -> None:
         def swap(model):
