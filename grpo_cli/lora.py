@@ -41,6 +41,7 @@ class LeanLinear(LoraLinear):
                                  lora_b.weight.T).view(result.shape)
         return result
 
+
 def lean(policy):
     """Give `policy`'s plain LoRA linear layers `LeanLinear`'s forward (in place); returns `policy`."""
     for module in policy.modules():
