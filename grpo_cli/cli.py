@@ -69,8 +69,12 @@ def limit_heap_growth(threshold: int = 64 * 2**20) -> bool:
 
 
 # what vLLM reads from the environment (at import and at engine start), unless the user set it: the engine in
-# this process (no spawned worker), on the trainer's threads (its log level: quiet_libraries)
-VLLM_ENVIRONMENT = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+# this process (no spawned worker), on the trainer's threads (its log level: quiet_libraries); its compiled model
+# cached by inductor's own cache, not vLLM's AOT artifact: vLLM 0.32 on a CPU cannot load the artifact it saves
+# ("'function' object has no attribute 'finalize_loading'"), so every start compiled again (~40 s for SmolLM2 on
+# 2 cores); inductor's cache brings the start back to an eager engine's (~15 s)
+VLLM_ENVIRONMENT = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+                    "VLLM_USE_AOT_COMPILE": "0"}
 
 # set to 1 (or pass -v): the libraries' own warnings, logs and progress bars reach the console as they print them
 VERBOSE = "GRPO_VERBOSE"

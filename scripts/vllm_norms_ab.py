@@ -41,7 +41,8 @@ def main() -> None:
     model, _ = load_embedded_gguf()
     policy = apply_lora(model, 16, 32, 0.0, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                              "down_proj"])
-    sampler = VLLMSampler(max_new_tokens=a.new, max_prompt_tokens=a.prompt)
+    # eager: the fused norms are an eager engine's (a compiled one has inductor's)
+    sampler = VLLMSampler(max_new_tokens=a.new, max_prompt_tokens=a.prompt, enforce_eager=True)
     sampler.start(policy, OmegaConf.create({}), Job(4, 8, a.new))  # the engine as grpo train starts it
     llm = sampler.llm
     # vLLM's own forward of each norm the engine put on the kernels (the partial's second argument), by name

@@ -6,7 +6,9 @@
 The engine starts at the first `sync` or `generate` (~20 s for SmolLM2 on a CPU), in this process
 (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), from the base model's folder (a model built in memory is written
 to a temporary folder first, and so is a 4-bit base, dequantized: vLLM holds full-precision weights),
-and keeps its own copy of the weights (on a CPU, its RMSNorms on its build's fused kernels: vllm_kernels.py).
+and keeps its own copy of the weights. Its model is compiled at the start (vLLM's default; on a CPU ~40-70 s the
+first time on a machine, then from inductor's cache, cli.VLLM_ENVIRONMENT) unless `sampler.enforce_eager`; an eager
+engine on a CPU runs its RMSNorms on its build's fused kernels (vllm_kernels.py).
 Prompts go in as token ids (`encode_prompts`, the same ids HF generate gets); vLLM loads no tokenizer.
 
 Weights. `sync(policy)` (and `generate`, when the policy changed since the last push: a new step, the
@@ -18,7 +20,9 @@ with the old weights:
     `load_weights` has nothing to write into. The layer gets its merged weight back, q/k/v stacked into
     `qkv_proj` and gate/up into `gate_up_proj` (the model's `packed_modules_mapping`; a partner the
     adapter does not touch keeps its base weight), and its linear method packs it again
-    (`process_weights_after_loading`).
+    (`process_weights_after_loading`). The compiled model reads each layer's packed weight (its oneDNN
+    handle, held in a tensor) from the layer at every call, so a push reaches it as it reaches an eager one
+    (tests/test_rollout_vllm.py: greedy equals HF generate after each push, compiled and eager).
   - CUDA: `model.load_weights` with the merged weights under their HF names (vLLM stacks them), as TRL
     does; with `enable_sleep_mode` the engine sleeps (weights to host memory, KV cache freed) between
     rollouts, so the update has the GPU. Not run here: this project's machines have no GPU.
@@ -115,7 +119,7 @@ class VLLMSampler(Sampler):
 
     # the engine's own settings, beside the shared ones (their comments: conf/sampler/vllm.yaml)
     dtype: str = "auto"
-    enforce_eager: bool = True
+    enforce_eager: bool = False
     max_model_len: int | None = None
     cpu_kv_cache_gb: float | None = None
     gpu_memory_utilization: float = 0.3
@@ -231,10 +235,6 @@ class VLLMSampler(Sampler):
             raise ConfigError(f"sampler=vllm cannot import vLLM ({str(err).splitlines()[0][:160]}): {INSTALL}; "
                               f"or use sampler=default") from None
         on_cpu = next(policy.parameters()).device.type == "cpu"
-        if on_cpu and not self.enforce_eager:
-            raise ConfigError("sampler.enforce_eager (False) must be true on a CPU: a compiled CPU graph keeps the "
-                              "weights it was traced with, so the policy's updates would not reach it; "
-                              "set sampler.enforce_eager=true")
         dtype = policy.get_input_embeddings().weight.dtype if self.dtype == "auto" else DTYPES[self.dtype]
         size = self._size(policy, dtype)
         args = {"model": str(self._model_folder(policy)), "skip_tokenizer_init": True, "seed": 0,
@@ -254,7 +254,8 @@ class VLLMSampler(Sampler):
         try:
             with _process_state_kept():
                 self.llm = vllm.LLM(**args)
-                if on_cpu:  # its RMSNorms on the fused kernels of its own CPU build (vllm_kernels.py)
+                # eager on a CPU: its RMSNorms on its build's fused kernels (vllm_kernels.py); compiled: inductor's
+                if on_cpu and self.enforce_eager:
                     self.llm.apply_model(fused_cpu_norms)
                 self._packed = self.llm.apply_model(lambda m: dict(getattr(m, "packed_modules_mapping", {})))[0]
                 self._push(policy)
@@ -513,9 +514,6 @@ CHECKS: list[Check] = [
          f"must be auto or {one_of(DTYPES)}; set sampler.dtype=auto"),
     Rule("sampler.enforce_eager", lambda v: isinstance(v, bool),
          "must be true or false; set sampler.enforce_eager=true"),
-    Rule("sampler.enforce_eager", lambda v: v is not False or torch.cuda.is_available(),
-         "must be true on a machine without a GPU: a compiled CPU graph would not see the weights each step pushes; "
-         "set sampler.enforce_eager=true"),
     Rule("sampler.max_model_len", lambda v: v is None or (is_int(v) and v >= 1),
          "must be an integer >= 1 or null (sized from the job); set sampler.max_model_len=null"),
     Rule("sampler.cpu_kv_cache_gb", lambda v: v is None or (is_num(v) and v > 0),
