@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -75,6 +76,8 @@ def trl(a, shape: str, out: Path, tag: str) -> dict:
 
 def ours(a, shape: str, out: Path, tag: str, extra: list[str]) -> dict:
     run_dir = out / "runs" / tag
+    # the bench's own scratch run: a previous bench's is stale, and `grpo train` refuses a folder that holds a run
+    shutil.rmtree(run_dir, ignore_errors=True)
     _, rss = run([sys.executable, "-m", "grpo_cli", "train", f"+recipe={SHAPES[shape]['recipe']}", *extra,
                   f"trainer.max_steps={a.steps}", f"hydra.run.dir={run_dir}"], out / f"{tag}.log")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]  # steps 2..N

@@ -37,3 +37,29 @@ def test_floors_by_hand():
     assert f["update_s"] == pytest.approx(129.6)
     assert f["rollout_tok_s"] == pytest.approx(128 / 79.04)
     assert f["update_tok_s"] == pytest.approx(32 * 14 / 129.6)
+
+
+def test_ours_twice_in_one_folder(tmp_path, monkeypatch):
+    """A second `make bench` reruns our arm in the folder the first one left: the stale run is cleared first
+    (`grpo train` refuses a folder that holds a run), and the numbers read are the new run's."""
+    calls = []
+
+    def fake_run(cmd, log, env=None):  # stands in for `grpo train`: refuses a used folder, writes 3 steps
+        run_dir = Path(next(c for c in cmd if c.startswith("hydra.run.dir=")).split("=", 1)[1])
+        if (run_dir / "metrics.jsonl").exists():
+            raise SystemExit(f"{run_dir} already holds a run")
+        run_dir.mkdir(parents=True)
+        step_s = 10.0 * (len(calls) + 1)
+        calls.append(run_dir)
+        (run_dir / "metrics.jsonl").write_text("".join(
+            f'{{"time/step_s": {step_s}, "time/rollout_s": 1.0, "time/update_s": 2.0, '
+            f'"completions/mean_length": 50}}\n' for _ in range(3)))
+        log.write_text("sampler: vLLM (installed)\n")
+        return 1.0, 4.0
+
+    monkeypatch.setattr(bench, "run", fake_run)
+    a = SimpleNamespace(steps=3)
+    first = bench.ours(a, "arithmetic", tmp_path, "arithmetic_ours_r1", [])
+    second = bench.ours(a, "arithmetic", tmp_path, "arithmetic_ours_r1", [])
+    assert (first["s_per_step"], second["s_per_step"]) == (10.0, 20.0)
+    assert second["engine"] == "vLLM" and len(calls) == 2
