@@ -164,6 +164,16 @@ def floor_probe(shape: str) -> dict:
             "threads": torch.get_num_threads()}
 
 
+def round_ratios(by_arm: dict[str, list[dict]], key: str = "s_per_step") -> dict[str, list[float]]:
+    """Each arm's `key` over TRL's in the same round (the rounds are interleaved, so a round's arms ran side by
+    side): {arm: [round 1, round 2, ...]}, TRL left out; {} without a TRL arm."""
+    trl = by_arm.get("trl")
+    if not trl:
+        return {}
+    return {arm: [mine[key] / theirs[key] for mine, theirs in zip(runs, trl)]
+            for arm, runs in by_arm.items() if arm != "trl"}
+
+
 def floors(probe: dict, completion: float) -> dict:
     """Seconds no implementation beats on this machine for one step with mean completion length `completion`."""
     s, p, n = probe["shapes"], probe["prompt_tokens"], PROMPTS * G
@@ -226,15 +236,18 @@ def main() -> None:
     for shape, by_arm in summary.items():
         for s in by_arm.values():
             s["floor"] = floors(probes[shape], s["mean_length"])
-    (a.out / "results.json").write_text(json.dumps({"rounds": results, "median": summary, "probes": probes,
-                                                    "steps": a.steps}, indent=1))
+    # s/step and peak RSS over TRL's, round by round: the spread the medians hide
+    ratios = {shape: {key: round_ratios(by_arm, key) for key in ("s_per_step", "peak_rss_gb")}
+              for shape, by_arm in results.items()}
+    (a.out / "results.json").write_text(json.dumps({"rounds": results, "median": summary, "ratios": ratios,
+                                                    "probes": probes, "steps": a.steps}, indent=1))
     from rich.console import Console
     from rich.table import Table
 
     def fmt(v, digits=1, pct=False):
         return "–" if v is None else f"{v:.0%}" if pct else f"{v:.{digits}f}"
 
-    console = Console(width=max(Console().width, 150))
+    console = Console(width=max(Console().width, 190))  # 14 columns: uncut in a log too
     for shape, by_arm in summary.items():
         vs = by_arm.get("trl")
         table = Table(title=f"{shape}: 4 prompts x G=8, <= {SHAPES[shape]['new']} new tokens, SmolLM2-135M fp32 + "
@@ -256,6 +269,10 @@ def main() -> None:
                           fmt(s["update_s"] and f["update_s"] / s["update_s"], pct=True),
                           fmt(f["step_s"] / s["s_per_step"], pct=True))
         console.print(table)
+        for arm, by_round in ratios[shape]["s_per_step"].items():
+            console.print(f"{NAMES[arm]} / TRL by round: s/step "
+                          + ", ".join(f"{r:.2f}" for r in by_round) + "; peak RSS "
+                          + ", ".join(f"{r:.2f}" for r in ratios[shape]["peak_rss_gb"][arm]))
         p = probes[shape]
         console.print(f"floor ({shape}): matmul probe {p['decode_flops_s'] / 1e9:.0f} GFLOP/s at decode rows, "
                       f"{p['training_flops_s'] / 1e9:.0f} at training rows ({p['threads']} threads); prompts "

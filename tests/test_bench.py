@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -63,3 +64,39 @@ def test_ours_twice_in_one_folder(tmp_path, monkeypatch):
     second = bench.ours(a, "arithmetic", tmp_path, "arithmetic_ours_r1", [])
     assert (first["s_per_step"], second["s_per_step"]) == (10.0, 20.0)
     assert second["engine"] == "vLLM" and len(calls) == 2
+
+
+def test_round_ratios_pair_each_round_with_trls():
+    by_arm = {"trl": [{"s_per_step": 50.0}, {"s_per_step": 40.0}],
+              "ours": [{"s_per_step": 20.0}, {"s_per_step": 18.0}]}
+    # round 1: 20 / 50 = 0.4; round 2: 18 / 40 = 0.45 (the median ratio of medians would be 19 / 45 = 0.42)
+    assert bench.round_ratios(by_arm) == {"ours": pytest.approx([0.4, 0.45])}
+    assert bench.round_ratios({"ours": by_arm["ours"]}) == {}
+
+
+def test_main_prints_each_rounds_ratio(tmp_path, monkeypatch, capsys):
+    """The whole summary path on fake arms: results.json holds the per-round ratios and the console says them."""
+    (tmp_path / "venv" / "bin").mkdir(parents=True)
+    (tmp_path / "venv" / "bin" / "python").write_text("")
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "model.safetensors").write_text("")
+    (tmp_path / "trl_bench.py").write_text("")
+    probe = {"shapes": bench.model_shapes(TOY), "prompt_tokens": 10, "decode_flops_s": 1e3, "training_flops_s": 2e3,
+             "threads": 2}
+    monkeypatch.setattr(bench, "floor_probe", lambda shape: probe)
+    steps = {"trl": iter([50.0, 40.0]), "ours": iter([20.0, 18.0])}
+
+    def arm(name, rss):
+        return {"s_per_step": next(steps[name]), "rollout_s": None, "update_s": None, "peak_rss_gb": rss,
+                "mean_length": 4, "engine": name}
+
+    monkeypatch.setattr(bench, "trl", lambda a, shape, out, tag: arm("trl", 10.0))
+    monkeypatch.setattr(bench, "ours", lambda a, shape, out, tag, extra: arm("ours", 4.0))
+    monkeypatch.setattr("sys.argv", ["bench.py", "--shapes", "arithmetic", "--out", str(tmp_path / "out"),
+                                     "--trl-venv", str(tmp_path / "venv"), "--model-dir", str(tmp_path / "model"),
+                                     "--trl-script", str(tmp_path / "trl_bench.py")])
+    bench.main()
+    saved = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert saved["ratios"]["arithmetic"]["s_per_step"]["ours"] == pytest.approx([0.4, 0.45])
+    assert saved["ratios"]["arithmetic"]["peak_rss_gb"]["ours"] == pytest.approx([0.4, 0.4])
+    assert "ours (default sampler) / TRL by round: s/step 0.40, 0.45; peak RSS 0.40, 0.40" in capsys.readouterr().out
