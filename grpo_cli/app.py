@@ -22,7 +22,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from grpo_cli.config import compose, register_recipes
-from grpo_cli.distributed import init_world, start_time, world_size
+from grpo_cli.distributed import close_world, init_world, start_time, world_size
 from grpo_cli.errors import ConfigError, RunError
 from grpo_cli.resources import CONF_DIR
 from grpo_cli.runs import enclosing_run, nested_error, taken_error
@@ -70,7 +70,9 @@ def hydra_app(config_name: str) -> Callable:
             sys.argv += rank_overrides(config_name, sys.argv[1:])
             _check_output_dir(sys.argv[1:])
             _check_not_in_a_run(config_name, sys.argv[1:])
-            return app()
+            result = app()
+            close_world()  # ended normally: leave torchrun's process group before the interpreter exits
+            return result
 
         return entry
 

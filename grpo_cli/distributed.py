@@ -207,6 +207,17 @@ def init_world() -> World:
     return _WORLD
 
 
+def close_world() -> None:
+    """Leave the process group at a command's normal end (nothing without one). Left to the interpreter's exit,
+    gloo's worker threads can outlive it and abort the process ("terminate called without an active exception",
+    SIGABRT) after the command's work is done: a rank of a finished run exiting non-zero. Not on an error: a rank
+    that fails while others are inside a collective must not wait for them here."""
+    global _WORLD, _START
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    _WORLD, _START = None, None
+
+
 def start_time() -> datetime:
     """When this run started: rank 0's clock on every rank (run folders are named from it)."""
     global _START

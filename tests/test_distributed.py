@@ -183,6 +183,49 @@ def test_world_slice_covers_the_batch_once():
     assert shares == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
 
 
+def test_close_world_leaves_the_process_group(tmp_path):
+    """A 1-rank gloo group (as torchrun's, without torchrun): closed, it is gone; closing again does nothing."""
+    import torch.distributed as dist
+
+    from grpo_cli.distributed import close_world
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    assert dist.is_initialized()
+    close_world()
+    assert not dist.is_initialized()
+    close_world()
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_command_closes_the_world_when_it_ends_normally_only(fails, monkeypatch):
+    """A command (app.hydra_app) leaves the process group when it returns, not when it fails: a failing rank
+    must not wait for peers that may be inside a collective."""
+    import hydra
+
+    from grpo_cli import app
+
+    closed = []
+
+    def command(cfg):
+        if fails:
+            raise SystemExit(1)
+
+    # Hydra's main stands in as a plain call; the checks before it have nothing to check here
+    monkeypatch.setattr(hydra, "main", lambda **kwargs: (lambda task: (lambda: task(None))))
+    for name in ("_precompose", "_check_output_dir", "_check_not_in_a_run"):
+        monkeypatch.setattr(app, name, lambda *args: None)
+    monkeypatch.setattr(app, "rank_overrides", lambda *args: [])
+    monkeypatch.setattr(app, "close_world", lambda: closed.append(True))
+    entry = app.hydra_app("eval")(command)
+    if fails:
+        with pytest.raises(SystemExit):
+            entry()
+    else:
+        entry()
+    assert closed == ([] if fails else [True])
+
+
 # ---- end to end: torchrun, 2 ranks, the tiny model -------------------------------------------
 
 TORCHRUN_TINY = ["model=tiny", "sampler.max_new_tokens=8", "algo.group_size=4", "trainer.prompts_per_step=4",
