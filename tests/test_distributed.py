@@ -183,18 +183,66 @@ def test_world_slice_covers_the_batch_once():
     assert shares == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
 
 
-def test_close_world_leaves_the_process_group(tmp_path):
-    """A 1-rank gloo group (as torchrun's, without torchrun): closed, it is gone; closing again does nothing."""
+def _own_world(monkeypatch):
+    """init_world as under torchrun, in this one process: a 1-rank gloo group over env://."""
+    import socket
+
+    import grpo_cli.distributed as distributed
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1",
+                       "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(distributed, "world_size", lambda: 2)  # as a launcher's, so init_world joins a group
+    return distributed.init_world()
+
+
+def test_close_world_leaves_the_group_init_world_made(monkeypatch):
+    import torch.distributed as dist
+
+    from grpo_cli.distributed import close_world
+
+    _own_world(monkeypatch)
+    assert dist.is_initialized()
+    close_world()
+    assert not dist.is_initialized()
+    close_world()  # again: nothing to do
+    assert not dist.is_initialized()
+
+
+def test_close_world_leaves_a_group_it_did_not_make_alone(tmp_path):
+    """An in-process vLLM engine makes its own one-process group: vLLM's shutdown at exit destroys it."""
     import torch.distributed as dist
 
     from grpo_cli.distributed import close_world
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    assert dist.is_initialized()
-    close_world()
-    assert not dist.is_initialized()
-    close_world()
-    assert not dist.is_initialized()
+    try:
+        close_world()
+        assert dist.is_initialized()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_close_world_leaves_the_group_to_vllm_while_its_groups_live(monkeypatch):
+    import sys
+    import types
+
+    import torch.distributed as dist
+
+    from grpo_cli.distributed import close_world
+
+    _own_world(monkeypatch)
+    state = types.ModuleType("vllm.distributed.parallel_state")
+    state.model_parallel_is_initialized = lambda: True
+    monkeypatch.setitem(sys.modules, "vllm.distributed.parallel_state", state)
+    try:
+        close_world()
+        assert dist.is_initialized()
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("fails", [False, True])
