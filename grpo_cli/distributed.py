@@ -47,8 +47,6 @@ import torch.distributed as dist
 from grpo_cli.errors import RunError
 
 _START: datetime | None = None
-# whether this process's group is the one init_world made (close_world leaves only that one)
-_OWNED = False
 _WORLD: World | None = None
 
 
@@ -190,7 +188,7 @@ def world_size() -> int:
 def init_world() -> World:
     """Join the process group the launcher set up (NCCL on CUDA, one device per LOCAL_RANK; gloo on
     CPU); `SINGLE` without a launcher. Safe to call more than once."""
-    global _WORLD, _OWNED
+    global _WORLD
     if world_size() == 1:
         return SINGLE
     if _WORLD is not None and dist.is_initialized():
@@ -203,7 +201,6 @@ def init_world() -> World:
             dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
         else:
             dist.init_process_group("gloo")
-        _OWNED = True
     device = f"cuda:{local_rank}" if dist.get_backend() == "nccl" else "cpu"
     world = World(dist.get_rank(), dist.get_world_size(), local_rank, device)
     peers = tuple(world.gather((socket.gethostname(), os.getpid())))  # once: which rank is which process
@@ -216,14 +213,14 @@ def close_world() -> None:
     gloo's worker threads can outlive it and abort the process ("terminate called without an active exception",
     SIGABRT) after the command's work is done: a rank of a finished run exiting non-zero. Not on an error: a rank
     that fails while others are inside a collective must not wait for them here."""
-    global _WORLD, _START, _OWNED
-    # only the group init_world made (an in-process vLLM engine makes its own one-process group), and not while
-    # vLLM's groups live on it: the engine's shutdown at exit destroys them and the group itself
+    global _WORLD, _START
+    # only the group init_world joined (_WORLD; a 1-process run's in-process vLLM engine makes its own group), and
+    # not while vLLM's groups live on it: the engine's shutdown at exit destroys them and the group itself
     parallel_state = sys.modules.get("vllm.distributed.parallel_state")
     vllm_groups = parallel_state is not None and parallel_state.model_parallel_is_initialized()
-    if _OWNED and dist.is_initialized() and not vllm_groups:
+    if _WORLD is not None and dist.is_initialized() and not vllm_groups:
         dist.destroy_process_group()
-    _WORLD, _START, _OWNED = None, None, False
+    _WORLD, _START = None, None
 
 
 def start_time() -> datetime:
