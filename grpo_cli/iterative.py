@@ -1,72 +1,30 @@
-"""Iterative RL inside `grpo train` (DeepSeekMath, arXiv 2402.03300, §4.2 and Algorithm 1).
+"""Iterative RL inside `grpo train` (DeepSeekMath, arXiv 2402.03300, §4.2 and Algorithm 1): a reward schedule.
 
     grpo train +recipe=iterative                     # 3 iterations x 10 steps, a learned ORM, SmolLM2 on CPU
     grpo train +recipe=iterative iterative.iterations=2 trainer.max_steps=20
 
-The training loop builds an `IterativeRL` only when iterative.iterations = I > 0 (otherwise its reward
-is `build(cfg.reward)` for the whole run). It gives the loop the reward of each step; with I iterations
-of M = iterative.steps steps, the first step of iteration i (step i*M + 1) first:
-  1. draws rm.num_problems training problems (seeded by trainer.seed, rm.seed and i; the prompt
-     stream's position is not touched) and rm.samples_per_problem completions of each from the
-     current policy (adapter on), at iterative.temperature;
-  2. labels them (`labeler`) and holds out the rows of rm.heldout_fraction of the prompts: fresh
-     samples of the current policy the reward model has not seen;
-  3. mixes the new training rows with a replay share (rm.replay.share) of earlier iterations' rows
-     (`ReplayBuffer`, RUN/rm/replay/iteration_NNN.jsonl);
-  4. continues training the reward model (the previous iteration's; at iteration 0
-     reward.name_or_path, or a new head on the policy's base when that is null) on the mix, scoring
-     the held-out rows before and after; saves it to RUN/rm/iteration_NNN/, and the steps of
-     iteration i are scored by it, unless the gate below keeps the previous model;
-  5. sets the reference policy to the current policy (`policy.set_reference`: a frozen copy of the
-     LoRA adapter; two adapters however many iterations run), so the KL of that step is 0.
-One record per iteration (rows, replay counts, held-out accuracy/AUC before and after) goes to
-RUN/iterations.jsonl and a table; every step's metrics carry `iteration`. The number the paper's reason
-for iterating implies (an old reward model stops ranking the new policy's samples) is logged at each
-boundary, in the record and in that step's metrics.jsonl record: `rm/auc_current_policy_before`, the
-AUC of the model that scored the last iteration on fresh samples of the policy it produced (the held-out
-rows, labeled by the rule); `rm/auc_current_policy_after`, the retrained model's on the same rows; and
-`rm/auc_current_policy`, the one of the model that scores this iteration (after, unless the gate kept the
-previous model). None where the rows hold one class; at iteration 0 from a new head, "before" is the
-untrained head's. Checkpoints hold the
-iteration count, the reward model's folder (relative to RUN), the replay state and the reference
-adapter (checkpoint `reference/`), so a resume mid-iteration or at a boundary is exact.
+`IterativeRL` is the reward schedule (`grpo_cli.reward_schedule`) of a run with iterative.iterations = I > 0.
+With M = iterative.steps, the first step of iteration i (step i*M + 1) first runs a boundary, in phases:
+  1. sample: rm.num_problems training problems (seeded by trainer.seed, rm.seed and i; the prompt stream is
+     not touched), rm.samples_per_problem completions each from the current policy (adapter on);
+  2. label (`labeler`), hold out the rows of rm.heldout_fraction of the prompts, mix the new training rows
+     with a replay share (rm.replay.share) of earlier iterations' rows (`rm.ReplayBuffer`);
+  3. train: continue training the reward model (the previous iteration's; at iteration 0
+     reward.name_or_path, or a new head on the policy's base) on the mix, scoring the held-out rows before
+     and after (iterative.retrain=false: after iteration 0 only measure);
+  4. gate (rm.min_auc): a retrained model whose held-out AUC is below the bar is set aside and the previous
+     one goes on scoring;
+  5. save the model and its rows, reference policy <- current policy (`policy.set_reference`), record the
+     iteration (RUN/iterations.jsonl and a table).
+The steps of iteration i are scored by that model, floored for truncated completions
+(iterative.truncated_reward, `floor_truncated`). Each step's record carries `iteration`, the boundary's AUCs
+on its first step, and the length-shift alarm (iterative.length_alarm). docs/iterative-rl.md says what each
+setting guards against and what was measured.
 
-The gate (rm.min_auc, issue #28): a reward model must rank before it rewards. When the retrained model's
-AUC on the held-out rows (fresh samples of the current policy, labeled by the rule) is below rm.min_auc,
-the iteration keeps the model that scored the previous one, says so in one line and records
-`kept_previous`; the rejected model is kept for inspection in RUN/rm/rejected/iteration_NNN/ (outside
-rm/iteration_*, which eval reads as the run's reward models), and the next iteration trains the kept
-model further. There is nothing to keep at iteration 0 from a new head (reward.name_or_path=null): the
-new model is used and the line says so. Held-out rows of one class have no AUC: the gate cannot judge,
-and the retrained model is used.
-
-Guards against the reward model's blind spots that GRPO amplifies (issue #28; the measured run's policy
-learned to ramble past the length cap because its reward model liked long text):
-  - iterative.truncated_reward: a completion cut at sampler.max_new_tokens gets this reward instead of
-    the model's score (`floor_truncated`), so it scores as the worst answer: a fixed floor, not the
-    batch's lowest score, because a floor is the same whatever else was sampled (the batch minimum ties a
-    truncated completion with the worst finished one, and moves with it). 0 is below every sigmoid score;
-    a PRM's truncated completion gets one step, at its last step's end, of that reward.
-  - the reward given to the policy is the model's score centered per group, not scaled by the group's
-    std: algo.advantage_scale=none (recipes/iterative_from_rm.yaml), so an advantage is score - group mean and a
-    preference of 0.01 moves the policy by 0.01, where the paper's group std would blow it up to ~1.
-    Centering in the reward itself would change nothing: the advantage subtracts the group mean anyway.
-  - iterative.length_alarm (`length_shift`): each step's metrics carry iterative/length_shift (the mean
-    completion length relative to the iteration's first step's) and iterative/truncated_shift (the
-    truncated share minus the first step's); iterative/length_alarm is 1 when either moves by more than
-    the setting, and the first such step of an iteration prints one line. A function of the steps'
-    records (the checkpoint's history), so a resume gives the same numbers.
-
-iterative.retrain=false is the control the paper's reason for iterating implies (scripts/iterative_vs_fixed.py):
-iteration 0 trains the reward model as above, and every later boundary samples, labels and measures that same model
-on fresh samples of the current policy (rm/auc_current_policy_before; rows in RUN/rm/measured/iteration_NNN/) and
-resets the reference, but trains nothing: the same steps and samples, one reward model.
-
-Departures from Algorithm 1: the paper resets the reference at the start of an iteration and
-retrains the reward model at its end, starting from a given model; here both happen at the start of
-an iteration, so iteration 0 trains the first reward model on the initial policy's samples (a given
-reward.name_or_path is trained further there too). The reward model's samples may use their own
-temperature (a rarely-right policy at temperature 1 gives almost only negative labels).
+Departures from Algorithm 1: the paper resets the reference at the start of an iteration and retrains the
+reward model at its end, starting from a given model; here both happen at the start of an iteration, so
+iteration 0 trains the first reward model on the initial policy's samples (a given reward.name_or_path is
+trained further there too). The reward model's samples may use their own temperature.
 """
 
 from __future__ import annotations
@@ -74,7 +32,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from hydra.utils import get_object
@@ -84,7 +45,6 @@ from rich.table import Table
 from grpo_cli import checkpoint, rm
 from grpo_cli.checks import Check, Rule, is_int, is_num, raised
 from grpo_cli.errors import ConfigError, RunError
-from grpo_cli.instantiate import build
 from grpo_cli.metrics import console
 from grpo_cli.policy import resolve_dtype, set_reference
 from grpo_cli.rewards import RewardResult
@@ -153,40 +113,93 @@ def check_settings(cfg: DictConfig) -> None:
         raise ConfigError("\n".join(errors))
 
 
-class IterativeRL:
-    """The boundaries between iterations and the reward model that scores each step (iterative.iterations > 0)."""
+@dataclass(frozen=True)
+class RewardModelTrainer:
+    """How a boundary builds, trains and measures a reward model: the `rm` settings, and the policy's base loader
+    and precision for a new head (DeepSeekMath starts reward models from the policy's base)."""
 
-    def __init__(self, cfg: DictConfig, run_dir: Path):
-        self.cfg, self.run_dir = cfg, Path(run_dir)
-        self.count, self.steps, self.temperature = int(cfg.iterative.iterations), int(cfg.iterative.steps), \
-            cfg.iterative.temperature
-        self.labeler = build(cfg.labeler)
-        self.replay = rm.ReplayBuffer(self.run_dir / "rm" / "replay", cfg.rm.replay.share, cfg.rm.seed)
+    settings: DictConfig  # the `rm` section
+    loader: DictConfig    # model.loader: the base of a new head
+    dtype: str            # model.dtype
+
+    def start(self, init: str | None, kind: str, device: torch.device, seed: int):
+        """(model, tokenizer): the reward model in folder `init`, or a new head on the base."""
+        return rm.starting_classifier(init, kind, self.loader, device, resolve_dtype(self.dtype, device), seed=seed)
+
+    def train(self, model, tokenizer, mix: list[dict], heldout: list[dict], kind: str, seed: int):
+        """(merged model, report with the held-out metrics before and after)."""
+        return rm.retrain(model, tokenizer, mix, heldout, self.settings, kind, seed=seed)
+
+    def measure(self, model, tokenizer, heldout: list[dict], kind: str) -> dict:
+        """`train`'s report for a model that is only measured (iterative.retrain=false)."""
+        before = rm.evaluate(model, tokenizer, heldout, kind=kind, template=self.settings.template,
+                             batch_size=self.settings.batch_size) if heldout else None
+        return {"heldout_before": before, "heldout_after": None, "train_loss_first": None, "train_loss_last": None,
+                "pos_weight": None}
+
+
+@dataclass(frozen=True)
+class Samples:
+    """One boundary's labeled samples of the current policy."""
+
+    samples: list[dict]
+    rows: list[dict]
+    kind: str                 # outcome or process labels
+    train: list[dict]         # the new rows mixed with replayed ones
+    heldout: list[dict]       # rows of held-out prompts: fresh samples the reward model does not train on
+    replay: dict              # ReplayBuffer.mix's counts
+    seconds: float
+
+
+class IterativeRL:
+    """The reward schedule of iterative RL: the boundaries between iterations and the reward model of each step.
+
+    Built by the train command from its parts: `settings` (the `iterative` section), `rm_settings` (`rm`), the
+    labeler, the training problems, a sampler for the reward model's samples, `reward_model(path)` (the reward
+    that a reward-model folder gives, as `reward=orm|prm` builds it) and the reward-model trainer.
+    """
+
+    def __init__(self, settings: DictConfig, rm_settings: DictConfig, *, run_dir: Path, seed: int, labeler,
+                 problems, sampler, reward_model: Callable[[str | None], Any], trainer: RewardModelTrainer,
+                 start: str | None):
+        self.settings, self.rm_settings, self.run_dir, self.seed = settings, rm_settings, Path(run_dir), seed
+        self.count, self.steps = int(settings.iterations), int(settings.steps)
+        self.labeler, self.problems, self.sampler = labeler, problems, sampler
+        self.reward_model, self.trainer = reward_model, trainer
+        self.replay = rm.ReplayBuffer(self.run_dir / "rm" / "replay", rm_settings.replay.share, rm_settings.seed)
         self.done = 0  # iterations whose boundary has run
-        start = cfg.reward.get("name_or_path")
         self.model: str | None = str(start) if start else None  # the reward model now scoring
         self.history: list[dict] = []
         self._reward = None
-        self._dataset = None
+
+    # ---- the reward schedule ------------------------------------------------------------------------
+
+    def check(self, example: dict, keep) -> None:
+        """Nothing to check before the model loads: the reward model is trained at the first boundary."""
+
+    def begin(self, step: int, policy, tokenizer) -> tuple[Any, dict]:
+        """The reward that scores `step` (at an iteration's first step, after the boundary) and its tags."""
+        if (step - 1) % self.steps == 0 and self.iteration(step) >= self.done:
+            self.boundary(self.iteration(step), step, policy, tokenizer)
+        if self._reward is None:  # resumed mid-iteration: the reward model the checkpoint names
+            self._reward = self.reward_model(self.model)
+            floor = self.settings.truncated_reward
+            if floor is not None:
+                self._reward = FlooredReward(self._reward, floor)
+        # at a boundary also the reward models' AUC on fresh samples of the current policy (before/after)
+        return self._reward, {"iteration": self.iteration(step), **self.metrics(step)}
+
+    def after(self, record: dict, history: list[dict]) -> dict:
+        """The length-shift alarm: mean length and truncated share against the iteration's first step."""
+        return self.length_shift(record, history)
 
     def iteration(self, step: int) -> int:
         return (step - 1) // self.steps
 
-    def reward_for(self, step: int, policy, tokenizer):
-        """The reward function that scores `step`; at an iteration's first step, first the boundary."""
-        if (step - 1) % self.steps == 0 and self.iteration(step) >= self.done:
-            self.boundary(self.iteration(step), step, policy, tokenizer)
-        if self._reward is None:  # resumed mid-iteration: the reward model the checkpoint names
-            self._reward = build(self.cfg.reward, name_or_path=self.model)
-            floor = self.cfg.iterative.truncated_reward
-            if floor is not None:
-                self._reward = FlooredReward(self._reward, floor)
-        return self._reward
-
     def length_shift(self, record: dict, history: list[dict]) -> dict:
         """The length-shift alarm's metrics for `record` (a step's metrics), against the first step of its
         iteration (in `history`, the earlier steps' records, or `record` itself); {} with the alarm off."""
-        limit = self.cfg.iterative.length_alarm
+        limit = self.settings.length_alarm
         if limit is None:
             return {}
         step, i = record["step"], self.iteration(record["step"])
@@ -204,85 +217,100 @@ class IterativeRL:
         return {"iterative/length_shift": shift, "iterative/truncated_shift": cut - base_cut,
                 "iterative/length_alarm": int(alarm)}
 
+    # ---- a boundary, phase by phase -------------------------------------------------------------------
+
     def _seed(self, i: int) -> int:
-        return ((self.cfg.trainer.seed * 1_000_003 + self.cfg.rm.seed) * 1_000_003 + i) % 2**63
+        return ((self.seed * 1_000_003 + self.rm_settings.seed) * 1_000_003 + i) % 2**63
 
     def boundary(self, i: int, step: int, policy, tokenizer) -> dict:
-        """Sample, label, retrain the reward model with replay, reference <- policy; returns the record."""
-        cfg, settings = self.cfg, self.cfg.rm
-        started = time.time()
+        """Sample, label, retrain the reward model with replay, gate, reference <- policy; returns the record."""
         seed = self._seed(i)
-        if self._dataset is None:
-            self._dataset = build(cfg.data).train
-        sampler = build(cfg.sampler, **({"temperature": self.temperature} if self.temperature else {}))
-        console.print(f"iteration {i} (steps {step}-{step + self.steps - 1}): sampling {settings.num_problems} "
-                      f"problems x {settings.samples_per_problem} from the current policy for the reward model")
+        console.print(f"iteration {i} (steps {step}-{step + self.steps - 1}): sampling "
+                      f"{self.rm_settings.num_problems} problems x {self.rm_settings.samples_per_problem} from the "
+                      f"current policy for the reward model")
+        started = time.time()
         # the step's own sampling stays a function of (seed, step): the boundary draws from a forked RNG
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            problems = rm.pick_problems(self._dataset, settings.num_problems, seed)
-            samples = rm.draw_samples(policy, tokenizer, sampler, problems, settings.samples_per_problem,
-                                      settings.prompts_per_batch)
-            rows = self.labeler(samples, policy=policy, tokenizer=tokenizer, sampler=sampler)
-            sampled = time.time()
-            if not rows:
-                raise RunError(f"iteration {i}: the labeler kept no rows of {len(samples)} samples (no reference "
-                               f"answers, or no step it could label); check data and labeler")
-            kind = rm.check_rows(rows, f"iteration {i} labels")
-            train_rows, heldout = rm.split_heldout(rows, settings.heldout_fraction, seed)
-            mix, info = self.replay.mix(i, train_rows)
-            if not mix:
-                raise RunError(f"iteration {i}: no rows to train the reward model on; raise rm.num_problems or "
-                               f"lower rm.heldout_fraction")
+            drawn = self._sample(i, policy, tokenizer, seed)
             device = next(policy.parameters()).device
-            model, rm_tokenizer = rm.starting_classifier(self.model, kind, cfg.model.loader, device,
-                                                        resolve_dtype(cfg.model.dtype, device), seed=seed)
+            model, rm_tokenizer = self.trainer.start(self.model, drawn.kind, device, seed)
             # iterative.retrain=false (the fixed arm): after iteration 0 the model is only measured on the fresh rows
-            retrain = i == 0 or self.model is None or bool(cfg.iterative.retrain)
+            retrain = i == 0 or self.model is None or bool(self.settings.retrain)
             if retrain:
-                model, trained = rm.retrain(model, rm_tokenizer, mix, heldout, settings, kind, seed=seed)
+                model, trained = self.trainer.train(model, rm_tokenizer, drawn.train, drawn.heldout, drawn.kind, seed)
             else:
-                before = rm.evaluate(model, rm_tokenizer, heldout, kind=kind, template=settings.template,
-                                     batch_size=settings.batch_size) if heldout else None
-                trained = {"heldout_before": before, "heldout_after": None, "train_loss_first": None,
-                           "train_loss_last": None, "pos_weight": None}
-        if retrain:
-            after = trained["heldout_after"] or {}
-            keep_previous = self._gate(i, step, after.get("auc"), settings.min_auc, len(heldout))
-            folder = self.run_dir / "rm" / ("rejected" if keep_previous else "") / f"iteration_{i:03d}"
-            rm.save_reward_model(model, rm_tokenizer, folder, {"kind": kind, "template": settings.template,
-                                                              "iteration": i, "step": step,
-                                                              "heldout": trained["heldout_after"],
-                                                              "kept_previous": keep_previous})
-        else:  # nothing trained: the rows are kept beside the model they measured
-            keep_previous, folder = True, self.run_dir / "rm" / "measured" / f"iteration_{i:03d}"
-            folder.mkdir(parents=True, exist_ok=True)
-            console.print(f"iteration {i}: iterative.retrain=false, the reward model of iteration 0 scores steps "
-                          f"{step}-{step + self.steps - 1} (measured on {len(heldout)} fresh held-out rows)")
+                trained = self.trainer.measure(model, rm_tokenizer, drawn.heldout, drawn.kind)
+        keep_previous, folder = self._keep(i, step, retrain, trained, drawn, model, rm_tokenizer)
         del model
-        held = {r["prompt"] for r in heldout}
+        held = {r["prompt"] for r in drawn.heldout}
         rm.write_jsonl(folder / "labeled.jsonl", [{**r, "split": "heldout" if r["prompt"] in held else "train"}
-                                                 for r in rows])
-        self.replay.add(i, rows)  # after training, as grpo rm does: a failed boundary leaves the buffer as it was
+                                                 for r in drawn.rows])
+        # after training, as grpo rm does: a failed boundary leaves the buffer as it was
+        self.replay.add(i, drawn.rows)
         set_reference(policy)
-        positives = sum(r["label"] >= 0.5 for r in rows) if kind == "outcome" else None
-        record = {"iteration": i, "step": step, "samples": len(samples), "rows": len(rows), "positives": positives,
-                  "train_new": info["new"], "train_replay": info["replay"], "replay_share": info["share"],
-                  "heldout": len(heldout), "rm_start": self.model,
-                  # the model that scores this iteration's steps, and the one this boundary trained
-                  "rm": self._relative(self.model if keep_previous else folder),
-                  "rm_trained": str(folder.relative_to(self.run_dir)), "min_auc": settings.min_auc,
-                  "kept_previous": keep_previous, "retrained": retrain, **trained,
-                  "time/sample_s": round(sampled - started, 1),
-                  "time/rm_s": round(time.time() - sampled, 1)}
-        before, after = (trained["heldout_before"] or {}).get("auc"), (trained["heldout_after"] or {}).get("auc")
-        record.update({"rm/auc_current_policy_before": before, "rm/auc_current_policy_after": after,
-                       "rm/auc_current_policy": before if keep_previous else after})
+        record = self._record(i, step, drawn, trained, retrain, keep_previous, folder,
+                              rm_seconds=time.time() - started - drawn.seconds)
         self.history.append(record)
         self._write_history()
         self.model = self.model if keep_previous else str(folder)
         self.done, self._reward = i + 1, None
         console.print(history_table(self.history))
+        return record
+
+    def _sample(self, i: int, policy, tokenizer, seed: int) -> Samples:
+        """Phases 1-2: the current policy's samples, labeled, split into training (with replay) and held-out rows."""
+        settings, started = self.rm_settings, time.time()
+        problems = rm.pick_problems(self.problems, settings.num_problems, seed)
+        samples = rm.draw_samples(policy, tokenizer, self.sampler, problems, settings.samples_per_problem,
+                                  settings.prompts_per_batch)
+        rows = self.labeler(samples, policy=policy, tokenizer=tokenizer, sampler=self.sampler)
+        seconds = time.time() - started
+        if not rows:
+            raise RunError(f"iteration {i}: the labeler kept no rows of {len(samples)} samples (no reference "
+                           f"answers, or no step it could label); check data and labeler")
+        kind = rm.check_rows(rows, f"iteration {i} labels")
+        train_rows, heldout = rm.split_heldout(rows, settings.heldout_fraction, seed)
+        mix, info = self.replay.mix(i, train_rows)
+        if not mix:
+            raise RunError(f"iteration {i}: no rows to train the reward model on; raise rm.num_problems or "
+                           f"lower rm.heldout_fraction")
+        return Samples(samples, rows, kind, mix, heldout, info, seconds)
+
+    def _keep(self, i: int, step: int, retrain: bool, trained: dict, drawn: Samples, model,
+              tokenizer) -> tuple[bool, Path]:
+        """Phases 4-5: the gate, and where the boundary's model (or its measured rows) is saved."""
+        if not retrain:  # nothing trained: the rows are kept beside the model they measured
+            folder = self.run_dir / "rm" / "measured" / f"iteration_{i:03d}"
+            folder.mkdir(parents=True, exist_ok=True)
+            console.print(f"iteration {i}: iterative.retrain=false, the reward model of iteration 0 scores steps "
+                          f"{step}-{step + self.steps - 1} (measured on {len(drawn.heldout)} fresh held-out rows)")
+            return True, folder
+        after = trained["heldout_after"] or {}
+        keep_previous = self._gate(i, step, after.get("auc"), self.rm_settings.min_auc, len(drawn.heldout))
+        folder = self.run_dir / "rm" / ("rejected" if keep_previous else "") / f"iteration_{i:03d}"
+        rm.save_reward_model(model, tokenizer, folder, {"kind": drawn.kind, "template": self.rm_settings.template,
+                                                        "iteration": i, "step": step,
+                                                        "heldout": trained["heldout_after"],
+                                                        "kept_previous": keep_previous})
+        return keep_previous, folder
+
+    def _record(self, i: int, step: int, drawn: Samples, trained: dict, retrain: bool, keep_previous: bool,
+                folder: Path, rm_seconds: float) -> dict:
+        """The iteration's line of RUN/iterations.jsonl."""
+        rows, info = drawn.rows, drawn.replay
+        positives = sum(r["label"] >= 0.5 for r in rows) if drawn.kind == "outcome" else None
+        record = {"iteration": i, "step": step, "samples": len(drawn.samples), "rows": len(rows),
+                  "positives": positives, "train_new": info["new"], "train_replay": info["replay"],
+                  "replay_share": info["share"], "heldout": len(drawn.heldout), "rm_start": self.model,
+                  # the model that scores this iteration's steps, and the one this boundary trained
+                  "rm": self._relative(self.model if keep_previous else folder),
+                  "rm_trained": str(folder.relative_to(self.run_dir)), "min_auc": self.rm_settings.min_auc,
+                  "kept_previous": keep_previous, "retrained": retrain, **trained,
+                  "time/sample_s": round(drawn.seconds, 1), "time/rm_s": round(rm_seconds, 1)}
+        before, after = (trained["heldout_before"] or {}).get("auc"), (trained["heldout_after"] or {}).get("auc")
+        record.update({"rm/auc_current_policy_before": before, "rm/auc_current_policy_after": after,
+                       "rm/auc_current_policy": before if keep_previous else after})
         return record
 
     def metrics(self, step: int) -> dict:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from grpo_cli import recipe
 from grpo_cli.commands import train
 from grpo_cli.config import compose
 from grpo_cli.data import PromptStream
@@ -103,6 +104,6 @@ def test_resume_continues_the_file_exactly(tmp_path):
     ("trainer.completions_max_mb=0", "trainer.completions_max_mb (0) must be > 0"),
 ])
 def test_bad_settings_stop_before_the_model_loads(tmp_path, monkeypatch, override, message):
-    monkeypatch.setattr(train, "build_policy", lambda *_: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(recipe, "build_policy", lambda *_: pytest.fail("the model was loaded"))
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         train.run(compose("train", [*TINY, override]), tmp_path)

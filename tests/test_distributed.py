@@ -354,7 +354,7 @@ def test_torchrun_eval_shards_problems_and_gathers_every_row(tmp_path):
 
 
 def _collectives_worker(rank: int, size: int, init_method: str, out: str) -> None:
-    from grpo_cli.commands.train import _agreed_stop
+    from grpo_cli.commands.train import agreed_stop
 
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size)
@@ -362,8 +362,8 @@ def _collectives_worker(rank: int, size: int, init_method: str, out: str) -> Non
         world = World(rank, size, rank)
         got = {
             # SIGTERM reached rank 1 only: both ranks stop after this step
-            "stop": _agreed_stop(world, "SIGTERM" if rank == 1 else None),
-            "no_stop": _agreed_stop(world, None),
+            "stop": agreed_stop(world, "SIGTERM" if rank == 1 else None),
+            "no_stop": agreed_stop(world, None),
             "cat": world.cat(torch.tensor([rank, 10 + rank])).tolist(),
             "gather": world.gather({"rank": rank}),
             "broadcast": world.broadcast(f"from {rank}"),

@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from test_distributed import _two_ranks
 from test_train import deterministic, metrics, tiny_cfg
 
+from grpo_cli import recipe
 from grpo_cli.commands import train
 from grpo_cli.distributed import World
 from grpo_cli.errors import ConfigError
@@ -175,7 +176,7 @@ def test_dynamic_sampling_trains_on_groups_with_signal_only_and_resumes_exactly(
 
 
 def test_a_filter_metric_the_reward_lacks_stops_before_the_model_loads(tmp_path, monkeypatch):
-    monkeypatch.setattr(train, "build_policy", lambda *a: pytest.fail("the model loaded"))
+    monkeypatch.setattr(recipe, "build_policy", lambda *a: pytest.fail("the model loaded"))
     with pytest.raises(ConfigError, match=r"algo.filter_metric \(digits\) is not a function of this reward \(it "
                                           r"has: accuracy, digit\); set algo.filter_metric=accuracy"):
         train.run(tiny_cfg("algo.dynamic_sampling=true", "algo.filter_metric=digits", "trainer.max_steps=1"), tmp_path)

@@ -19,11 +19,12 @@ import torch
 from safetensors.torch import load_file
 from test_train import TINY, deterministic, metrics
 
-from grpo_cli import checkpoint, iterative
+from grpo_cli import checkpoint, iterative, recipe
 from grpo_cli import rm as T
 from grpo_cli.commands import train
 from grpo_cli.config import compose, validate
 from grpo_cli.errors import CheckpointError, ConfigError
+from grpo_cli.instantiate import build
 from grpo_cli.policy import reference
 from grpo_cli.rewards import RewardResult
 from grpo_cli.rm import OutcomeLabeler
@@ -39,6 +40,11 @@ ITERATIVE = [o for o in TINY if "digit" not in o] + [
 
 def cfg(*overrides: str):
     return compose("train", [*ITERATIVE, *overrides])
+
+
+def schedule(config, run_dir: Path) -> iterative.IterativeRL:
+    """The reward schedule `grpo train` builds for an iterative config."""
+    return recipe.reward_schedule(config, run_dir, build(config.data))
 
 
 def iterations(run_dir: Path) -> list[dict]:
@@ -166,7 +172,7 @@ def test_the_gate_keeps_the_previous_model_when_the_new_one_ranks_below_the_bar(
     assert state["rm"] == "rm/iteration_000"  # what a resume at step 3 restarts from
 
     # no held-out rows, or rows of one class: nothing to judge by, the retrained model is used, and said
-    rl = iterative.IterativeRL(cfg("rm.min_auc=0.5"), tmp_path / "other")
+    rl = schedule(cfg("rm.min_auc=0.5"), tmp_path / "other")
     rl.model = "previous"
     assert not rl._gate(1, 3, None, 0.5, heldout=0) and not rl._gate(1, 3, None, 0.5, heldout=2)
     said = " ".join(capsys.readouterr().err.split())
@@ -258,8 +264,7 @@ def test_truncated_completions_score_lowest_in_a_run(tmp_path):
 
 
 def test_length_shift_alarm_against_the_iterations_first_step(tmp_path, capsys):
-    rl = iterative.IterativeRL(cfg("iterative.steps=3", "trainer.max_steps=9", "iterative.length_alarm=0.25"),
-                               tmp_path)
+    rl = schedule(cfg("iterative.steps=3", "trainer.max_steps=9", "iterative.length_alarm=0.25"), tmp_path)
     history = []
     for step, length, cut in ((1, 20.0, 0.44), (2, 24.0, 0.60), (3, 28.0, 0.50), (4, 30.0, 0.97), (5, 31.0, 0.97)):
         record = {"step": step, "completions/mean_length": length, "completions/clipped_ratio": cut}
@@ -277,7 +282,7 @@ def test_length_shift_alarm_against_the_iterations_first_step(tmp_path, capsys):
     assert "step 3: the completions moved within iteration 0: mean length 20.0 -> 28.0 (+40%), truncated 44% -> " \
            "50%, more than iterative.length_alarm=0.25" in said
     # off: no metrics
-    off = iterative.IterativeRL(cfg("iterative.length_alarm=null"), tmp_path)
+    off = schedule(cfg("iterative.length_alarm=null"), tmp_path)
     assert off.length_shift(history[2], history[:2]) == {}
 
 

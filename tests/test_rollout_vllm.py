@@ -296,8 +296,8 @@ def _vllm_rank(rank: int, size: int, rendezvous: str, out: str) -> None:
     torch.set_num_threads(1)
     from safetensors.torch import save_file
 
-    from grpo_cli.commands.train import step_seed
     from grpo_cli.distributed import init_world
+    from grpo_cli.recipe import step_seed
     from grpo_cli.rollout.vllm import VLLMSampler
 
     world = init_world()  # gloo, as grpo train makes it; the engine joins it (external launcher)

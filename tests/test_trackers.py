@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo_cli import metrics
+from grpo_cli import metrics, recipe
 from grpo_cli.commands import train
 from grpo_cli.config import compose
 from grpo_cli.errors import ConfigError
@@ -116,7 +116,7 @@ def test_auto_is_tensorboard_when_installed_else_nothing(monkeypatch):
 def test_a_missing_tracker_package_stops_before_the_model_loads(tmp_path, monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "wandb" else real(name))
-    monkeypatch.setattr(train, "build_policy", lambda *_: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(recipe, "build_policy", lambda *_: pytest.fail("the model was loaded"))
     with pytest.raises(ConfigError, match=r"^trainer.report_to includes wandb but the wandb package is not installed: "
                                           r"pip install 'grpo-cli\[wandb\]'"):
         two_steps(tmp_path, "trainer.report_to=[wandb]")  # alone: tensorboard may be absent too (CI)

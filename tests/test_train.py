@@ -12,11 +12,13 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from grpo_cli import checkpoint, update
+from grpo_cli import checkpoint, recipe, update
 from grpo_cli.commands import train
-from grpo_cli.config import compose
+from grpo_cli.config import compose, validate
+from grpo_cli.distributed import SINGLE
 from grpo_cli.instantiate import build
 from grpo_cli.policy import build_policy
+from grpo_cli.rollout.engine import choose
 
 # random characters from the tiny model contain a digit often but not always: mixed rewards in a group
 DIGIT_REWARD = ("+reward.functions.digit={_target_:grpo_cli.rewards.outcome.format_reward,_partial_:true,"
@@ -28,6 +30,14 @@ TINY = ["model=tiny", "sampler.max_new_tokens=8", "algo.group_size=4", "trainer.
 
 def tiny_cfg(*overrides: str):
     return compose("train", [*TINY, *overrides])
+
+
+def tiny_run(run_dir: Path, *overrides: str) -> recipe.Run:
+    """The recipe's Run of a composed config (no TINY defaults added), for calling `recipe.step` directly."""
+    cfg = compose("train", list(overrides))
+    chosen = choose(cfg.sampler)
+    return recipe.setup(validate(recipe.with_section(cfg, "sampler", chosen.section), *train.CHECKS), run_dir,
+                        SINGLE, chosen.why)
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -231,30 +241,19 @@ def test_the_overlong_penalty_shapes_the_trained_reward(tmp_path):
 
 def test_process_rewards_give_per_token_advantages(tmp_path, monkeypatch):
     """reward=gsm8k_process: step rewards land on their end tokens -> advantages vary along a completion."""
-    seen = []
-    real = train.advantages
-
-    def keep(result, rollout, tokenizer, *args):
-        adv = real(result, rollout, tokenizer, *args)
-        seen.append((result, rollout, adv))
-        return adv
-
-    monkeypatch.setattr(train, "advantages", keep)
     # a prompt-independent reward: the tiny model's random text gets step scores from the rule verifier;
     # newline-free random characters form one step per completion, so split on any 3 characters instead, and
     # random text makes no arithmetic claim (so no step): every chunk claims, true when it starts below "n"
     from grpo_cli.rewards import steps
 
     monkeypatch.setattr(steps, "check_claims", lambda chunk: [chunk[:1] < "n"])
-    cfg = compose("train", [o for o in TINY if "digit" not in o] + [
-        "reward=gsm8k_process", "trainer.max_steps=2", "sampler.max_new_tokens=12",
-        "reward.scorer.pattern='(?s).{3}'"])
-    train.run(cfg, tmp_path)
-    assert len(seen) == 2
-    for result, rollout, adv in seen:
-        assert adv.shape == rollout.completion_ids.shape  # [N, T]: one advantage per token
-        assert result.steps is not None
-    rows = torch.cat([adv for _, _, adv in seen])
+    run = tiny_run(tmp_path, *[o for o in TINY if "digit" not in o], "reward=gsm8k_process",
+                   "trainer.max_steps=2", "sampler.max_new_tokens=12", "reward.scorer.pattern='(?s).{3}'")
+    records = [recipe.step(run, n) for n in (1, 2)]
+    for record in records:
+        assert record.advantages.shape == record.kept.rollout.completion_ids.shape  # [N, T]: one per token
+        assert record.kept.result.steps is not None
+    rows = torch.cat([record.advantages for record in records])
     # some completion's advantage changes along its tokens: not one number broadcast over the sequence
     assert any(len(set(row[row != 0].tolist())) > 1 for row in rows)
 

@@ -1,0 +1,293 @@
+"""The GRPO training recipe: `setup(cfg) -> Run`, `resume(run, checkpoint)`, `step(run, n) -> StepRecord`.
+
+    run = setup(cfg, run_dir, world, why)      # build every component once, in an order that makes runs exact
+    resume(run, checkpoint)                    # optional: weights, optimizer, prompt stream, reward schedule
+    record = step(run, 1)                      # one GRPO step; grpo_cli.commands.train loops, logs and saves
+
+`step` is the inner loop of DeepSeekMath's Algorithm 1 (arXiv 2402.03300): draw prompts -> G completions
+each from the policy (adapter on) -> rewards -> group-normalized advantages (outcome or process) -> the
+reference and old log-probs -> μ updates of the clipped objective with a k3 KL to the reference policy (the
+same model with the adapter off). Which reward scores a step is the run's reward schedule's business
+(`grpo_cli.reward_schedule`: a fixed reward, or iterative RL); which engine samples is the sampler's.
+
+`Run` is built once and read by every step; the composed config is never written to: the config the run saves
+(`Run.cfg`) is the composed one with the sampler section that actually samples (sampler=auto resolved, or an
+engine's fallback), so a resume samples as the run did.
+
+Departures from the paper: the policy trains a LoRA adapter instead of all weights (so the reference costs no
+memory); one step is one exploration stage followed by μ optimizer steps; sampling draws from the run's own
+torch.Generator, reseeded each step from (seed, step, rank), so a resumed run samples what the uninterrupted
+one did. Under torchrun each rank runs the step on its slice of the step's prompts (grpo_cli.distributed).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf, open_dict
+from transformers import get_scheduler
+
+from grpo_cli import checkpoint, fsdp
+from grpo_cli.data import PromptStream
+from grpo_cli.distributed import World
+from grpo_cli.errors import RunError
+from grpo_cli.groups import Draw, GroupFilter, Kept
+from grpo_cli.instantiate import build
+from grpo_cli.iterative import IterativeRL, RewardModelTrainer
+from grpo_cli.metrics import (
+    CompletionsLog,
+    MetricsLog,
+    check_logging,
+    console,
+    peak_memory_mb,
+    reset_peak_memory,
+    rollout_metrics,
+    step_memory,
+    synchronize,
+)
+from grpo_cli.policy import build_policy
+from grpo_cli.reward_schedule import FixedReward, RewardSchedule
+from grpo_cli.rewards import overlong_shaping, score, token_ids
+from grpo_cli.rollout import pad_id, render_prompts
+from grpo_cli.rollout.engine import say
+from grpo_cli.rollout.sizing import Job
+from grpo_cli.update import advantages, prepare, update
+
+
+@dataclass(frozen=True)
+class Run:
+    """A training run's components, built once by `setup`; `state` is the one part a step advances."""
+
+    cfg: DictConfig             # the run's config as saved: the composed one, with the sampler section that samples
+    run_dir: Path
+    world: World
+    policy: Any                 # the peft model: base + LoRA (the reference: adapter off)
+    tokenizer: Any
+    device: torch.device
+    sampler: Any                # a started rollout engine (grpo_cli.rollout's Sampler contract)
+    rewards: RewardSchedule
+    prompts: PromptStream       # this rank's slice of the seeded, resumable prompt stream
+    keep: GroupFilter           # which sampled groups a step trains on (dynamic sampling)
+    loss: Any                   # objective.GRPOLoss, built from algo.loss
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    generator: torch.Generator  # the completions' randomness, reseeded each step
+    log: MetricsLog             # RUN/metrics.jsonl and the trackers (rank 0 writes)
+    samples: CompletionsLog     # RUN/completions.jsonl and the console's tables
+    state: dict                 # trainer_state.json: step, history, prompt-stream position, rng, ...
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One step: its metrics.jsonl record, the groups it trained on and their advantages."""
+
+    step: int
+    metrics: dict[str, Any]
+    kept: Kept
+    advantages: torch.Tensor    # [N] outcome or [N, T] process, this rank's rows
+    nonfinite_skipped: bool     # a non-finite loss or gradient: no optimizer step was taken
+
+
+def with_section(cfg: DictConfig, key: str, section: DictConfig) -> DictConfig:
+    """A copy of `cfg` whose section `key` is `section` (the composed config itself is left as it is)."""
+    out = copy.deepcopy(cfg)
+    with open_dict(out):
+        out[key] = section
+    return out
+
+
+def reward_schedule(cfg: DictConfig, run_dir: Path, data) -> RewardSchedule:
+    """The run's reward: `reward` for every step, or iterative RL's retrained reward models."""
+    if not cfg.iterative.iterations:
+        return FixedReward(build(cfg.reward))
+    temperature = cfg.iterative.temperature
+    return IterativeRL(
+        cfg.iterative, cfg.rm, run_dir=run_dir, seed=cfg.trainer.seed, labeler=build(cfg.labeler),
+        problems=data.train, sampler=build(cfg.sampler, **({"temperature": temperature} if temperature else {})),
+        reward_model=lambda path: build(cfg.reward, name_or_path=path),
+        trainer=RewardModelTrainer(cfg.rm, cfg.model.loader, cfg.model.dtype),
+        start=cfg.reward.get("name_or_path"))
+
+
+def setup(cfg: DictConfig, run_dir: Path, world: World, why: str) -> Run:
+    """Build the run's components from a validated config and start the rollout engine (`why`: the engine line).
+
+    The data and the reward come before the model (neither draws from torch's generator), so a bad path, column or
+    reward function stops the run in seconds; then the seed, and the policy, whose LoRA init draws from it.
+    """
+    trainer, algo = cfg.trainer, cfg.algo
+    report_to = check_logging(trainer)  # a missing tracker package stops here, before the model loads
+    data = build(cfg.data)
+    rewards = reward_schedule(cfg, run_dir, data)
+    keep = GroupFilter(algo.dynamic_sampling, algo.filter_metric, algo.max_generation_batches)
+    rewards.check(data.train[0], keep)
+    torch.manual_seed(trainer.seed)
+    loss = build(algo.loss)
+    policy, tokenizer, device = build_policy(cfg.model)
+    world.copy_from_main([p for p in policy.parameters() if p.requires_grad])  # one adapter init on every rank
+    if trainer.gradient_checkpointing:
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if trainer.fsdp:  # the frozen base sharded over the ranks; prints how much of it each rank holds
+        console.print(fsdp.shard(policy, world))
+    # every rank advances the stream alike and keeps its own slice
+    prompts = PromptStream(data.train, trainer.seed).shard(world.rank, world.size)
+    sampler = build(cfg.sampler)
+    optimizer = build(cfg.optimizer)(params=[p for p in policy.parameters() if p.requires_grad])
+    optimizer.zero_grad(set_to_none=False)  # zero (not absent) grads: a step with every row skipped is still a step
+    scheduler = get_scheduler(trainer.lr_scheduler, optimizer, num_warmup_steps=trainer.warmup_steps,
+                              num_training_steps=trainer.max_steps * algo.num_iterations)
+    # the engine starts before the first rollout, sized for one step's prompts x group_size on this rank where the
+    # config leaves its sizes null; the section it returns (a fallback's) is what the run saves
+    section = sampler.start(policy, cfg.sampler, Job(trainer.prompts_per_step // world.size, algo.group_size))
+    say(sampler, why)
+    cfg = with_section(cfg, "sampler", section)
+    # the precision the base weights ran in (model.dtype=auto depends on the machine): export.dtype=auto writes it
+    dtype = str(policy.get_input_embeddings().weight.dtype).removeprefix("torch.")
+    log = MetricsLog(run_dir, report_to, trainer.project, OmegaConf.to_container(cfg, resolve=True),
+                     writes=world.main)  # rank 0 writes the files; the other ranks' writers do nothing
+    samples = CompletionsLog(run_dir, trainer.log_completions_every, trainer.num_completions_to_print,
+                             trainer.completions_max_mb)  # every rank gives its completions, rank 0 writes
+    return Run(cfg, Path(run_dir), world, policy, tokenizer, device, sampler, rewards, prompts, keep, loss, optimizer,
+               scheduler, torch.Generator(), log, samples, {"step": 0, "history": [], "dtype": dtype})
+
+
+def resume(run: Run, ckpt: Path) -> None:
+    """Continue `run` from checkpoint folder `ckpt`: adapter, optimizer and scheduler, prompt stream, reward
+    schedule, dropout's RNG; later checkpoints (an abandoned branch) are set aside."""
+    checkpoint.load_adapter(run.policy, ckpt)
+    state = checkpoint.load_training_state(ckpt, run.optimizer, run.scheduler)
+    run.prompts.load_state_dict(state["data"])
+    run.rewards.load_state_dict(state, run.policy, ckpt)
+    if "rng" in state:  # dropout's draws (model.lora.dropout > 0) continue where they stopped
+        torch.set_rng_state(torch.tensor(state["rng"]["torch"], dtype=torch.uint8))
+    run.state.update({**state, "dtype": run.state["dtype"]})
+    console.print(f"resumed from {ckpt} at step {state['step']}")
+    saved_world = state.get("world_size", 1)
+    if saved_world != run.world.size:
+        console.print(f"[yellow]this run was saved by {saved_world} rank(s) and goes on with {run.world.size}: the "
+                      f"prompts and the global batch stay the same, the completions sampled from here on differ "
+                      f"from an uninterrupted run's (each rank's sampling seed depends on its rank)")
+    aside = checkpoint.set_aside_after(run.run_dir, state["step"]) if run.world.main else None
+    if aside is not None:
+        console.print(f"[yellow]the checkpoints after step {state['step']} (an abandoned branch) moved to {aside}")
+
+
+def step(run: Run, n: int) -> StepRecord:
+    """Step `n` of the run: sample, score, advantages, update; returns its record and advances `run.state`."""
+    trainer, algo, world = run.cfg.trainer, run.cfg.algo, run.world
+    run.generator.manual_seed(step_seed(trainer.seed, n, world.rank))  # a function of (seed, step, rank)
+    # 0. the step's reward (iterative RL, at an iteration's first step: retrain the reward model, reference <- policy)
+    reward, tags = run.rewards.begin(n, run.policy, run.tokenizer)
+    run.state.update(run.rewards.state_dict())
+    synchronize(run.device)  # the timers below count GPU work, not just its queueing
+    reset_peak_memory(run.device)
+    t0 = time.perf_counter()
+
+    # 1-3. prompts -> G completions each -> rewards (with dynamic sampling, until enough groups carry signal)
+    kept, draws, t_rollout = _explore(run, n, reward)
+
+    # 4. advantages: normalized within each group of G
+    adv = advantages(kept.result, kept.rollout, run.tokenizer, algo.group_size, algo.advantage_scale,
+                     algo.advantage_std, world)
+
+    # 5. update: reference and old log-probs first, then μ passes of the clipped objective
+    t1 = time.perf_counter()
+    batch = prepare(run.policy, kept.rollout, adv, run.loss, algo.num_iterations, trainer.micro_batch_size,
+                    algo.mask_truncated_completions, world, trainer.bucket_tokens)
+    stats = update(run.policy, run.optimizer, run.scheduler, batch, run.loss, algo.num_iterations,
+                   trainer.micro_batch_size, trainer.max_grad_norm)
+    synchronize(run.device)
+    now = time.perf_counter()
+
+    # 6. the step's record: rewards, lengths, the update's numbers, time and memory
+    metrics = {"step": n, **tags, **rollout_metrics(*_everyone(world, kept.result, kept.rollout), algo.group_size),
+               **kept.metrics, **stats.metrics(), "learning_rate": run.scheduler.get_last_lr()[0],
+               "time/rollout_s": t_rollout, "time/update_s": now - t1, "time/step_s": now - t0,
+               # every draw's tokens: dynamic sampling samples more than it keeps
+               "tokens_per_s": sum(record_tokens(world, d.rollout) for d in draws) / max(t_rollout, 1e-9),
+               "peak_memory_mb": peak_memory_mb(run.device), **step_memory(run.device)}
+    metrics.update(run.rewards.after(metrics, run.state["history"]))
+    run.state.update(step=n, world_size=world.size, data=run.prompts.state_dict())
+    run.state["history"].append({k: v for k, v in metrics.items() if not k.startswith("time/")})
+    return StepRecord(n, metrics, kept, adv, bool(stats.nonfinite_skipped))
+
+
+def _explore(run: Run, n: int, reward) -> tuple[Kept, list[Draw], float]:
+    """Steps 1-3 once, or with dynamic sampling (algo.dynamic_sampling) on fresh prompts until prompts_per_step
+    groups whose rewards vary are kept (grpo_cli.groups): (what the step trains on, every draw, rollout seconds)."""
+    trainer, algo, world = run.cfg.trainer, run.cfg.algo, run.world
+    run.sampler.sync(run.policy)
+    draws, t_rollout = [], 0.0
+    while not run.keep.done(draws, trainer.prompts_per_step, algo.group_size, world):
+        # 1. prompts: the next prompts_per_step examples of the seeded, resumable stream (this rank's slice)
+        examples = run.prompts.next(trainer.prompts_per_step)
+
+        # 2. rollout: G completions per prompt with the current policy (LoRA on)
+        t = time.perf_counter()
+        with fsdp.whole(run.policy):  # a sharded base gathered while sampling (trainer.fsdp); else nothing
+            rollout = _sample(run, examples, n)
+        synchronize(run.device)
+        t_rollout += time.perf_counter() - t
+
+        # 3. score: one reward per completion, or step rewards (process supervision); DAPO's soft overlong
+        #    punishment in the last algo.overlong_buffer tokens (null: none)
+        owners = [i for i in range(len(examples)) for _ in range(algo.group_size)]
+        result = score(reward, examples, owners, rollout.texts, rollout.lengths, rollout.truncated,
+                       token_ids(rollout))
+        result = overlong_shaping(result, rollout.lengths, run.cfg.sampler.max_new_tokens, algo.overlong_buffer,
+                                  algo.overlong_penalty)
+        draws.append(Draw(examples, run.prompts.positions, rollout, result))
+    kept = run.keep.select(draws, trainer.prompts_per_step, algo.group_size, pad_id(run.tokenizer), world)
+    return kept, draws, t_rollout
+
+
+def _sample(run: Run, examples: list[dict], n: int):
+    """G completions per example; a policy whose logits went NaN/inf is a RunError, not a traceback."""
+    try:
+        return run.sampler.generate(run.policy, run.tokenizer,
+                                    render_prompts(run.tokenizer, [e["messages"] for e in examples]),
+                                    run.cfg.algo.group_size, generator=run.generator)
+    except RuntimeError as err:
+        if "inf" in str(err) or "nan" in str(err):  # torch.multinomial on non-finite probabilities
+            raise RunError(f"step {n}: sampling failed because the policy's probabilities are not finite "
+                           f"({str(err).splitlines()[0]}); an update diverged: lower optimizer.lr and start a new "
+                           f"run from an earlier checkpoint's settings") from None
+        raise
+
+
+def _everyone(world: World, result, rollout):
+    """(result, rollout)-likes holding every rank's completions, for the step's reward metrics."""
+    if world.size == 1:
+        return result, rollout
+    parts = world.gather((result.rewards, result.per_function, result.failures, rollout.lengths, rollout.truncated))
+    per_function = {name: [v for p in parts for v in p[1].get(name, [None] * len(p[0]))] for name in parts[0][1]}
+    merged = SimpleNamespace(rewards=[r for p in parts for r in p[0]], per_function=per_function,
+                             failures=sum(p[2] for p in parts))
+    lengths, truncated = [n for p in parts for n in p[3]], [t for p in parts for t in p[4]]
+    return merged, SimpleNamespace(lengths=lengths, truncated=truncated)
+
+
+def record_tokens(world: World, rollout) -> int:
+    """Completion tokens sampled this step, all ranks."""
+    return int(world.sum(torch.tensor([sum(rollout.lengths)]))[0])
+
+
+def step_seed(seed: int, step: int, rank: int = 0) -> int:
+    """The sampling seed of one step on one rank; rank 0 keeps the 1-process seeds, so a 1-rank run is unchanged."""
+    return (seed * 1_000_003 + step + rank * 7_919_000_003) % 2**63
+
+
+def save(run: Run, n: int) -> Path:
+    """Checkpoint step `n` (rank 0 writes; every rank holds the same weights); its folder, on every rank."""
+    run.state["rng"] = {"torch": torch.get_rng_state().tolist()}  # dropout's (sampling's is reseeded per step)
+    last = None
+    if run.world.main:
+        last = checkpoint.save(run.run_dir, n, run.policy, run.optimizer, run.scheduler, run.state, run.cfg,
+                               run.cfg.trainer.keep_last)
+    return run.world.broadcast(last)
