@@ -9,10 +9,14 @@ import pytest
 import torch
 
 from grpo_cli.objective import (
+    AGGREGATIONS,
     GSPO_EPSILON_HIGH,
     GSPO_EPSILON_LOW,
     LOSS_TYPES,
     GRPOLoss,
+    choose,
+    clip_fractions,
+    clipped_surrogate,
     entropy_mask,
     grpo_loss,
     high_entropy_threshold,
@@ -350,6 +354,35 @@ def test_loss_types_by_hand():
     assert close(ragged_loss("dapo", normalizer=torch.tensor(12.0)), -0.5)
 
 
+def test_the_pieces_by_hand():
+    # ρ [0.5, 1.5, 0.5, 1.5], A [-1, 1, 1, -1], ε 0.2:
+    # min(-0.5, 0.8·-1 = -0.8) = -0.8; min(1.5, 1.2) = 1.2; min(0.5, 0.8) = 0.5; min(-1.5, -1.2) = -1.5
+    ratio = torch.tensor([[0.5, 1.5, 0.5, 1.5]], dtype=torch.float64)
+    adv = torch.tensor([[-1.0, 1.0, 1.0, -1.0]], dtype=torch.float64)
+    assert close(clipped_surrogate(ratio, adv, 0.2, 0.2), [[-0.8, 1.2, 0.5, -1.5]], tol=1e-12)
+    # clipped: token 0 low, token 1 high; with token 3 masked out: shares of 3 counted tokens
+    clip = clip_fractions(ratio, adv, torch.tensor([[1.0, 1.0, 1.0, 0.0]], dtype=torch.float64), 0.2, 0.2)
+    assert close(clip.low, 1 / 3, tol=1e-12) and close(clip.high, 1 / 3, tol=1e-12)
+    assert close(clip.region, 2 / 3, tol=1e-12)
+
+
+def test_aggregations_and_micro_batch_weights_by_hand():
+    # MASK's objectives (0 where masked): [1, 2, 0], [3, 0, 0]; sum 6, 3 tokens, N = 2, T = 3
+    objective, m = torch.where(MASK.bool(), ADV, 0.0), MASK.float()
+    reduce = {name: a.reduce(objective, m, None, None) for name, a in AGGREGATIONS.items()}
+    # grpo (1.5 + 3) / 2; bnpo 6 / 3; dr_grpo 6 / (2·3); dapo 6 / 3
+    assert close(torch.stack(list(reduce.values())), [2.25, 2.0, 1.0, 2.0])
+    # a micro-batch of 1 of 2 rows holding 2 of 3 tokens: grpo, dr_grpo 1/2; bnpo 2/3; dapo 1 (divides itself)
+    weights = {name: a.micro_batch_weight(1, 2, torch.tensor(2.0), torch.tensor(3.0))
+               for name, a in AGGREGATIONS.items()}
+    assert weights == pytest.approx({"grpo": 0.5, "bnpo": 2 / 3, "dr_grpo": 0.5, "dapo": 1.0})
+
+
+def test_an_unknown_name_names_the_allowed_ones():
+    with pytest.raises(ValueError, match=r"loss_type \('ppo'\) must be one of \('grpo', 'bnpo', 'dr_grpo', 'dapo'\)"):
+        choose("loss_type", "ppo", AGGREGATIONS)
+
+
 def test_grpo_empty_sequence_counts_in_mean():
     # sequence 1 has no unmasked token: it contributes 0 but counts: (1.5 + 0) / 2 = 0.75
     logp = torch.zeros(2, 3, requires_grad=True)
@@ -659,8 +692,6 @@ def test_importance_sampling_level_errors():
     with pytest.raises(ValueError, match="importance_sampling_level"):
         grpo_loss(torch.zeros(1, 2), None, None, torch.zeros(1), torch.ones(1, 2), beta=0.0,
                   importance_sampling_level="sentence")
-    with pytest.raises(ValueError, match="importance_sampling_level"):
-        GRPOLoss(0.0, 0.2, None, "k3", "grpo", importance_sampling_level="seq")
 
 
 # --------------------------------------------------------------------------- sequence-level IS correction
@@ -722,8 +753,6 @@ def test_is_correction_errors():
         is_correction_weights(old, sampler, mask, cap=0.0, mode="sequence_truncate")
     with pytest.raises(ValueError, match=r"\[1/cap, cap\]"):
         is_correction_weights(old, sampler, mask, cap=0.5, mode="sequence_mask")
-    with pytest.raises(ValueError, match="is_correction"):
-        GRPOLoss(0.0, 0.2, None, "k3", "grpo", is_correction_cap=2.0, is_correction="mask")
 
 
 def test_loss_fn_with_sequence_is_corrections():
@@ -845,8 +874,6 @@ def test_entropy_errors():
         grpo_loss(logp, None, None, adv, mask, beta=0.0, top_entropy_quantile=0.2)
     with pytest.raises(ValueError, match=r"must be in \(0, 1\]"):
         grpo_loss(logp, None, None, adv, mask, beta=0.0, entropy=torch.zeros(1, 2), top_entropy_quantile=0.0)
-    with pytest.raises(ValueError, match=r"must be in \(0, 1\]"):
-        GRPOLoss(0.0, 0.2, None, "k3", "grpo", top_entropy_quantile=1.5)
     with pytest.raises(ValueError, match="entropy has shape"):
         grpo_loss(logp, None, None, adv, mask, beta=0.0, entropy=torch.zeros(1, 3), entropy_coef=0.01)
     # a detached entropy would add a constant: the bonus would do nothing
@@ -907,7 +934,7 @@ def batch_and_micro_batches(loss, batch, rows=(range(0, 2), range(2, 5)), **boun
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_micro_batches_add_up_at_sequence_level(loss_type):
-    # GSPO's s_i is a function of row i alone: rows 0-1 and 2-4, each weighted by micro_batch_weight,
+    # GSPO's s_i is a function of row i alone: rows 0-1 and 2-4, each weighted by its aggregation's micro_batch_weight,
     # give the batch's loss and gradient
     loss = GRPOLoss(0.1, 0.2, 0.3, "k3", loss_type, importance_sampling_level="sequence")
     full, grad_full, parts, grad_parts = batch_and_micro_batches(loss, random_batch(1))
