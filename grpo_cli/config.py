@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import math
 from typing import Any
 
 from hydra import compose as hydra_compose
@@ -19,9 +20,10 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import get_object
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from grpo_cli import groups, iterative, objective, policy, rewards, rollout
-from grpo_cli.checks import Check, Rule, is_num
+from grpo_cli import groups, iterative, policy, rewards, rollout
+from grpo_cli.checks import Check, Rule, is_int, is_num, one_of
 from grpo_cli.errors import ConfigError
+from grpo_cli.objective import IMPORTANCE_SAMPLING_LEVELS, IS_CORRECTIONS, KL_ESTIMATORS, LOSS_TYPES, SCALES, STDS
 from grpo_cli.resources import CONF_DIR, RECIPES_DIR
 from grpo_cli.rewards import models as reward_models
 from grpo_cli.rollout import vllm
@@ -67,8 +69,49 @@ OPTIMIZER: list[Check] = [
     Rule("optimizer.weight_decay", lambda v: is_num(v) and v >= 0, "must be >= 0; set optimizer.weight_decay=0.0"),
 ]
 
+# the algo section's settings are the arguments of objective's pure functions, which take no config: its
+# checks live here, with the names they allow from objective
+ALGO: list[Check] = [
+    Rule("algo.group_size", lambda v: is_int(v) and v >= 2,
+         "must be an integer >= 2: GRPO normalizes rewards within a group; set algo.group_size=8"),
+    Rule("algo.num_iterations", lambda v: is_int(v) and v >= 1, "must be an integer >= 1; set algo.num_iterations=1"),
+    Rule("algo.beta", lambda v: is_num(v) and v >= 0, "must be >= 0 (0 turns the KL term off); set algo.beta=0.04"),
+    Rule("algo.epsilon_low", lambda v: is_num(v) and 0 < v < 1, "must be in (0, 1); set algo.epsilon_low=0.2"),
+    Rule("algo.epsilon_high", lambda v: v is None or (is_num(v) and v > 0),
+         "must be > 0 or null (null: same as epsilon_low); set algo.epsilon_high=null"),
+    Rule("algo.kl_estimator", lambda v: v in KL_ESTIMATORS,
+         f"must be {one_of(KL_ESTIMATORS)}; set algo.kl_estimator=k3"),
+    Rule("algo.loss_type", lambda v: v in LOSS_TYPES, f"must be {one_of(LOSS_TYPES)}; set algo.loss_type=grpo"),
+    Rule("algo.advantage_scale", lambda v: v in SCALES, f"must be {one_of(SCALES)}; set algo.advantage_scale=group"),
+    Rule("algo.advantage_std", lambda v: v in STDS, f"must be {one_of(STDS)}; set algo.advantage_std=population"),
+    Rule("algo.is_correction_cap", lambda v: v is None or (is_num(v) and v >= 1),
+         "must be >= 1 or null (off): the weight of a token both engines agree on is 1; set algo.is_correction_cap=2"),
+    Rule("algo.importance_sampling_level", lambda v: v in IMPORTANCE_SAMPLING_LEVELS,
+         f"must be {one_of(IMPORTANCE_SAMPLING_LEVELS)} (sequence: GSPO, or algo=gspo with its clip range); "
+         f"set algo.importance_sampling_level=token"),
+    Rule("algo.is_correction", lambda v: v in IS_CORRECTIONS,
+         f"must be {one_of(IS_CORRECTIONS)}; set algo.is_correction=token_truncate"),
+    Rule("algo.entropy_coef", lambda v: is_num(v) and math.isfinite(v),
+         "must be a number (0: off; verl uses ~1e-3); set algo.entropy_coef=0.0"),
+    Rule("algo.top_entropy_quantile", lambda v: is_num(v) and 0 < v <= 1,
+         "must be in (0, 1]: the share of highest-entropy tokens that carry the policy gradient (1.0: all; the "
+         "paper keeps 0.2); set algo.top_entropy_quantile=1.0"),
+    lambda cfg: _check_is_correction(cfg.get("algo")),
+]
+
+
+def _check_is_correction(algo) -> list[str]:
+    """A sequence-level IS mode does nothing without a cap: say so rather than run without it."""
+    if algo is None or algo.get("is_correction") not in ("sequence_truncate", "sequence_mask"):
+        return []
+    if algo.get("is_correction_cap") is None:
+        return [f"algo.is_correction ({algo.is_correction}) needs a cap: set algo.is_correction_cap (a sequence "
+                f"cap is larger than a token one, e.g. 5; verl suggests 2-10), or algo.is_correction=token_truncate"]
+    return []
+
+
 # every library module that owns a config section, with its checks (grpo_cli.checks); a command adds its own
-LIBRARY_CHECKS: list[Check] = [*objective.CHECKS, *policy.CHECKS, *rollout.CHECKS, *vllm.CHECKS, *rewards.CHECKS,
+LIBRARY_CHECKS: list[Check] = [*ALGO, *policy.CHECKS, *rollout.CHECKS, *vllm.CHECKS, *rewards.CHECKS,
                                *reward_models.CHECKS, *iterative.CHECKS, *groups.CHECKS, *OPTIMIZER]
 
 

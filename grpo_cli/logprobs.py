@@ -10,7 +10,7 @@ It does the tokens' work, not the padded batch's:
     it (the G completions of a group), gradient included;
   - the completions go through in buckets of `bucket_rows` rows of similar length (sorted), each cut to
     its own longest completion, so short rows do not pay for the longest;
-  - the LM head and the log-softmax are fused in chunks (`objective.head_logprobs`): the [N, T, V]
+  - the LM head and the log-softmax are fused in chunks (`kernels.head_logprobs`): the [N, T, V]
     logits are never made, in forward or backward.
 
 The caller back-propagates each bucket's loss before the next bucket runs, so the peak holds the prompts
@@ -35,7 +35,7 @@ import torch
 from transformers import DynamicCache
 
 from grpo_cli.fsdp import root_gathered
-from grpo_cli.objective import head_logprobs, token_entropy, token_logprobs
+from grpo_cli.kernels import head_logprobs, token_entropy, token_logprobs
 from grpo_cli.policy import autocast
 from grpo_cli.rollout import Rollout, position_ids
 

@@ -1,8 +1,20 @@
-"""The GRPO math: advantages, KL estimators, the clipped loss, and chunked token log-probs.
+"""The GRPO math: advantages, KL estimators and the clipped loss, as pure functions named after the paper.
 
-Pure functions of tensors and scalars: no model, no config object, no I/O. The trainer calls
-them in the order a step walks: `outcome_advantages` / `process_advantages` on the rewards of a
-rollout, `token_logprobs` on the policy's logits, then `grpo_loss`.
+Pure functions of tensors and scalars: no model, no config object, no I/O (the `algo` settings they take
+are checked once, in config.ALGO, before a model loads). The trainer calls them in the order a step
+walks: `outcome_advantages` / `process_advantages` on the rewards of a rollout, then `grpo_loss` on the
+policy's log-probs (`logprobs`, through the kernels of `kernels`). `grpo_loss` reads as the formula:
+
+    ρ = importance_ratio(logp, old)                       # π_θ / π_old, per token or per sequence (GSPO)
+    objective = clipped_surrogate(ρ, Â, ε_low, ε_high)    # min(ρ·Â, clip(ρ, 1-ε_low, 1+ε_high)·Â)
+              · is_weight · [H ≥ h_q]                     # sampler IS weight; top-entropy mask
+              - β·KL(π_θ || π_ref) + entropy_coef·H       # kl_divergence; entropy bonus
+    loss = -AGGREGATIONS[loss_type].reduce(objective)      # over tokens and sequences
+    stats: KL, ratio, clip_fractions(ρ, Â, ...)
+
+A loss variant that aggregates differently is one function and its entry in `AGGREGATIONS` (and its
+word in conf/algo/grpo.yaml's loss_type comment). An unknown name (loss_type, kl_estimator, ...) fails
+in `choose`, which names the allowed values.
 
 What follows DeepSeekMath (arXiv 2402.03300) §4.1:
   - outcome supervision: Â_i,t = (r_i - mean(r)) / std(r) over the G completions of a prompt,
@@ -36,27 +48,56 @@ Where it departs, and why:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple, TypeVar
 
 import torch
 
-from grpo_cli.checks import Check, Rule, is_int, is_num, one_of
-
-SCALES = ("group", "batch", "none")
-STDS = ("population", "sample")
-KL_ESTIMATORS = ("k1", "k2", "k3")
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
-IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 # GSPO's clip range (arXiv 2507.18071 v2, §5.1; TRL's paper index uses the same): the sequence ratio is a
 # geometric mean of token ratios, so it strays from 1 far less than a token ratio and needs a range ~1000x
 # narrower than PPO's 0.2
 GSPO_EPSILON_LOW = 3e-4
 GSPO_EPSILON_HIGH = 4e-4
-IS_CORRECTIONS = ("token_truncate", "sequence_truncate", "sequence_mask")
+
+Option = TypeVar("Option")
+
+
+def choose(setting: str, name: str, options: Mapping[str, Option]) -> Option:
+    """options[name]; an unknown name is a ValueError naming the setting and the allowed names.
+
+    The one check of a name in this module: the config's were checked before the model loaded (config.ALGO),
+    this is for a caller of the functions themselves.
+    """
+    if name not in options:
+        raise ValueError(f"{setting} ({name!r}) must be one of {tuple(options)}")
+    return options[name]
 
 
 # --------------------------------------------------------------------------- advantages
+
+
+def _group_std(r0: torch.Tensor, valid: torch.Tensor, centered: torch.Tensor, ddof: int) -> torch.Tensor:
+    """[groups, G] -> [groups, 1]: the std of each group's scored rewards (the paper's)."""
+    count = valid.sum(1, keepdim=True)                   # [groups, 1]
+    return (centered.pow(2).sum(1, keepdim=True) / (count - ddof).clamp(min=1)).sqrt()
+
+
+def _batch_std(r0: torch.Tensor, valid: torch.Tensor, centered: torch.Tensor, ddof: int) -> torch.Tensor:
+    """[groups, G] -> 0-dim: the std of every scored reward of the batch, about the batch mean (TRL's
+    scale_rewards="batch")."""
+    scored = r0[valid]                                   # [scored rewards]
+    centered_batch = scored - scored.mean() if scored.numel() else scored
+    return (centered_batch.pow(2).sum() / max(scored.numel() - ddof, 1)).sqrt()
+
+
+# scale -> the std an advantage is divided by (none: not divided, Dr. GRPO)
+ADVANTAGE_SCALES: dict[str, Callable[..., torch.Tensor] | None] = {"group": _group_std, "batch": _batch_std,
+                                                                   "none": None}
+SCALES = tuple(ADVANTAGE_SCALES)
+# std -> the degrees of freedom it subtracts: population 1/G (the paper's formula), sample 1/(G-1) (TRL, verl)
+STD_DDOF = {"population": 0, "sample": 1}
+STDS = tuple(STD_DDOF)
 
 
 def outcome_advantages(
@@ -74,10 +115,8 @@ def outcome_advantages(
     divide. `std`: "population" (1/G, the paper's formula) or "sample" (1/(G-1), TRL and verl).
     NaN rewards are left out of every mean and std and get advantage 0.
     """
-    if scale not in SCALES:
-        raise ValueError(f"scale ({scale!r}) must be one of {SCALES}")
-    if std not in STDS:
-        raise ValueError(f"std ({std!r}) must be one of {STDS}")
+    std_of = choose("scale", scale, ADVANTAGE_SCALES)
+    ddof = choose("std", std, STD_DDOF)
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D [N], got shape {tuple(rewards.shape)}")
     if group_size < 1:
@@ -96,18 +135,9 @@ def outcome_advantages(
     count = valid.sum(1, keepdim=True)                   # [groups, 1]
     mean = r0.sum(1, keepdim=True) / count.clamp(min=1)  # [groups, 1]; 0 for an all-NaN group
     centered = torch.where(valid, r0 - mean, 0.0)        # [groups, G]; 0 where no score
-    if scale == "none":
+    if std_of is None:
         return centered.view(-1).to(dtype)
-
-    ddof = 1 if std == "sample" else 0
-    if scale == "group":
-        var = centered.pow(2).sum(1, keepdim=True) / (count - ddof).clamp(min=1)
-    else:
-        # the std of every scored reward of the batch, about the batch mean (TRL's scale_rewards="batch")
-        scored = r0[valid]                               # [scored rewards]
-        centered_batch = scored - scored.mean() if scored.numel() else scored
-        var = centered_batch.pow(2).sum() / max(scored.numel() - ddof, 1)
-    return (centered / (var.sqrt() + eps)).view(-1).to(dtype)
+    return (centered / (std_of(r0, valid, centered, ddof) + eps)).view(-1).to(dtype)
 
 
 def process_advantages(
@@ -180,7 +210,24 @@ def process_advantages(
     return out.flip(1).cumsum(1).flip(1)
 
 
-# --------------------------------------------------------------------------- KL and loss
+# --------------------------------------------------------------------------- KL and ratio
+
+
+def _k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    return logp - ref_logp
+
+
+def _k2(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    return 0.5 * (logp - ref_logp).pow(2)
+
+
+def _k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    d = ref_logp - logp
+    return torch.expm1(d) - d                            # = exp(d) - 1 - d, exact near d = 0
+
+
+KL_ESTIMATES = {"k1": _k1, "k2": _k2, "k3": _k3}
+KL_ESTIMATORS = tuple(KL_ESTIMATES)
 
 
 def kl_divergence(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
@@ -190,14 +237,7 @@ def kl_divergence(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "
     k3 = exp(ref_logp - logp) - (ref_logp - logp) - 1 (the paper's eq. 4: unbiased and >= 0).
     No clamping: a large gap gives a large value.
     """
-    if estimator == "k1":
-        return logp - ref_logp
-    if estimator == "k2":
-        return 0.5 * (logp - ref_logp).pow(2)
-    if estimator == "k3":
-        d = ref_logp - logp
-        return torch.expm1(d) - d                        # = exp(d) - 1 - d, exact near d = 0
-    raise ValueError(f"kl estimator ({estimator!r}) must be one of {KL_ESTIMATORS}")
+    return choose("kl_estimator", estimator, KL_ESTIMATES)(logp, ref_logp)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -214,6 +254,21 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
     return total / torch.where(count != 0, count, 1.0)   # an empty row has total 0 -> 0
 
 
+def _token_ratio(lp: torch.Tensor, old: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    return torch.exp(lp - old)                           # [N, T]; 1 on masked positions
+
+
+def _sequence_ratio(lp: torch.Tensor, old: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    log_s = masked_mean((lp - old).detach(), keep, dim=1)   # [N]; log s_i, 0 for an empty sequence
+    # (lp - sg[lp]) first: it is exactly 0, so the value is exactly s_i (log s + lp - lp would round
+    # log s ~ 1e-4 against |lp| ~ 10 and miss GSPO's 3e-4 clip range by a percent)
+    return torch.exp(log_s.unsqueeze(1) + (lp - lp.detach()))
+
+
+IMPORTANCE_RATIOS = {"token": _token_ratio, "sequence": _sequence_ratio}
+IMPORTANCE_SAMPLING_LEVELS = tuple(IMPORTANCE_RATIOS)
+
+
 def importance_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor,
                      level: str = "token") -> torch.Tensor:
     """π_θ / π_old of each sampled token, at token or sequence level: [N, T] -> [N, T].
@@ -228,17 +283,119 @@ def importance_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Ten
     own (GSPO's reason for the token form). old_logp is detached; masked positions (even ±inf) count in
     nothing, and an empty sequence has s = 1.
     """
-    if level not in IMPORTANCE_SAMPLING_LEVELS:
-        raise ValueError(f"importance_sampling_level ({level!r}) must be one of {IMPORTANCE_SAMPLING_LEVELS}")
+    ratio = choose("importance_sampling_level", level, IMPORTANCE_RATIOS)
     keep = mask.bool()
     lp = logp.masked_fill(~keep, 0.0)
     old = old_logp.detach().masked_fill(~keep, 0.0)
-    if level == "token":
-        return torch.exp(lp - old)                       # [N, T]; 1 on masked positions
-    log_s = masked_mean((lp - old).detach(), keep, dim=1)   # [N]; log s_i, 0 for an empty sequence
-    # (lp - sg[lp]) first: it is exactly 0, so the value is exactly s_i (log s + lp - lp would round
-    # log s ~ 1e-4 against |lp| ~ 10 and miss GSPO's 3e-4 clip range by a percent)
-    return torch.exp(log_s.unsqueeze(1) + (lp - lp.detach()))
+    return ratio(lp, old, keep)
+
+
+# --------------------------------------------------------------------------- the clipped surrogate
+
+
+def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, epsilon_low: float,
+                      epsilon_high: float) -> torch.Tensor:
+    """PPO's clipped term: min(ρ·Â, clip(ρ, 1-ε_low, 1+ε_high)·Â), [N, T] ratio and advantages -> [N, T].
+
+    Where the clip binds (Â > 0 and ρ > 1+ε_high, or Â < 0 and ρ < 1-ε_low) the value is constant in ρ,
+    so the token gets no gradient.
+    """
+    clipped = ratio.clamp(1 - epsilon_low, 1 + epsilon_high)
+    return torch.minimum(ratio * advantages, clipped * advantages)
+
+
+class ClipFractions(NamedTuple):
+    """Shares of the counted tokens the clip cut (0-dim each): the tokens whose gradient it zeroed."""
+
+    low: torch.Tensor     # Â < 0 and ρ < 1-ε_low
+    high: torch.Tensor    # Â > 0 and ρ > 1+ε_high
+    region: torch.Tensor  # either
+
+
+def clip_fractions(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, epsilon_low: float,
+                   epsilon_high: float) -> ClipFractions:
+    """The clip statistics of `clipped_surrogate`: [N, T] ratio and advantages, [N, T] float mask (nonzero =
+    counted; the shares come in its dtype) -> `ClipFractions`. At sequence level a clipped sequence counts with
+    all its tokens."""
+    keep = mask.bool()
+    low = (advantages < 0) & (ratio < 1 - epsilon_low) & keep      # [N, T]
+    high = (advantages > 0) & (ratio > 1 + epsilon_high) & keep
+    return ClipFractions(masked_mean(low.to(mask.dtype), mask), masked_mean(high.to(mask.dtype), mask),
+                         masked_mean((low | high).to(mask.dtype), mask))
+
+
+# --------------------------------------------------------------------------- aggregation by loss_type
+# Each: (objective [N, T], 0 on masked positions; mask [N, T] float; max_completion_length; normalizer) -> 0-dim
+
+
+def sequence_mean(objective: torch.Tensor, mask: torch.Tensor, max_completion_length: int | None,
+                  normalizer: torch.Tensor | float | None) -> torch.Tensor:
+    """grpo (the paper): 1/N Σ_i 1/|o_i| Σ_t; an empty sequence gives 0 and still counts in N."""
+    per_seq = objective.sum(1) / mask.sum(1).clamp(min=1)   # [N]; 0 for an empty sequence
+    return per_seq.mean()
+
+
+def token_mean(objective: torch.Tensor, mask: torch.Tensor, max_completion_length: int | None,
+               normalizer: torch.Tensor | float | None) -> torch.Tensor:
+    """bnpo: Σ_i,t / the unmasked tokens of this batch."""
+    return objective.sum() / mask.sum().clamp(min=1)
+
+
+def constant_length_mean(objective: torch.Tensor, mask: torch.Tensor, max_completion_length: int | None,
+                         normalizer: torch.Tensor | float | None) -> torch.Tensor:
+    """dr_grpo (Dr. GRPO): Σ_i,t / (N · max_completion_length), a constant; None -> T."""
+    n, t = objective.shape
+    length = t if max_completion_length is None else max_completion_length
+    if length <= 0:
+        raise ValueError(f"max_completion_length ({length}) must be > 0")
+    return objective.sum() / (n * length)
+
+
+def accumulated_token_mean(objective: torch.Tensor, mask: torch.Tensor, max_completion_length: int | None,
+                           normalizer: torch.Tensor | float | None) -> torch.Tensor:
+    """dapo: Σ_i,t / normalizer, the unmasked tokens of the whole accumulated batch (None: this batch's)."""
+    if normalizer is None:
+        normalizer = mask.sum().clamp(min=1)
+    elif not torch.is_tensor(normalizer) and normalizer <= 0:
+        raise ValueError(f"normalizer ({normalizer}) must be > 0: the unmasked-token count of the batch")
+    return objective.sum() / normalizer
+
+
+# A micro-batch's share of the batch loss, so that the summed micro-batch gradients equal the batch's:
+# (rows, num_sequences, tokens, num_tokens) of the micro-batch and the batch (all ranks, skipped rows included)
+def per_sequence(rows: int, num_sequences: int, tokens: torch.Tensor | float,
+                 num_tokens: torch.Tensor | float) -> float:
+    return rows / num_sequences                          # a micro-batch of 3 of 8 rows: 3/8
+
+
+def per_token(rows: int, num_sequences: int, tokens: torch.Tensor | float,
+              num_tokens: torch.Tensor | float) -> float:
+    return float(tokens / num_tokens)
+
+
+def whole_batch(rows: int, num_sequences: int, tokens: torch.Tensor | float,
+                num_tokens: torch.Tensor | float) -> float:
+    return 1.0                                           # it divides by the batch's count itself (the normalizer)
+
+
+class Aggregation(NamedTuple):
+    """One loss_type: how the per-token objective becomes the loss, and a micro-batch's share of it."""
+
+    reduce: Callable[[torch.Tensor, torch.Tensor, int | None, torch.Tensor | float | None], torch.Tensor]
+    micro_batch_weight: Callable[[int, int, torch.Tensor | float, torch.Tensor | float], float]
+    reads_normalizer: bool = False                       # it takes the batch's token count (`normalizer`)
+
+
+AGGREGATIONS = {
+    "grpo": Aggregation(sequence_mean, per_sequence),
+    "bnpo": Aggregation(token_mean, per_token),
+    "dr_grpo": Aggregation(constant_length_mean, per_sequence),
+    "dapo": Aggregation(accumulated_token_mean, whole_batch, reads_normalizer=True),
+}
+LOSS_TYPES = tuple(AGGREGATIONS)
+
+
+# --------------------------------------------------------------------------- entropy: the top-entropy mask
 
 
 def _check_quantile(quantile: float) -> None:
@@ -257,7 +414,7 @@ def high_entropy_threshold(entropy: torch.Tensor, mask: torch.Tensor, quantile: 
     """
     _check_quantile(quantile)
     keep = mask.bool().flatten()
-    e = entropy.detach().to(_compute_dtype(entropy.dtype)).flatten()
+    e = entropy.detach().to(torch.promote_types(entropy.dtype, torch.float32)).flatten()   # fp32 at least
     if e.numel() == 0:
         return e.new_full((), math.nan)
     ordered = e.masked_fill(~keep, math.inf).sort().values          # [N·T]; the counted ones first
@@ -277,7 +434,9 @@ def entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float, *,
     a token is kept when it is unmasked and its entropy is at or above `threshold`, by default
     `high_entropy_threshold(entropy, mask, q)`, the (1 - q) quantile over this call's unmasked tokens. Ties
     at the threshold are all kept, so more than a share q may be; q = 1 keeps every unmasked token.
-    `threshold`, when given, replaces the quantile of this call (e.g. one taken over the whole batch).
+    `threshold`, when given, replaces the quantile of this call: a quantile per call (per micro-batch or length
+    bucket, as TRL's) keeps a different set than one over the batch, so micro-batch losses stop adding up to
+    the batch loss; `high_entropy_threshold` over the whole batch (all ranks) restores that.
     """
     _check_quantile(quantile)
     keep = mask.bool()
@@ -288,82 +447,12 @@ def entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float, *,
     return keep & (entropy.detach() >= threshold)
 
 
-def grpo_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor | None,
-    ref_logp: torch.Tensor | None,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    beta: float = 0.04,
-    epsilon_low: float = 0.2,
-    epsilon_high: float | None = None,
-    kl_estimator: str = "k3",
-    loss_type: str = "grpo",
-    max_completion_length: int | None = None,
-    normalizer: torch.Tensor | float | None = None,
-    is_weight: torch.Tensor | None = None,
-    importance_sampling_level: str = "token",
-    entropy: torch.Tensor | None = None,
-    entropy_coef: float = 0.0,
-    top_entropy_quantile: float = 1.0,
-    entropy_threshold: torch.Tensor | float | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The clipped GRPO surrogate with a KL penalty -> (loss to minimize, stats).
+# --------------------------------------------------------------------------- the loss
 
-    logp, old_logp, ref_logp, mask: [N, T] (mask bool, int or float; nonzero = the token counts,
-    the values are not used as weights); advantages: [N] (outcome, broadcast over T) or [N, T]
-    (process). Per token:
-        ρ = exp(logp - old_logp)
-        objective = min(ρ·A, clip(ρ, 1-ε_low, 1+ε_high)·A) - β·KL(logp, ref_logp)
-    and loss = -aggregate(objective) with `loss_type`:
-        grpo     mean over each sequence's unmasked tokens, then over all N sequences (paper)
-        bnpo     sum / unmasked tokens of this batch
-        dr_grpo  sum / (N · max_completion_length), max_completion_length None -> T
-        dapo     sum / normalizer, the unmasked-token count of the whole accumulated batch when
-                 the caller passes it for gradient accumulation (default: this batch's count)
-    `old_logp` None means old = logp.detach() (one update per rollout: ρ = 1, gradient = policy
-    gradient). `ref_logp` may be None when beta == 0. `max_completion_length` is read only by
-    dr_grpo; `normalizer` only by dapo (passing it with another loss_type is an error).
-    `is_weight` [N, T] (None: 1) multiplies each token's clipped term, not the KL: the truncated
-    importance weight of a rollout sampled by another engine (`is_correction_weights`).
 
-    `importance_sampling_level="sequence"` is GSPO (arXiv 2507.18071): ρ is the sequence ratio s_i
-    on every token of sequence i (`importance_ratio`, the GSPO-token form), clipped at sequence level
-    with [1-ε_low, 1+ε_high]; the paper's range is GSPO_EPSILON_LOW/HIGH (3e-4, 4e-4), which the
-    caller passes as epsilon_low/epsilon_high. Defined for every loss_type: the ratio is per token in
-    form, so any aggregation applies. The paper's objective is a mean over each sequence, i.e.
-    loss_type grpo (with outcome advantages its gradient is then exactly GSPO's); bnpo / dr_grpo / dapo
-    weight a sequence by its length, which the paper does not. With old_logp None (num_iterations = 1)
-    s_i = 1 in value and the gradient is the token-level one: GSPO only differs off-policy.
-
-    `entropy` [N, T]: the entropy H of the policy's next-token distribution at each position, read
-    only when entropy_coef != 0 or top_entropy_quantile < 1 (and then required). With them:
-        objective = [H ≥ h_q] · min(ρ·A, clip(ρ)·A) - β·KL + entropy_coef · H
-    `entropy_coef` is an entropy bonus (verl's entropy_coeff): loss -= entropy_coef · aggregate(H),
-    aggregated by the same loss_type, so minimizing the loss raises the entropy. It needs an entropy
-    with a gradient (a detached one only shifts the loss value; passing one with a logp that requires
-    grad is an error). `top_entropy_quantile` q (arXiv 2506.01939, TRL's top_entropy_quantile): only
-    tokens at or above h_q, the (1 - q) quantile of the unmasked tokens' entropies (`entropy_mask`),
-    keep the policy-gradient term; the KL and entropy terms stay on every unmasked token, as in TRL.
-    The quantile is over this call's tokens, like TRL's (its micro-batch, gathered over ranks): a call
-    per micro-batch (or per length bucket) keeps a different set than one call over the batch, so
-    micro-batch losses no longer add up to the batch loss and results depend on micro_batch_size and
-    the ranks. `entropy_threshold` (read only when q < 1) replaces h_q with one taken elsewhere:
-    `high_entropy_threshold` over the whole batch (all ranks) restores the equivalence.
-
-    stats, all detached 0-dim tensors (call .item() when logging): `kl` (masked mean of the KL;
-    0 when beta == 0 and no ref_logp), `ratio_mean`, and the fractions of unmasked tokens the clip
-    cut: `clip_ratio/low_mean` (A<0, ρ<1-ε_low), `clip_ratio/high_mean` (A>0, ρ>1+ε_high),
-    `clip_ratio/region_mean` (their sum: tokens whose gradient the clip zeroed). At sequence level
-    these are still shares of tokens: a clipped sequence counts with all its tokens. With
-    top_entropy_quantile < 1, `entropy_mask/kept_mean`: the share of unmasked tokens that kept the
-    policy-gradient term.
-    """
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type ({loss_type!r}) must be one of {LOSS_TYPES}")
-    if kl_estimator not in KL_ESTIMATORS:
-        raise ValueError(f"kl_estimator ({kl_estimator!r}) must be one of {KL_ESTIMATORS}")
+def _check_loss_inputs(logp, old_logp, ref_logp, advantages, mask, entropy, *, beta, loss_type, aggregation,
+                       normalizer, entropy_coef, top_entropy_quantile, entropy_threshold) -> None:
+    """`grpo_loss`'s shapes, and the arguments that only make sense together."""
     if logp.dim() != 2:
         raise ValueError(f"logp must be [N, T], got shape {tuple(logp.shape)}")
     n, t = logp.shape
@@ -374,13 +463,13 @@ def grpo_loss(
         raise ValueError(f"advantages must be [N] or [N, T] = [{n}] or [{n}, {t}], got {tuple(advantages.shape)}")
     if beta != 0 and ref_logp is None:
         raise ValueError(f"beta ({beta}) > 0 needs ref_logp: pass the reference log-probs or set beta=0")
-    if normalizer is not None and loss_type != "dapo":
+    if normalizer is not None and not aggregation.reads_normalizer:
+        readers = " or ".join(f"loss_type={k!r}" for k, a in AGGREGATIONS.items() if a.reads_normalizer)
         raise ValueError(
-            f"normalizer is only used by loss_type='dapo', not {loss_type!r}: for gradient accumulation "
+            f"normalizer is only used by {readers}, not {loss_type!r}: for gradient accumulation "
             "with the other loss types, weight each micro-batch's loss instead"
         )
-    _check_quantile(top_entropy_quantile)
-    if entropy is None and (entropy_coef != 0 or top_entropy_quantile < 1):
+    if entropy is None and (entropy_coef != 0 or top_entropy_quantile != 1):
         raise ValueError(f"entropy_coef ({entropy_coef}) and top_entropy_quantile ({top_entropy_quantile}) read "
                          "the entropy: pass entropy=[N, T] entropies of the policy, or set entropy_coef=0 and "
                          "top_entropy_quantile=1.0")
@@ -392,9 +481,66 @@ def grpo_loss(
                          "a constant to the loss and nothing to the update; compute it from the logits with grad")
     if entropy_threshold is not None and top_entropy_quantile == 1:
         raise ValueError("entropy_threshold is only read when top_entropy_quantile < 1")
-    eps_low = epsilon_low
-    eps_high = epsilon_low if epsilon_high is None else epsilon_high
 
+
+def _loss_stats(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None,
+                kept: torch.Tensor | None, epsilon_low: float, epsilon_high: float) -> dict[str, torch.Tensor]:
+    """`grpo_loss`'s stats, detached 0-dim tensors; mask [N, T] in logp's dtype."""
+    with torch.no_grad():
+        r = ratio.detach()
+        clip = clip_fractions(r, advantages, mask, epsilon_low, epsilon_high)
+        stats = {
+            "kl": masked_mean(kl.detach(), mask) if kl is not None else mask.new_zeros(()),
+            "clip_ratio/low_mean": clip.low,
+            "clip_ratio/high_mean": clip.high,
+            "clip_ratio/region_mean": clip.region,
+            "ratio_mean": masked_mean(r, mask),
+        }
+        if kept is not None:
+            stats["entropy_mask/kept_mean"] = masked_mean(kept.to(mask.dtype), mask)
+    return stats
+
+
+def grpo_loss(
+    logp: torch.Tensor, old_logp: torch.Tensor | None, ref_logp: torch.Tensor | None, advantages: torch.Tensor,
+    mask: torch.Tensor, *, beta: float = 0.04, epsilon_low: float = 0.2, epsilon_high: float | None = None,
+    kl_estimator: str = "k3", loss_type: str = "grpo", max_completion_length: int | None = None,
+    normalizer: torch.Tensor | float | None = None, is_weight: torch.Tensor | None = None,
+    importance_sampling_level: str = "token", entropy: torch.Tensor | None = None, entropy_coef: float = 0.0,
+    top_entropy_quantile: float = 1.0, entropy_threshold: torch.Tensor | float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The clipped GRPO surrogate with a KL penalty -> (loss to minimize, stats).
+
+    logp, old_logp, ref_logp, mask: [N, T] (mask bool, int or float; nonzero = the token counts, the values
+    are not used as weights); advantages: [N] (outcome, broadcast over T) or [N, T] (process). Per token:
+        ρ = importance_ratio(logp, old_logp)                      (`importance_sampling_level`: token or GSPO)
+        objective = [H ≥ h_q] · w · min(ρ·A, clip(ρ, 1-ε_low, 1+ε_high)·A) - β·KL(logp, ref_logp) + c·H
+    and loss = -AGGREGATIONS[loss_type].reduce(objective) (grpo: the paper's mean per sequence, then over
+    the N sequences; bnpo, dr_grpo, dapo: see each). `old_logp` None means old = logp.detach() (one update
+    per rollout: ρ = 1, gradient = policy gradient). `ref_logp` may be None when beta == 0.
+    `max_completion_length` is read only by dr_grpo, `normalizer` only by dapo (the token count of the whole
+    accumulated batch; passing it with another loss_type is an error). w = `is_weight` [N, T] (None: 1), the
+    sampler's importance weight (`is_correction_weights`), weights the clipped term, not the KL.
+
+    GSPO (level "sequence", arXiv 2507.18071) clips s_i on every token of sequence i; its range is
+    GSPO_EPSILON_LOW/HIGH, passed as epsilon_low/epsilon_high. Its objective is loss_type grpo; the others
+    weight a sequence by its length, which the paper does not. With old_logp None it is the token level.
+
+    `entropy` [N, T], read only (and then required) when entropy_coef c != 0 or top_entropy_quantile q < 1:
+    c·H is an entropy bonus aggregated like the objective (verl's entropy_coeff; it needs an entropy with a
+    gradient); [H ≥ h_q] keeps the policy-gradient term on the top q of tokens by entropy (`entropy_mask`,
+    over this call's tokens unless `entropy_threshold` gives h_q), while KL and bonus stay on every token.
+
+    stats, detached 0-dim tensors: `kl` (masked mean; 0 without ref_logp), `ratio_mean`, the
+    `clip_fractions` as `clip_ratio/low_mean`, `clip_ratio/high_mean`, `clip_ratio/region_mean`, and with
+    q < 1 `entropy_mask/kept_mean`, the share of counted tokens that kept the policy-gradient term.
+    """
+    aggregation = choose("loss_type", loss_type, AGGREGATIONS)
+    kl_estimate = choose("kl_estimator", kl_estimator, KL_ESTIMATES)
+    _check_loss_inputs(logp, old_logp, ref_logp, advantages, mask, entropy, beta=beta, loss_type=loss_type,
+                       aggregation=aggregation, normalizer=normalizer, entropy_coef=entropy_coef,
+                       top_entropy_quantile=top_entropy_quantile, entropy_threshold=entropy_threshold)
+    eps_high = epsilon_low if epsilon_high is None else epsilon_high
     keep = mask.bool()                                   # [N, T]
     m = keep.to(logp.dtype)
     # masked positions are set to 0 before any exp, so pad garbage (even ±inf) reaches neither
@@ -407,57 +553,24 @@ def grpo_loss(
     adv = torch.where(keep, adv, 0.0)                    # [N, T]
 
     ratio = importance_ratio(lp, old, keep, importance_sampling_level)   # [N, T]
-    clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
-    objective = torch.minimum(ratio * adv, clipped * adv)
+    objective = clipped_surrogate(ratio, adv, epsilon_low, eps_high)
     if is_weight is not None:
         objective = objective * torch.where(keep, is_weight.detach().to(logp.dtype), 0.0)
     kept = None
-    if top_entropy_quantile < 1:
+    if top_entropy_quantile != 1:  # (entropy_mask rejects a q outside (0, 1])
         kept = entropy_mask(entropy, keep, top_entropy_quantile, threshold=entropy_threshold)   # [N, T]
         objective = torch.where(kept, objective, 0.0)
     kl = None
     if ref_logp is not None:
         ref = ref_logp.detach().masked_fill(~keep, 0.0)
         with torch.set_grad_enabled(torch.is_grad_enabled() and beta != 0):
-            kl = kl_divergence(lp, ref, kl_estimator)   # [N, T]; 0 on masked positions
+            kl = kl_estimate(lp, ref)                    # [N, T]; 0 on masked positions
         if beta != 0:
             objective = objective - beta * kl
     if entropy_coef != 0:
         objective = objective + entropy_coef * entropy.to(logp.dtype).masked_fill(~keep, 0.0)
-    objective = objective * m                            # 0 on masked positions
-
-    if loss_type == "grpo":
-        per_seq = objective.sum(1) / m.sum(1).clamp(min=1)   # [N]; 0 for an empty sequence
-        aggregate = per_seq.mean()
-    elif loss_type == "bnpo":
-        aggregate = objective.sum() / m.sum().clamp(min=1)
-    elif loss_type == "dr_grpo":
-        length = t if max_completion_length is None else max_completion_length
-        if length <= 0:
-            raise ValueError(f"max_completion_length ({length}) must be > 0")
-        aggregate = objective.sum() / (n * length)
-    else:  # dapo
-        if normalizer is None:
-            normalizer = m.sum().clamp(min=1)
-        elif not torch.is_tensor(normalizer) and normalizer <= 0:
-            raise ValueError(f"normalizer ({normalizer}) must be > 0: the unmasked-token count of the batch")
-        aggregate = objective.sum() / normalizer
-    loss = -aggregate
-
-    with torch.no_grad():
-        r = ratio.detach()
-        low = (adv < 0) & (r < 1 - eps_low) & keep      # [N, T]; the clip zeroed these gradients
-        high = (adv > 0) & (r > 1 + eps_high) & keep
-        stats = {
-            "kl": masked_mean(kl.detach(), m) if kl is not None else logp.new_zeros(()),
-            "clip_ratio/low_mean": masked_mean(low.to(logp.dtype), m),
-            "clip_ratio/high_mean": masked_mean(high.to(logp.dtype), m),
-            "clip_ratio/region_mean": masked_mean((low | high).to(logp.dtype), m),
-            "ratio_mean": masked_mean(r, m),
-        }
-        if kept is not None:
-            stats["entropy_mask/kept_mean"] = masked_mean(kept.to(logp.dtype), m)
-    return loss, stats
+    loss = -aggregation.reduce(objective * m, m, max_completion_length, normalizer)   # objective 0 where masked
+    return loss, _loss_stats(ratio, adv, m, kl, kept, epsilon_low, eps_high)
 
 
 def truncated_is_weight(old_logp: torch.Tensor, sampling_logp: torch.Tensor, cap: float) -> torch.Tensor:
@@ -487,6 +600,36 @@ class ISWeights:
     masked_share: torch.Tensor      # 0-dim: tokens of sequences outside [1/cap, cap] (sequence_mask; else 0)
 
 
+# Each: (d [N, T] = log π_old - log π_sampler, 0 on masked positions; keep [N, T] bool; m [N, T] float; cap)
+# -> ISWeights
+
+
+def _token_truncate(d: torch.Tensor, keep: torch.Tensor, m: torch.Tensor, cap: float) -> ISWeights:
+    raw = torch.exp(d)                                   # [N, T]
+    weight = torch.where(keep, raw.clamp(max=cap), 0.0)
+    return ISWeights(weight, masked_mean((raw > cap).to(m.dtype), m), m.new_zeros(()))
+
+
+def _sequence_truncate(d: torch.Tensor, keep: torch.Tensor, m: torch.Tensor, cap: float) -> ISWeights:
+    raw = torch.exp(d.sum(1, keepdim=True))              # [N, 1]; inf past ~e^709 (float64): capped all the same
+    weight = torch.where(keep, raw.clamp(max=cap), 0.0)
+    return ISWeights(weight, masked_mean((raw > cap).expand_as(m).to(m.dtype), m), m.new_zeros(()))
+
+
+def _sequence_mask(d: torch.Tensor, keep: torch.Tensor, m: torch.Tensor, cap: float) -> ISWeights:
+    if cap < 1:
+        raise ValueError(f"cap ({cap}) must be >= 1 for sequence_mask: the band [1/cap, cap] must hold 1")
+    log_w = d.sum(1, keepdim=True)                       # [N, 1]; log π_old(o_i) / π_sampler(o_i)
+    inside = log_w.abs() <= math.log(cap)                # [N, 1]; in log space: symmetric, no overflow
+    weight = torch.where(keep & inside, torch.exp(log_w), 0.0)
+    return ISWeights(weight, m.new_zeros(()), masked_mean((~inside).expand_as(m).to(m.dtype), m))
+
+
+IS_CORRECTION_MODES = {"token_truncate": _token_truncate, "sequence_truncate": _sequence_truncate,
+                       "sequence_mask": _sequence_mask}
+IS_CORRECTIONS = tuple(IS_CORRECTION_MODES)
+
+
 def is_correction_weights(old_logp: torch.Tensor, sampling_logp: torch.Tensor, mask: torch.Tensor, *,
                           cap: float, mode: str = "token_truncate") -> ISWeights:
     """Importance weights π_old / π_sampler for each token's clipped term: [N, T] log-probs -> `ISWeights`.
@@ -507,45 +650,13 @@ def is_correction_weights(old_logp: torch.Tensor, sampling_logp: torch.Tensor, m
     weight is the ratio itself, as in both (masked importance sampling), not 1. Masked positions (even
     NaN) reach nothing; an empty sequence has ratio 1.
     """
-    if mode not in IS_CORRECTIONS:
-        raise ValueError(f"is_correction ({mode!r}) must be one of {IS_CORRECTIONS}")
+    correction = choose("is_correction", mode, IS_CORRECTION_MODES)
     if not cap > 0:
         raise ValueError(f"cap ({cap}) must be > 0")
-    if mode == "sequence_mask" and cap < 1:
-        raise ValueError(f"cap ({cap}) must be >= 1 for sequence_mask: the band [1/cap, cap] must hold 1")
     keep = mask.bool()                                   # [N, T]
     m = keep.to(old_logp.dtype)
-    zero = old_logp.new_zeros(())
-    if mode == "token_truncate":
-        raw = torch.exp((old_logp.detach() - sampling_logp.detach()).masked_fill(~keep, 0.0))   # [N, T]
-        weight = torch.where(keep, raw.clamp(max=cap), 0.0)
-        return ISWeights(weight, masked_mean((raw > cap).to(m.dtype), m), zero)
-    d = (old_logp.detach() - sampling_logp.detach()).masked_fill(~keep, 0.0)
-    log_w = d.sum(1, keepdim=True)                       # [N, 1]; log π_old(o_i) / π_sampler(o_i)
-    raw = torch.exp(log_w)                               # inf past ~e^709 (float64): capped or masked all the same
-    if mode == "sequence_truncate":
-        weight = torch.where(keep, raw.clamp(max=cap), 0.0)
-        return ISWeights(weight, masked_mean((raw > cap).expand_as(m).to(m.dtype), m), zero)
-    inside = log_w.abs() <= math.log(cap)                # [N, 1]; in log space: symmetric, no overflow
-    weight = torch.where(keep & inside, raw, 0.0)
-    return ISWeights(weight, zero, masked_mean((~inside).expand_as(m).to(m.dtype), m))
-
-
-def micro_batch_weight(loss_type: str, rows: int, num_sequences: int, tokens: torch.Tensor | float,
-                       num_tokens: torch.Tensor | float) -> float:
-    """Factor for one micro-batch's loss so that the summed micro-batch gradients equal the batch's.
-
-    grpo and dr_grpo average over sequences: rows / num_sequences (a micro-batch of 3 of 8 rows: 3/8);
-    bnpo averages over tokens: tokens / num_tokens; dapo already divides by the batch's token count
-    (its `normalizer`): 1. Counts are of the whole batch (all ranks), skipped rows included.
-    """
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type ({loss_type!r}) must be one of {LOSS_TYPES}")
-    if loss_type in ("grpo", "dr_grpo"):
-        return rows / num_sequences
-    if loss_type == "bnpo":
-        return float(tokens / num_tokens)
-    return 1.0
+    d = (old_logp.detach() - sampling_logp.detach()).masked_fill(~keep, 0.0)   # [N, T]; log π_old / π_sampler
+    return correction(d, keep, m, cap)
 
 
 class GRPOLoss:
@@ -577,16 +688,6 @@ class GRPOLoss:
     def __init__(self, beta: float, epsilon_low: float, epsilon_high: float | None, kl_estimator: str,
                  loss_type: str, is_correction_cap: float | None = None, importance_sampling_level: str = "token",
                  is_correction: str = "token_truncate", entropy_coef: float = 0.0, top_entropy_quantile: float = 1.0):
-        if loss_type not in LOSS_TYPES:
-            raise ValueError(f"loss_type ({loss_type!r}) must be one of {LOSS_TYPES}")
-        if kl_estimator not in KL_ESTIMATORS:
-            raise ValueError(f"kl_estimator ({kl_estimator!r}) must be one of {KL_ESTIMATORS}")
-        if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
-            raise ValueError(f"importance_sampling_level ({importance_sampling_level!r}) must be one of "
-                             f"{IMPORTANCE_SAMPLING_LEVELS}")
-        if is_correction not in IS_CORRECTIONS:
-            raise ValueError(f"is_correction ({is_correction!r}) must be one of {IS_CORRECTIONS}")
-        _check_quantile(top_entropy_quantile)
         self.beta = beta
         self.epsilon_low = epsilon_low
         self.epsilon_high = epsilon_high
@@ -622,6 +723,8 @@ class GRPOLoss:
 
     def for_batch(self, num_sequences: int, num_tokens: torch.Tensor, max_completion_length: int,
                   entropy_threshold: torch.Tensor | float | None = None):
+        aggregation = choose("loss_type", self.loss_type, AGGREGATIONS)
+
         def loss_fn(logp, old_logp, ref_logp, advantages, mask, sampling_logp=None, entropy=None):
             correction = is_weight = None
             old = logp.detach() if old_logp is None else old_logp.detach()  # [n, T]: π_old, the trainer's
@@ -633,7 +736,7 @@ class GRPOLoss:
                 logp, old_logp, ref_logp, advantages, mask, beta=self.beta, epsilon_low=self.epsilon_low,
                 epsilon_high=self.epsilon_high, kl_estimator=self.kl_estimator, loss_type=self.loss_type,
                 max_completion_length=max_completion_length,
-                normalizer=num_tokens if self.loss_type == "dapo" else None, is_weight=is_weight,
+                normalizer=num_tokens if aggregation.reads_normalizer else None, is_weight=is_weight,
                 importance_sampling_level=self.importance_sampling_level, entropy=entropy,
                 entropy_coef=self.entropy_coef, top_entropy_quantile=self.top_entropy_quantile,
                 entropy_threshold=entropy_threshold)
@@ -644,249 +747,7 @@ class GRPOLoss:
                     stats["sampler/is_weight_mean"] = masked_mean(is_weight, m)
                     stats["sampler/is_truncated_share"] = correction.truncated_share
                     stats["sampler/is_masked_share"] = correction.masked_share
-            weight = micro_batch_weight(self.loss_type, logp.shape[0], num_sequences, mask.sum(), num_tokens)
+            weight = aggregation.micro_batch_weight(logp.shape[0], num_sequences, mask.sum(), num_tokens)
             return loss * weight, stats
 
         return loss_fn
-
-
-# --------------------------------------------------------------------------- token log-probs
-
-
-def _blocks(n: int, t: int, chunk_size: int):
-    """(n0, n1, t0, t1) slabs of at most chunk_size positions of an [n, t] grid, in row-major order.
-
-    Whole sequences together when a sequence fits in a chunk, else pieces of one sequence, so
-    logits[n0:n1, t0:t1] is a cheap slab even when logits is a slice along T (not flattenable).
-    """
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size ({chunk_size}) must be >= 1")
-    if t == 0:
-        return []
-    if t <= chunk_size:
-        k = chunk_size // t
-        return [(a, min(a + k, n), 0, t) for a in range(0, n, k)]
-    return [(a, a + 1, b, min(b + chunk_size, t)) for a in range(n) for b in range(0, t, chunk_size)]
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    # fp32 at least: bf16 log-probs are off by ~1e-2, which is a ratio error of ~1%
-    return torch.promote_types(dtype, torch.float32)
-
-
-class _TokenLogprobs(torch.autograd.Function):
-    """log_softmax(logits)[tokens] chunk by chunk; backward rebuilds each chunk's softmax.
-
-    Saves only the logits (held by the caller anyway), the tokens and the [N, T] logsumexp, so
-    neither pass holds more than one chunk of full-vocabulary fp32 values.
-    """
-
-    @staticmethod
-    def forward(ctx, logits, tokens, chunk_size):
-        n, t, _ = logits.shape
-        cd = _compute_dtype(logits.dtype)
-        out = logits.new_empty((n, t), dtype=cd)         # [N, T]
-        lse = logits.new_empty((n, t), dtype=cd)         # [N, T]
-        blocks = _blocks(n, t, chunk_size)
-        for n0, n1, t0, t1 in blocks:
-            x = logits[n0:n1, t0:t1].to(cd)              # [n1-n0, t1-t0, V]; one chunk
-            s = torch.logsumexp(x, -1)
-            lse[n0:n1, t0:t1] = s
-            out[n0:n1, t0:t1] = x.gather(-1, tokens[n0:n1, t0:t1, None]).squeeze(-1) - s
-        ctx.save_for_backward(logits, tokens, lse)
-        ctx.blocks = blocks
-        return out
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out):
-        logits, tokens, lse = ctx.saved_tensors
-        grad = torch.empty_like(logits, memory_format=torch.contiguous_format)   # [N, T, V]
-        for n0, n1, t0, t1 in ctx.blocks:
-            g = grad_out[n0:n1, t0:t1, None]             # [n, t, 1]
-            # d/dx (x[tok] - lse) = onehot(tok) - softmax(x)
-            p = logits[n0:n1, t0:t1] - lse[n0:n1, t0:t1, None]   # promoted to fp32: one chunk
-            p.exp_().mul_(-g).scatter_add_(-1, tokens[n0:n1, t0:t1, None], g)
-            grad[n0:n1, t0:t1] = p
-        return grad, None, None
-
-
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, *, chunk_size: int = 1024) -> torch.Tensor:
-    """log softmax(logits)[tokens]: [N, T, V] logits, [N, T] token ids -> [N, T] log-probs.
-
-    Computed `chunk_size` positions at a time, so at most one chunk of fp32 [chunk, V] values is
-    alive in forward and backward (a full log_softmax of 64 x 1024 positions of a 150k vocabulary
-    would be 40 GB). Differentiable w.r.t. logits. The result is fp32 (fp64 for fp64 logits).
-    Token ids must lie in [0, V) everywhere, pad positions included (mask them later, don't use -100).
-    """
-    if logits.dim() != 3 or tokens.shape != logits.shape[:2]:
-        raise ValueError(f"logits must be [N, T, V] and tokens [N, T], "
-                         f"got {tuple(logits.shape)} and {tuple(tokens.shape)}")
-    _blocks(1, 1, chunk_size)                            # validates chunk_size
-    return _TokenLogprobs.apply(logits, tokens.long(), chunk_size)
-
-
-def token_entropy(logits: torch.Tensor, *, chunk_size: int = 1024) -> torch.Tensor:
-    """Entropy of the next-token distribution at each position: [N, T, V] -> [N, T].
-
-    H = logsumexp(x) - Σ softmax(x)·x, chunk by chunk like `token_logprobs`. In the caller's grad mode:
-    differentiable (the entropy bonus) when grad is on and the logits require it; autograd then keeps
-    each chunk's softmax, so call it under no_grad when the entropy is only logged.
-    """
-    if logits.dim() != 3:
-        raise ValueError(f"logits must be [N, T, V], got {tuple(logits.shape)}")
-    n, t, _ = logits.shape
-    cd = _compute_dtype(logits.dtype)
-    out = logits.new_empty((n, t), dtype=cd)
-    for n0, n1, t0, t1 in _blocks(n, t, chunk_size):
-        x = logits[n0:n1, t0:t1].to(cd)
-        s = torch.logsumexp(x, -1, keepdim=True)
-        out[n0:n1, t0:t1] = s.squeeze(-1) - (torch.exp(x - s) * x).sum(-1)
-    return out
-
-
-# the softmax the fused head keeps from forward for backward, in elements (fp32: 512 MB); above it backward
-# recomputes the logits (one more head matmul per chunk)
-KEEP_PROBS_ELEMENTS = 2**27
-
-
-class _HeadLogprobs(torch.autograd.Function):
-    """log_softmax(hidden @ weightᵀ)[tokens], the LM head and the log-softmax fused, chunk by chunk.
-
-    Forward makes one chunk of [chunk, V] logits at a time and drops it, so the [M, V] logits never exist
-    (SmolLM2, 32 x 64 positions: 400 MB of fp32 logits, and as much again for their gradient). What backward
-    needs of them is the softmax p: when a gradient will be asked for and [M, V] fits `keep_elements`
-    (a length bucket: 1024 positions x SmolLM2's 49,152 = 200 MB), forward keeps p, and backward is
-    p·(-g) + onehot·g and one matmul per chunk; otherwise backward recomputes each chunk's logits from the
-    saved hidden states (one more head matmul, and the exp, per chunk). Each chunk is exponentiated once:
-    y = x - max, e = exp(y), lse = max + log Σe, H = log Σe - Σ e·y / Σe (the same H = lse - Σ p·x).
-
-    The entropies are differentiable too (the entropy bonus, `entropy_coef`): with H = lse - Σ p·x,
-    dH/dx_j = -p_j (log p_j + H), added to the log-prob's onehot(tok) - p in the same chunk (from recomputed
-    logits: log p of a kept p can underflow).
-    """
-
-    @staticmethod
-    def forward(ctx, hidden, weight, tokens, chunk_size, with_entropy, keep_elements):
-        m = hidden.shape[0]
-        cd = _compute_dtype(weight.dtype)
-        out = hidden.new_empty(m, dtype=cd)              # [M] log-probs
-        lse = hidden.new_empty(m, dtype=cd)              # [M] logsumexp, for backward
-        entropy = hidden.new_empty(m if with_entropy else 0, dtype=cd)
-        keep = (hidden.requires_grad or weight.requires_grad) and m * weight.shape[0] <= keep_elements
-        probs = hidden.new_empty((m, weight.shape[0]) if keep else (0,), dtype=cd)  # [M, V] softmax, kept
-        for a in range(0, m, chunk_size):
-            b = min(a + chunk_size, m)
-            y = (hidden[a:b].to(weight.dtype) @ weight.T).to(cd)   # [c, V]: one chunk of logits
-            picked = y.gather(-1, tokens[a:b, None]).squeeze(-1)    # [c] the tokens' logits
-            top = y.amax(-1, keepdim=True)                          # [c, 1]
-            y.sub_(top)                                             # y = x - max, in place
-            if keep:
-                e = torch.exp(y, out=probs[a:b])
-            else:
-                e = y.exp() if with_entropy else y.exp_()           # y is needed for H only
-            total = e.sum(-1)                                       # [c] Σ exp(x - max)
-            s = top.squeeze(-1) + total.log()
-            lse[a:b] = s
-            out[a:b] = picked - s
-            if with_entropy:  # H = log Σe - Σ e·y / Σe, the dot product without a [c, V] temporary
-                entropy[a:b] = total.log() - torch.bmm(e[:, None, :], y[:, :, None]).view(-1) / total
-            if keep:
-                e.div_(total[:, None])                              # p, for backward
-        ctx.save_for_backward(hidden, weight, tokens, lse, entropy, probs)
-        ctx.chunk_size, ctx.kept = chunk_size, keep
-        ctx.set_materialize_grads(False)  # an output the loss does not use (the entropy, mostly) gets None
-        if not with_entropy:
-            ctx.mark_non_differentiable(entropy)
-        return out, entropy
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out, grad_entropy):
-        hidden, weight, tokens, lse, entropy, probs = ctx.saved_tensors
-        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None     # [M, D]
-        grad_weight = (torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device)
-                       if ctx.needs_input_grad[1] else None)                           # [V, D]
-        if grad_out is None:
-            grad_out = lse.new_zeros(lse.shape)
-        for a in range(0, hidden.shape[0], ctx.chunk_size):
-            b = min(a + ctx.chunk_size, hidden.shape[0])
-            g = grad_out[a:b, None].to(lse.dtype)                                      # [c, 1]
-            h = hidden[a:b].to(weight.dtype)
-            # d/dx (x[tok] - lse) = onehot(tok) - softmax(x): [c, V]
-            if grad_entropy is None and ctx.kept:  # the kept softmax (not in place: backward may run again)
-                d = probs[a:b] * -g
-            elif grad_entropy is None:  # x recomputed for this chunk
-                d = (h @ weight.T).to(lse.dtype).sub_(lse[a:b, None]).exp_().mul_(-g)
-            else:  # + g_H · dH/dx = -g_H · p · (log p + H), log p = x - lse
-                log_p = (h @ weight.T).to(lse.dtype).sub_(lse[a:b, None])          # [c, V]
-                g_h = grad_entropy[a:b, None].to(lse.dtype)                           # [c, 1]
-                d = log_p.exp() * (-g - g_h * (log_p + entropy[a:b, None]))
-            d.scatter_add_(-1, tokens[a:b, None], g)
-            if grad_hidden is not None:
-                grad_hidden[a:b] = (d.to(weight.dtype) @ weight).to(hidden.dtype)
-            if grad_weight is not None:
-                grad_weight += d.T @ h.to(lse.dtype)
-        return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None, None)
-
-
-def head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, *, chunk_size: int = 512,
-                  with_entropy: bool = False,
-                  keep_elements: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log softmax(hidden @ weightᵀ)[tokens] without the [M, V] logits: ([M] log-probs, [M] entropies or None).
-
-    `hidden` [M, D] are the final (normed) hidden states of M positions, `weight` [V, D] the LM head, `tokens`
-    [M] the token each position predicts. Both outputs are differentiable w.r.t. hidden and weight (the
-    entropy for the entropy bonus; an entropy the loss does not use costs nothing in backward). fp32 results
-    whatever the input precision, as `token_logprobs`. `keep_elements`: the largest [M, V] softmax kept from
-    forward for backward (None: KEEP_PROBS_ELEMENTS; 0: none, backward recomputes the logits).
-    """
-    if hidden.dim() != 2 or weight.dim() != 2 or tokens.shape != hidden.shape[:1] \
-            or hidden.shape[1] != weight.shape[1]:
-        raise ValueError(f"hidden must be [M, D], weight [V, D] and tokens [M], got {tuple(hidden.shape)}, "
-                         f"{tuple(weight.shape)} and {tuple(tokens.shape)}")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size ({chunk_size}) must be >= 1")
-    keep = KEEP_PROBS_ELEMENTS if keep_elements is None else keep_elements
-    logp, entropy = _HeadLogprobs.apply(hidden, weight, tokens.long(), chunk_size, with_entropy, keep)
-    return logp, (entropy if with_entropy else None)
-
-# ---- config checks: this module's settings, collected by config.validate --------------------------------
-
-CHECKS: list[Check] = [
-    Rule("algo.group_size", lambda v: is_int(v) and v >= 2,
-         "must be an integer >= 2: GRPO normalizes rewards within a group; set algo.group_size=8"),
-    Rule("algo.num_iterations", lambda v: is_int(v) and v >= 1, "must be an integer >= 1; set algo.num_iterations=1"),
-    Rule("algo.beta", lambda v: is_num(v) and v >= 0, "must be >= 0 (0 turns the KL term off); set algo.beta=0.04"),
-    Rule("algo.epsilon_low", lambda v: is_num(v) and 0 < v < 1, "must be in (0, 1); set algo.epsilon_low=0.2"),
-    Rule("algo.epsilon_high", lambda v: v is None or (is_num(v) and v > 0),
-         "must be > 0 or null (null: same as epsilon_low); set algo.epsilon_high=null"),
-    Rule("algo.kl_estimator", lambda v: v in KL_ESTIMATORS,
-         f"must be {one_of(KL_ESTIMATORS)}; set algo.kl_estimator=k3"),
-    Rule("algo.loss_type", lambda v: v in LOSS_TYPES, f"must be {one_of(LOSS_TYPES)}; set algo.loss_type=grpo"),
-    Rule("algo.advantage_scale", lambda v: v in SCALES, f"must be {one_of(SCALES)}; set algo.advantage_scale=group"),
-    Rule("algo.advantage_std", lambda v: v in STDS, f"must be {one_of(STDS)}; set algo.advantage_std=population"),
-    Rule("algo.is_correction_cap", lambda v: v is None or (is_num(v) and v >= 1),
-         "must be >= 1 or null (off): the weight of a token both engines agree on is 1; set algo.is_correction_cap=2"),
-    Rule("algo.importance_sampling_level", lambda v: v in IMPORTANCE_SAMPLING_LEVELS,
-         f"must be {one_of(IMPORTANCE_SAMPLING_LEVELS)} (sequence: GSPO, or algo=gspo with its clip range); "
-         f"set algo.importance_sampling_level=token"),
-    Rule("algo.is_correction", lambda v: v in IS_CORRECTIONS,
-         f"must be {one_of(IS_CORRECTIONS)}; set algo.is_correction=token_truncate"),
-    Rule("algo.entropy_coef", lambda v: is_num(v) and math.isfinite(v),
-         "must be a number (0: off; verl uses ~1e-3); set algo.entropy_coef=0.0"),
-    Rule("algo.top_entropy_quantile", lambda v: is_num(v) and 0 < v <= 1,
-         "must be in (0, 1]: the share of highest-entropy tokens that carry the policy gradient (1.0: all; the "
-         "paper keeps 0.2); set algo.top_entropy_quantile=1.0"),
-    lambda cfg: _check_is_correction(cfg.get("algo")),
-]
-
-
-def _check_is_correction(algo) -> list[str]:
-    """A sequence-level IS mode does nothing without a cap: say so rather than run without it."""
-    if algo is None or algo.get("is_correction") not in ("sequence_truncate", "sequence_mask"):
-        return []
-    if algo.get("is_correction_cap") is None:
-        return [f"algo.is_correction ({algo.is_correction}) needs a cap: set algo.is_correction_cap (a sequence "
-                f"cap is larger than a token one, e.g. 5; verl suggests 2-10), or algo.is_correction=token_truncate"]
-    return []

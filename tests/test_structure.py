@@ -125,7 +125,7 @@ def test_commands_never_import_each_other_and_only_commands_import_the_app():
 
 
 @pytest.mark.parametrize("leaf", ["grpo_cli.errors", "grpo_cli.checks", "grpo_cli.files", "grpo_cli.instantiate",
-                                  "grpo_cli.resources", "grpo_cli.objective"])
+                                  "grpo_cli.resources", "grpo_cli.objective", "grpo_cli.kernels"])
 def test_the_ground_floor_imports_nothing_above_it(leaf):
     allowed = {"grpo_cli.errors", "grpo_cli.checks"} - {leaf}
     assert graph()[leaf] <= allowed, f"{leaf} imports {sorted(graph()[leaf] - allowed)}"
