@@ -4,15 +4,14 @@ made before any model loads.
 `score` hands a reward each example's question as `prompts` and its other fields (`answer`, a dataset's
 columns, ...) as columns, plus what the rollout knows: `completion_length` (tokens, list[int]),
 `truncated` (list[bool]) and `completion_ids` (list[list[int]], `token_ids`). `check_columns` and
-`function_names` look into the combiners (`combine`); a reward of another kind is its own
-business. Nothing here is in the paper: it is the glue between a rollout and
+`function_names` read a reward's own `needs()` and `names()` (`combine`); a reward of another kind,
+without them, is its own business. Nothing here is in the paper: it is the glue between a rollout and
 the reward contract (`grpo_cli.rewards`).
 """
 
 from __future__ import annotations
 
 from grpo_cli.errors import ConfigError
-from grpo_cli.rewards.combine import OutcomeReward, ProcessReward, _needs
 from grpo_cli.rewards.result import RewardResult
 
 # an example's keys that are not columns: the chat messages and the prompt's text (passed as `prompts`)
@@ -42,29 +41,22 @@ def token_ids(rollout) -> list[list[int]]:
 
 def function_names(reward_fn) -> list[str] | None:
     """The names a reward reports its raw scores under (`per_function`, `rewards/<name>/mean`), or None for a
-    reward of another kind (it is known once it has run)."""
-    if isinstance(reward_fn, ProcessReward):
-        return ["steps", *(reward_fn._outcome._calls if reward_fn._outcome is not None else [])]
-    if isinstance(reward_fn, OutcomeReward):
-        return list(reward_fn._calls)
-    return None
+    reward without `names()` (they are known once it has run)."""
+    names = getattr(reward_fn, "names", None)
+    return names() if callable(names) else None
 
 
 def check_columns(reward_fn, example: dict) -> None:
     """ConfigError, before any model loads, when a reward function needs a column the data's examples lack
-    (the accuracy reward's `answer` on a dataset without one): its run would score nothing."""
+    (the accuracy reward's `answer` on a dataset without one): its run would score nothing. A reward without
+    `needs()` is not checked."""
+    needs = getattr(reward_fn, "needs", None)
+    if not callable(needs):
+        return
     have = [k for k in example if k not in (*_NOT_COLUMNS, "prompt")]
     have += ["completion_length", "truncated", "completion_ids"]
-    if isinstance(reward_fn, ProcessReward):
-        functions = {"scorer": reward_fn._scorer.fn}
-        if reward_fn._outcome is not None:
-            functions.update({name: call.fn for name, call in reward_fn._outcome._calls.items()})
-    elif isinstance(reward_fn, OutcomeReward):
-        functions = {name: call.fn for name, call in reward_fn._calls.items()}
-    else:  # a reward of another kind: its own business
-        return
-    for name, fn in functions.items():
-        missing = [column for column in _needs(fn) if column not in have]
+    for name, columns in needs().items():
+        missing = [column for column in columns if column not in have]
         if missing:
             raise ConfigError(f"reward function {name!r} needs column {missing[0]!r}, which the data does not have "
                               f"(it has: {', '.join(have)}); add that column to the data, or choose a reward whose "

@@ -4,7 +4,8 @@
 completion). `ProcessReward` takes a step scorer that returns `(char_end, reward)` per step (§4.1.3);
 the reward of a step goes to the token holding character `char_end - 1` of the completion, the step's
 last character. Both run each function through `guard.Guarded` (a timeout, and a failure costs scores,
-not the run).
+not the run) and answer `names()` (the `per_function` keys they report) and `needs()` (the columns each
+function cannot do without), which the commands read before any model loads.
 
 Where this departs from the paper: rule-based functions by default (the paper trains a reward model), and
 a process reward may carry outcome functions whose advantage is added to the step one with weight λ
@@ -79,6 +80,14 @@ class OutcomeReward:
         self.timeout_s = timeout_s
         self._calls = {name: Guarded(str(name), fn, timeout_s, as_scores) for name, fn in functions.items()}
 
+    def names(self) -> list[str]:
+        """The names its raw scores go under (`per_function`, `rewards/<name>/mean`), one per function."""
+        return list(self._calls)
+
+    def needs(self) -> dict[str, list[str]]:
+        """Per function, the columns it cannot do without (`_needs`)."""
+        return {name: _needs(call.fn) for name, call in self._calls.items()}
+
     def __call__(self, prompts: list[str], completions: list[str],
                  columns: dict[str, list] | None = None) -> RewardResult:
         columns = _columns(columns)
@@ -124,6 +133,14 @@ class ProcessReward:
         self.process_weight = None if process_weight is None else float(process_weight)
         self._scorer = Guarded("steps", scorer, timeout_s, as_steps)
         self._outcome = OutcomeReward(outcome, timeout_s=timeout_s) if outcome else None
+
+    def names(self) -> list[str]:
+        """`steps` (each completion's mean step reward), then the outcome functions' names."""
+        return ["steps", *(self._outcome.names() if self._outcome is not None else [])]
+
+    def needs(self) -> dict[str, list[str]]:
+        """The columns the step scorer (as `scorer`) and each outcome function cannot do without."""
+        return {"scorer": _needs(self._scorer.fn), **(self._outcome.needs() if self._outcome is not None else {})}
 
     def __call__(self, prompts: list[str], completions: list[str],
                  columns: dict[str, list] | None = None) -> RewardResult:
