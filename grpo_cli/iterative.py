@@ -43,7 +43,7 @@ and the retrained model is used.
 Guards against the reward model's blind spots that GRPO amplifies (issue #28; the measured run's policy
 learned to ramble past the length cap because its reward model liked long text):
   - iterative.truncated_reward: a completion cut at sampler.max_new_tokens gets this reward instead of
-    the model's score (`floor_truncated`), so it scores as the worst answer: a fixed floor, not the
+    the model's score (`rewards.shaping.floor_truncated`), so it scores as the worst answer: a fixed floor, not the
     batch's lowest score, because a floor is the same whatever else was sampled (the batch minimum ties a
     truncated completion with the worst finished one, and moves with it). 0 is below every sigmoid score;
     a PRM's truncated completion gets one step, at its last step's end, of that reward.
@@ -71,7 +71,6 @@ temperature (a rarely-right policy at temperature 1 gives almost only negative l
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from pathlib import Path
@@ -87,42 +86,11 @@ from grpo_cli.errors import ConfigError, RunError
 from grpo_cli.instantiate import build
 from grpo_cli.metrics import console
 from grpo_cli.policy import resolve_dtype, set_reference
-from grpo_cli.rewards import RewardResult
+from grpo_cli.rewards.shaping import FlooredReward
 
 # the reward config each labeler kind needs, as `reward=OPTION` names it
 _REWARD = {"outcome": ("grpo_cli.rewards.models.outcome_reward_model", "orm"),
            "process": ("grpo_cli.rewards.models.process_reward_model", "prm")}
-
-
-def floor_truncated(result: RewardResult, truncated: list[bool], completions: list[str],
-                    value: float | None) -> RewardResult:
-    """`result` with every truncated completion's reward set to `value` (None: `result` as it is).
-
-    Outcome: the reward is `value`. Process: the steps become one step of reward `value` at the last scored
-    step's end (or the completion's end when none was scored), so the process advantage gives every token
-    of it the same, lowest return. `per_function` keeps the model's raw scores, for the metrics.
-    """
-    if value is None or not any(truncated):
-        return result
-    rewards = [value if cut else r for r, cut in zip(result.rewards, truncated, strict=True)]
-    steps = result.steps
-    if steps is not None:
-        steps = [s if not cut else [(s[-1][0] if s else len(c), value)] if s or c else []
-                 for s, cut, c in zip(steps, truncated, completions, strict=True)]
-        rewards = [sum(r for _, r in s) if s else None for s in steps]
-    return dataclasses.replace(result, rewards=rewards, steps=steps)
-
-
-class FlooredReward:
-    """A built reward whose truncated completions score `value` (`floor_truncated`); the rollout's
-    `truncated` column says which."""
-
-    def __init__(self, reward, value: float):
-        self.reward, self.value = reward, value
-
-    def __call__(self, prompts: list[str], completions: list[str], columns: dict | None = None) -> RewardResult:
-        result = self.reward(prompts, completions, columns)
-        return floor_truncated(result, list((columns or {})["truncated"]), list(completions), self.value)
 
 
 def check_settings(cfg: DictConfig) -> None:

@@ -62,8 +62,8 @@ from grpo_cli.metrics import (
     synchronize,
 )
 from grpo_cli.policy import build_policy
-from grpo_cli.rewards import overlong_shaping
 from grpo_cli.rewards.call import check_columns, function_names, score, token_ids
+from grpo_cli.rewards.shaping import overlong_shaping
 from grpo_cli.rollout import pad_id, render_prompts
 from grpo_cli.rollout.engine import AUTO, Choice, choose, run_refusal, say
 from grpo_cli.rollout.sizing import Job
