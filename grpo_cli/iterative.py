@@ -17,7 +17,7 @@ With M = iterative.steps, the first step of iteration i (step i*M + 1) first run
   5. save the model and its rows, reference policy <- current policy (`policy.set_reference`), record the
      iteration (RUN/iterations.jsonl and a table).
 The steps of iteration i are scored by that model, floored for truncated completions
-(iterative.truncated_reward, `floor_truncated`). Each step's record carries `iteration`, the boundary's AUCs
+(iterative.truncated_reward, `rewards.shaping.floor_truncated`). Each step's record carries `iteration`, the boundary's AUCs
 on its first step, and the length-shift alarm (iterative.length_alarm). docs/iterative-rl.md says what each
 setting guards against and what was measured.
 
@@ -29,7 +29,6 @@ trained further there too). The reward model's samples may use their own tempera
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from collections.abc import Callable
@@ -47,42 +46,11 @@ from grpo_cli.checks import Check, Rule, is_int, is_num, raised
 from grpo_cli.errors import ConfigError, RunError
 from grpo_cli.metrics import console
 from grpo_cli.policy import resolve_dtype, set_reference
-from grpo_cli.rewards import RewardResult
+from grpo_cli.rewards.shaping import FlooredReward
 
 # the reward config each labeler kind needs, as `reward=OPTION` names it
 _REWARD = {"outcome": ("grpo_cli.rewards.models.outcome_reward_model", "orm"),
            "process": ("grpo_cli.rewards.models.process_reward_model", "prm")}
-
-
-def floor_truncated(result: RewardResult, truncated: list[bool], completions: list[str],
-                    value: float | None) -> RewardResult:
-    """`result` with every truncated completion's reward set to `value` (None: `result` as it is).
-
-    Outcome: the reward is `value`. Process: the steps become one step of reward `value` at the last scored
-    step's end (or the completion's end when none was scored), so the process advantage gives every token
-    of it the same, lowest return. `per_function` keeps the model's raw scores, for the metrics.
-    """
-    if value is None or not any(truncated):
-        return result
-    rewards = [value if cut else r for r, cut in zip(result.rewards, truncated, strict=True)]
-    steps = result.steps
-    if steps is not None:
-        steps = [s if not cut else [(s[-1][0] if s else len(c), value)] if s or c else []
-                 for s, cut, c in zip(steps, truncated, completions, strict=True)]
-        rewards = [sum(r for _, r in s) if s else None for s in steps]
-    return dataclasses.replace(result, rewards=rewards, steps=steps)
-
-
-class FlooredReward:
-    """A built reward whose truncated completions score `value` (`floor_truncated`); the rollout's
-    `truncated` column says which."""
-
-    def __init__(self, reward, value: float):
-        self.reward, self.value = reward, value
-
-    def __call__(self, prompts: list[str], completions: list[str], columns: dict | None = None) -> RewardResult:
-        result = self.reward(prompts, completions, columns)
-        return floor_truncated(result, list((columns or {})["truncated"]), list(completions), self.value)
 
 
 def check_settings(cfg: DictConfig) -> None:

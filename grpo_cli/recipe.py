@@ -53,7 +53,8 @@ from grpo_cli.metrics import (
 )
 from grpo_cli.policy import build_policy
 from grpo_cli.reward_schedule import FixedReward, RewardSchedule
-from grpo_cli.rewards import overlong_shaping, score, token_ids
+from grpo_cli.rewards.call import score, token_ids
+from grpo_cli.rewards.shaping import overlong_shaping
 from grpo_cli.rollout import pad_id, render_prompts
 from grpo_cli.rollout.engine import say
 from grpo_cli.rollout.sizing import Job

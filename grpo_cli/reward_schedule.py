@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from grpo_cli.groups import GroupFilter
-from grpo_cli.rewards import check_columns, function_names
+from grpo_cli.rewards.call import check_columns, function_names
 
 
 class RewardSchedule(Protocol):

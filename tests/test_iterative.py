@@ -26,7 +26,6 @@ from grpo_cli.config import compose, validate
 from grpo_cli.errors import CheckpointError, ConfigError
 from grpo_cli.instantiate import build
 from grpo_cli.policy import reference
-from grpo_cli.rewards import RewardResult
 from grpo_cli.rm import OutcomeLabeler
 
 REPO = Path(__file__).resolve().parent.parent
@@ -229,23 +228,6 @@ def test_auc_on_the_current_policy_before_and_after_retraining_matches_a_pair_co
     # iteration 0 from a new head: the head is scored before training too (a random ranking), then retrained
     step1, first = metrics(tmp_path)[0], iterations(tmp_path)[0]
     assert step1["rm/auc_current_policy_after"] == first["heldout_after"]["auc"] is not None
-
-
-def test_truncated_completions_score_lowest_by_hand():
-    # outcome: model scores .2 .9 .4 .7, the 2nd and 4th cut at the cap -> .2 0 .4 0 with a floor of 0: both
-    # truncated ones below every finished one, whatever the model thought of them
-    scores = RewardResult(rewards=[0.2, 0.9, 0.4, 0.7], per_function={"orm": [0.2, 0.9, 0.4, 0.7]})
-    floored = iterative.floor_truncated(scores, [False, True, False, True], ["a", "bb", "c", "dd"], 0.0)
-    assert floored.rewards == [0.2, 0.0, 0.4, 0.0]
-    assert floored.per_function == {"orm": [0.2, 0.9, 0.4, 0.7]}  # the model's own scores stay for the metrics
-    assert iterative.floor_truncated(scores, [False] * 4, ["a"] * 4, 0.0) is scores  # nothing cut: as it was
-    assert iterative.floor_truncated(scores, [True] * 4, ["a"] * 4, None) is scores  # off
-    # process: steps (3, .9) (6, .8) = 1.7 and (2, .1) = .1; the first is cut -> one step (6, -1) = -1, the
-    # lowest; a cut completion with no scored step gets one at its end, (4, -1)
-    steps = RewardResult(rewards=[1.7, 0.1, None], per_function={"steps": [0.85, 0.1, None]},
-                         steps=[[(3, 0.9), (6, 0.8)], [(2, 0.1)], []])
-    floored = iterative.floor_truncated(steps, [True, False, True], ["abcdef", "ab", "abcd"], -1.0)
-    assert floored.steps == [[(6, -1.0)], [(2, 0.1)], [(4, -1.0)]] and floored.rewards == [-1.0, 0.1, -1.0]
 
 
 def test_truncated_completions_score_lowest_in_a_run(tmp_path):

@@ -25,7 +25,8 @@ from grpo_cli.data import build_task, load_task
 from grpo_cli.errors import ConfigError, DataError
 from grpo_cli.instantiate import build
 from grpo_cli.resources import CONF_DIR
-from grpo_cli.rewards import OutcomeReward, check_columns, score
+from grpo_cli.rewards import OutcomeReward
+from grpo_cli.rewards.call import check_columns, score
 from grpo_cli.rewards.user import CustomReward
 
 # the tiny model, two steps of 2 prompts x G=2, 8 new tokens

@@ -187,3 +187,15 @@ def test_process_config_errors():
         ProcessReward("step_rewards")
     with pytest.raises(ConfigError, match="reward.outcome.steps"):
         ProcessReward(step_rewards, outcome={"steps": accuracy})
+
+
+def test_combiners_name_their_scores_and_the_columns_they_need():
+    # accuracy(prompts, completions, answer, ...) cannot score without `answer`; format_reward needs nothing;
+    # step_rewards takes `answer` with a default (None: no answer step), so it needs nothing either
+    outcome = OutcomeReward({"accuracy": accuracy, "format": format_reward})
+    assert outcome.names() == ["accuracy", "format"]
+    assert outcome.needs() == {"accuracy": ["answer"], "format": []}
+    process = ProcessReward(step_rewards, outcome={"accuracy": accuracy})
+    assert process.names() == ["steps", "accuracy"]  # `steps`: each completion's mean step reward
+    assert process.needs() == {"scorer": [], "accuracy": ["answer"]}
+    assert ProcessReward(step_rewards).names() == ["steps"]

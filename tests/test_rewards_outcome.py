@@ -181,23 +181,3 @@ def test_length_penalty_at_the_buffer_edges():
                           buffer=4) == [0.0, -0.25, -1.0]
     with pytest.raises(ConfigError, match="buffer"):
         length_penalty([""], [""], completion_length=[1], max_length=4, buffer=5)
-
-
-def test_overlong_shaping_adds_dapos_penalty_to_any_reward():
-    from grpo_cli.rewards import RewardResult, overlong_shaping
-
-    # L_max 8 (sampler.max_new_tokens), buffer 4, penalty 2: free up to 4 tokens, then -2/4 = -0.5 a token
-    lengths = [3, 4, 6, 8]
-    # 3, 4 -> 0; 6 -> (4 - 6)/4 · 2 = -1.0; 8 = the cap -> -2.0
-    outcome = RewardResult(rewards=[1.0, None, 1.0, 0.5], per_function={"accuracy": [1.0, None, 1.0, 0.5]})
-    shaped = overlong_shaping(outcome, lengths, max_length=8, buffer=4, penalty=2.0)
-    # a completion without a score keeps none; the raw function scores are unchanged
-    assert shaped.rewards == [1.0, None, 0.0, -1.5]
-    assert shaped.per_function == {"accuracy": [1.0, None, 1.0, 0.5], "overlong": [0.0, 0.0, -1.0, -2.0]}
-    assert overlong_shaping(outcome, lengths, 8, None) is outcome  # off
-    # process: onto the last step's reward; a completion with no step has none to shape
-    process = RewardResult(rewards=[2.0, None, 1.0, 0.0], per_function={"steps": [1.0, None, 1.0, 0.0]},
-                           steps=[[(3, 1.0), (9, 1.0)], [], [(5, 1.0)], [(2, 0.5), (4, -0.5)]])
-    shaped = overlong_shaping(process, lengths, max_length=8, buffer=4, penalty=2.0)
-    assert shaped.steps == [[(3, 1.0), (9, 1.0)], [], [(5, 0.0)], [(2, 0.5), (4, -2.5)]]
-    assert shaped.rewards == [2.0, None, 0.0, -2.0]  # each the sum of its steps

@@ -46,7 +46,8 @@ from grpo_cli.inference import inference_config, inference_policy
 from grpo_cli.instantiate import build
 from grpo_cli.metrics import console, mean, progress, quiet
 from grpo_cli.policy import adapter_enabled
-from grpo_cli.rewards import answers_match, check_columns, extract_answer, reference_answer, score, token_ids
+from grpo_cli.rewards.call import check_columns, score, token_ids
+from grpo_cli.rewards.outcome import answers_match, extract_answer, reference_answer
 from grpo_cli.rollout import render_prompts
 from grpo_cli.rollout.engine import choose, say
 from grpo_cli.rollout.sizing import Job

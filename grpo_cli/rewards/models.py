@@ -27,7 +27,8 @@ models of both kinds.
 
 Both accept `model=` and `tokenizer=` objects directly (tests, or a model already in memory), run
 in batches under torch.no_grad with right padding, and return scores in the calling convention of
-`grpo_cli.rewards` (a list per completion; steps as (char_end, reward)).
+`grpo_cli.rewards` (a list per completion; steps as (char_end, reward)). `outcome_reward_model` and
+`process_reward_model` wrap them in the combiners (`combine`), which answer `names()` and `needs()`.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from transformers import AutoConfig, AutoTokenizer
 from grpo_cli.checks import Check, Rule
 from grpo_cli.errors import ConfigError
 from grpo_cli.policy import resolve_device, resolve_dtype
-from grpo_cli.rewards import OutcomeReward, ProcessReward
+from grpo_cli.rewards.combine import OutcomeReward, ProcessReward
 from grpo_cli.rewards.steps import split_steps
 
 # what each kind is called in errors, and how to get one

@@ -21,7 +21,7 @@ Everything that can be wrong from the config alone stops the run before the mode
 commands build the reward first): a name that does not import (with the sys.path searched), a
 signature that cannot take `(prompts, completions, **kwargs)`, weights of the wrong length. A
 function that raises during a step costs its completions their score, as for every reward
-(grpo_cli.rewards._Guarded).
+(grpo_cli.rewards.guard).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from typing import Any
 
 from grpo_cli.checks import is_num
 from grpo_cli.errors import ConfigError
-from grpo_cli.rewards import OutcomeReward
+from grpo_cli.rewards.combine import OutcomeReward
 from grpo_cli.rewards.outcome import accuracy, format_reward
 
 # short names for grpo_cli's own outcome functions, with their YAML defaults (format: GSM8K's "#### N" line)
@@ -124,7 +124,7 @@ def load_function(spec: Any, where: str) -> tuple[str, Callable]:
 
 def _check_signature(fn: Callable, spec: str, where: str) -> None:
     """`fn` must take fn(prompts=..., completions=..., **columns): `**kwargs`, and no other required positional-only
-    parameter (a named one is a column, checked against the data by grpo_cli.rewards.check_columns)."""
+    parameter (a named one is a column, checked against the data by grpo_cli.rewards.call.check_columns)."""
     try:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):  # a builtin or C function without a signature: leave it to the call

@@ -18,7 +18,7 @@ A labeled row is one JSON object (one JSONL line):
     {"prompt": "...", "completion": "3 + 4 = 7\\n#### 7", "steps": [[9, 1.0], [16, 1.0]]}   # process (PRM)
 
 `prompt` is the text the reward model reads before the completion: the problem's question, as
-`grpo_cli.rewards.score` hands it to reward functions (not the chat-templated prompt). Labels are in
+`grpo_cli.rewards.call.score` hands it to reward functions (not the chat-templated prompt). Labels are in
 [0, 1] (soft labels train as soft targets). A step is `[char_end, label]`, char_end the exclusive
 end of the step in the completion, as `split_steps` and `ProcessReward` give it. Other keys
 (`answer`, `split`, ...) are kept and ignored.

@@ -1,0 +1,63 @@
+"""Calling a built reward from a command: its columns from the examples and the rollout, and the checks
+made before any model loads.
+
+`score` hands a reward each example's question as `prompts` and its other fields (`answer`, a dataset's
+columns, ...) as columns, plus what the rollout knows: `completion_length` (tokens, list[int]),
+`truncated` (list[bool]) and `completion_ids` (list[list[int]], `token_ids`). `check_columns` and
+`function_names` read a reward's own `needs()` and `names()` (`combine`); a reward of another kind,
+without them, is its own business. Nothing here is in the paper: it is the glue between a rollout and
+the reward contract (`grpo_cli.rewards`).
+"""
+
+from __future__ import annotations
+
+from grpo_cli.errors import ConfigError
+from grpo_cli.rewards.result import RewardResult
+
+# an example's keys that are not columns: the chat messages and the prompt's text (passed as `prompts`)
+_NOT_COLUMNS = ("messages", "question")
+
+
+def score(reward_fn, examples: list[dict], owners: list[int], texts: list[str], lengths: list[int],
+          truncated: list[bool], completion_ids: list[list[int]] | None = None) -> RewardResult:
+    """Call a built reward on completions; completion j answers examples[owners[j]].
+
+    The reward sees each example's question as `prompts` and its other fields (`answer`, a dataset's
+    columns, ...) as columns, in the order of the completions, plus the completions' token lengths,
+    truncation flags and (when given) token ids.
+    """
+    keys = [k for k in examples[0] if k not in _NOT_COLUMNS]
+    columns = {k: [examples[i].get(k) for i in owners] for k in keys}
+    rollout = {"completion_length": lengths, "truncated": truncated}
+    if completion_ids is not None:
+        rollout["completion_ids"] = completion_ids
+    return reward_fn([examples[i]["question"] for i in owners], texts, {**columns, **rollout})
+
+
+def token_ids(rollout) -> list[list[int]]:
+    """Each completion's token ids up to and including its EOS (a Rollout's `completion_ids` column)."""
+    return [ids[mask.bool()].tolist() for ids, mask in zip(rollout.completion_ids, rollout.completion_mask)]
+
+
+def function_names(reward_fn) -> list[str] | None:
+    """The names a reward reports its raw scores under (`per_function`, `rewards/<name>/mean`), or None for a
+    reward without `names()` (they are known once it has run)."""
+    names = getattr(reward_fn, "names", None)
+    return names() if callable(names) else None
+
+
+def check_columns(reward_fn, example: dict) -> None:
+    """ConfigError, before any model loads, when a reward function needs a column the data's examples lack
+    (the accuracy reward's `answer` on a dataset without one): its run would score nothing. A reward without
+    `needs()` is not checked."""
+    needs = getattr(reward_fn, "needs", None)
+    if not callable(needs):
+        return
+    have = [k for k in example if k not in (*_NOT_COLUMNS, "prompt")]
+    have += ["completion_length", "truncated", "completion_ids"]
+    for name, columns in needs().items():
+        missing = [column for column in columns if column not in have]
+        if missing:
+            raise ConfigError(f"reward function {name!r} needs column {missing[0]!r}, which the data does not have "
+                              f"(it has: {', '.join(have)}); add that column to the data, or choose a reward whose "
+                              f"functions need none (reward=custom reward.funcs=[...])")

@@ -1,0 +1,143 @@
+"""The timeout runner: each reward function runs guarded, so a broken one costs scores, never the run.
+
+`Guarded(name, fn, timeout_s, convert)` calls `fn(prompts, completions, **columns)` in a worker thread
+with a timeout and converts its output with `as_scores` (one float or None per completion: an outcome
+function) or `as_steps` (sorted `(char_end, reward)` per completion: a step scorer). A function that
+raises (even SystemExit), hangs or returns garbage costs its completions their score (None); a call
+that raised is retried one completion at a time, so only the completions it fails on lose theirs. A
+ConfigError (a bad option fails every call) stops the run with the fix, and KeyboardInterrupt (Ctrl-C)
+passes through.
+
+Not in the paper (DeepSeekMath scores with a reward model it trained itself): a robustness layer for
+rule-based and user-written functions.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+from grpo_cli.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def _failed(err: BaseException) -> bool:
+    """Whether an exception from a reward function is the function's failure (its completions lose their
+    score) rather than the user stopping the run. SystemExit counts as a failure: a library that calls
+    sys.exit() on odd input must not end training without a word."""
+    return not isinstance(err, (KeyboardInterrupt, ConfigError))
+
+
+class Guarded:
+    """One scoring function run in a worker thread with a timeout; raises only ConfigError and
+    KeyboardInterrupt.
+
+    A timed-out thread cannot be killed in Python, so it runs on as a daemon (it does not block
+    interpreter exit), and while it still runs the function is not called again: its next calls
+    give None at once instead of piling up threads. With timeout_s null the function runs inline
+    on the caller's thread and nothing bounds it: a hung function hangs the step; Ctrl-C (twice
+    during training) raises KeyboardInterrupt in it, which passes through.
+    """
+
+    def __init__(self, name: str, fn: Callable, timeout_s: float | None,
+                 convert: Callable[[Any, list[str]], list]):
+        self.name, self.fn, self.timeout_s, self.convert = name, fn, timeout_s, convert
+        self._thread: threading.Thread | None = None
+        self._warned = False
+
+    def _in_thread(self, work: Callable[[], Any]) -> Any:
+        if not self.timeout_s:
+            return work()
+        future: Future = Future()
+
+        def target() -> None:
+            future.set_running_or_notify_cancel()
+            try:
+                future.set_result(work())
+            except BaseException as err:  # handed to the caller through the future
+                future.set_exception(err)
+
+        self._thread = threading.Thread(target=target, daemon=True, name=f"reward-{self.name}")
+        self._thread.start()
+        return future.result(timeout=self.timeout_s)
+
+    def _warn(self, why: str) -> None:
+        if not self._warned:
+            self._warned = True
+            log.warning("reward %r %s; its completions get no score (warned once per function)",
+                        self.name, why)
+
+    def __call__(self, prompts: list[str], completions: list[str], columns: dict[str, list]) -> tuple[list, bool]:
+        """(one converted result per completion, None where lost; whether the call failed)."""
+        n = len(completions)
+        if self._thread is not None and self._thread.is_alive():
+            self._warn(f"is still running from an earlier call that passed timeout_s={self.timeout_s}")
+            return [None] * n, True
+        try:
+            return self.convert(self._in_thread(lambda: self.fn(prompts, completions, **columns)), completions), False
+        except FutureTimeout:
+            self._warn(f"took longer than timeout_s={self.timeout_s} s; raise reward.timeout_s if it is "
+                       f"just slow")
+            return [None] * n, True
+        except BaseException as err:
+            if not _failed(err):  # a bad option (a broken regex, buffer 0) fails every call: stop with the fix
+                raise
+            self._warn(f"raised {err!r}; fix the function (it is retried one completion at a time)")
+
+        def one_by_one() -> list:
+            out = []
+            for i in range(n):
+                try:
+                    single = self.fn(prompts[i:i + 1], completions[i:i + 1],
+                                     **{k: v[i:i + 1] for k, v in columns.items()})
+                    out.append(self.convert(single, completions[i:i + 1])[0])
+                except BaseException as err:
+                    if isinstance(err, KeyboardInterrupt):
+                        raise
+                    out.append(None)
+            return out
+
+        try:
+            return self._in_thread(one_by_one), True
+        except BaseException as err:
+            if isinstance(err, KeyboardInterrupt):
+                raise
+            return [None] * n, True
+
+
+def as_scores(out: Any, completions: list[str]) -> list[float | None]:
+    """A reward function's output -> one float or None per completion; NaN and inf become None."""
+    out = list(out)
+    if len(out) != len(completions):
+        raise ValueError(f"returned {len(out)} scores for {len(completions)} completions; "
+                         f"a reward function must return one score (or None) per completion")
+    scores: list[float | None] = []
+    for value in out:
+        value = None if value is None else float(value)
+        scores.append(value if value is not None and math.isfinite(value) else None)
+    return scores
+
+
+def as_steps(out: Any, completions: list[str]) -> list[list[tuple[int, float]] | None]:
+    """A step scorer's output -> sorted [(char_end, reward), ...] per completion, checked."""
+    out = list(out)
+    if len(out) != len(completions):
+        raise ValueError(f"returned steps for {len(out)} of {len(completions)} completions")
+    result = []
+    for steps, text in zip(out, completions):
+        checked = []
+        for end, reward in steps:
+            end, reward = int(end), float(reward)
+            if not 0 < end <= len(text) + 1:  # len(text) + 1: the step ends with the completion (its EOS)
+                raise ValueError(f"step char_end {end} is outside the completion (length {len(text)}; "
+                                 f"{len(text) + 1} ends a step with the completion itself)")
+            if math.isfinite(reward):
+                checked.append((end, reward))
+        result.append(sorted(checked, key=lambda step: step[0]))  # stable: the scorer's order within one end
+    return result

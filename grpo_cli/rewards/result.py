@@ -1,0 +1,35 @@
+"""The record one reward call gives the trainer: `RewardResult`.
+
+Outcome rewards fill `rewards` (one scalar per completion, DeepSeekMath §4.1.2); process rewards also
+fill `steps` (a reward per reasoning step, §4.1.3), and `rewards` is then each completion's sum of its
+step rewards. Shaping (`grpo_cli.rewards.shaping`) returns a new record of the same type.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class RewardResult:
+    """What one reward call gives the trainer.
+
+    rewards: per completion; None = no score (every function gave None or failed).
+    per_function: raw (unweighted) scores per function name, for `rewards/<name>/mean` metrics; a
+        process reward adds `steps`, each completion's mean step reward.
+    failures: function calls (one per function per batch) that raised, timed out or returned a
+        malformed result. A call that raised is retried one completion at a time, so only the
+        completions it fails on lose their score.
+    steps: process rewards only: per completion, [(char_end, reward), ...] in text order, char_end
+        exclusive (several steps may share one); [] when the completion has no scored step. None for
+        outcome rewards.
+    outcome: process rewards combined with outcome ones: per completion, the outcome functions' sum.
+    process_weight: λ of A = A_outcome + λ·A_process (`update.advantages`); None: process only.
+    """
+
+    rewards: list[float | None]
+    per_function: dict[str, list[float | None]]
+    failures: int = 0
+    steps: list[list[tuple[int, float]]] | None = None
+    outcome: list[float | None] | None = None
+    process_weight: float | None = None

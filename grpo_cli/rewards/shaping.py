@@ -1,0 +1,119 @@
+"""Reward shaping: transforms of a `RewardResult` applied after the reward has scored a batch.
+
+Two shapings, each a pure function of a result and the rollout's facts, sharing one step rewrite
+(`_with_steps`: new steps per completion, each reward the sum of its steps, None without one):
+
+  - `floor_truncated` (iterative.truncated_reward; `FlooredReward` applies it inside a reward's call): a
+    completion cut at sampler.max_new_tokens scores a fixed floor instead of the reward model's score,
+    so a policy cannot learn to ramble past the cap because a learned model likes long text (issue #28).
+    A process result's truncated completion becomes one step of that reward.
+  - `overlong_shaping` (algo.overlong_buffer, algo.overlong_penalty): DAPO's soft overlong punishment
+    (arXiv 2503.14476 eq. 13), 0 down to -penalty over the last `buffer` tokens before the cap, added to
+    an outcome reward or to a process result's last step.
+
+`shape` applies both in the trainer's order: the floor first, then the overlong penalty on top of it.
+Neither is in DeepSeekMath's GRPO, which scores every completion by its reward alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from grpo_cli.checks import Check, Rule, is_int, is_num
+from grpo_cli.rewards.outcome import length_penalty
+from grpo_cli.rewards.result import RewardResult
+
+
+def _with_steps(result: RewardResult, steps: list[list[tuple[int, float]]], **changes) -> RewardResult:
+    """`result` with new `steps` (per completion) and each reward re-summed from them (None: no step)."""
+    rewards = [sum(r for _, r in s) if s else None for s in steps]
+    return dataclasses.replace(result, rewards=rewards, steps=steps, **changes)
+
+
+def floor_truncated(result: RewardResult, truncated: list[bool], completions: list[str],
+                    value: float | None) -> RewardResult:
+    """`result` with every truncated completion's reward set to `value` (None: `result` as it is).
+
+    Outcome: the reward is `value`. Process: the steps become one step of reward `value` at the last scored
+    step's end (or the completion's end when none was scored), so the process advantage gives every token
+    of it the same, lowest return. `per_function` keeps the model's raw scores, for the metrics.
+    """
+    if value is None or not any(truncated):
+        return result
+    if result.steps is None:
+        rewards = [value if cut else r for r, cut in zip(result.rewards, truncated, strict=True)]
+        return dataclasses.replace(result, rewards=rewards)
+    steps = [s if not cut else [(s[-1][0] if s else len(c), value)] if s or c else []
+             for s, cut, c in zip(result.steps, truncated, completions, strict=True)]
+    return _with_steps(result, steps)
+
+
+class FlooredReward:
+    """A built reward whose truncated completions score `value` (`floor_truncated`); the rollout's
+    `truncated` column says which. It reports the names and needs of the reward it wraps."""
+
+    def __init__(self, reward, value: float):
+        self.reward, self.value = reward, value
+
+    def __call__(self, prompts: list[str], completions: list[str], columns: dict | None = None) -> RewardResult:
+        result = self.reward(prompts, completions, columns)
+        return floor_truncated(result, list((columns or {})["truncated"]), list(completions), self.value)
+
+    def names(self) -> list[str] | None:
+        names = getattr(self.reward, "names", None)
+        return names() if callable(names) else None
+
+    def needs(self) -> dict[str, list[str]]:
+        needs = getattr(self.reward, "needs", None)
+        return needs() if callable(needs) else {}
+
+
+def overlong_shaping(result: RewardResult, lengths: list[int], max_length: int, buffer: int | None,
+                     penalty: float = 1.0) -> RewardResult:
+    """DAPO's soft overlong punishment (`outcome.length_penalty`, arXiv 2503.14476 eq. 13) added to any reward.
+
+    buffer None: `result` as it is. Otherwise each completion of L tokens gets
+    length_penalty(L; L_max=max_length, L_cache=buffer) · penalty, 0 down to -penalty over the last `buffer`
+    tokens before the cap: added to an outcome reward (a completion without a score keeps none), or to the
+    last step's reward of a process reward (the step whose text ran into the buffer; a completion with no
+    scored step has no reward to shape and keeps none). Logged as `rewards/overlong/mean`.
+    """
+    if buffer is None:
+        return result
+    shaped = length_penalty(None, None, completion_length=lengths, max_length=max_length, buffer=buffer,
+                            penalty=penalty)
+    per_function = {**result.per_function, "overlong": shaped}
+    if result.steps is None:
+        rewards = [r if r is None or p is None else r + p for r, p in zip(result.rewards, shaped)]
+        return dataclasses.replace(result, rewards=rewards, per_function=per_function)
+    steps = [s[:-1] + [(s[-1][0], s[-1][1] + p)] if s and p is not None else s for s, p in zip(result.steps, shaped)]
+    return _with_steps(result, steps, per_function=per_function)
+
+
+def shape(result: RewardResult, *, lengths: list[int], truncated: list[bool], completions: list[str],
+          max_length: int, overlong_buffer: int | None, overlong_penalty: float,
+          truncated_reward: float | None) -> RewardResult:
+    """Both shapings in the trainer's order: the truncation floor, then the overlong penalty on top of it."""
+    floored = floor_truncated(result, truncated, completions, truncated_reward)
+    return overlong_shaping(floored, lengths, max_length, overlong_buffer, overlong_penalty)
+
+# ---- config checks: this module's settings, collected by config.validate --------------------------------
+
+def _check_overlong(cfg) -> list[str]:
+    """The buffer lies inside the completion budget (eq. 13 needs L_cache <= L_max)."""
+    buffer, budget = cfg.get("algo", {}).get("overlong_buffer"), cfg.get("sampler", {}).get("max_new_tokens")
+    if is_int(buffer) and is_int(budget) and buffer > budget >= 1:  # buffer < 1 has its own line
+        fit = max(1, budget // 4)
+        return [f"algo.overlong_buffer ({buffer}) must be at most sampler.max_new_tokens ({budget}): the penalty "
+                f"ramps over the last overlong_buffer tokens before the cap; set algo.overlong_buffer={fit}"]
+    return []
+
+
+CHECKS: list[Check] = [
+    Rule("algo.overlong_buffer", lambda v: v is None or (is_int(v) and v >= 1),
+         "must be an integer >= 1 (tokens before sampler.max_new_tokens) or null (off); "
+         "set algo.overlong_buffer=null"),
+    Rule("algo.overlong_penalty", lambda v: is_num(v) and v >= 0,
+         "must be a number >= 0 (DAPO's is 1); set algo.overlong_penalty=1.0"),
+    _check_overlong,
+]

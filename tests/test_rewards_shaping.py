@@ -1,0 +1,55 @@
+"""Reward shaping (grpo_cli.rewards.shaping): the truncation floor and DAPO's overlong penalty, by hand."""
+
+from __future__ import annotations
+
+from grpo_cli.rewards import RewardResult
+from grpo_cli.rewards.shaping import FlooredReward, floor_truncated, overlong_shaping, shape
+
+
+def test_truncated_completions_score_lowest_by_hand():
+    # outcome: model scores .2 .9 .4 .7, the 2nd and 4th cut at the cap -> .2 0 .4 0 with a floor of 0: both
+    # truncated ones below every finished one, whatever the model thought of them
+    scores = RewardResult(rewards=[0.2, 0.9, 0.4, 0.7], per_function={"orm": [0.2, 0.9, 0.4, 0.7]})
+    floored = floor_truncated(scores, [False, True, False, True], ["a", "bb", "c", "dd"], 0.0)
+    assert floored.rewards == [0.2, 0.0, 0.4, 0.0]
+    assert floored.per_function == {"orm": [0.2, 0.9, 0.4, 0.7]}  # the model's own scores stay for the metrics
+    assert floor_truncated(scores, [False] * 4, ["a"] * 4, 0.0) is scores  # nothing cut: as it was
+    assert floor_truncated(scores, [True] * 4, ["a"] * 4, None) is scores  # off
+    # process: steps (3, .9) (6, .8) = 1.7 and (2, .1) = .1; the first is cut -> one step (6, -1) = -1, the
+    # lowest; a cut completion with no scored step gets one at its end, (4, -1)
+    steps = RewardResult(rewards=[1.7, 0.1, None], per_function={"steps": [0.85, 0.1, None]},
+                         steps=[[(3, 0.9), (6, 0.8)], [(2, 0.1)], []])
+    floored = floor_truncated(steps, [True, False, True], ["abcdef", "ab", "abcd"], -1.0)
+    assert floored.steps == [[(6, -1.0)], [(2, 0.1)], [(4, -1.0)]] and floored.rewards == [-1.0, 0.1, -1.0]
+
+
+def test_overlong_shaping_adds_dapos_penalty_to_any_reward():
+    # L_max 8 (sampler.max_new_tokens), buffer 4, penalty 2: free up to 4 tokens, then -2/4 = -0.5 a token
+    lengths = [3, 4, 6, 8]
+    # 3, 4 -> 0; 6 -> (4 - 6)/4 · 2 = -1.0; 8 = the cap -> -2.0
+    outcome = RewardResult(rewards=[1.0, None, 1.0, 0.5], per_function={"accuracy": [1.0, None, 1.0, 0.5]})
+    shaped = overlong_shaping(outcome, lengths, max_length=8, buffer=4, penalty=2.0)
+    # a completion without a score keeps none; the raw function scores are unchanged
+    assert shaped.rewards == [1.0, None, 0.0, -1.5]
+    assert shaped.per_function == {"accuracy": [1.0, None, 1.0, 0.5], "overlong": [0.0, 0.0, -1.0, -2.0]}
+    assert overlong_shaping(outcome, lengths, 8, None) is outcome  # off
+    # process: onto the last step's reward; a completion with no step has none to shape
+    process = RewardResult(rewards=[2.0, None, 1.0, 0.0], per_function={"steps": [1.0, None, 1.0, 0.0]},
+                           steps=[[(3, 1.0), (9, 1.0)], [], [(5, 1.0)], [(2, 0.5), (4, -0.5)]])
+    shaped = overlong_shaping(process, lengths, max_length=8, buffer=4, penalty=2.0)
+    assert shaped.steps == [[(3, 1.0), (9, 1.0)], [], [(5, 0.0)], [(2, 0.5), (4, -2.5)]]
+    assert shaped.rewards == [2.0, None, 0.0, -2.0]  # each the sum of its steps
+
+
+def test_shape_floors_then_penalizes_as_the_trainer_does():
+    # floor 0 on the cut 2nd completion, then L_max 8, buffer 4, penalty 1: lengths 3 -> 0, 8 -> -1
+    # -> rewards .5 and 0 + -1 = -1 (the penalty lands on the floor, not on the model's .9)
+    result = RewardResult(rewards=[0.5, 0.9], per_function={"orm": [0.5, 0.9]})
+    shaped = shape(result, lengths=[3, 8], truncated=[False, True], completions=["a", "bb"], max_length=8,
+                   overlong_buffer=4, overlong_penalty=1.0, truncated_reward=0.0)
+    assert shaped.rewards == [0.5, -1.0]
+    assert shaped.per_function == {"orm": [0.5, 0.9], "overlong": [0.0, -1.0]}
+    # the same as the floor inside the reward's call (FlooredReward), then overlong_shaping on its output
+    floored = FlooredReward(lambda prompts, completions, columns: result, 0.0)(["p", "p"], ["a", "bb"],
+                                                                              {"truncated": [False, True]})
+    assert overlong_shaping(floored, [3, 8], 8, 4, 1.0) == shaped
