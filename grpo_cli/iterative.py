@@ -85,7 +85,7 @@ from grpo_cli import checkpoint, rm
 from grpo_cli.checks import Check, Rule, is_int, is_num, raised
 from grpo_cli.errors import ConfigError, RunError
 from grpo_cli.instantiate import build
-from grpo_cli.metrics import console
+from grpo_cli.metrics.console import console
 from grpo_cli.policy import resolve_dtype, set_reference
 from grpo_cli.rewards import RewardResult
 

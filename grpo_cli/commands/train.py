@@ -47,20 +47,11 @@ from grpo_cli.errors import ConfigError, RunError
 from grpo_cli.groups import Draw, GroupFilter
 from grpo_cli.instantiate import build
 from grpo_cli.iterative import IterativeRL
-from grpo_cli.metrics import (
-    CompletionsLog,
-    MetricsLog,
-    check_logging,
-    console,
-    peak_memory_mb,
-    plot_training,
-    progress,
-    quiet,
-    reset_peak_memory,
-    rollout_metrics,
-    step_memory,
-    synchronize,
-)
+from grpo_cli.metrics.console import console, progress, quiet
+from grpo_cli.metrics.memory import peak_memory_mb, reset_peak_memory, step_memory, synchronize
+from grpo_cli.metrics.plots import plot_training
+from grpo_cli.metrics.run_files import CompletionsLog, MetricsLog, check_logging
+from grpo_cli.metrics.stats import rollout_metrics
 from grpo_cli.policy import build_policy
 from grpo_cli.rewards import check_columns, function_names, overlong_shaping, score, token_ids
 from grpo_cli.rollout import pad_id, render_prompts

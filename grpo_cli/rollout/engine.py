@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields
 from omegaconf import DictConfig, OmegaConf
 
 from grpo_cli.instantiate import build
-from grpo_cli.metrics import console
+from grpo_cli.metrics.console import console
 from grpo_cli.rollout import SamplerSettings
 from grpo_cli.rollout import vllm as vllm_engine
 from grpo_cli.rollout.hf import HFSampler

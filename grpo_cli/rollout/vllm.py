@@ -86,7 +86,7 @@ from grpo_cli import quantize
 from grpo_cli.checks import Check, Rule, get, is_int, is_num, one_of
 from grpo_cli.distributed import world_size
 from grpo_cli.errors import ConfigError, DataError
-from grpo_cli.metrics import console
+from grpo_cli.metrics.console import console
 from grpo_cli.policy import DTYPES
 from grpo_cli.rollout import Rollout, Sampler, SamplerSettings, drawing_from, encode_prompts, finish, pad_id
 from grpo_cli.rollout.hf import HFSampler, check_prompts
