@@ -24,7 +24,7 @@ from grpo_cli.checks import Check, Rule, is_num
 from grpo_cli.errors import ConfigError
 from grpo_cli.resources import CONF_DIR, RECIPES_DIR
 from grpo_cli.rewards import models as reward_models
-from grpo_cli.rollout import vllm
+from grpo_cli.rollout import vllm_engine
 
 
 def register_recipes() -> None:
@@ -68,8 +68,8 @@ OPTIMIZER: list[Check] = [
 ]
 
 # every library module that owns a config section, with its checks (grpo_cli.checks); a command adds its own
-LIBRARY_CHECKS: list[Check] = [*objective.CHECKS, *policy.CHECKS, *rollout.CHECKS, *vllm.CHECKS, *rewards.CHECKS,
-                               *reward_models.CHECKS, *iterative.CHECKS, *groups.CHECKS, *OPTIMIZER]
+LIBRARY_CHECKS: list[Check] = [*objective.CHECKS, *policy.CHECKS, *rollout.CHECKS, *vllm_engine.CHECKS,
+                               *rewards.CHECKS, *reward_models.CHECKS, *iterative.CHECKS, *groups.CHECKS, *OPTIMIZER]
 
 
 # sections of plain settings (no `_target_`): their keys are the ones their YAML file defines, so a
