@@ -82,8 +82,10 @@ VERBOSE = "GRPO_VERBOSE"
 # libraries whose Python warnings (deprecations in their own code) are theirs to fix, not the user's
 QUIET_WARNINGS = r"(transformers|peft|torch|accelerate|vllm)\."
 # loggers that speak at import or first use and are no user's business: bitsandbytes (imported by peft) warns of an
-# optional kernel package, matplotlib logs its font cache at INFO (Hydra's job logging prints INFO to the console)
-QUIET_LOGGERS = {"bitsandbytes": logging.ERROR, "matplotlib": logging.WARNING}
+# optional kernel package, matplotlib logs its font cache at INFO (Hydra's job logging prints INFO to the console),
+# math-verify warns that its timeout is off where a reward runs it off the main thread (rewards/outcome.py: the
+# reward's own thread timeout bounds the call there)
+QUIET_LOGGERS = {"bitsandbytes": logging.ERROR, "matplotlib": logging.WARNING, "math_verify": logging.ERROR}
 
 
 def setup_process(environ=None) -> None:
@@ -93,6 +95,10 @@ def setup_process(environ=None) -> None:
         quiet_libraries(environ)
     for key, value in VLLM_ENVIRONMENT.items():
         environ.setdefault(key, value)
+    if environ.get("VLLM_LOGGING_LEVEL") == "ERROR":
+        # vLLM reads the level once, when it is imported: this also covers a process that imported it before (a
+        # test run), and the loggers of its lazy imports (Triton's probes), which speak later
+        logging.getLogger("vllm").setLevel(logging.ERROR)
     # bitsandbytes (the qlora extra) logs at import, on an AVX512-BF16 CPU, that an optional kernel package is
     # missing; peft imports it whenever it is installed, so every command would print that line. The CPU path
     # it is about stays off (quantize.quantize_4bit)

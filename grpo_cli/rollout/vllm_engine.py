@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import logging
 import os
 import random
 import re
@@ -71,12 +70,10 @@ def installed() -> bool:
 
 def import_vllm():
     """`import vllm`. The settings it reads from the environment (the engine in this process, on the trainer's
-    threads, only its errors on the console) are set once at the command line's entry (cli.setup_process)."""
+    threads, only its errors on the console) and its logger's level are set once at the command line's entry
+    (cli.setup_process)."""
     import vllm
 
-    if os.environ.get("VLLM_LOGGING_LEVEL") == "ERROR":
-        # also when something imported vLLM before the level was read; its lazy imports (Triton's probes) log later
-        logging.getLogger("vllm").setLevel(logging.ERROR)
     return vllm
 
 
