@@ -20,7 +20,7 @@ with the old weights:
     (tests/test_rollout_vllm.py: greedy equals HF generate after each push, compiled and eager).
   - CUDA: `model.load_weights` with the merged weights under their HF names (vLLM stacks them), as TRL
     does; with `enable_sleep_mode` the engine sleeps (weights to host memory, KV cache freed) between
-    rollouts, so the update has the GPU. Not run here: this project's machines have no GPU.
+    rollouts, so the update has the GPU. What has run where (no GPU yet): docs/sampling-vllm.md.
 
 Under torchrun every rank has its own engine (vllm_engine.py). With `sampler.tensor_parallel_size` 1 (the
 default) each rank's engine is whole and samples that rank's slice of the step's groups with the rank's own
@@ -29,8 +29,7 @@ size are fine. Each rank pushes the same merged weights at each `sync` (the adap
 and, with sleep mode on CUDA, sleeps during its own update. `sampler.cpu_kv_cache_gb` is per rank. With
 `sampler.tensor_parallel_size` k > 1 (CUDA, grpo train only) each engine spans k ranks; they run one scheduler
 each on the same requests, so every rank submits the k ranks' requests together and keeps its own outputs
-(`_shared`). Ran here: 2 gloo ranks on a CPU (tests/test_rollout_vllm.py, the torchrun tests). Not run here:
-CUDA, tensor_parallel_size > 1, sleep mode per rank.
+(`_shared`). What has run under torchrun, and what not yet: docs/multi-device.md.
 
 Log-probs. `Rollout.sampling_logp` holds vLLM's `raw_logprobs` of each sampled token (`logprobs=0`:
 the sampled token only): log-softmax of the engine's logits before temperature, top-p and top-k,
@@ -246,7 +245,7 @@ class VLLMSampler(Sampler):
             self.llm.apply_model(lambda model: _load_cpu(model, weights, self._packed))
             del weights
             # the merged weights and the engine's repacking left layer-sized blocks (under the CLI's 64 MiB mmap
-            # threshold, so from the heap) free but held: ~1 GB of SmolLM2's resident memory, back to the OS
+            # threshold, so from the heap) free but held: back to the OS (how much: docs/speed.md)
             trim_heap()
         self.llm.reset_prefix_cache()
         self._pushed = stamp

@@ -1,13 +1,13 @@
 """The vLLM engine of `sampler=vllm`: its start, its sizes, the fallback to HF generate, and the checks of
 its settings. The sampler itself (sampling, the weight push) is vllm.py, which calls the phases here.
 
-The engine starts at the first `sync` or `generate` (~20 s for SmolLM2 on a CPU), in this process
-(`VLLM_ENABLE_V1_MULTIPROCESSING=0`), from the base model's folder (a model built in memory is written
-to a temporary folder first, and so is a 4-bit base, dequantized: vLLM holds full-precision weights),
-and keeps its own copy of the weights. Its model is compiled at the start (vLLM's default; on a CPU ~40-70 s the
-first time on a machine, then from inductor's cache, cli.VLLM_ENVIRONMENT) unless `sampler.enforce_eager`; an eager
-engine on a CPU runs its RMSNorms on its build's fused kernels (vllm_kernels.py). Its longest sequence and KV
-cache are the config's, or sized from the job (sizing.py).
+The engine starts at the first `sync` or `generate` (or at `VLLMSampler.start`, before the first rollout), in
+this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), from the base model's folder (a model built in memory is
+written to a temporary folder first, and so is a 4-bit base, dequantized: vLLM holds full-precision weights),
+and keeps its own copy of the weights. Its model is compiled at the start (vLLM's default; after the first time
+on a machine, from inductor's cache: cli.VLLM_ENVIRONMENT) unless `sampler.enforce_eager`; an eager engine on a
+CPU runs its RMSNorms on its build's fused kernels (vllm_kernels.py). Its longest sequence and KV cache are
+the config's, or sized from the job (sizing.py). How long a start takes: docs/sampling-vllm.md.
 
 The start, in phases (`VLLMSampler._ready` calls them in this order): `import_checked` (vLLM, or the install
 command), `engine_args` (dtype, sizes, the model's folder, the launcher), the engine under
