@@ -55,11 +55,10 @@ def limit_heap_growth(threshold: int = 64 * 2**20) -> bool:
 
     glibc's own threshold moves (it rises each time a large block is freed, up to 32 MB), so which tensors page-
     fault on every allocation changes during a run. Fixed at 64 MiB, the update's activations (a length bucket's
-    [rows x tokens, 1536] MLP tensors are 3-10 MB for the SmolLM2 jobs) are reused from the heap instead of
-    being mapped, zeroed and unmapped each time: one GSM8K-shape update (4 x G=8, ~200-token completions)
-    went from 31.7 to 23.6 s of forward + backward at 4 MiB vs 64 MiB (docs/speed.md). Larger blocks (an LM-head
-    chunk's logits, the KV cache) are still mapped and go back to the OS when freed. 128 KiB made generation
-    ~28% slower (page faults). Does nothing off glibc. Returns whether it took effect.
+    [rows x tokens, hidden] MLP tensors) are reused from the heap instead of being mapped, zeroed and unmapped
+    each time; larger blocks (an LM-head chunk's logits, the KV cache) are still mapped and go back to the OS
+    when freed. A small threshold would make generation slower (page faults). What each threshold measured:
+    docs/memory.md. Does nothing off glibc. Returns whether it took effect.
     """
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
@@ -70,9 +69,8 @@ def limit_heap_growth(threshold: int = 64 * 2**20) -> bool:
 
 # what vLLM reads from the environment (at import and at engine start), unless the user set it: the engine in
 # this process (no spawned worker), on the trainer's threads (its log level: quiet_libraries); its compiled model
-# cached by inductor's own cache, not vLLM's AOT artifact: vLLM 0.32 on a CPU cannot load the artifact it saves
-# ("'function' object has no attribute 'finalize_loading'"), so every start compiled again (~40 s for SmolLM2 on
-# 2 cores); inductor's cache brings the start back to an eager engine's (~15 s)
+# cached by inductor's own cache, not vLLM's AOT artifact, which vLLM's CPU build cannot load back, so that only a
+# machine's first start compiles (docs/sampling-vllm.md)
 VLLM_ENVIRONMENT = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                     "VLLM_USE_AOT_COMPILE": "0"}
 
@@ -82,8 +80,10 @@ VERBOSE = "GRPO_VERBOSE"
 # libraries whose Python warnings (deprecations in their own code) are theirs to fix, not the user's
 QUIET_WARNINGS = r"(transformers|peft|torch|accelerate|vllm)\."
 # loggers that speak at import or first use and are no user's business: bitsandbytes (imported by peft) warns of an
-# optional kernel package, matplotlib logs its font cache at INFO (Hydra's job logging prints INFO to the console)
-QUIET_LOGGERS = {"bitsandbytes": logging.ERROR, "matplotlib": logging.WARNING}
+# optional kernel package, matplotlib logs its font cache at INFO (Hydra's job logging prints INFO to the console),
+# math-verify warns that its timeout is off where a reward runs it off the main thread (rewards/outcome.py: the
+# reward's own thread timeout bounds the call there)
+QUIET_LOGGERS = {"bitsandbytes": logging.ERROR, "matplotlib": logging.WARNING, "math_verify": logging.ERROR}
 
 
 def setup_process(environ=None) -> None:
@@ -93,6 +93,10 @@ def setup_process(environ=None) -> None:
         quiet_libraries(environ)
     for key, value in VLLM_ENVIRONMENT.items():
         environ.setdefault(key, value)
+    if environ.get("VLLM_LOGGING_LEVEL") == "ERROR":
+        # vLLM reads the level once, when it is imported: this also covers a process that imported it before (a
+        # test run), and the loggers of its lazy imports (Triton's probes), which speak later
+        logging.getLogger("vllm").setLevel(logging.ERROR)
     # bitsandbytes (the qlora extra) logs at import, on an AVX512-BF16 CPU, that an optional kernel package is
     # missing; peft imports it whenever it is installed, so every command would print that line. The CPU path
     # it is about stays off (quantize.quantize_4bit)

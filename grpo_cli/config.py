@@ -26,7 +26,7 @@ from grpo_cli.errors import ConfigError
 from grpo_cli.objective import IMPORTANCE_SAMPLING_LEVELS, IS_CORRECTIONS, KL_ESTIMATORS, LOSS_TYPES, SCALES, STDS
 from grpo_cli.resources import CONF_DIR, RECIPES_DIR
 from grpo_cli.rewards import models as reward_models
-from grpo_cli.rollout import vllm
+from grpo_cli.rollout import vllm_engine
 
 
 def register_recipes() -> None:
@@ -111,7 +111,7 @@ def _check_is_correction(algo) -> list[str]:
 
 
 # every library module that owns a config section, with its checks (grpo_cli.checks); a command adds its own
-LIBRARY_CHECKS: list[Check] = [*ALGO, *policy.CHECKS, *rollout.CHECKS, *vllm.CHECKS, *rewards.CHECKS,
+LIBRARY_CHECKS: list[Check] = [*ALGO, *policy.CHECKS, *rollout.CHECKS, *vllm_engine.CHECKS, *rewards.CHECKS,
                                *reward_models.CHECKS, *iterative.CHECKS, *groups.CHECKS, *OPTIMIZER]
 
 

@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from grpo_cli import checkpoint
 from grpo_cli.config import validate
 from grpo_cli.errors import ConfigError
-from grpo_cli.metrics import console
+from grpo_cli.metrics.console import console
 from grpo_cli.policy import build_policy
 
 # what a checkpoint's config.yaml supplies to eval and sample unless the command line says otherwise

@@ -17,9 +17,9 @@ With M = iterative.steps, the first step of iteration i (step i*M + 1) first run
   5. save the model and its rows, reference policy <- current policy (`policy.set_reference`), record the
      iteration (RUN/iterations.jsonl and a table).
 The steps of iteration i are scored by that model, floored for truncated completions
-(iterative.truncated_reward, `rewards.shaping.floor_truncated`). Each step's record carries `iteration`, the boundary's AUCs
-on its first step, and the length-shift alarm (iterative.length_alarm). docs/iterative-rl.md says what each
-setting guards against and what was measured.
+(iterative.truncated_reward, `rewards.shaping.floor_truncated`). Each step's record carries `iteration`,
+the boundary's AUCs on its first step, and the length-shift alarm (iterative.length_alarm).
+docs/iterative-rl.md says what each setting guards against and what was measured.
 
 Departures from Algorithm 1: the paper resets the reference at the start of an iteration and retrains the
 reward model at its end, starting from a given model; here both happen at the start of an iteration, so
@@ -44,7 +44,7 @@ from rich.table import Table
 from grpo_cli import checkpoint, rm
 from grpo_cli.checks import Check, Rule, is_int, is_num, raised
 from grpo_cli.errors import ConfigError, RunError
-from grpo_cli.metrics import console
+from grpo_cli.metrics.console import console
 from grpo_cli.policy import resolve_dtype, set_reference
 from grpo_cli.rewards.shaping import FlooredReward
 

@@ -40,17 +40,10 @@ from grpo_cli.errors import RunError
 from grpo_cli.groups import Draw, GroupFilter, Kept
 from grpo_cli.instantiate import build
 from grpo_cli.iterative import IterativeRL, RewardModelTrainer
-from grpo_cli.metrics import (
-    CompletionsLog,
-    MetricsLog,
-    check_logging,
-    console,
-    peak_memory_mb,
-    reset_peak_memory,
-    rollout_metrics,
-    step_memory,
-    synchronize,
-)
+from grpo_cli.metrics.console import console
+from grpo_cli.metrics.memory import peak_memory_mb, reset_peak_memory, step_memory, synchronize
+from grpo_cli.metrics.run_files import CompletionsLog, MetricsLog, check_logging
+from grpo_cli.metrics.stats import rollout_metrics
 from grpo_cli.policy import build_policy
 from grpo_cli.reward_schedule import FixedReward, RewardSchedule
 from grpo_cli.rewards.call import score, token_ids

@@ -15,7 +15,7 @@ from grpo_cli.config import compose
 from grpo_cli.data import PromptStream
 from grpo_cli.errors import ConfigError
 from grpo_cli.instantiate import build
-from grpo_cli.metrics import mean
+from grpo_cli.metrics.stats import mean
 
 # the digit reward gives the tiny model's random text mixed rewards in a group (nonzero advantages)
 TINY = ["+reward.functions.digit={_target_:grpo_cli.rewards.outcome.format_reward,_partial_:true,pattern:'[0-9]'}",

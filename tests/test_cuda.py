@@ -19,12 +19,12 @@ import torch
 from test_train import metrics, tiny_cfg
 
 from grpo_cli import cli, recipe
-from grpo_cli import metrics as grpo_metrics
 from grpo_cli import policy as policy_module
 from grpo_cli.commands import evaluate, train
 from grpo_cli.config import compose, validate
 from grpo_cli.errors import ConfigError
 from grpo_cli.logprobs import buckets, full_sequence_logprobs
+from grpo_cli.metrics import memory as grpo_memory
 from grpo_cli.policy import (
     apply_lora,
     autocast,
@@ -170,13 +170,13 @@ def test_timers_and_memory_helpers_act_on_cuda_only(monkeypatch):
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 3 * 2**30)
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 5 * 2**29)
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
-    grpo_metrics.synchronize(cpu)
-    grpo_metrics.reset_peak_memory(cpu)
-    assert calls == [] and grpo_metrics.step_memory(cpu) == {}
-    grpo_metrics.synchronize(gpu)
-    grpo_metrics.reset_peak_memory(gpu)
+    grpo_memory.synchronize(cpu)
+    grpo_memory.reset_peak_memory(cpu)
+    assert calls == [] and grpo_memory.step_memory(cpu) == {}
+    grpo_memory.synchronize(gpu)
+    grpo_memory.reset_peak_memory(gpu)
     assert calls == [("synchronize", gpu), ("reset", gpu)]
-    assert grpo_metrics.step_memory(gpu) == {"memory/peak_allocated_gb": 3.0, "memory/peak_reserved_gb": 2.5}
+    assert grpo_memory.step_memory(gpu) == {"memory/peak_allocated_gb": 3.0, "memory/peak_reserved_gb": 2.5}
 
 
 def test_a_steps_record_carries_the_devices_peak_memory(tmp_path, monkeypatch):

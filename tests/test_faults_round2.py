@@ -99,7 +99,7 @@ needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (mak
      "set sampler.max_model_len=2048 or null"),
 ])
 def test_vllm_lengths_are_checked_in_validation(monkeypatch, overrides, line):
-    monkeypatch.setattr("grpo_cli.rollout.vllm.installed", lambda: True)
+    monkeypatch.setattr("grpo_cli.rollout.vllm_engine.installed", lambda: True)
     with pytest.raises(ConfigError) as err:
         validate(compose("train", ["model=tiny", "sampler=vllm", *overrides]))
     assert str(err.value).splitlines() == [line]
@@ -236,7 +236,7 @@ class FakeVLLM:
 
 def test_a_fallback_to_hf_generate_is_recorded_in_the_runs_config(tmp_path, monkeypatch, capsys):
     from grpo_cli import checkpoint
-    from grpo_cli.rollout import vllm as engine
+    from grpo_cli.rollout import vllm_engine as engine
 
     monkeypatch.setattr(engine, "installed", lambda: True)
     monkeypatch.setattr(engine, "import_vllm", lambda: FakeVLLM(ValueError("Model architectures ['X'] are not "
@@ -252,7 +252,7 @@ def test_a_fallback_to_hf_generate_is_recorded_in_the_runs_config(tmp_path, monk
 
 
 def test_a_kv_cache_too_small_is_an_error_naming_the_setting(tmp_path, monkeypatch):
-    from grpo_cli.rollout import vllm as engine
+    from grpo_cli.rollout import vllm_engine as engine
 
     monkeypatch.setattr(engine, "installed", lambda: True)
     monkeypatch.setattr(engine, "import_vllm", lambda: FakeVLLM(ValueError(
@@ -320,7 +320,7 @@ def test_a_missing_reward_model_is_one_line_naming_reward_name_or_path(tmp_path,
 
 def test_resuming_a_vllm_run_without_vllm_names_the_install_not_sampler_default(run2, tmp_path, monkeypatch):
     from grpo_cli import checkpoint
-    from grpo_cli.rollout import vllm as engine
+    from grpo_cli.rollout import vllm_engine as engine
 
     run = copy_run(run2, tmp_path / "run")
     for ckpt in checkpoint.list_checkpoints(run):  # as a run sampled by vLLM saves it

@@ -31,7 +31,7 @@ def said(capsys) -> list[str]:
 @pytest.fixture()
 def vllm_installed(monkeypatch):
     """vLLM found, the test suite's opt-out off: `auto` as a user's machine with vLLM sees it."""
-    monkeypatch.setattr("grpo_cli.rollout.vllm.installed", lambda: True)
+    monkeypatch.setattr("grpo_cli.rollout.vllm_engine.installed", lambda: True)
     monkeypatch.delenv(engine.OPT_OUT, raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
 
@@ -51,7 +51,7 @@ def test_auto_is_the_default_and_picks_vllm_when_installed(command, option, toke
 
 
 def test_auto_without_vllm_picks_hf_and_names_the_install(monkeypatch, capsys):
-    monkeypatch.setattr("grpo_cli.rollout.vllm.installed", lambda: False)
+    monkeypatch.setattr("grpo_cli.rollout.vllm_engine.installed", lambda: False)
     monkeypatch.delenv(engine.OPT_OUT, raising=False)
     chosen = engine.choose(compose("train").sampler)
     # HF generate's section: the shared settings alone, so the saved config builds HFSampler
@@ -96,7 +96,7 @@ def test_the_opt_out_variable_picks_hf(vllm_installed, monkeypatch, capsys):
                                            ("vllm_short", engine.VLLM)])
 def test_an_explicit_engine_means_what_it_says(option, target, vllm_installed, monkeypatch):
     for installed in (True, False):
-        monkeypatch.setattr("grpo_cli.rollout.vllm.installed", lambda installed=installed: installed)
+        monkeypatch.setattr("grpo_cli.rollout.vllm_engine.installed", lambda installed=installed: installed)
         section = compose("train", [f"sampler={option}"]).sampler
         chosen = engine.choose(section)
         assert chosen.section is section and chosen.section._target_ == target
@@ -108,7 +108,7 @@ def test_building_an_auto_section_builds_the_chosen_engine(vllm_installed, monke
 
     section = compose("train").sampler
     assert isinstance(build(section), VLLMSampler)
-    monkeypatch.setattr("grpo_cli.rollout.vllm.installed", lambda: False)
+    monkeypatch.setattr("grpo_cli.rollout.vllm_engine.installed", lambda: False)
     built = build(section)
     assert type(built) is HFSampler and built.max_new_tokens == 32
 

@@ -25,7 +25,7 @@ needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (mak
 
 
 def test_sampler_vllm_without_vllm_names_the_install(monkeypatch):
-    from grpo_cli.rollout import vllm as engine
+    from grpo_cli.rollout import vllm_engine as engine
 
     monkeypatch.setattr(engine, "installed", lambda: False)
     with pytest.raises(ConfigError) as err:
@@ -38,14 +38,14 @@ def test_sampler_vllm_without_vllm_names_the_install(monkeypatch):
 
 
 def test_sampler_vllm_under_torchrun_validates_one_engine_per_rank(monkeypatch):
-    monkeypatch.setattr("grpo_cli.rollout.vllm.installed", lambda: True)
+    monkeypatch.setattr("grpo_cli.rollout.vllm_engine.installed", lambda: True)
     monkeypatch.setenv("WORLD_SIZE", "2")  # what torchrun sets
     validate(compose("train", ["sampler=vllm", "trainer.prompts_per_step=4"]))
     validate(compose("eval", ["sampler=vllm"]))
 
 
 def test_tensor_parallel_is_refused_where_it_cannot_run(monkeypatch):
-    monkeypatch.setattr("grpo_cli.rollout.vllm.installed", lambda: True)
+    monkeypatch.setattr("grpo_cli.rollout.vllm_engine.installed", lambda: True)
     monkeypatch.setenv("WORLD_SIZE", "2")
     train = ["sampler=vllm", "trainer.prompts_per_step=4"]
 
@@ -85,7 +85,7 @@ def test_grpo_train_sampler_vllm_without_vllm_exits_2(tmp_path):
 
 
 def test_engine_settings_are_checked(monkeypatch):
-    monkeypatch.setattr("grpo_cli.rollout.vllm.installed", lambda: True)
+    monkeypatch.setattr("grpo_cli.rollout.vllm_engine.installed", lambda: True)
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     with pytest.raises(ConfigError) as err:
         validate(compose("train", ["sampler=vllm", "sampler.enforce_eager=maybe", "sampler.cpu_kv_cache_gb=0",
@@ -98,7 +98,7 @@ def test_engine_settings_are_checked(monkeypatch):
 
 
 def test_is_correction_cap_needs_a_sampler_with_its_own_logprobs(monkeypatch):
-    monkeypatch.setattr("grpo_cli.rollout.vllm.installed", lambda: True)
+    monkeypatch.setattr("grpo_cli.rollout.vllm_engine.installed", lambda: True)
     validate(compose("train", ["sampler=vllm", "algo.is_correction_cap=2"]))
     with pytest.raises(ConfigError, match=r"^algo.is_correction_cap \(2\) .*set algo.is_correction_cap=null"):
         validate(compose("train", ["sampler=short", "algo.is_correction_cap=2"]))  # HF generate: nothing to correct
@@ -111,7 +111,8 @@ def test_is_correction_cap_needs_a_sampler_with_its_own_logprobs(monkeypatch):
 
 @needs_vllm
 def test_a_model_vllm_cannot_serve_falls_back_to_hf_with_one_line(tiny, monkeypatch, capsys):
-    from grpo_cli.rollout.vllm import VLLMSampler, import_vllm
+    from grpo_cli.rollout.vllm import VLLMSampler
+    from grpo_cli.rollout.vllm_engine import import_vllm
 
     vllm = import_vllm()  # as the sampler imports it: vLLM's import-time warnings stay off the console
 
@@ -134,7 +135,8 @@ def test_a_model_vllm_cannot_serve_falls_back_to_hf_with_one_line(tiny, monkeypa
 
 @needs_vllm
 def test_a_model_the_engine_cannot_split_is_a_config_error_not_a_fallback(tiny, monkeypatch):
-    from grpo_cli.rollout.vllm import VLLMSampler, import_vllm
+    from grpo_cli.rollout.vllm import VLLMSampler
+    from grpo_cli.rollout.vllm_engine import import_vllm
 
     vllm = import_vllm()
 

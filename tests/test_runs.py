@@ -24,7 +24,7 @@ from grpo_cli import checkpoint
 from grpo_cli.commands import train
 from grpo_cli.config import compose, validate
 from grpo_cli.errors import CheckpointError, ConfigError, RunError
-from grpo_cli.metrics import truncate_jsonl
+from grpo_cli.metrics.run_files import truncate_jsonl
 from grpo_cli.objective import outcome_advantages
 from grpo_cli.runs import RunLock
 

@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from grpo_cli import metrics, recipe
+from grpo_cli import recipe
 from grpo_cli.commands import train
 from grpo_cli.config import compose
 from grpo_cli.errors import ConfigError
+from grpo_cli.metrics import trackers
 
 REPO = Path(__file__).resolve().parent.parent
 # the digit reward gives the tiny model's random text rewards that differ from step to step
@@ -107,10 +108,10 @@ def test_trackio_writes_its_local_store(tmp_path):
 
 def test_auto_is_tensorboard_when_installed_else_nothing(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
-    assert metrics.resolve_report_to("auto") == []
+    assert trackers.resolve_report_to("auto") == []
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())
-    assert metrics.resolve_report_to("auto") == ["tensorboard"]
-    assert metrics.resolve_report_to([]) == [] and metrics.resolve_report_to("wandb") == ["wandb"]
+    assert trackers.resolve_report_to("auto") == ["tensorboard"]
+    assert trackers.resolve_report_to([]) == [] and trackers.resolve_report_to("wandb") == ["wandb"]
 
 
 def test_a_missing_tracker_package_stops_before_the_model_loads(tmp_path, monkeypatch):

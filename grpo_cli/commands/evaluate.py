@@ -44,7 +44,8 @@ from grpo_cli.distributed import World, init_world
 from grpo_cli.errors import ConfigError
 from grpo_cli.inference import inference_config, inference_policy
 from grpo_cli.instantiate import build
-from grpo_cli.metrics import console, mean, progress, quiet
+from grpo_cli.metrics.console import console, progress, quiet
+from grpo_cli.metrics.stats import mean
 from grpo_cli.policy import adapter_enabled
 from grpo_cli.rewards.call import check_columns, score, token_ids
 from grpo_cli.rewards.outcome import answers_match, extract_answer, reference_answer

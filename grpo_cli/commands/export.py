@@ -45,7 +45,7 @@ from grpo_cli.app import command_line_overrides, hydra_app
 from grpo_cli.config import validate
 from grpo_cli.errors import ConfigError, RunError
 from grpo_cli.inference import inherit
-from grpo_cli.metrics import console, progress
+from grpo_cli.metrics.console import console, progress
 from grpo_cli.policy import build_policy, resolve_device, resolve_dtype
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

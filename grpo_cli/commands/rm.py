@@ -40,7 +40,7 @@ from grpo_cli.config import validate
 from grpo_cli.errors import ConfigError
 from grpo_cli.inference import inherit, load_inference
 from grpo_cli.instantiate import build
-from grpo_cli.metrics import console, progress
+from grpo_cli.metrics.console import console, progress
 from grpo_cli.policy import adapter_enabled, resolve_device, resolve_dtype
 from grpo_cli.rewards.models import check_classifier
 

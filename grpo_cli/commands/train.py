@@ -30,7 +30,9 @@ from grpo_cli.checks import Check, Rule, is_int, is_num, raised
 from grpo_cli.config import validate
 from grpo_cli.distributed import World, init_world, world_size
 from grpo_cli.errors import ConfigError, RunError
-from grpo_cli.metrics import check_logging, console, plot_training, progress, quiet
+from grpo_cli.metrics.console import console, progress, quiet
+from grpo_cli.metrics.plots import plot_training
+from grpo_cli.metrics.run_files import check_logging
 from grpo_cli.recipe import Run, resume, save, setup, step, with_section
 from grpo_cli.rollout.engine import AUTO, Choice, choose, run_refusal
 from grpo_cli.runs import claim, resume_config

