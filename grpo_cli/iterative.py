@@ -17,7 +17,7 @@ With M = iterative.steps, the first step of iteration i (step i*M + 1) first run
   5. save the model and its rows, reference policy <- current policy (`policy.set_reference`), record the
      iteration (RUN/iterations.jsonl and a table).
 The steps of iteration i are scored by that model, floored for truncated completions
-(iterative.truncated_reward, `rewards.shaping.floor_truncated`). Each step's record carries `iteration`,
+(iterative.truncated_reward: the step's shaping, `rewards.shaping.shape`). Each step's record carries `iteration`,
 the boundary's AUCs on its first step, and the length-shift alarm (iterative.length_alarm).
 docs/iterative-rl.md says what each setting guards against and what was measured.
 
@@ -46,7 +46,6 @@ from grpo_cli.checks import Check, Rule, is_int, is_num, raised
 from grpo_cli.errors import ConfigError, RunError
 from grpo_cli.metrics.console import console
 from grpo_cli.policy import resolve_dtype, set_reference
-from grpo_cli.rewards.shaping import FlooredReward
 
 # the reward config each labeler kind needs, as `reward=OPTION` names it
 _REWARD = {"outcome": ("grpo_cli.rewards.models.outcome_reward_model", "orm"),
@@ -151,15 +150,17 @@ class IterativeRL:
             self.boundary(self.iteration(step), step, policy, tokenizer)
         if self._reward is None:  # resumed mid-iteration: the reward model the checkpoint names
             self._reward = self.reward_model(self.model)
-            floor = self.settings.truncated_reward
-            if floor is not None:
-                self._reward = FlooredReward(self._reward, floor)
         # at a boundary also the reward models' AUC on fresh samples of the current policy (before/after)
         return self._reward, {"iteration": self.iteration(step), **self.metrics(step)}
 
     def after(self, record: dict, history: list[dict]) -> dict:
         """The length-shift alarm: mean length and truncated share against the iteration's first step."""
         return self.length_shift(record, history)
+
+    @property
+    def truncated_reward(self) -> float | None:
+        """The floor of a truncated completion's reward (iterative.truncated_reward; None: off)."""
+        return self.settings.truncated_reward
 
     def iteration(self, step: int) -> int:
         return (step - 1) // self.steps

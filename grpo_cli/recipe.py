@@ -47,7 +47,7 @@ from grpo_cli.metrics.stats import rollout_metrics
 from grpo_cli.policy import build_policy
 from grpo_cli.reward_schedule import FixedReward, RewardSchedule
 from grpo_cli.rewards.call import score, token_ids
-from grpo_cli.rewards.shaping import overlong_shaping
+from grpo_cli.rewards.shaping import shape
 from grpo_cli.rollout import pad_id, render_prompts
 from grpo_cli.rollout.engine import say
 from grpo_cli.rollout.sizing import Job
@@ -229,13 +229,14 @@ def _explore(run: Run, n: int, reward) -> tuple[Kept, list[Draw], float]:
         synchronize(run.device)
         t_rollout += time.perf_counter() - t
 
-        # 3. score: one reward per completion, or step rewards (process supervision); DAPO's soft overlong
-        #    punishment in the last algo.overlong_buffer tokens (null: none)
+        # 3. score: one reward per completion, or step rewards (process supervision); then shaped: the reward
+        #    schedule's floor for truncated completions, DAPO's soft overlong punishment (algo.overlong_buffer)
         owners = [i for i in range(len(examples)) for _ in range(algo.group_size)]
         result = score(reward, examples, owners, rollout.texts, rollout.lengths, rollout.truncated,
                        token_ids(rollout))
-        result = overlong_shaping(result, rollout.lengths, run.cfg.sampler.max_new_tokens, algo.overlong_buffer,
-                                  algo.overlong_penalty)
+        result = shape(result, lengths=rollout.lengths, truncated=rollout.truncated, completions=rollout.texts,
+                       max_length=run.cfg.sampler.max_new_tokens, overlong_buffer=algo.overlong_buffer,
+                       overlong_penalty=algo.overlong_penalty, truncated_reward=run.rewards.truncated_reward)
         draws.append(Draw(examples, run.prompts.positions, rollout, result))
     kept = run.keep.select(draws, trainer.prompts_per_step, algo.group_size, pad_id(run.tokenizer), world)
     return kept, draws, t_rollout

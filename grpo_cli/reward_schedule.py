@@ -21,6 +21,8 @@ from grpo_cli.rewards.call import check_columns, function_names
 
 
 class RewardSchedule(Protocol):
+    truncated_reward: float | None  # the reward a truncated completion gets instead of its score (None: its score)
+
     def check(self, example: dict, keep: GroupFilter) -> None:
         """Before the model loads: the data has the columns the reward needs, the filter's metric is one it reports."""
 
@@ -39,6 +41,8 @@ class RewardSchedule(Protocol):
 
 class FixedReward:
     """One built reward scores every step (`reward=...`)."""
+
+    truncated_reward = None
 
     def __init__(self, reward):
         self.reward = reward

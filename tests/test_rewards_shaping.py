@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from grpo_cli.rewards import RewardResult
-from grpo_cli.rewards.shaping import FlooredReward, floor_truncated, overlong_shaping, shape
+from grpo_cli.rewards.shaping import floor_truncated, overlong_shaping, shape
 
 
 def test_truncated_completions_score_lowest_by_hand():
@@ -49,7 +49,6 @@ def test_shape_floors_then_penalizes_as_the_trainer_does():
                    overlong_buffer=4, overlong_penalty=1.0, truncated_reward=0.0)
     assert shaped.rewards == [0.5, -1.0]
     assert shaped.per_function == {"orm": [0.5, 0.9], "overlong": [0.0, -1.0]}
-    # the same as the floor inside the reward's call (FlooredReward), then overlong_shaping on its output
-    floored = FlooredReward(lambda prompts, completions, columns: result, 0.0)(["p", "p"], ["a", "bb"],
-                                                                              {"truncated": [False, True]})
+    # the same as the two transforms one after the other
+    floored = floor_truncated(result, [False, True], ["a", "bb"], 0.0)
     assert overlong_shaping(floored, [3, 8], 8, 4, 1.0) == shaped

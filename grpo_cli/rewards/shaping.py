@@ -48,26 +48,6 @@ def floor_truncated(result: RewardResult, truncated: list[bool], completions: li
     return _with_steps(result, steps)
 
 
-class FlooredReward:
-    """A built reward whose truncated completions score `value` (`floor_truncated`); the rollout's
-    `truncated` column says which. It reports the names and needs of the reward it wraps."""
-
-    def __init__(self, reward, value: float):
-        self.reward, self.value = reward, value
-
-    def __call__(self, prompts: list[str], completions: list[str], columns: dict | None = None) -> RewardResult:
-        result = self.reward(prompts, completions, columns)
-        return floor_truncated(result, list((columns or {})["truncated"]), list(completions), self.value)
-
-    def names(self) -> list[str] | None:
-        names = getattr(self.reward, "names", None)
-        return names() if callable(names) else None
-
-    def needs(self) -> dict[str, list[str]]:
-        needs = getattr(self.reward, "needs", None)
-        return needs() if callable(needs) else {}
-
-
 def overlong_shaping(result: RewardResult, lengths: list[int], max_length: int, buffer: int | None,
                      penalty: float = 1.0) -> RewardResult:
     """DAPO's soft overlong punishment (`outcome.length_penalty`, arXiv 2503.14476 eq. 13) added to any reward.
