@@ -44,7 +44,7 @@ from grpo_cli.errors import ConfigError, DataError
 # file suffix -> the `datasets` builder that reads it
 BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 
-# an example's own keys (see the module docstring) and the columns the reward call adds (grpo_cli.rewards.score,
+# an example's own keys (see the module docstring) and the columns the reward call adds (grpo_cli.rewards.call.score,
 # user.TRLFunction): a dataset column of one of these names would be overwritten, so it is refused
 RESERVED = ("messages", "question", "prompt", "prompts", "completions", "completion_ids", "completion_length",
             "truncated")

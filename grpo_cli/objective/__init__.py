@@ -1,0 +1,77 @@
+"""The GRPO math: advantages, KL estimators and the clipped loss, as pure functions named after the paper.
+
+Pure functions of tensors and scalars: no model, no config object, no I/O (the `algo` settings they take
+are checked once, in config.ALGO, before a model loads). The trainer calls them in the order a step
+walks: `outcome_advantages` / `process_advantages` on the rewards of a rollout, then `grpo_loss` (through
+`GRPOLoss`) on the policy's log-probs (`logprobs`, through the kernels of `kernels`).
+
+The modules, one part of DeepSeekMath's §4.1 (arXiv 2402.03300) each; each docstring says where it departs:
+  advantages    outcome and process advantages, the std and scale options
+  kl            the KL estimators k1, k2, k3
+  surrogate     the importance ratio ρ (per token, or GSPO's per sequence), PPO's clipped term, clip fractions
+  aggregation   masked_mean and the aggregations by loss_type: the per-token objective -> the loss
+  entropy       the top-entropy mask
+  importance    the sampler's importance weights (vLLM's copy of the policy against the trainer's)
+  loss          grpo_loss, composed from the pieces above, and GRPOLoss
+  options       choose, the one check of a setting's name
+
+The names below stay importable from here because configs name them (`_target_: grpo_cli.objective.GRPOLoss`
+in conf/algo/*.yaml and in saved runs' config.yaml), and so do callers.
+"""
+
+from __future__ import annotations
+
+from grpo_cli.objective.advantages import (
+    ADVANTAGE_SCALES,
+    SCALES,
+    STD_DDOF,
+    STDS,
+    outcome_advantages,
+    process_advantages,
+)
+from grpo_cli.objective.aggregation import (
+    AGGREGATIONS,
+    LOSS_TYPES,
+    Aggregation,
+    accumulated_token_mean,
+    constant_length_mean,
+    masked_mean,
+    per_sequence,
+    per_token,
+    sequence_mean,
+    token_mean,
+    whole_batch,
+)
+from grpo_cli.objective.entropy import entropy_mask, high_entropy_threshold
+from grpo_cli.objective.importance import (
+    IS_CORRECTION_MODES,
+    IS_CORRECTIONS,
+    ISWeights,
+    is_correction_weights,
+    truncated_is_weight,
+)
+from grpo_cli.objective.kl import KL_ESTIMATES, KL_ESTIMATORS, kl_divergence
+from grpo_cli.objective.loss import GRPOLoss, grpo_loss
+from grpo_cli.objective.options import choose
+from grpo_cli.objective.surrogate import (
+    GSPO_EPSILON_HIGH,
+    GSPO_EPSILON_LOW,
+    IMPORTANCE_RATIOS,
+    IMPORTANCE_SAMPLING_LEVELS,
+    ClipFractions,
+    clip_fractions,
+    clipped_surrogate,
+    importance_ratio,
+)
+
+__all__ = [
+    "ADVANTAGE_SCALES", "SCALES", "STD_DDOF", "STDS", "outcome_advantages", "process_advantages",
+    "KL_ESTIMATES", "KL_ESTIMATORS", "kl_divergence",
+    "GSPO_EPSILON_HIGH", "GSPO_EPSILON_LOW", "IMPORTANCE_RATIOS", "IMPORTANCE_SAMPLING_LEVELS", "importance_ratio",
+    "clipped_surrogate", "ClipFractions", "clip_fractions",
+    "masked_mean", "sequence_mean", "token_mean", "constant_length_mean", "accumulated_token_mean",
+    "per_sequence", "per_token", "whole_batch", "Aggregation", "AGGREGATIONS", "LOSS_TYPES",
+    "high_entropy_threshold", "entropy_mask",
+    "truncated_is_weight", "ISWeights", "IS_CORRECTION_MODES", "IS_CORRECTIONS", "is_correction_weights",
+    "grpo_loss", "GRPOLoss", "choose",
+]
