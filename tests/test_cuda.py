@@ -16,6 +16,7 @@ import types
 
 import pytest
 import torch
+from helpers import sampler_settings
 from test_train import metrics, tiny_cfg
 
 from grpo_cli import cli, recipe
@@ -88,7 +89,8 @@ def _bf16_forwards(policy, tokenizer):
     seen, hooks = _lora_inputs(policy)
     try:
         torch.manual_seed(0)
-        rollout = HFSampler(max_new_tokens=4).generate(policy, tokenizer, render_prompts(tokenizer, CONVERSATIONS), 2)
+        sampler = HFSampler(**sampler_settings(max_new_tokens=4))
+        rollout = sampler.generate(policy, tokenizer, render_prompts(tokenizer, CONVERSATIONS), 2)
         # generation (prefill and every new token) ran under autocast, and peft did not copy the input to fp32
         assert seen and set(seen) == {(torch.bfloat16, True)}
         seen.clear()
@@ -140,7 +142,8 @@ def test_fp32_forwards_are_left_alone():
     seen, hooks = _lora_inputs(policy)
     with autocast(policy):
         assert not torch.is_autocast_enabled("cpu")
-    HFSampler(max_new_tokens=3).generate(policy, tokenizer, render_prompts(tokenizer, CONVERSATIONS), 2)
+    sampler = HFSampler(**sampler_settings(max_new_tokens=3))
+    sampler.generate(policy, tokenizer, render_prompts(tokenizer, CONVERSATIONS), 2)
     for hook in hooks:
         hook.remove()
     assert set(seen) == {(torch.float32, False)}
@@ -155,7 +158,8 @@ def test_generation_never_computes_logits_for_the_whole_prompt(tiny):
     widths = []
     hook = model.get_output_embeddings().register_forward_pre_hook(lambda m, args: widths.append(args[0].shape[1]))
     try:
-        HFSampler(max_new_tokens=5).generate(model, tokenizer, render_prompts(tokenizer, CONVERSATIONS), 3)
+        sampler = HFSampler(**sampler_settings(max_new_tokens=5))
+        sampler.generate(model, tokenizer, render_prompts(tokenizer, CONVERSATIONS), 3)
     finally:
         hook.remove()
     assert len(widths) >= 2 and set(widths) == {1}  # the prefill, then one call per generated token

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import sampler_settings
 from omegaconf import OmegaConf
 
 from grpo_cli import rm as T
@@ -207,7 +208,7 @@ def test_monte_carlo_labels_on_the_tiny_model_match_a_recount(tiny):
                for c in ("x = 5\nso 5", "a\nb 5\nc")]
     labels = {}
     for estimate in ("hard", "soft"):
-        sampler = Recording(max_new_tokens=3)
+        sampler = Recording(**sampler_settings(max_new_tokens=3))
         sampler.seen = []
         torch.manual_seed(0)
         out = T.MonteCarloLabeler(k=6, estimate=estimate, prompts_per_batch=8)(
