@@ -22,6 +22,8 @@ from test_train import metrics, tiny_cfg
 from grpo_cli import cli, recipe
 from grpo_cli import policy as policy_module
 from grpo_cli.commands import evaluate, train
+from grpo_cli.commands import rm as rm_command
+from grpo_cli.commands import train as train_command
 from grpo_cli.config import compose, validate
 from grpo_cli.errors import ConfigError
 from grpo_cli.logprobs import buckets, full_sequence_logprobs
@@ -61,11 +63,11 @@ def test_auto_dtype_is_bf16_only_on_a_gpu_that_has_it_natively(monkeypatch):
 def test_fp16_training_is_refused_with_the_fix():
     fix = r"model.dtype \('float16'\) cannot train: .* set model.dtype=bfloat16 .* or model.dtype=float32"
     with pytest.raises(ConfigError, match=fix):
-        validate(compose("train", ["model=tiny", "model.dtype=float16"]))
+        validate(compose("train", ["model=tiny", "model.dtype=float16"]), *train_command.CHECKS)
     with pytest.raises(ConfigError, match="cannot train"):  # grpo rm trains a reward model on the same base
-        validate(compose("rm", ["model=tiny", "model.dtype=fp16"]))
+        validate(compose("rm", ["model=tiny", "model.dtype=fp16"]), *rm_command.CHECKS)
     validate(compose("eval", ["model=tiny", "model.dtype=float16"]))  # running a model in fp16 is fine
-    validate(compose("train", ["model=tiny", "model.dtype=bfloat16"]))
+    validate(compose("train", ["model=tiny", "model.dtype=bfloat16"]), *train_command.CHECKS)
 
 
 def _lora_inputs(policy) -> tuple[list, list]:
