@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 from omegaconf import OmegaConf
 
 from grpo_cli.config import compose
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 @functools.cache
