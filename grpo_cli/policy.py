@@ -326,9 +326,10 @@ def _flash_attn() -> bool:
 _NO_TRAINING = ("float16", "fp16")
 
 
-def _trainable_dtype(cfg) -> list[str]:
-    trains = "trainer" in cfg or "rm" in cfg  # grpo train, grpo rm (eval, sample and export only run the model)
-    if trains and get(cfg, "model.dtype")[1] in _NO_TRAINING:
+def trainable_dtype(cfg) -> list[str]:
+    """The check of the commands that train (grpo train, grpo rm: their CHECKS name it); eval, sample and export
+    only run the model, where fp16 is fine."""
+    if get(cfg, "model.dtype")[1] in _NO_TRAINING:
         return [f"model.dtype ({cfg.model.dtype!r}) cannot train: fp16 gradients underflow without a loss scaler, "
                 f"which this trainer does not have; set model.dtype=bfloat16 (GPUs from Ampere on) or "
                 f"model.dtype=float32"]
@@ -355,6 +356,5 @@ CHECKS: list[Check] = [
     Rule("model.attn_implementation", lambda v: v != "flash_attention_2" or _flash_attn(),
          "needs a CUDA GPU and the flash-attn package (pip install flash-attn --no-build-isolation); "
          "set model.attn_implementation=sdpa"),
-    _trainable_dtype,
     *quantize.CHECKS,
 ]

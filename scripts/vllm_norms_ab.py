@@ -30,20 +30,23 @@ def main() -> None:
     import functools
 
     import torch
-    from omegaconf import OmegaConf
     from vllm import SamplingParams
 
+    from grpo_cli.config import compose
+    from grpo_cli.instantiate import build
     from grpo_cli.policy import apply_lora, load_embedded_gguf
     from grpo_cli.rollout.sizing import Job
-    from grpo_cli.rollout.vllm import VLLMSampler
     from grpo_cli.rollout.vllm_kernels import fused_cpu_norms
 
     model, _ = load_embedded_gguf()
     policy = apply_lora(model, 16, 32, 0.0, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                              "down_proj"])
-    # eager: the fused norms are an eager engine's (a compiled one has inductor's)
-    sampler = VLLMSampler(max_new_tokens=a.new, max_prompt_tokens=a.prompt, enforce_eager=True)
-    sampler.start(policy, OmegaConf.create({}), Job(4, 8, a.new))  # the engine as grpo train starts it
+    # sampler=vllm as a command composes it; eager: the fused norms are an eager engine's (a compiled one has
+    # inductor's)
+    section = compose("train", ["sampler=vllm", f"sampler.max_new_tokens={a.new}",
+                                f"sampler.max_prompt_tokens={a.prompt}", "sampler.enforce_eager=true"]).sampler
+    sampler = build(section)
+    sampler.start(policy, section, Job(4, 8, a.new))  # the engine as grpo train starts it
     llm = sampler.llm
     # vLLM's own forward of each norm the engine put on the kernels (the partial's second argument), by name
     def own(module):

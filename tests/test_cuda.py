@@ -16,11 +16,14 @@ import types
 
 import pytest
 import torch
+from helpers import sampler_settings
 from test_train import metrics, tiny_cfg
 
 from grpo_cli import cli, recipe
 from grpo_cli import policy as policy_module
 from grpo_cli.commands import evaluate, train
+from grpo_cli.commands import rm as rm_command
+from grpo_cli.commands import train as train_command
 from grpo_cli.config import compose, validate
 from grpo_cli.errors import ConfigError
 from grpo_cli.logprobs import buckets, full_sequence_logprobs
@@ -60,11 +63,11 @@ def test_auto_dtype_is_bf16_only_on_a_gpu_that_has_it_natively(monkeypatch):
 def test_fp16_training_is_refused_with_the_fix():
     fix = r"model.dtype \('float16'\) cannot train: .* set model.dtype=bfloat16 .* or model.dtype=float32"
     with pytest.raises(ConfigError, match=fix):
-        validate(compose("train", ["model=tiny", "model.dtype=float16"]))
+        validate(compose("train", ["model=tiny", "model.dtype=float16"]), *train_command.CHECKS)
     with pytest.raises(ConfigError, match="cannot train"):  # grpo rm trains a reward model on the same base
-        validate(compose("rm", ["model=tiny", "model.dtype=fp16"]))
+        validate(compose("rm", ["model=tiny", "model.dtype=fp16"]), *rm_command.CHECKS)
     validate(compose("eval", ["model=tiny", "model.dtype=float16"]))  # running a model in fp16 is fine
-    validate(compose("train", ["model=tiny", "model.dtype=bfloat16"]))
+    validate(compose("train", ["model=tiny", "model.dtype=bfloat16"]), *train_command.CHECKS)
 
 
 def _lora_inputs(policy) -> tuple[list, list]:
@@ -88,7 +91,8 @@ def _bf16_forwards(policy, tokenizer):
     seen, hooks = _lora_inputs(policy)
     try:
         torch.manual_seed(0)
-        rollout = HFSampler(max_new_tokens=4).generate(policy, tokenizer, render_prompts(tokenizer, CONVERSATIONS), 2)
+        sampler = HFSampler(**sampler_settings(max_new_tokens=4))
+        rollout = sampler.generate(policy, tokenizer, render_prompts(tokenizer, CONVERSATIONS), 2)
         # generation (prefill and every new token) ran under autocast, and peft did not copy the input to fp32
         assert seen and set(seen) == {(torch.bfloat16, True)}
         seen.clear()
@@ -140,7 +144,8 @@ def test_fp32_forwards_are_left_alone():
     seen, hooks = _lora_inputs(policy)
     with autocast(policy):
         assert not torch.is_autocast_enabled("cpu")
-    HFSampler(max_new_tokens=3).generate(policy, tokenizer, render_prompts(tokenizer, CONVERSATIONS), 2)
+    sampler = HFSampler(**sampler_settings(max_new_tokens=3))
+    sampler.generate(policy, tokenizer, render_prompts(tokenizer, CONVERSATIONS), 2)
     for hook in hooks:
         hook.remove()
     assert set(seen) == {(torch.float32, False)}
@@ -155,7 +160,8 @@ def test_generation_never_computes_logits_for_the_whole_prompt(tiny):
     widths = []
     hook = model.get_output_embeddings().register_forward_pre_hook(lambda m, args: widths.append(args[0].shape[1]))
     try:
-        HFSampler(max_new_tokens=5).generate(model, tokenizer, render_prompts(tokenizer, CONVERSATIONS), 3)
+        sampler = HFSampler(**sampler_settings(max_new_tokens=5))
+        sampler.generate(model, tokenizer, render_prompts(tokenizer, CONVERSATIONS), 3)
     finally:
         hook.remove()
     assert len(widths) >= 2 and set(widths) == {1}  # the prefill, then one call per generated token

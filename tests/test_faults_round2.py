@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import sampler_settings
 from omegaconf import OmegaConf
 from test_runs import copy_run, grpo, one_line_error, tmpfs  # noqa: F401 (tmpfs: a fixture)
 from test_train import TINY, metrics, tiny_cfg
@@ -292,7 +293,7 @@ def test_a_prompt_the_engine_refuses_at_run_time_is_one_line(tiny):
                                       "text tokens.")
 
     model, tokenizer = tiny
-    sampler = VLLMSampler(max_new_tokens=4, max_model_len=16)
+    sampler = VLLMSampler(**sampler_settings("vllm", max_new_tokens=4, max_model_len=16))
     sampler.llm = Refuses()
     with pytest.raises(DataError) as err:
         sampler._generate(model, tokenizer, ["<|im_start|>user\nwhat is 1 + 1?<|im_end|>\n"], 1, greedy=True,

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import sampler_settings
 from safetensors.torch import load_file, save_file
 
 from grpo_cli import policy
@@ -200,7 +201,7 @@ def test_special_token_text_in_a_prompt_stays_text(tiny):
                 + char_ids(tokenizer, "\n") + [start] + char_ids(tokenizer, "assistant\n"))
     assert ids[0].tolist() == expected and mask.all()
     # the sampler feeds the model those ids
-    rollout = HFSampler(max_new_tokens=2).generate(model, tokenizer, [prompt], 1, greedy=True)
+    rollout = HFSampler(**sampler_settings(max_new_tokens=2)).generate(model, tokenizer, [prompt], 1, greedy=True)
     assert rollout.prompt_ids[0].tolist() == expected
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import sampler_settings
 from safetensors.torch import load_file
 from test_rollout_vllm import PROMPTS, hf_greedy, needs_vllm, set_adapter
 from test_train import metrics, tiny_cfg
@@ -138,7 +139,7 @@ def test_the_vllm_push_is_dequantized_w_plus_delta_and_the_folder_full_precision
     assert all(w.dtype == torch.float32 and w.shape == (32, 32) for n, w in weights.items() if "self_attn" in n)
 
     # the folder vLLM starts from: full-precision dequant(W), no quantization constants
-    sampler = VLLMSampler()
+    sampler = VLLMSampler(**sampler_settings("vllm"))
     folder = sampler._model_folder(policy)
     state = load_file(folder / "model.safetensors")
     assert not [k for k in state if ".weight." in k or "lora_" in k or "base_layer" in k]

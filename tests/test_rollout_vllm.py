@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import sampler_settings
 
 from grpo_cli.config import compose, validate
 from grpo_cli.errors import ConfigError
@@ -121,7 +122,7 @@ def test_a_model_vllm_cannot_serve_falls_back_to_hf_with_one_line(tiny, monkeypa
 
     monkeypatch.setattr(vllm, "LLM", refuse)
     model, tokenizer = tiny
-    sampler = VLLMSampler(max_new_tokens=4)
+    sampler = VLLMSampler(**sampler_settings("vllm", max_new_tokens=4))
     torch.manual_seed(0)
     rollout = sampler.generate(model, tokenizer, ["<|im_start|>user\n1+1<|im_end|>\n<|im_start|>assistant\n"], 2)
     assert rollout.completion_ids.shape[0] == 2 and rollout.sampling_logp is None  # HF generate's rollout
@@ -147,7 +148,7 @@ def test_a_model_the_engine_cannot_split_is_a_config_error_not_a_fallback(tiny, 
     monkeypatch.setattr(vllm, "LLM", refuse)
     model, _ = tiny
     with pytest.raises(ConfigError) as err:
-        VLLMSampler(tensor_parallel_size=2).sync(model)
+        VLLMSampler(**sampler_settings("vllm", tensor_parallel_size=2)).sync(model)
     assert str(err.value) == (
         "sampler=vllm cannot split this model over sampler.tensor_parallel_size=2 ranks: Total number of attention "
         "heads (9) must be divisible by tensor parallel size (2); set sampler.tensor_parallel_size to a number "
@@ -183,7 +184,8 @@ def set_adapter(policy, seed: int, scale: float = 0.04) -> None:
 def hf_greedy(policy, tokenizer, prompts, max_new_tokens=24):
     from grpo_cli.rollout.hf import HFSampler
 
-    return HFSampler(max_new_tokens=max_new_tokens).generate(policy, tokenizer, prompts, 1, greedy=True)
+    sampler = HFSampler(**sampler_settings(max_new_tokens=max_new_tokens))
+    return sampler.generate(policy, tokenizer, prompts, 1, greedy=True)
 
 
 @needs_vllm
@@ -305,7 +307,7 @@ def _vllm_rank(rank: int, size: int, rendezvous: str, out: str) -> None:
     world = init_world()  # gloo, as grpo train makes it; the engine joins it (external launcher)
     try:
         policy, tokenizer, prompts = _adapted_smollm2()
-        sampler = VLLMSampler(max_new_tokens=8, max_model_len=512, cpu_kv_cache_gb=0.25)
+        sampler = VLLMSampler(**sampler_settings("vllm", max_new_tokens=8, max_model_len=512, cpu_kv_cache_gb=0.25))
         sampler.sync(policy)
         assert sampler.llm is not None, "vLLM fell back to HF generate"
         generator = torch.Generator().manual_seed(step_seed(0, 1, rank))  # as the trainer seeds step 1
@@ -362,8 +364,8 @@ def _shared_rank(rank: int, size: int, rendezvous: str, out: str) -> None:
         group = type("Group", (), {"world_size": size, "rank_in_group": rank, "cpu_group": None})
         parallel_state.get_tp_group = lambda: group
         mine = [{"prompt_token_ids": [rank, i]} for i in range(2 + rank)]  # rank 0: 2 requests, rank 1: 3
-        requests, params, where = VLLMSampler(tensor_parallel_size=2)._shared(mine, [f"seed {rank}.{i}"
-                                                                                     for i in range(2 + rank)])
+        sampler = VLLMSampler(**sampler_settings("vllm", tensor_parallel_size=2))
+        requests, params, where = sampler._shared(mine, [f"seed {rank}.{i}" for i in range(2 + rank)])
         assert requests[where] == mine
         Path(out, f"shared_r{rank}.json").write_text(json.dumps([requests, params, [where.start, where.stop]]))
     finally:

@@ -93,7 +93,7 @@ def trained_dtype(ckpt: Path) -> str:
     if state.get("dtype") in DTYPES:
         return state["dtype"]
     model = checkpoint.load_config(ckpt).model
-    dtype = resolve_dtype(model.get("dtype", "auto"), resolve_device(model.get("device", "auto")))
+    dtype = resolve_dtype(model.dtype, resolve_device(model.device))  # keys every saved model section holds
     return str(dtype).removeprefix("torch.")
 
 

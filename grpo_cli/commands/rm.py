@@ -41,7 +41,7 @@ from grpo_cli.errors import ConfigError
 from grpo_cli.inference import inherit, load_inference
 from grpo_cli.instantiate import build
 from grpo_cli.metrics.console import console, progress
-from grpo_cli.policy import adapter_enabled, resolve_device, resolve_dtype
+from grpo_cli.policy import adapter_enabled, resolve_device, resolve_dtype, trainable_dtype
 from grpo_cli.rewards.models import check_classifier
 
 
@@ -186,4 +186,4 @@ def results_table(report: dict) -> Table:
 
 
 # the rm section's checks, which `run` hands to config.validate beside every library module's
-CHECKS: list[Check] = [lambda cfg: raised(check_settings)(cfg.rm)]
+CHECKS: list[Check] = [lambda cfg: raised(check_settings)(cfg.rm), trainable_dtype]

@@ -33,6 +33,7 @@ from grpo_cli.errors import ConfigError, RunError
 from grpo_cli.metrics.console import console, progress, quiet
 from grpo_cli.metrics.plots import plot_training
 from grpo_cli.metrics.run_files import check_logging
+from grpo_cli.policy import trainable_dtype
 from grpo_cli.recipe import Run, resume, save, setup, step, with_section
 from grpo_cli.rollout.engine import AUTO, Choice, choose, run_refusal
 from grpo_cli.runs import claim, resume_config
@@ -213,6 +214,7 @@ CHECKS: list[Check] = [
          "must be > 0 or null (no clipping); set trainer.max_grad_norm=1.0"),
     lambda cfg: raised(check_logging)(cfg.trainer),
     lambda cfg: check_world(cfg, world_size()),
+    trainable_dtype,
 ]
 
 

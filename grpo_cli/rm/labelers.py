@@ -66,7 +66,7 @@ class VerifierLabeler:
 
     kind = "process"
 
-    def __init__(self, pattern: str | None = None):
+    def __init__(self, pattern: str | None):
         self.pattern = pattern
 
     def __call__(self, samples: list[dict], **_) -> list[Row]:
@@ -98,8 +98,7 @@ class MonteCarloLabeler:
 
     kind = "process"
 
-    def __init__(self, k: int = 8, estimate: str = "hard", pattern: str | None = None, prompts_per_batch: int = 16,
-                 max_new_tokens: int | None = None):
+    def __init__(self, k: int, estimate: str, pattern: str | None, prompts_per_batch: int, max_new_tokens: int | None):
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ConfigError(f"labeler.k ({k!r}) must be an integer >= 1 (continuations per step); set labeler.k=8")
         if estimate not in ("hard", "soft"):

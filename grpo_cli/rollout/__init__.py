@@ -99,14 +99,14 @@ def pad_id(tokenizer) -> int:
 @dataclass
 class SamplerSettings:
     """What every engine samples with: the `sampler` group's shared keys (their values and comments live in
-    conf/sampler/*.yaml; these defaults serve scripts and tests that build a sampler by hand)."""
+    conf/sampler/default.yaml, their one home: code that builds a sampler by hand composes that section)."""
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int = 64
-    max_prompt_tokens: int = 1024
-    batch_size: int | None = None
+    temperature: float
+    top_p: float
+    top_k: int
+    max_new_tokens: int
+    max_prompt_tokens: int
+    batch_size: int | None
 
     def settings(self) -> SamplerSettings:
         """The shared settings alone (for a fallback engine built from another's)."""

@@ -79,13 +79,15 @@ from grpo_cli.rollout.vllm_engine import (
 class VLLMSampler(Sampler):
     """The `sampler` settings (conf/sampler/vllm.yaml) and a vLLM engine started on first use."""
 
-    # the engine's own settings, beside the shared ones (their comments: conf/sampler/vllm.yaml)
-    dtype: str = "auto"
-    enforce_eager: bool = False
-    max_model_len: int | None = None
-    cpu_kv_cache_gb: float | None = None
-    gpu_memory_utilization: float = 0.3
-    enable_sleep_mode: bool = False
+    # the engine's own settings, beside the shared ones (their values and comments: conf/sampler/vllm.yaml)
+    dtype: str
+    enforce_eager: bool
+    max_model_len: int | None
+    cpu_kv_cache_gb: float | None
+    gpu_memory_utilization: float
+    enable_sleep_mode: bool
+    # the one fallback: a vLLM run saved before this key existed lacks it, and eval/sample/rm build the run's saved
+    # sampler section; 1 is how those runs sampled (an engine per process)
     tensor_parallel_size: int = 1
 
     def __post_init__(self):
