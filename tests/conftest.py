@@ -1,8 +1,10 @@
-"""Shared fixtures: a tiny seeded random Llama + character tokenizer (no files, no network)."""
+"""Shared fixtures: a tiny seeded random Llama + character tokenizer (no files, no network), and one trained tiny run
+that the integration tests of eval/sample/export/rm/resume read. The helpers behind them live in tests/helpers.py."""
 
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -15,8 +17,9 @@ setup_process()
 # is installed; a test of the engine choice or of vLLM says so (sampler=vllm, or this variable removed)
 os.environ.setdefault("GRPO_NO_VLLM", "1")
 
-REPO = Path(__file__).resolve().parent.parent
-GSM8K = REPO.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
+from tests.helpers import GSM8K, REPO, TINY, copy_run, run_cli  # noqa: E402 (after the process setup)
+
+__all__ = ["REPO", "GSM8K"]
 
 
 @pytest.fixture(scope="session")
@@ -34,3 +37,40 @@ def gsm8k_path() -> Path:
     if not GSM8K.exists():
         pytest.skip(f"GSM8K not found at {GSM8K} (it lives in ../shared/data beside the repo)")
     return GSM8K
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory) -> Path:
+    """One finished `grpo train` run of the tiny model (tests.helpers.TINY, 2 steps, a checkpoint at each), made once
+    per session through the command itself. Tests read it; a test that resumes or damages a run works on
+    `trained_run_copy`."""
+    folder = tmp_path_factory.mktemp("trained") / "run"
+    code, _, err = run_cli(["train", *TINY, "trainer.max_steps=2", "trainer.save_every=1",
+                            f"hydra.run.dir={folder}"])
+    assert code == 0, err[-3000:]
+    return folder
+
+
+@pytest.fixture()
+def trained_run_copy(trained_run, tmp_path) -> Path:
+    """A copy of `trained_run` of this test's own."""
+    return copy_run(trained_run, tmp_path / "run")
+
+
+@pytest.fixture()
+def tmpfs(tmp_path):
+    """Mount a small tmpfs (needs root, as on this project's machines and CI); yields a mount function."""
+    mounted = []
+
+    def mount(name: str, options: str) -> Path:
+        where = tmp_path / name
+        where.mkdir()
+        out = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True)
+        if out.returncode:
+            pytest.skip(f"cannot mount a tmpfs here ({out.stderr.decode().strip()}); needs root")
+        mounted.append(where)
+        return where
+
+    yield mount
+    for where in mounted:
+        subprocess.run(["umount", "-l", str(where)])

@@ -15,8 +15,7 @@ from grpo_cli.commands import train
 from grpo_cli.config import compose, validate
 from grpo_cli.errors import ConfigError
 from grpo_cli.resources import CONF_DIR, RECIPES_DIR
-
-REPO = Path(__file__).resolve().parent.parent
+from tests.helpers import REPO
 
 
 def grpo(*args: str, cwd: Path | None = None, timeout: int = 300) -> subprocess.CompletedProcess:

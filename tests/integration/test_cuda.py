@@ -16,7 +16,6 @@ import types
 
 import pytest
 import torch
-from test_train import metrics, tiny_cfg
 
 from grpo_cli import cli
 from grpo_cli import metrics as grpo_metrics
@@ -37,6 +36,7 @@ from grpo_cli.policy import (
 from grpo_cli.rewards.models import SequenceClassifierReward, TokenClassifierPRM
 from grpo_cli.rollout import render_prompts
 from grpo_cli.rollout.hf import HFSampler
+from tests.helpers import metrics, tiny_cfg
 
 CONVERSATIONS = [[{"role": "user", "content": "What is 2+3?"}], [{"role": "user", "content": "Hi"}]]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

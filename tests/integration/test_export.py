@@ -18,8 +18,8 @@ from grpo_cli.commands import export, train
 from grpo_cli.config import compose
 from grpo_cli.errors import ConfigError
 from grpo_cli.policy import build_policy, load_tiny_random
+from tests.helpers import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 # the digit reward gives the tiny model's random text mixed rewards in a group, so the adapter moves
 TINY = ["+reward.functions.digit={_target_:grpo_cli.rewards.outcome.format_reward,_partial_:true,pattern:'[0-9]'}",
         "+reward.weights.digit=1.0", "model=tiny", "sampler.max_new_tokens=8", "algo.group_size=4",

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 from omegaconf import OmegaConf
-from test_runs import copy_run, grpo, one_line_error, tmpfs  # noqa: F401 (tmpfs: a fixture)
-from test_train import TINY, metrics, tiny_cfg
 
 from grpo_cli.commands import train
 from grpo_cli.config import compose, validate
 from grpo_cli.errors import ConfigError
+from tests.helpers import TINY, copy_run, metrics, one_line_error, tiny_cfg
+from tests.helpers import grpo_process as grpo
 
 
 def digests(folder: Path) -> dict[str, str]:

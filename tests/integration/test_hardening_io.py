@@ -29,8 +29,7 @@ from grpo_cli.policy import CHATML_TEMPLATE
 from grpo_cli.rewards import OutcomeReward
 from grpo_cli.rollout import encode_prompts, render_prompts
 from grpo_cli.rollout.hf import HFSampler
-
-REPO = Path(__file__).resolve().parent.parent
+from tests.helpers import REPO
 
 
 def cli(capfd, command: str, *overrides: str, tmp: Path) -> tuple[int, str]:

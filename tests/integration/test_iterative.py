@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_train import TINY, deterministic, metrics
 
 from grpo_cli import checkpoint, iterative
 from grpo_cli import rm as T
@@ -27,8 +26,8 @@ from grpo_cli.errors import CheckpointError, ConfigError
 from grpo_cli.policy import reference
 from grpo_cli.rewards import RewardResult
 from grpo_cli.rm import OutcomeLabeler
+from tests.helpers import REPO, TINY, deterministic, metrics
 
-REPO = Path(__file__).resolve().parent.parent
 # 3 iterations x 2 steps; per boundary 4 problems x 2 samples = 8 rows, 0.25 x 4 prompts = 1 held out (2 rows)
 ITERATIVE = [o for o in TINY if "digit" not in o] + [
     "reward=orm", "reward.name_or_path=null", "reward.device=cpu", "iterative.iterations=3", "iterative.steps=2",

@@ -15,8 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_rollout_vllm import PROMPTS, hf_greedy, needs_vllm, set_adapter
-from test_train import metrics, tiny_cfg
 from transformers import AutoModelForCausalLM
 
 from grpo_cli import checkpoint, quantize
@@ -26,6 +24,7 @@ from grpo_cli.errors import ConfigError
 from grpo_cli.instantiate import build
 from grpo_cli.policy import build_policy, load_tiny_random
 from grpo_cli.rollout.vllm import VLLMSampler, merged_weights
+from tests.helpers import PROMPTS, hf_greedy, metrics, needs_vllm, set_adapter, tiny_cfg
 
 needs_bnb = pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None,
                                reason="bitsandbytes is not installed: pip install -e '.[qlora]'")

@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_train import TINY, metrics, tiny_cfg
 
 from grpo_cli import checkpoint
 from grpo_cli.commands import train
@@ -27,27 +26,8 @@ from grpo_cli.errors import CheckpointError, ConfigError, RunError
 from grpo_cli.metrics import truncate_jsonl
 from grpo_cli.objective import outcome_advantages
 from grpo_cli.runs import RunLock
-
-REPO = Path(__file__).resolve().parent.parent
-
-
-def grpo(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    return subprocess.run([sys.executable, "-m", "grpo_cli", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=timeout)
-
-
-def one_line_error(out: subprocess.CompletedProcess, code: int = 2) -> str:
-    assert out.returncode == code, out.stderr[-2000:]
-    assert "Traceback" not in out.stderr, out.stderr[-2000:]
-    lines = [line for line in out.stderr.strip().splitlines() if line.startswith("error:")]
-    assert len(lines) == 1, out.stderr[-2000:]
-    return lines[0]
-
-
-def snapshot(folder: Path) -> dict[str, bytes]:
-    """Every file under `folder` (bytes), to prove an error changed nothing."""
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+from tests.helpers import REPO, TINY, copy_run, metrics, one_line_error, snapshot, tiny_cfg
+from tests.helpers import grpo_process as grpo
 
 
 @pytest.fixture(scope="module")
@@ -56,14 +36,6 @@ def run4(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("run4")
     train.run(tiny_cfg("trainer.max_steps=4", "trainer.save_every=1", "trainer.keep_last=null"), path)
     return path
-
-
-def copy_run(src: Path, dst: Path) -> Path:
-    import shutil
-
-    shutil.copytree(src, dst)
-    (dst / ".lock").unlink(missing_ok=True)
-    return dst
 
 
 # ---- 1. resume reads the run's own config -----------------------------------------------------
@@ -303,25 +275,6 @@ def test_truncate_jsonl_replaces_the_file_atomically(tmp_path):
 
 
 # ---- 12. disk full, read-only folders, Ctrl-C during the model load ---------------------------
-
-@pytest.fixture()
-def tmpfs(tmp_path):
-    """Mount a small tmpfs (needs root, as on this project's machines and CI); yields a mount function."""
-    mounted = []
-
-    def mount(name: str, options: str) -> Path:
-        where = tmp_path / name
-        where.mkdir()
-        out = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True)
-        if out.returncode:
-            pytest.skip(f"cannot mount a tmpfs here ({out.stderr.decode().strip()}); needs root")
-        mounted.append(where)
-        return where
-
-    yield mount
-    for where in mounted:
-        subprocess.run(["umount", "-l", str(where)])
-
 
 def test_a_read_only_run_folder_is_one_line(tmpfs):
     folder = tmpfs("ro", "size=1m,ro")

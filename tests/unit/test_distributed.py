@@ -3,101 +3,38 @@
 from __future__ import annotations
 
 import itertools
-import multiprocessing
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from grpo_cli import update
 from grpo_cli.distributed import SINGLE, World
 from grpo_cli.objective import GRPOLoss
-from grpo_cli.policy import apply_lora, load_tiny_random
-from grpo_cli.rewards import RewardResult
-from grpo_cli.rollout import Rollout
+from tests.helpers import (
+    MICRO,
+    OPTIONS,
+    TORCHRUN_TINY,
+    G,
+    _batch,
+    _local,
+    _name,
+    _policy,
+    _save_step,
+    _step,
+    torchrun,
+    two_ranks,
+)
 
-G = 4  # completions per prompt
-ROWS = 16  # the global batch: 4 groups; 2 ranks hold 8 rows (2 groups) each
-MICRO = 3  # ragged micro-batches (3 + 3 + 2 per rank, 3 x 5 + 1 on one rank)
 CASES = [(loss, beta, mu, scale, "mixed")
          for loss, beta, mu, scale in itertools.product(["grpo", "bnpo", "dr_grpo", "dapo"], [0.0, 0.04], [1, 2],
                                                          ["group", "batch"])]
 # rank 1's groups all have equal rewards: with β = 0 it has no active row and runs no backward at all
 CASES += [(loss, 0.0, mu, scale, "dead_rank")
           for loss, mu, scale in itertools.product(["grpo", "dapo"], [1, 2], ["group", "batch"])]
-# #24's loss options (GRPOLoss keyword arguments); with them the rollout carries a sampler's own log-probs
-OPTIONS = {
-    "gspo": {"importance_sampling_level": "sequence", "epsilon_low": 3e-4, "epsilon_high": 4e-4},
-    "entropy": {"entropy_coef": 0.01, "top_entropy_quantile": 0.5},  # the batch threshold over both ranks
-    "seqmask": {"is_correction": "sequence_mask", "is_correction_cap": 3.0},
-    "seqtrunc": {"is_correction": "sequence_truncate", "is_correction_cap": 1.5},
-}
 CASES += [(loss, 0.04, mu, "group", option)
           for loss, mu, option in itertools.product(["grpo", "dapo"], [1, 2], list(OPTIONS))]
-
-
-def _name(case) -> str:
-    return "_".join(str(x) for x in case)
-
-
-def _policy():
-    model, tokenizer = load_tiny_random()
-    policy = apply_lora(model, r=4, alpha=8, dropout=0.0, target_modules=["q_proj", "v_proj"])
-    with torch.no_grad():  # seeded, and B off zero: the policy differs from the reference and A gets a gradient
-        g = torch.Generator().manual_seed(1)
-        for name, p in sorted(policy.named_parameters()):
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-    return policy, tokenizer
-
-
-def _batch(kind: str) -> tuple[Rollout, RewardResult]:
-    """The global batch: 16 rows of random tokens, completions of 1-7 tokens, rewards per `kind`."""
-    g = torch.Generator().manual_seed(0)
-    p_len, t_len = 5, 7
-    prompt_ids = torch.randint(3, 60, (ROWS, p_len), generator=g)
-    prompt_mask = torch.ones(ROWS, p_len, dtype=torch.long)
-    prompt_mask[::3, 0] = 0  # some prompts left-padded
-    lengths = torch.randint(1, t_len + 1, (ROWS,), generator=g)
-    completion_mask = (torch.arange(t_len)[None, :] < lengths[:, None]).long()  # [16, 7]
-    completion_ids = torch.where(completion_mask.bool(), torch.randint(3, 60, (ROWS, t_len), generator=g), 0)
-    rewards = torch.randint(0, 3, (ROWS,), generator=g).float().tolist()
-    if kind == "dead_rank":
-        rewards[8:] = [1.0] * 8
-    rollout = Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, [""] * ROWS,
-                      [bool(n == t_len) for n in lengths.tolist()])
-    if kind in OPTIONS:  # a sampler's log-probs near the policy's (tiny random model: about -log 64 a token)
-        rollout.sampling_logp = (-4.2 + 0.1 * torch.randn(ROWS, t_len, generator=g)) * completion_mask
-    return rollout, RewardResult(rewards=rewards, per_function={})
-
-
-def _local(rollout: Rollout, result: RewardResult, world: World) -> tuple[Rollout, RewardResult]:
-    rows = list(range(ROWS))[world.slice(ROWS)]
-    return rollout.select(rows), RewardResult(rewards=[result.rewards[i] for i in rows], per_function={})
-
-
-def _step(case, world: World, fsdp: bool = False) -> tuple[dict, dict]:
-    """One `update` of `case` on this rank's share of the batch; (LoRA weights, stats). `fsdp`: the base sharded
-    over the ranks first (tests/test_fsdp.py)."""
-    loss_type, beta, mu, scale, kind = case
-    torch.manual_seed(0)
-    policy, tokenizer = _policy()
-    if fsdp:
-        from grpo_cli import fsdp as sharding
-
-        sharding.shard(policy, world)
-    rollout, result = _local(*_batch(kind), world)
-    options = {"epsilon_low": 0.2, "epsilon_high": None, **OPTIONS.get(kind, {})}
-    loss = GRPOLoss(beta=beta, kl_estimator="k3", loss_type=loss_type, **options)
-    params = [p for p in policy.parameters() if p.requires_grad]
-    optimizer = torch.optim.SGD(params, lr=0.5)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    adv = update.advantages(result, rollout, tokenizer, G, scale, "population", world)
-    batch = update.prepare(policy, rollout, adv, loss, mu, MICRO, True, world)
-    stats = update.update(policy, optimizer, scheduler, batch, loss, mu, MICRO, 1.0).metrics()
-    weights = {n: p.detach().clone() for n, p in policy.named_parameters() if p.requires_grad}
-    return weights, stats
 
 
 def _worker(rank: int, size: int, init_method: str, out: str) -> None:
@@ -114,46 +51,18 @@ def _worker(rank: int, size: int, init_method: str, out: str) -> None:
         torch.distributed.destroy_process_group()
 
 
-def _save_step(out: str, case: tuple, rank: int, weights: dict, stats: dict) -> None:
-    """One rank's LoRA weights and step statistics for `case`, where the test process reads them."""
-    save_file(weights, str(Path(out) / f"{_name(case)}_r{rank}.safetensors"))
-    save_file({k: torch.tensor(float(v)) for k, v in stats.items()},
-              str(Path(out) / f"{_name(case)}_stats_r{rank}.safetensors"))
-
-
-def _rendezvous() -> str:
-    """A TCP rendezvous on a free local port (a FileStore rendezvous aborted a rank at exit once in CI)."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{sock.getsockname()[1]}"
-
-
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
+def steps(tmp_path_factory):
     """Run every case on 2 gloo ranks (spawned processes); the folder of their results."""
     out = tmp_path_factory.mktemp("dp")
-    _two_ranks(_worker, out)
+    two_ranks(_worker, out)
     return out
 
 
-def _two_ranks(target, out: Path) -> None:
-    """Run target(rank, 2, rendezvous, out) in 2 spawned processes; both must exit 0."""
-    ctx = multiprocessing.get_context("spawn")
-    rendezvous = _rendezvous()
-    procs = [ctx.Process(target=target, args=(r, 2, rendezvous, str(out))) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-    assert [p.exitcode for p in procs] == [0, 0], "a rank failed or hung"
-
-
 @pytest.mark.parametrize("case", CASES, ids=_name)
-def test_two_ranks_take_the_one_rank_step(two_ranks, case):
+def test_two_ranks_take_the_one_rank_step(steps, case):
     one, one_stats = _step(case, SINGLE)
-    ranks = [load_file(str(two_ranks / f"{_name(case)}_r{r}.safetensors")) for r in range(2)]
+    ranks = [load_file(str(steps / f"{_name(case)}_r{r}.safetensors")) for r in range(2)]
     for name, w in one.items():
         # the ranks agree exactly (the same summed gradient, the same step) and with the 1-rank step
         assert torch.equal(ranks[0][name], ranks[1][name]), name
@@ -162,7 +71,7 @@ def test_two_ranks_take_the_one_rank_step(two_ranks, case):
     policy, _ = _policy()
     start = {n: p for n, p in policy.named_parameters() if p.requires_grad}
     assert any(not torch.allclose(start[n], w, atol=1e-4) for n, w in one.items())
-    stats = load_file(str(two_ranks / f"{_name(case)}_stats_r0.safetensors"))
+    stats = load_file(str(steps / f"{_name(case)}_stats_r0.safetensors"))
     for key in ("loss", "kl", "ratio_mean", "entropy", "grad_norm", "counts/backward_seqs"):
         assert stats[key].item() == pytest.approx(float(one_stats[key]), rel=1e-5, abs=1e-7), key
 
@@ -276,34 +185,12 @@ def test_a_command_closes_the_world_when_it_ends_normally_only(fails, monkeypatc
 
 # ---- end to end: torchrun, 2 ranks, the tiny model -------------------------------------------
 
-TORCHRUN_TINY = ["model=tiny", "sampler.max_new_tokens=8", "algo.group_size=4", "trainer.prompts_per_step=4",
-                 "trainer.micro_batch_size=4", "optimizer.lr=0.05", "trainer.warmup_steps=0", "trainer.report_to=[]",
-                 "trainer.max_steps=3", "trainer.save_every=1", "trainer.log_completions_every=1",
-                 "trainer.num_completions_to_print=0",
-                 "+reward.functions.digit={_target_:grpo_cli.rewards.outcome.format_reward,_partial_:true,"
-                 "pattern:'[0-9]'}", "+reward.weights.digit=1.0"]
-
-
-def _grpo(cwd: Path, *args: str, ranks: int = 2):
-    import os
-    import subprocess
-    import sys
-
-    bin_dir = Path(sys.executable).parent
-    launch = ([str(bin_dir / "torchrun"), "--standalone", f"--nproc-per-node={ranks}", str(bin_dir / "grpo")]
-              if ranks > 1 else [str(bin_dir / "grpo")])
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([*launch, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return done
-
-
 @pytest.mark.slow
 @pytest.mark.ci
 def test_torchrun_two_ranks_train_resume_and_eval(tmp_path):
     import json
 
-    _grpo(tmp_path, "train", *TORCHRUN_TINY)
+    torchrun(tmp_path, "train", *TORCHRUN_TINY)
     runs = list((tmp_path / "outputs" / "train").glob("*/*"))
     assert len(runs) == 1, runs  # both ranks wrote into the one folder rank 0's clock named
     run = runs[0]
@@ -321,7 +208,7 @@ def test_torchrun_two_ranks_train_resume_and_eval(tmp_path):
     final = load_file(str(run / "checkpoints" / "step_000003" / "adapter_model.safetensors"))
 
     # resume from step 2 on 2 ranks: step 3 again, the same weights as the uninterrupted run
-    _grpo(tmp_path, "train", f"resume={run / 'checkpoints' / 'step_000002'}")
+    torchrun(tmp_path, "train", f"resume={run / 'checkpoints' / 'step_000002'}")
     again = load_file(str(run / "checkpoints" / "step_000003" / "adapter_model.safetensors"))
     assert final.keys() == again.keys()
     for name in final:
@@ -329,7 +216,7 @@ def test_torchrun_two_ranks_train_resume_and_eval(tmp_path):
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 3
 
     # grpo eval loads the 2-rank checkpoint (one process)
-    done = _grpo(tmp_path, "eval", f"checkpoint={run / 'checkpoints' / 'step_000003'}", "eval.limit=4",
+    done = torchrun(tmp_path, "eval", f"checkpoint={run / 'checkpoints' / 'step_000003'}", "eval.limit=4",
                  f"hydra.run.dir={tmp_path / 'eval'}", ranks=1)
     assert (tmp_path / "eval" / "eval.json").exists(), done.stdout
 
@@ -340,8 +227,8 @@ def test_torchrun_eval_shards_problems_and_gathers_every_row(tmp_path):
     import json
 
     args = ["eval", "model=tiny", "eval.limit=6", "eval.batch_size=2", "eval.max_new_tokens=6"]
-    _grpo(tmp_path, *args, f"hydra.run.dir={tmp_path / 'two'}")
-    _grpo(tmp_path, *args, f"hydra.run.dir={tmp_path / 'one'}", ranks=1)
+    torchrun(tmp_path, *args, f"hydra.run.dir={tmp_path / 'two'}")
+    torchrun(tmp_path, *args, f"hydra.run.dir={tmp_path / 'one'}", ranks=1)
     rows = {}
     for name in ("one", "two"):
         lines = [json.loads(line) for line in (tmp_path / name / "eval_samples.jsonl").read_text().splitlines()]
@@ -381,7 +268,7 @@ def _collectives_worker(rank: int, size: int, init_method: str, out: str) -> Non
 def test_collectives_and_agreed_stop_on_two_ranks(tmp_path):
     import json
 
-    _two_ranks(_collectives_worker, tmp_path)
+    two_ranks(_collectives_worker, tmp_path)
     got = [json.loads((tmp_path / f"collectives_r{r}.json").read_text()) for r in range(2)]
     assert got[0]["stop"] == "a stop request on another rank" and got[1]["stop"] == "SIGTERM"
     assert got[0]["no_stop"] is None and got[1]["no_stop"] is None

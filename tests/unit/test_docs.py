@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers import REPO
+
+ROOT = REPO
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 MAX_README_LINES = 260

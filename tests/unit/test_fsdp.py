@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_distributed import ROWS, TORCHRUN_TINY, _grpo, _name, _policy, _save_step, _step, _two_ranks
 
 from grpo_cli import fsdp
 from grpo_cli.distributed import SINGLE, World
+from tests.helpers import ROWS, TORCHRUN_TINY, _name, _policy, _save_step, _step, torchrun, two_ranks
 
 # a subset of test_distributed's cases: plain, μ = 2 (old log-probs), β > 0 (the reference forward, adapter off),
 # a rank with no active row (it runs its spare rows, masked out), the top-entropy mask (one more forward)
@@ -37,16 +37,16 @@ def _worker(rank: int, size: int, init_method: str, out: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
+def steps(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp")
-    _two_ranks(_worker, out)
+    two_ranks(_worker, out)
     return out
 
 
 @pytest.mark.parametrize("case", CASES, ids=_name)
-def test_sharded_base_takes_the_one_process_step(two_ranks, case):
+def test_sharded_base_takes_the_one_process_step(steps, case):
     one, one_stats = _step(case, SINGLE)
-    ranks = [load_file(str(two_ranks / f"{_name(case)}_r{r}.safetensors")) for r in range(2)]
+    ranks = [load_file(str(steps / f"{_name(case)}_r{r}.safetensors")) for r in range(2)]
     assert ranks[0].keys() == one.keys()
     for name, w in one.items():
         # the LoRA weights are replicated: the ranks agree exactly, and with one process within float rounding
@@ -54,14 +54,14 @@ def test_sharded_base_takes_the_one_process_step(two_ranks, case):
         assert torch.allclose(ranks[0][name], w, atol=1e-6, rtol=0), (name, (ranks[0][name] - w).abs().max())
     start = {n: p for n, p in _policy()[0].named_parameters() if p.requires_grad}
     assert any(not torch.allclose(start[n], w, atol=1e-4) for n, w in one.items())  # the step moved them
-    stats = load_file(str(two_ranks / f"{_name(case)}_stats_r0.safetensors"))
+    stats = load_file(str(steps / f"{_name(case)}_stats_r0.safetensors"))
     # counts/backward_seqs counts the rows that learn, not the fillers a rank runs to keep in step
     for key in ("loss", "kl", "ratio_mean", "entropy", "grad_norm", "counts/backward_seqs"):
         assert stats[key].item() == pytest.approx(float(one_stats[key]), rel=1e-5, abs=1e-7), key
 
 
-def test_each_rank_holds_half_the_base(two_ranks):
-    got = [json.loads((two_ranks / f"memory_r{r}.json").read_text()) for r in range(2)]
+def test_each_rank_holds_half_the_base(steps):
+    got = [json.loads((steps / f"memory_r{r}.json").read_text()) for r in range(2)]
     whole = got[0]["whole"]
     # tiny model, fp32: 100-token tied embedding (100 x 32) + 2 layers (4 x 32 x 32 attention + 3 x 32 x 64 MLP
     # + 2 norms of 32) + the final norm (32) = 3200 + 2 x 10304 + 32 = 23840 weights x 4 bytes = 95360 bytes
@@ -102,7 +102,7 @@ def _adapter(run: Path, step: int) -> dict:
 
 def _run(folder: Path, *args: str, ranks: int = 2):
     folder.mkdir(exist_ok=True)
-    done = _grpo(folder, "train", *TORCHRUN_TINY, *args, ranks=ranks)
+    done = torchrun(folder, "train", *TORCHRUN_TINY, *args, ranks=ranks)
     return done, next((folder / "outputs" / "train").glob("*/*"))
 
 
@@ -126,12 +126,12 @@ def test_torchrun_fsdp_trains_as_data_parallel_saves_and_resumes_in_one_process(
     if checkpointing:
         return
     # step 3 again from step 2 on 2 ranks (the adapter loaded into the sharded policy): the same weights
-    _grpo(tmp_path / "fsdp", "train", f"resume={sharded / 'checkpoints' / 'step_000002'}")
+    torchrun(tmp_path / "fsdp", "train", f"resume={sharded / 'checkpoints' / 'step_000002'}")
     again = _adapter(sharded, 3)
     for name in final:
         assert torch.allclose(again[name], final[name], atol=1e-6, rtol=0), name
     # and in one process (other sampling seeds for rank 1's prompts, so other weights: it runs, that is all)
-    done = _grpo(tmp_path / "fsdp", "train", f"resume={sharded / 'checkpoints' / 'step_000002'}", ranks=1)
+    done = torchrun(tmp_path / "fsdp", "train", f"resume={sharded / 'checkpoints' / 'step_000002'}", ranks=1)
     assert "fsdp: one process, nothing to shard" in done.stderr
     assert len((sharded / "metrics.jsonl").read_text().splitlines()) == 3
 

@@ -10,8 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_distributed import _two_ranks
-from test_train import deterministic, metrics, tiny_cfg
 
 from grpo_cli.commands import train
 from grpo_cli.distributed import World
@@ -19,6 +17,7 @@ from grpo_cli.errors import ConfigError
 from grpo_cli.groups import Draw, GroupFilter, has_signal
 from grpo_cli.rewards import RewardResult
 from grpo_cli.rollout import Rollout
+from tests.helpers import deterministic, metrics, tiny_cfg, two_ranks
 
 G = 2
 
@@ -116,7 +115,7 @@ def _rank_worker(rank: int, size: int, init_method: str, out: str) -> None:
 
 
 def test_two_ranks_agree_on_what_is_kept_and_take_equal_shares(tmp_path):
-    _two_ranks(_rank_worker, tmp_path)
+    two_ranks(_rank_worker, tmp_path)
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
     # draw 0 keeps 1 group (rank 0's prompt 1) of the 4 wanted: draw again; draw 1 brings the total to 4
     assert r0["done"] == r1["done"] == [False, True]

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "grpo_cli"
+from tests.helpers import REPO
+
+PACKAGE = REPO / "grpo_cli"
 
 # packages a user may not have installed; only these may be imported inside a function
 OPTIONAL = ("vllm", "wandb", "trackio", "mlflow", "tensorboard", "torch.utils.tensorboard", "matplotlib", "datasets",

@@ -12,8 +12,9 @@ from omegaconf import OmegaConf
 from grpo_cli.errors import ConfigError
 from grpo_cli.rewards import RewardResult, split_steps
 from grpo_cli.rewards.models import SequenceClassifierReward, TokenClassifierPRM
+from tests.helpers import REPO
 
-REWARD_CONF = Path(__file__).resolve().parent.parent / "conf" / "reward"
+REWARD_CONF = REPO / "conf" / "reward"
 
 
 @pytest.fixture(scope="module")

@@ -25,8 +25,8 @@ from grpo_cli.config import compose
 from grpo_cli.errors import ConfigError, DataError
 from grpo_cli.instantiate import build
 from grpo_cli.rewards import answers_match, extract_answer, split_steps
+from tests.helpers import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 TINY = ["model=tiny", "sampler.max_new_tokens=6", "data.heldout_size=20"]
 
 

@@ -14,6 +14,7 @@ from grpo_cli.rollout import engine
 from grpo_cli.rollout.hf import HFSampler
 from grpo_cli.rollout.sizing import EngineSize, Job, engine_size, kv_bytes_per_token
 from grpo_cli.rollout.vllm import VLLMSampler
+from tests.helpers import REPO
 
 HF_LINE = "sampler: HF generate"
 
@@ -171,13 +172,12 @@ def test_a_default_run_with_vllm_prints_our_lines_only(tmp_path):
     import re
     import subprocess
     import sys
-    from pathlib import Path
 
     env = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", engine.OPT_OUT, "COLUMNS")}
     env["MPLCONFIGDIR"] = str(tmp_path / "matplotlib")  # matplotlib builds its font cache: its INFO line would print
     tiny = ["trainer.max_steps=1", "trainer.prompts_per_step=1", "algo.group_size=2", "sampler.max_new_tokens=8"]
     out = subprocess.run([sys.executable, "-m", "grpo_cli", "train", *tiny, f"hydra.run.dir={tmp_path / 'run'}"],
-                         cwd=Path(__file__).resolve().parent.parent, env=env, stdout=subprocess.PIPE,
+                         cwd=REPO, env=env, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, timeout=900)
     lines = [line for line in out.stdout.splitlines() if line.strip()]
     assert out.returncode == 0, out.stdout[-3000:]

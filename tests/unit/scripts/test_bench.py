@@ -9,7 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
-spec = importlib.util.spec_from_file_location("bench", Path(__file__).resolve().parent.parent / "scripts" / "bench.py")
+from tests.helpers import REPO
+
+spec = importlib.util.spec_from_file_location("bench", REPO / "scripts" / "bench.py")
 bench = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(bench)
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
 
+from tests.helpers import REPO
+
 spec = importlib.util.spec_from_file_location(
-    "memory_plan", Path(__file__).resolve().parent.parent / "scripts" / "memory_plan.py")
+    "memory_plan", REPO / "scripts" / "memory_plan.py")
 plan = importlib.util.module_from_spec(spec)
 sys.modules["memory_plan"] = plan  # dataclasses look their module up there
 spec.loader.exec_module(plan)
