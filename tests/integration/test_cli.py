@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from hydra.utils import instantiate
@@ -15,30 +13,23 @@ from grpo_cli.commands import train
 from grpo_cli.config import compose, validate
 from grpo_cli.errors import ConfigError
 from grpo_cli.resources import CONF_DIR, RECIPES_DIR
-from tests.helpers import REPO
-
-
-def grpo(*args: str, cwd: Path | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HYDRA_FULL_ERROR": "0"}
-    env.pop("HYDRA_FULL_ERROR")
-    return subprocess.run([sys.executable, "-m", "grpo_cli", *args], cwd=cwd or REPO, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+from tests.helpers import run_cli
 
 
 def test_help_lists_subcommands():
-    out = grpo("--help")
+    out = run_cli(["--help"])
     assert out.returncode == 0
     for command in ("train", "eval", "sample"):
         assert command in out.stdout
 
 
 def test_unknown_command_exits_2():
-    out = grpo("fly")
+    out = run_cli(["fly"])
     assert out.returncode == 2 and "unknown command" in out.stderr
 
 
 def test_cfg_job_with_recipe_prints_every_section(tmp_path):
-    out = grpo("train", "--cfg", "job", "+recipe=gsm8k", cwd=tmp_path)  # from another working directory
+    out = run_cli(["train", "--cfg", "job", "+recipe=gsm8k"], cwd=tmp_path)  # from another working directory
     assert out.returncode == 0, out.stderr
     cfg = OmegaConf.create(out.stdout)
     for section in ("model", "reward", "sampler", "optimizer", "data", "algo", "trainer"):
@@ -47,7 +38,7 @@ def test_cfg_job_with_recipe_prints_every_section(tmp_path):
 
 
 def test_invalid_value_exits_2_with_one_line(tmp_path):
-    out = grpo("train", "sampler.temperature=-1", f"hydra.run.dir={tmp_path}")
+    out = run_cli(["train", "sampler.temperature=-1", f"hydra.run.dir={tmp_path}"])
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1, out.stderr
@@ -55,8 +46,8 @@ def test_invalid_value_exits_2_with_one_line(tmp_path):
 
 
 def test_every_problem_is_reported_at_once(tmp_path):
-    out = grpo("train", "model=tiny", "algo.group_size=1", "sampler.temperature=-1", "trainer.prompts_per_step=0",
-               "+sampler.temprature=0.7", f"hydra.run.dir={tmp_path}")
+    out = run_cli(["train", "model=tiny", "algo.group_size=1", "sampler.temperature=-1", "trainer.prompts_per_step=0",
+                   "+sampler.temprature=0.7", f"hydra.run.dir={tmp_path}"])
     assert out.returncode == 2 and "Traceback" not in out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 4, out.stderr  # three bad values and one unknown key, one line each
@@ -88,8 +79,8 @@ def test_unknown_key_in_a_component_names_the_fix():
 
 
 def test_bad_data_path_is_one_line(tmp_path):
-    out = grpo("train", "data=gsm8k", f"data.path={tmp_path}/nope.jsonl", "model=tiny",
-               f"hydra.run.dir={tmp_path}/run")
+    out = run_cli(["train", "data=gsm8k", f"data.path={tmp_path}/nope.jsonl", "model=tiny",
+                   f"hydra.run.dir={tmp_path}/run"])
     assert out.returncode == 2, out.stderr
     assert len(out.stderr.strip().splitlines()) == 1 and "nope.jsonl" in out.stderr
 
@@ -132,9 +123,9 @@ def test_every_group_option_composes(group, option, gsm8k_path, monkeypatch):
 
 
 def test_sweep_runs_two_jobs(tmp_path):
-    out = grpo("train", "-m", "model=tiny", "trainer.max_steps=1", "sampler.max_new_tokens=4",
-               "algo.group_size=2", "trainer.prompts_per_step=1", "trainer.report_to=[]",
-               "algo.beta=0,0.04", f"hydra.sweep.dir={tmp_path}", timeout=600)
+    out = run_cli(["train", "-m", "model=tiny", "trainer.max_steps=1", "sampler.max_new_tokens=4",
+                   "algo.group_size=2", "trainer.prompts_per_step=1", "trainer.report_to=[]",
+                   "algo.beta=0,0.04", f"hydra.sweep.dir={tmp_path}"])
     assert out.returncode == 0, out.stderr[-2000:]
     for job in ("0", "1"):
         assert (tmp_path / job / "metrics.jsonl").exists()

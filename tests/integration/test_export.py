@@ -4,9 +4,6 @@ loads with plain transformers / peft, and never overwrites a folder it was not t
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +15,7 @@ from grpo_cli.commands import export, train
 from grpo_cli.config import compose
 from grpo_cli.errors import ConfigError
 from grpo_cli.policy import build_policy, load_tiny_random
-from tests.helpers import REPO
+from tests.helpers import run_cli
 
 # the digit reward gives the tiny model's random text mixed rewards in a group, so the adapter moves
 TINY = ["+reward.functions.digit={_target_:grpo_cli.rewards.outcome.format_reward,_partial_:true,pattern:'[0-9]'}",
@@ -170,9 +167,7 @@ def test_overwrite_replaces_the_whole_folder(tiny_run, tmp_path):
 
 def test_cli_missing_output_and_non_empty_folder_exit_2_with_one_line(tiny_run, tmp_path):
     def grpo(*args):
-        env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-        return subprocess.run([sys.executable, "-m", "grpo_cli", "export", *args, f"hydra.run.dir={tmp_path}/h"],
-                              cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+        return run_cli(["export", *args, f"hydra.run.dir={tmp_path}/h"])
 
     missing = grpo(f"checkpoint={tiny_run}")
     assert missing.returncode == 2 and missing.stderr.strip().splitlines() == [

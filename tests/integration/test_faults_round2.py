@@ -19,8 +19,7 @@ from omegaconf import OmegaConf
 from grpo_cli.commands import train
 from grpo_cli.config import compose, validate
 from grpo_cli.errors import ConfigError
-from tests.helpers import TINY, copy_run, metrics, one_line_error, tiny_cfg
-from tests.helpers import grpo_process as grpo
+from tests.helpers import TINY, copy_run, metrics, one_line_error, run_cli, tiny_cfg
 
 
 def digests(folder: Path) -> dict[str, str]:
@@ -49,7 +48,7 @@ def test_a_folder_inside_a_run_is_refused_before_hydra_writes(run2, tmp_path, co
     extra = {"train": [*TINY, "trainer.max_steps=1"], "eval": ["model=tiny", f"checkpoint={run}"],
              "sample": ["model=tiny", f"checkpoint={run}"],
              "export": [f"checkpoint={run}", f"output={tmp_path / 'out'}"]}[command]
-    line = one_line_error(grpo(command, *extra, f"hydra.run.dir={inside}"))
+    line = one_line_error(run_cli([command, *extra, f"hydra.run.dir={inside}"]))
     assert f"inside the run folder {run}" in line and "hydra.run.dir=" in line
     assert digests(run) == before and not (run / "checkpoints" / "more").exists()
 
@@ -58,7 +57,7 @@ def test_a_folder_inside_a_run_is_refused_before_hydra_writes(run2, tmp_path, co
 def test_eval_and_sample_in_the_run_folder_itself_are_refused(run2, tmp_path, command):
     run = copy_run(run2, tmp_path / "run")
     before = digests(run)
-    line = one_line_error(grpo(command, "model=tiny", f"checkpoint={run}", f"hydra.run.dir={run}"))
+    line = one_line_error(run_cli([command, "model=tiny", f"checkpoint={run}", f"hydra.run.dir={run}"]))
     assert f"is the run folder {run}" in line
     assert digests(run) == before  # .hydra/ included: Hydra never ran
 
@@ -66,7 +65,7 @@ def test_eval_and_sample_in_the_run_folder_itself_are_refused(run2, tmp_path, co
 def test_a_fresh_run_in_a_run_folder_leaves_its_hydra_records(run2, tmp_path):
     run = copy_run(run2, tmp_path / "run")
     before = digests(run)
-    line = one_line_error(grpo("train", *TINY, "trainer.max_steps=1", f"hydra.run.dir={run}"))
+    line = one_line_error(run_cli(["train", *TINY, "trainer.max_steps=1", f"hydra.run.dir={run}"]))
     assert "already holds a run" in line
     assert digests(run) == before
 
@@ -107,8 +106,8 @@ def test_vllm_lengths_are_checked_in_validation(monkeypatch, overrides, line):
 
 @needs_vllm
 def test_cli_vllm_max_model_len_too_short_stops_before_the_model_loads(tmp_path):
-    out = grpo("train", *TINY, "sampler=vllm", "sampler.max_model_len=64", "sampler.max_new_tokens=4000",
-               f"hydra.run.dir={tmp_path / 'run'}")
+    out = run_cli(["train", *TINY, "sampler=vllm", "sampler.max_model_len=64", "sampler.max_new_tokens=4000",
+                   f"hydra.run.dir={tmp_path / 'run'}"])
     assert "exceed sampler.max_model_len (64 tokens)" in one_line_error(out)
     assert "run dir:" not in out.stderr and not (tmp_path / "run" / "metrics.jsonl").exists()
 
@@ -126,7 +125,7 @@ def test_cli_vllm_max_model_len_too_short_stops_before_the_model_loads(tmp_path)
 ])
 def test_hf_lengths_past_the_context_stop_before_the_model_loads(tmp_path, command, overrides, line):
     common = [*TINY, "trainer.max_steps=1"] if command == "train" else ["model=tiny"]
-    out = grpo(command, *common, *overrides, f"hydra.run.dir={tmp_path / 'run'}")
+    out = run_cli([command, *common, *overrides, f"hydra.run.dir={tmp_path / 'run'}"])
     assert one_line_error(out) == f"error: {line}"
     assert "run dir:" not in out.stderr and not (tmp_path / "run" / "metrics.jsonl").exists()
 
@@ -206,7 +205,7 @@ def test_export_names_the_damaged_checkpoint_it_skips(run2, tmp_path):
     adapter = run / "checkpoints" / "step_000002" / "adapter_model.safetensors"
     adapter.write_bytes(adapter.read_bytes()[:100])  # cut short, as by a kill mid-write
     before = digests(run)
-    out = grpo("export", f"checkpoint={run}", f"output={tmp_path / 'out'}", f"hydra.run.dir={tmp_path / 'h'}")
+    out = run_cli(["export", f"checkpoint={run}", f"output={tmp_path / 'out'}", f"hydra.run.dir={tmp_path / 'h'}"])
     assert out.returncode == 0, out.stderr[-2000:]
     warnings = [line for line in out.stderr.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "skipping step_000002" in warnings[0] and str(adapter) in warnings[0]
@@ -216,7 +215,7 @@ def test_export_names_the_damaged_checkpoint_it_skips(run2, tmp_path):
 
 def test_export_to_a_full_disk_is_one_line_and_leaves_no_temporary_folder(run2, tmp_path, tmpfs):  # noqa: F811
     disk = tmpfs("small", "size=64k")
-    out = grpo("export", f"checkpoint={run2}", f"output={disk / 'out'}", f"hydra.run.dir={tmp_path / 'h'}")
+    out = run_cli(["export", f"checkpoint={run2}", f"output={disk / 'out'}", f"hydra.run.dir={tmp_path / 'h'}"])
     line = one_line_error(out, code=1)
     assert "No space left on device" in line and f"export to {disk / 'out'} " in line
     assert list(disk.iterdir()) == []  # neither out/ nor out.tmpNNN/
@@ -271,8 +270,8 @@ def test_a_kv_cache_too_small_is_an_error_naming_the_setting(tmp_path, monkeypat
 @needs_vllm
 @pytest.mark.slow  # loads the embedded model into vLLM (~13 s); the stand-in test above runs in the fast suite
 def test_cli_kv_cache_too_small_on_the_embedded_model_is_one_line(tmp_path):
-    out = grpo("train", "sampler=vllm", "sampler.cpu_kv_cache_gb=0.0001", "sampler.max_new_tokens=8",
-               "trainer.max_steps=1", "trainer.report_to=[]", f"hydra.run.dir={tmp_path / 'run'}", timeout=600)
+    out = run_cli(["train", "sampler=vllm", "sampler.cpu_kv_cache_gb=0.0001", "sampler.max_new_tokens=8",
+                   "trainer.max_steps=1", "trainer.report_to=[]", f"hydra.run.dir={tmp_path / 'run'}"])
     line = one_line_error(out)
     assert line.startswith("error: sampler=vllm cannot start with sampler.cpu_kv_cache_gb=0.0001: ")
     assert "HF generate" not in out.stderr and not (tmp_path / "run" / "metrics.jsonl").exists()
@@ -313,7 +312,7 @@ def test_a_prompt_the_engine_refuses_at_run_time_is_one_line(tiny):
 ])
 def test_a_missing_reward_model_is_one_line_naming_reward_name_or_path(tmp_path, overrides, says):
     tiny = [o for o in TINY if not o.startswith("+reward")]  # the digit reward belongs to the rule rewards
-    out = grpo("train", *tiny, "reward=orm", *overrides, "trainer.max_steps=1", f"hydra.run.dir={tmp_path / 'r'}")
+    out = run_cli(["train", *tiny, "reward=orm", *overrides, "trainer.max_steps=1", f"hydra.run.dir={tmp_path / 'r'}"])
     assert one_line_error(out).startswith(says)
     assert "run dir:" not in out.stderr and not (tmp_path / "r" / "metrics.jsonl").exists()
 

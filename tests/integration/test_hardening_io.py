@@ -12,7 +12,6 @@ import os
 import re
 import shlex
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from grpo_cli.policy import CHATML_TEMPLATE
 from grpo_cli.rewards import OutcomeReward
 from grpo_cli.rollout import encode_prompts, render_prompts
 from grpo_cli.rollout.hf import HFSampler
-from tests.helpers import REPO
+from tests.helpers import REPO, run_cli
 
 
 def cli(capfd, command: str, *overrides: str, tmp: Path) -> tuple[int, str]:
@@ -488,9 +487,7 @@ def test_a_line_cut_short_by_a_kill_is_recomputed(run_dir, tmp_path):
 
 def test_the_real_command_line(tmp_path):
     """The in-process runs above, once as a user runs them: every bad value at once, exit 2, no traceback."""
-    out = subprocess.run([sys.executable, "-m", "grpo_cli", "eval", "eval.limit=-1", "eval.k=[]",
-                          "sampler.temperature=-1", f"hydra.run.dir={tmp_path}"], capture_output=True, text=True,
-                         timeout=300, env={k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"})
+    out = run_cli(["eval", "eval.limit=-1", "eval.k=[]", "sampler.temperature=-1", f"hydra.run.dir={tmp_path}"])
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert sorted(line.split(" (")[0] for line in out.stderr.splitlines()) == [
         "error: eval.k", "error: eval.limit", "error: sampler.temperature"]

@@ -27,6 +27,7 @@ from grpo_cli.instantiate import build
 from grpo_cli.resources import CONF_DIR
 from grpo_cli.rewards import OutcomeReward, check_columns, score
 from grpo_cli.rewards.user import CustomReward
+from tests.helpers import grpo_process, run_cli
 
 # the tiny model, two steps of 2 prompts x G=2, 8 new tokens
 TINY = ["model=tiny", "sampler.max_new_tokens=8", "algo.group_size=2", "trainer.prompts_per_step=2",
@@ -61,11 +62,11 @@ def no_kwargs(prompts, completions):
 '''
 
 
-def grpo(*args: str, cwd: Path, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, **(env or {})}
-    env.pop("HYDRA_FULL_ERROR", None)
-    return subprocess.run([sys.executable, "-m", "grpo_cli", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+def grpo(*args: str, cwd: Path, env: dict | None = None, timeout: int = 300):
+    """`grpo ARGS` from `cwd`, in this process; with `env`, in a child (the hub client reads it at import)."""
+    if env:
+        return grpo_process(*args, cwd=cwd, env={**os.environ, **env}, timeout=timeout)
+    return run_cli(args, cwd=cwd)
 
 
 def one_line_error(out: subprocess.CompletedProcess) -> str:

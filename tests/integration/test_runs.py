@@ -26,8 +26,7 @@ from grpo_cli.errors import CheckpointError, ConfigError, RunError
 from grpo_cli.metrics import truncate_jsonl
 from grpo_cli.objective import outcome_advantages
 from grpo_cli.runs import RunLock
-from tests.helpers import REPO, TINY, copy_run, metrics, one_line_error, snapshot, tiny_cfg
-from tests.helpers import grpo_process as grpo
+from tests.helpers import REPO, TINY, copy_run, metrics, one_line_error, run_cli, snapshot, tiny_cfg
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +42,8 @@ def run4(tmp_path_factory) -> Path:
 def test_cli_resume_alone_continues_with_the_runs_settings(run4, tmp_path):
     run = copy_run(run4, tmp_path / "run")
     # the command line names no model, G or length: the run's own (tiny, G=4, 8 tokens) must be used
-    out = grpo("train", f"resume={run}/checkpoints/step_000002", "trainer.max_steps=3", "trainer.report_to=[]",
-               f"hydra.run.dir={tmp_path / 'hydra'}")
+    out = run_cli(["train", f"resume={run}/checkpoints/step_000002", "trainer.max_steps=3", "trainer.report_to=[]",
+                   f"hydra.run.dir={tmp_path / 'hydra'}"])
     assert out.returncode == 0, out.stderr[-2000:]
     records = metrics(run)
     assert [r["step"] for r in records] == [1, 2, 3]
@@ -62,7 +61,7 @@ def test_cli_resume_alone_continues_with_the_runs_settings(run4, tmp_path):
 ])
 def test_resume_refuses_a_change_that_alters_the_math(run4, tmp_path, override, key):
     before = snapshot(run4)
-    line = one_line_error(grpo("train", f"resume={run4}", override, f"hydra.run.dir={tmp_path}"))
+    line = one_line_error(run_cli(["train", f"resume={run4}", override, f"hydra.run.dir={tmp_path}"]))
     assert key in line and "drop that override" in line
     assert snapshot(run4) == before
 
@@ -76,7 +75,7 @@ def test_resume_in_process_compares_every_key(run4):
 
 def test_fresh_run_refuses_a_folder_that_holds_a_run(run4):
     before = snapshot(run4)
-    line = one_line_error(grpo("train", *TINY, "trainer.max_steps=1", f"hydra.run.dir={run4}"))
+    line = one_line_error(run_cli(["train", *TINY, "trainer.max_steps=1", f"hydra.run.dir={run4}"]))
     assert "already holds a run" in line and f"resume={run4}" in line
     # the run's data is untouched (Hydra's own .hydra/ and train.log, and the lock's pid, are not data)
     def data(files):
@@ -172,7 +171,8 @@ def test_a_corrupt_checkpoint_is_named_and_skipped(run4, tmp_path, name, corrupt
 def test_cli_resume_from_a_corrupt_checkpoint_is_one_line(run4, tmp_path):
     run = copy_run(run4, tmp_path / "run")
     _truncate(run / "checkpoints" / "step_000004" / "adapter_model.safetensors")
-    line = one_line_error(grpo("train", f"resume={run}/checkpoints/step_000004", f"hydra.run.dir={tmp_path / 'h'}"))
+    line = one_line_error(run_cli(["train", f"resume={run}/checkpoints/step_000004",
+                                   f"hydra.run.dir={tmp_path / 'h'}"]))
     assert "adapter_model.safetensors" in line and "cannot be read" in line
 
 
@@ -240,7 +240,7 @@ def test_cuda_without_a_gpu_is_caught():
     (["trainer.lr_scheduler=bogus", "hydra.run.dir=/tmp/grpo-never-made"], "trainer.lr_scheduler"),
 ])
 def test_cli_bad_values_are_one_line(args, expected, tmp_path):
-    line = one_line_error(grpo("train", "model=tiny", *args, f"hydra.run.dir={tmp_path}/run"))
+    line = one_line_error(run_cli(["train", "model=tiny", *args, f"hydra.run.dir={tmp_path}/run"]))
     assert expected in line
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
@@ -278,7 +278,7 @@ def test_truncate_jsonl_replaces_the_file_atomically(tmp_path):
 
 def test_a_read_only_run_folder_is_one_line(tmpfs):
     folder = tmpfs("ro", "size=1m,ro")
-    line = one_line_error(grpo("train", *TINY, "trainer.max_steps=1", f"hydra.run.dir={folder}/run"))
+    line = one_line_error(run_cli(["train", *TINY, "trainer.max_steps=1", f"hydra.run.dir={folder}/run"]))
     assert "read-only" in line and "hydra.run.dir=" in line
 
 
@@ -287,12 +287,12 @@ def test_a_full_disk_is_one_line_and_the_last_checkpoint_survives(tmpfs, tmp_pat
     run = disk / "run"
     common = [*TINY, "trainer.save_every=1", "trainer.keep_last=null", "trainer.report_to=[]",
               "trainer.log_completions_every=null"]
-    assert grpo("train", *common, "trainer.max_steps=2", f"hydra.run.dir={run}").returncode == 0
+    assert run_cli(["train", *common, "trainer.max_steps=2", f"hydra.run.dir={run}"]).returncode == 0
     free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
     (disk / "filler").write_bytes(b"\0" * max(free - 8192, 0))  # leave 8 KiB: less than one checkpoint
     good = snapshot(run / "checkpoints" / "step_000002")
     # Hydra's own folder for the resumed command is elsewhere: Hydra writes it before our code runs
-    line = one_line_error(grpo("train", f"resume={run}", "trainer.max_steps=6", f"hydra.run.dir={tmp_path}/h"),
+    line = one_line_error(run_cli(["train", f"resume={run}", "trainer.max_steps=6", f"hydra.run.dir={tmp_path}/h"]),
                           code=1)
     assert "No space left on device" in line
     assert snapshot(run / "checkpoints" / "step_000002") == good
@@ -394,7 +394,7 @@ def test_kill_9_at_random_moments_then_resume_gives_the_uninterrupted_weights(tm
     steps = 60
     common = [*TINY, f"trainer.max_steps={steps}", "trainer.save_every=1", "trainer.keep_last=2"]
     straight = tmp_path / "straight"
-    assert grpo("train", *common, f"hydra.run.dir={straight}", timeout=900).returncode == 0
+    assert run_cli(["train", *common, f"hydra.run.dir={straight}"]).returncode == 0
     run, kills, rng = tmp_path / "killed", 0, random.Random(0)
     while True:
         if checkpoint.list_checkpoints(run):

@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,7 +22,9 @@ from grpo_cli.config import compose
 from grpo_cli.errors import ConfigError, DataError
 from grpo_cli.instantiate import build
 from grpo_cli.rewards import answers_match, extract_answer, split_steps
-from tests.helpers import REPO
+from tests.helpers import run_cli
+
+WIDE = {"COLUMNS": "200"}  # the console's lines unwrapped
 
 TINY = ["model=tiny", "sampler.max_new_tokens=6", "data.heldout_size=20"]
 
@@ -474,19 +473,13 @@ def test_bad_settings_stop_before_any_model_loads(tmp_path, override, message, m
         rm.run(cfg, tmp_path)
 
 
-def grpo(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"} | {"COLUMNS": "200"}
-    return subprocess.run([sys.executable, "-m", "grpo_cli", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=600)
-
-
 def test_cli_bad_inputs_exit_2_with_one_line(tmp_path):
     missing = write(tmp_path / "missing.jsonl", [{"prompt": "p", "completion": "abc"}])
     outside = write(tmp_path / "outside.jsonl", [{"prompt": "p", "completion": "abc", "steps": [[9, 1]]}])
     for args, expected in ((["rm.replay.share=2"], "set rm.replay.share=0.1"),
                            ([f"rm.labeled={missing}"], "line 1: no label"),
                            ([f"rm.labeled={outside}"], "step end 9 is outside the completion (3 characters)")):
-        out = grpo("rm", *TINY, *args, f"hydra.run.dir={tmp_path}/run")
+        out = run_cli(["rm", *TINY, *args, f"hydra.run.dir={tmp_path}/run"], env=WIDE)
         assert out.returncode == 2, out.stderr[-2000:]
         lines = out.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], out.stderr
@@ -518,8 +511,8 @@ def test_grpo_rm_end_to_end_from_policy_samples(tmp_path):
     """The CLI in a subprocess: base-model samples -> outcome labels -> ORM; then the saved model,
     loaded as reward=orm, gives the held-out numbers rm_eval.json reports."""
     run = tmp_path / "run"
-    out = grpo("rm", *TINY, "rm.num_problems=8", "rm.samples_per_problem=3", "rm.epochs=1", "rm.lora.r=4",
-               "rm.lora.alpha=8", f"hydra.run.dir={run}")
+    out = run_cli(["rm", *TINY, "rm.num_problems=8", "rm.samples_per_problem=3", "rm.epochs=1", "rm.lora.r=4",
+                   "rm.lora.alpha=8", f"hydra.run.dir={run}"], env=WIDE)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "grpo rm: outcome reward model" in out.stderr and "reward=orm reward.name_or_path=" in out.stderr
     report = json.loads((run / "rm_eval.json").read_text())
