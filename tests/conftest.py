@@ -17,7 +17,7 @@ setup_process()
 # is installed; a test of the engine choice or of vLLM says so (sampler=vllm, or this variable removed)
 os.environ.setdefault("GRPO_NO_VLLM", "1")
 
-from tests.helpers import GSM8K, REPO, TINY, copy_run, run_cli  # noqa: E402 (after the process setup)
+from tests.helpers import EVAL_TINY, GSM8K, REPO, TINY, copy_run, run_cli  # noqa: E402 (after the process setup)
 
 __all__ = ["REPO", "GSM8K"]
 
@@ -49,6 +49,39 @@ def trained_run(tmp_path_factory) -> Path:
                             f"hydra.run.dir={folder}"])
     assert code == 0, err[-3000:]
     return folder
+
+
+def _eval_run(folder: Path, *overrides: str) -> Path:
+    from grpo_cli.commands import train
+    from grpo_cli.config import compose
+
+    train.run(compose("train", [*EVAL_TINY, "trainer.max_steps=2", "trainer.save_every=1", "algo.group_size=2",
+                                "trainer.prompts_per_step=1", "trainer.report_to=[]", *overrides]), folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def eval_run(tmp_path_factory) -> Path:
+    """A 2-step tiny run (tests.helpers.EVAL_TINY) with checkpoints at steps 1 and 2, for eval and sample to read.
+    Tests copy it before they change anything."""
+    return _eval_run(tmp_path_factory.mktemp("eval_run"))
+
+
+@pytest.fixture(scope="session")
+def wide_eval_run(tmp_path_factory) -> Path:
+    """`eval_run` on another tiny base model: hidden size 64 instead of 32."""
+    return _eval_run(tmp_path_factory.mktemp("wide_eval_run"), "model.loader.hidden_size=64")
+
+
+@pytest.fixture()
+def no_model(monkeypatch):
+    """Any model load fails the test: the errors it checks must come before one."""
+    from grpo_cli import policy
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(policy, "build_policy", refuse)
 
 
 @pytest.fixture()

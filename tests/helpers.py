@@ -5,6 +5,7 @@ test files import the rest from here (never from each other)."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib
 import importlib.util
 import io
@@ -47,6 +48,18 @@ TINY = ["model=tiny", "sampler.max_new_tokens=8", "algo.group_size=4", "trainer.
         DIGIT_REWARD, "+reward.weights.digit=1.0"]
 
 
+# eval and sample read a 2-step run of G=2 on 1 prompt, 6 tokens, 20 held-out problems (conftest's `eval_run`)
+EVAL_TINY = ["model=tiny", "sampler.max_new_tokens=6", "data.heldout_size=20"]
+
+
+def eval_cfg(*overrides: str):
+    return compose("eval", [*EVAL_TINY, *overrides])
+
+
+def eval_rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "eval_samples.jsonl").read_text().splitlines()]
+
+
 def tiny_cfg(*overrides: str):
     return compose("train", [*TINY, *overrides])
 
@@ -64,6 +77,12 @@ def deterministic(record: dict) -> dict:
 def snapshot(folder: Path) -> dict[str, bytes]:
     """Every file under `folder` (bytes), to prove an error changed nothing."""
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def digests(folder: Path) -> dict[str, str]:
+    """sha256 of every file under `folder`, to prove a refusal changed nothing (.lock holds the last pid)."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != ".lock"}
 
 
 def copy_run(src: Path, dst: Path) -> Path:
@@ -145,6 +164,12 @@ def one_line_error(result: CliResult | subprocess.CompletedProcess, code: int = 
     lines = [line for line in err.strip().splitlines() if line.startswith("error:")]
     assert len(lines) == 1, err[-2000:]
     return lines[0]
+
+
+def stopped(result: CliResult) -> tuple[int, str]:
+    """(exit code, stderr) of a command that stopped with an error of ours: never a traceback."""
+    assert "Traceback" not in result.stderr, result.stderr[-2000:]
+    return result.returncode, result.stderr
 
 
 def grpo_process(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: int = 300

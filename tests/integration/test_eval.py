@@ -8,11 +8,10 @@ import math
 
 import pytest
 
-from grpo_cli.commands import evaluate, sample, train
+from grpo_cli.commands import evaluate, sample
 from grpo_cli.config import compose
 from grpo_cli.errors import ConfigError
-
-TINY = ["model=tiny", "sampler.max_new_tokens=6", "data.heldout_size=20"]
+from tests.helpers import EVAL_TINY
 
 
 def brute_pass_at_k(n: int, c: int, k: int) -> float:
@@ -42,20 +41,10 @@ def test_majority_vote():
     assert not evaluate.majority_correct([None, None], "7")
 
 
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    """A 2-step tiny training run with checkpoints at steps 1 and 2."""
-    path = tmp_path_factory.mktemp("run")
-    cfg = compose("train", [*TINY, "trainer.max_steps=2", "trainer.save_every=1", "algo.group_size=2",
-                            "trainer.prompts_per_step=1", "trainer.report_to=[]"])
-    train.run(cfg, path)
-    return path
-
-
-def test_eval_of_a_run_writes_consistent_files(run_dir, tmp_path):
-    cfg = compose("eval", [*TINY, f"checkpoint={run_dir}", "eval.include_base=true", "eval.limit=5",
+def test_eval_of_a_run_writes_consistent_files(eval_run, tmp_path):
+    cfg = compose("eval", [*EVAL_TINY, f"checkpoint={eval_run}", "eval.include_base=true", "eval.limit=5",
                            "eval.num_samples=3", "eval.k=[1,2]", "eval.batch_size=2"])
-    report = evaluate.run(cfg, tmp_path, [f"checkpoint={run_dir}"])
+    report = evaluate.run(cfg, tmp_path, [f"checkpoint={eval_run}"])
     saved = json.loads((tmp_path / "eval.json").read_text())
     assert saved["results"] == json.loads(json.dumps(report["results"]))
     assert [r["step"] for r in saved["results"]] == [None, 1, 2]  # base first, then checkpoints in step order
@@ -72,13 +61,13 @@ def test_eval_of_a_run_writes_consistent_files(run_dir, tmp_path):
     assert saved["config"]["model"]["name"] == "tiny-random-llama"
 
     # a rerun in the same folder reuses every written problem and gives the same numbers
-    again = evaluate.run(cfg, tmp_path, [f"checkpoint={run_dir}"])
+    again = evaluate.run(cfg, tmp_path, [f"checkpoint={eval_run}"])
     assert len((tmp_path / "eval_samples.jsonl").read_text().splitlines()) == 15
     assert again["results"] == report["results"]
 
 
-def test_eval_is_deterministic(run_dir, tmp_path):
-    cfg = compose("eval", [*TINY, f"checkpoint={run_dir}/checkpoints/step_000002", "eval.limit=4",
+def test_eval_is_deterministic(eval_run, tmp_path):
+    cfg = compose("eval", [*EVAL_TINY, f"checkpoint={eval_run}/checkpoints/step_000002", "eval.limit=4",
                            "eval.num_samples=2", "eval.k=[1]"])
     a = evaluate.run(cfg, tmp_path / "a", [])
     b = evaluate.run(cfg, tmp_path / "b", [])
@@ -86,27 +75,27 @@ def test_eval_is_deterministic(run_dir, tmp_path):
     assert (tmp_path / "a/eval_samples.jsonl").read_text() == (tmp_path / "b/eval_samples.jsonl").read_text()
 
 
-def test_eval_refuses_a_different_base_model(run_dir, tmp_path):
-    cfg = compose("eval", [f"checkpoint={run_dir}", "model=smollm2_135m"])
+def test_eval_refuses_a_different_base_model(eval_run, tmp_path):
+    cfg = compose("eval", [f"checkpoint={eval_run}", "model=smollm2_135m"])
     with pytest.raises(ConfigError, match="trained on 'tiny-random-llama'"):
-        evaluate.run(cfg, tmp_path, [f"checkpoint={run_dir}", "model=smollm2_135m"])
+        evaluate.run(cfg, tmp_path, [f"checkpoint={eval_run}", "model=smollm2_135m"])
 
 
-def test_eval_k_above_num_samples_is_a_config_error(run_dir, tmp_path):
-    cfg = compose("eval", [*TINY, f"checkpoint={run_dir}", "eval.num_samples=2", "eval.k=[4]"])
+def test_eval_k_above_num_samples_is_a_config_error(eval_run, tmp_path):
+    cfg = compose("eval", [*EVAL_TINY, f"checkpoint={eval_run}", "eval.num_samples=2", "eval.k=[4]"])
     with pytest.raises(ConfigError, match="eval.num_samples=4"):
         evaluate.run(cfg, tmp_path, [])
 
 
-def test_sample_prints_and_writes(run_dir, tmp_path):
+def test_sample_prints_and_writes(eval_run, tmp_path):
     out = tmp_path / "samples.jsonl"
-    cfg = compose("sample", [*TINY, f"checkpoint={run_dir}", "sample.n=3", f"sample.output={out}",
+    cfg = compose("sample", [*EVAL_TINY, f"checkpoint={eval_run}", "sample.n=3", f"sample.output={out}",
                              "reward=gsm8k_process"])
     records = sample.run(cfg, ["reward=gsm8k_process"])  # a group override beats the checkpoint's reward
     assert len(records) == 2 * 3  # sample.num_prompts problems x n
     assert [json.loads(line) for line in out.read_text().splitlines()] == json.loads(json.dumps(records))
     assert all(r["steps"] is not None for r in records)  # process rewards: per-step scores for highlighting
 
-    cfg = compose("sample", [*TINY, "sample.prompt='What is 2+3?'", "sample.n=2"])
+    cfg = compose("sample", [*EVAL_TINY, "sample.prompt='What is 2+3?'", "sample.n=2"])
     records = sample.run(cfg, [])
     assert len(records) == 2 and records[0]["reward"] is None and records[0]["question"] == "What is 2+3?"

@@ -26,7 +26,7 @@ from grpo_cli.errors import CheckpointError, ConfigError, RunError
 from grpo_cli.metrics import truncate_jsonl
 from grpo_cli.objective import outcome_advantages
 from grpo_cli.runs import RunLock
-from tests.helpers import REPO, TINY, copy_run, metrics, one_line_error, run_cli, snapshot, tiny_cfg
+from tests.helpers import EVAL_TINY, REPO, TINY, copy_run, metrics, one_line_error, run_cli, snapshot, tiny_cfg
 
 
 @pytest.fixture(scope="module")
@@ -445,3 +445,22 @@ def test_resume_of_an_older_run_takes_todays_newer_settings():
     assert extra and all(OmegaConf.select(hf.model, k, default="absent") != "absent" for k in extra)
     merged = resume_config(hf, saved, overrides=["resume=somewhere"])
     assert all(OmegaConf.select(merged.model, k, default="absent") == "absent" for k in extra)
+
+
+# ---- a reward that calls sys.exit() costs its scores, not the run -------------------------------
+
+def always_exits(prompts, completions, **_):
+    sys.exit(3)
+
+
+def test_a_training_run_survives_a_reward_that_exits(tmp_path):
+    # the run's only other reward scores every completion 0.5 (a format pattern any text matches)
+    cfg = compose("train", [*EVAL_TINY, "trainer.max_steps=2", "algo.group_size=2", "trainer.prompts_per_step=1",
+                            "trainer.report_to=[]", "~reward.functions.accuracy", "~reward.weights",
+                            "+reward.functions.exits={_target_:test_runs.always_exits,_partial_:true}",
+                            "+reward.functions.any={_target_:grpo_cli.rewards.outcome.format_reward,_partial_:true,"
+                            "pattern:'(?s).*',match:0.5}"])
+    train.run(cfg, tmp_path)
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    # both steps ran; each lost the exiting function's scores (1 failed call) and kept the other's 0.5
+    assert [(m["step"], m["reward_failures"], m["reward"]) for m in metrics] == [(1, 1, 0.5), (2, 1, 0.5)]
