@@ -228,14 +228,6 @@ def test_the_cli_sets_the_allocator_conf_before_it_imports_a_command(monkeypatch
     assert list(seen["conf"].values()) == ["expandable_segments:True"]
 
 
-def test_importing_the_cli_does_not_load_torch():
-    import subprocess
-
-    out = subprocess.run([sys.executable, "-c", "import sys, grpo_cli.cli; print('torch' in sys.modules)"],
-                         capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
-
-
 # ---- attention kernel, loading onto the device ------------------------------------------------------------
 
 def test_attn_implementation_is_validated_and_honoured(monkeypatch):

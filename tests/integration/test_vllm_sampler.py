@@ -13,7 +13,7 @@ import torch
 
 from grpo_cli.config import compose, validate
 from grpo_cli.errors import ConfigError
-from tests.helpers import HAS_VLLM, PROMPTS, REPO, hf_greedy, needs_vllm, set_adapter, torchrun, two_ranks
+from tests.helpers import HAS_VLLM, PROMPTS, REPO, hf_greedy, needs_vllm, set_adapter, two_ranks
 
 # --------------------------------------------------------------------------- config, with or without vLLM
 
@@ -354,60 +354,3 @@ def test_ranks_of_one_engine_submit_every_rank_requests_and_keep_their_own(tmp_p
         assert [r["prompt_token_ids"] for r in requests] == every  # the same requests, in the same order
         assert params == ["seed 0.0", "seed 0.1", "seed 1.0", "seed 1.1", "seed 1.2"]  # each with its own seed
         assert where == [[0, 2], [2, 5]][rank]
-
-
-# the embedded SmolLM2 sampled by vLLM, small: 4 prompts x G = 16 completions of at most 16 tokens a step
-VLLM_SMALL = ["sampler=vllm", "sampler.max_new_tokens=16", "sampler.max_prompt_tokens=256",
-              "sampler.max_model_len=512", "sampler.cpu_kv_cache_gb=0.25"]
-
-
-@needs_vllm
-@pytest.mark.slow  # 63 s quiet (154 s in a CI run): make test-all, not CI, which keeps make test under 10 minutes
-def test_torchrun_train_and_eval_with_an_engine_per_rank(tmp_path):
-    import json
-
-    torchrun(tmp_path, "train", *VLLM_SMALL, f"algo.group_size={G}", "trainer.prompts_per_step=4",
-          "trainer.micro_batch_size=8", "trainer.max_steps=2", "trainer.save_every=2", "trainer.report_to=[]",
-          "trainer.log_completions_every=1", "trainer.num_completions_to_print=0")
-    runs = list((tmp_path / "outputs" / "train").glob("*/*"))
-    assert len(runs) == 1, runs  # both ranks wrote into the one folder
-    run = runs[0]
-    assert len((run / "metrics.jsonl").read_text().splitlines()) == 2
-    saved = (run / "checkpoints" / "step_000002" / "config.yaml").read_text()
-    assert "grpo_cli.rollout.vllm.VLLMSampler" in saved  # vLLM sampled (no fallback to HF generate)
-    rows = [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
-    for step in (1, 2):
-        mine = [r for r in rows if r["step"] == step]
-        assert len(mine) == 16 and {r["rank"] for r in mine} == {0, 1}  # completions of both ranks' engines
-        prompts = {rank: {r["prompt_id"] for r in mine if r["rank"] == rank} for rank in (0, 1)}
-        assert len(prompts[0]) == len(prompts[1]) == 2 and not prompts[0] & prompts[1]
-
-    # greedy eval of the checkpoint: vLLM on 2 ranks (5 problems: 3 on rank 0 in 2 batches, 2 on rank 1 in 1, so
-    # the engines must not wait on each other) equals HF generate in one process
-    ckpt = run / "checkpoints" / "step_000002"
-    args = ["eval", f"checkpoint={ckpt}", "eval.limit=5", "eval.batch_size=2", "eval.max_new_tokens=16"]
-    torchrun(tmp_path, *args, *VLLM_SMALL, f"hydra.run.dir={tmp_path / 'vllm'}")
-    torchrun(tmp_path, *args, "sampler=default", f"hydra.run.dir={tmp_path / 'hf'}", ranks=1)
-    texts = {}
-    for name in ("vllm", "hf"):
-        lines = [json.loads(line) for line in (tmp_path / name / "eval_samples.jsonl").read_text().splitlines()]
-        texts[name] = sorted((r["index"], r["greedy"]["text"]) for r in lines)
-        report = json.loads((tmp_path / name / "eval.json").read_text())
-        assert report["config"]["sampler"]["_target_"].split(".")[-1] == {"vllm": "VLLMSampler",
-                                                                          "hf": "HFSampler"}[name]
-    assert [i for i, _ in texts["vllm"]] == list(range(5))  # every problem once
-    assert texts["vllm"] == texts["hf"]
-
-
-@needs_vllm
-@pytest.mark.slow
-def test_torchrun_model_vllm_cannot_serve_falls_back_on_every_rank_and_trains(tmp_path):
-    # the tiny model's head size (8) is one vLLM's CPU attention lacks: each rank's engine starts, fails its
-    # one-token check, and the rank samples with HF generate; the trainer's process group must survive that
-    done = torchrun(tmp_path, "train", "model=tiny", *VLLM_SMALL, f"algo.group_size={G}", "trainer.prompts_per_step=4",
-                 "trainer.max_steps=2", "trainer.report_to=[]")
-    warnings = [line for line in (done.stdout + done.stderr).splitlines() if "vLLM cannot serve" in line]
-    assert len(warnings) == 1 and "head_dim=8" in warnings[0], warnings  # rank 0 speaks, once
-    run = next((tmp_path / "outputs" / "train").glob("*/*"))
-    assert len((run / "metrics.jsonl").read_text().splitlines()) == 2
-    assert "grpo_cli.rollout.hf.HFSampler" in (run / "checkpoints" / "step_000002" / "config.yaml").read_text()

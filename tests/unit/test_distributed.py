@@ -15,7 +15,6 @@ from grpo_cli.objective import GRPOLoss
 from tests.helpers import (
     MICRO,
     OPTIONS,
-    TORCHRUN_TINY,
     G,
     _batch,
     _local,
@@ -23,7 +22,6 @@ from tests.helpers import (
     _policy,
     _save_step,
     _step,
-    torchrun,
     two_ranks,
 )
 
@@ -184,60 +182,6 @@ def test_a_command_closes_the_world_when_it_ends_normally_only(fails, monkeypatc
 
 
 # ---- end to end: torchrun, 2 ranks, the tiny model -------------------------------------------
-
-@pytest.mark.slow
-@pytest.mark.ci
-def test_torchrun_two_ranks_train_resume_and_eval(tmp_path):
-    import json
-
-    torchrun(tmp_path, "train", *TORCHRUN_TINY)
-    runs = list((tmp_path / "outputs" / "train").glob("*/*"))
-    assert len(runs) == 1, runs  # both ranks wrote into the one folder rank 0's clock named
-    run = runs[0]
-    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics] == [1, 2, 3]
-    # the reward metrics are over both ranks' completions: 4 prompts x G = 16 per step
-    rows = [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
-    for step in (1, 2, 3):
-        mine = [r for r in rows if r["step"] == step]
-        assert len(mine) == 16 and {r["rank"] for r in mine} == {0, 1}
-        prompts = {rank: {r["prompt_id"] for r in mine if r["rank"] == rank} for rank in (0, 1)}
-        assert len(prompts[0]) == len(prompts[1]) == 2 and not prompts[0] & prompts[1]  # no prompt twice
-        texts = {rank: [r["completion"] for r in mine if r["rank"] == rank] for rank in (0, 1)}
-        assert texts[0] != texts[1]  # each rank sampled its own completions
-    final = load_file(str(run / "checkpoints" / "step_000003" / "adapter_model.safetensors"))
-
-    # resume from step 2 on 2 ranks: step 3 again, the same weights as the uninterrupted run
-    torchrun(tmp_path, "train", f"resume={run / 'checkpoints' / 'step_000002'}")
-    again = load_file(str(run / "checkpoints" / "step_000003" / "adapter_model.safetensors"))
-    assert final.keys() == again.keys()
-    for name in final:
-        assert torch.allclose(final[name], again[name], atol=1e-6, rtol=0), name
-    assert len((run / "metrics.jsonl").read_text().splitlines()) == 3
-
-    # grpo eval loads the 2-rank checkpoint (one process)
-    done = torchrun(tmp_path, "eval", f"checkpoint={run / 'checkpoints' / 'step_000003'}", "eval.limit=4",
-                 f"hydra.run.dir={tmp_path / 'eval'}", ranks=1)
-    assert (tmp_path / "eval" / "eval.json").exists(), done.stdout
-
-
-@pytest.mark.slow
-@pytest.mark.ci
-def test_torchrun_eval_shards_problems_and_gathers_every_row(tmp_path):
-    import json
-
-    args = ["eval", "model=tiny", "eval.limit=6", "eval.batch_size=2", "eval.max_new_tokens=6"]
-    torchrun(tmp_path, *args, f"hydra.run.dir={tmp_path / 'two'}")
-    torchrun(tmp_path, *args, f"hydra.run.dir={tmp_path / 'one'}", ranks=1)
-    rows = {}
-    for name in ("one", "two"):
-        lines = [json.loads(line) for line in (tmp_path / name / "eval_samples.jsonl").read_text().splitlines()]
-        rows[name] = sorted((r["index"], r["greedy"]["text"]) for r in lines)
-    # every problem once, and the same greedy completions as one process
-    assert [i for i, _ in rows["two"]] == list(range(6))
-    assert rows["two"] == rows["one"]
-    report = [json.loads((tmp_path / name / "eval.json").read_text())["results"][0] for name in ("one", "two")]
-    assert report[0]["accuracy"] == report[1]["accuracy"]
 
 
 def _collectives_worker(rank: int, size: int, init_method: str, out: str) -> None:

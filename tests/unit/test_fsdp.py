@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from grpo_cli import fsdp
 from grpo_cli.distributed import SINGLE, World
-from tests.helpers import ROWS, TORCHRUN_TINY, _name, _policy, _save_step, _step, torchrun, two_ranks
+from tests.helpers import ROWS, _name, _policy, _save_step, _step, two_ranks
 
 # a subset of test_distributed's cases: plain, μ = 2 (old log-probs), β > 0 (the reference forward, adapter off),
 # a rank with no active row (it runs its spare rows, masked out), the top-entropy mask (one more forward)
@@ -95,45 +95,6 @@ def test_lockstep_pads_with_spare_rows_up_to_the_busiest_rank():
 
 
 # ---- end to end: torchrun, 2 ranks, the tiny model -------------------------------------------
-
-def _adapter(run: Path, step: int) -> dict:
-    return load_file(str(run / "checkpoints" / f"step_{step:06d}" / "adapter_model.safetensors"))
-
-
-def _run(folder: Path, *args: str, ranks: int = 2):
-    folder.mkdir(exist_ok=True)
-    done = torchrun(folder, "train", *TORCHRUN_TINY, *args, ranks=ranks)
-    return done, next((folder / "outputs" / "train").glob("*/*"))
-
-
-# slow, not in CI: the 2-rank equivalence and memory tests above cover FSDP there (the suite's 10 minutes)
-@pytest.mark.slow
-@pytest.mark.parametrize("checkpointing", [False, True], ids=["buckets", "gradient_checkpointing"])
-def test_torchrun_fsdp_trains_as_data_parallel_saves_and_resumes_in_one_process(tmp_path, checkpointing):
-    """3 steps on 2 ranks with the base sharded: the same completions and adapter as data parallelism alone
-    (sampling on the gathered base, the update in lockstep, a checkpoint each step by rank 0); then step 3 again
-    from step 2's checkpoint in one process, where trainer.fsdp does nothing."""
-    extra = [f"trainer.gradient_checkpointing={str(checkpointing).lower()}"]
-    done, sharded = _run(tmp_path / "fsdp", "trainer.fsdp=true", *extra)
-    assert "fsdp: base sharded over 2 ranks, 0.0455 MB of 0.0909 MB per rank" in done.stderr
-    _, plain = _run(tmp_path / "dp", *extra)
-    assert (sharded / "completions.jsonl").read_text().replace(sharded.name, "") == \
-        (plain / "completions.jsonl").read_text().replace(plain.name, "")
-    final, expected = _adapter(sharded, 3), _adapter(plain, 3)
-    assert final.keys() == expected.keys()
-    for name in final:
-        assert torch.allclose(final[name], expected[name], atol=1e-6, rtol=0), name
-    if checkpointing:
-        return
-    # step 3 again from step 2 on 2 ranks (the adapter loaded into the sharded policy): the same weights
-    torchrun(tmp_path / "fsdp", "train", f"resume={sharded / 'checkpoints' / 'step_000002'}")
-    again = _adapter(sharded, 3)
-    for name in final:
-        assert torch.allclose(again[name], final[name], atol=1e-6, rtol=0), name
-    # and in one process (other sampling seeds for rank 1's prompts, so other weights: it runs, that is all)
-    done = torchrun(tmp_path / "fsdp", "train", f"resume={sharded / 'checkpoints' / 'step_000002'}", ranks=1)
-    assert "fsdp: one process, nothing to shard" in done.stderr
-    assert len((sharded / "metrics.jsonl").read_text().splitlines()) == 3
 
 
 def test_fsdp_config_checks_name_the_fix():
