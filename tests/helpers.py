@@ -48,7 +48,7 @@ TINY = ["model=tiny", "sampler.max_new_tokens=8", "algo.group_size=4", "trainer.
         DIGIT_REWARD, "+reward.weights.digit=1.0"]
 
 
-# eval and sample read a 2-step run of G=2 on 1 prompt, 6 tokens, 20 held-out problems (conftest's `eval_run`)
+# the tiny model, 6 tokens, 20 held-out problems: what the eval, sample and rm tests run with (conftest's `eval_run`)
 EVAL_TINY = ["model=tiny", "sampler.max_new_tokens=6", "data.heldout_size=20"]
 
 
@@ -333,3 +333,16 @@ def _rendezvous() -> str:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+
+
+# ---- labeled rows for reward-model training -------------------------------------------------------------------------
+
+def letters(n: int) -> list[dict]:
+    """Labeled rows any model can separate: completions ending in A are good, in B bad."""
+    return [{"prompt": f"What is {i}?", "completion": f"{i} {'A' if i % 2 else 'B'}", "label": float(i % 2)}
+            for i in range(n)]
+
+
+def write_jsonl(path: Path, lines: list) -> Path:
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    return path
