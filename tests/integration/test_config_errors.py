@@ -48,8 +48,7 @@ def test_cli_vllm_max_model_len_too_short_stops_before_the_model_loads(tmp_path)
     pytest.param("eval", ["eval.max_new_tokens=1500"],
                  "sampler.max_prompt_tokens (1024) + eval.max_new_tokens (1500) exceed the model's context of 2048 "
                  "tokens: completions would be cut short; set eval.max_new_tokens=1024 or "
-                 "sampler.max_prompt_tokens=548",
-                 marks=pytest.mark.slow),
+                 "sampler.max_prompt_tokens=548"),
 ])
 def test_hf_lengths_past_the_context_stop_before_the_model_loads(tmp_path, command, overrides, line):
     common = [*TINY, "trainer.max_steps=1"] if command == "train" else ["model=tiny"]

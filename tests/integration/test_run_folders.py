@@ -10,9 +10,8 @@ from grpo_cli.errors import ConfigError
 from tests.helpers import TINY, copy_run, digests, one_line_error, run_cli, tiny_cfg
 
 
-# each case is a CLI start (~7 s): train in the fast suite, the other commands with `make test-all`
-@pytest.mark.parametrize("command", ["train", *(pytest.param(c, marks=pytest.mark.slow) for c in ("eval", "sample",
-                                                                                                 "export"))])
+# each case runs the command in-process (under a second), so every command is in the fast suite
+@pytest.mark.parametrize("command", ["train", "eval", "sample", "export"])
 def test_a_folder_inside_a_run_is_refused_before_hydra_writes(trained_run, tmp_path, command):
     run = copy_run(trained_run, tmp_path / "run")
     before = digests(run)
@@ -25,7 +24,7 @@ def test_a_folder_inside_a_run_is_refused_before_hydra_writes(trained_run, tmp_p
     assert digests(run) == before and not (run / "checkpoints" / "more").exists()
 
 
-@pytest.mark.parametrize("command", ["eval", pytest.param("sample", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("command", ["eval", "sample"])
 def test_eval_and_sample_in_the_run_folder_itself_are_refused(trained_run, tmp_path, command):
     run = copy_run(trained_run, tmp_path / "run")
     before = digests(run)
