@@ -67,8 +67,8 @@ FAST := -m "not slow or ci"
 test: install ## the fast suite plus the slow tests marked for CI, every tier (~6 min quiet); prints the 15 slowest
 	$(BIN)/python -m pytest -q $(FAST) --durations=15 $(ARGS)
 
-test-unit: install ## tests/unit: the library's pieces on the tiny model (under 2 min)
-	$(BIN)/python -m pytest -q $(FAST) tests/unit $(ARGS)
+test-unit: install ## tests/unit, fast tests only: the library's pieces on the tiny model (under 2 min; make test adds CI's slow ones)
+	$(BIN)/python -m pytest -q -m "not slow" tests/unit $(ARGS)
 
 test-integration: install ## tests/integration: the commands, run in-process through tests/conftest.py's run_cli
 	$(BIN)/python -m pytest -q $(FAST) tests/integration $(ARGS)
