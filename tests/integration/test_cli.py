@@ -104,7 +104,7 @@ GROUPS = sorted((p.parent.name, p.stem) for p in CONF_DIR.glob("*/*.yaml"))
 @pytest.mark.parametrize("group,option", GROUPS)
 def test_every_group_option_composes(group, option, gsm8k_path, monkeypatch):
     overrides = [f"{group}={option}"]
-    if group == "sampler" and option.startswith("vllm"):  # vLLM installed or not (test_rollout_vllm)
+    if group == "sampler" and option.startswith("vllm"):  # vLLM installed or not (test_vllm_sampler)
         monkeypatch.setattr("grpo_cli.rollout.vllm.installed", lambda: True)
     if (group, option) in (("model", "hf"),):
         overrides.append("model.name_or_path=some/model")

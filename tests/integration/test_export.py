@@ -11,27 +11,22 @@ import torch
 from safetensors.torch import load_file
 
 from grpo_cli import checkpoint
-from grpo_cli.commands import export, train
+from grpo_cli.commands import export
 from grpo_cli.config import compose
 from grpo_cli.errors import ConfigError
 from grpo_cli.policy import build_policy, load_tiny_random
 from tests.helpers import run_cli
 
 # the digit reward gives the tiny model's random text mixed rewards in a group, so the adapter moves
-TINY = ["+reward.functions.digit={_target_:grpo_cli.rewards.outcome.format_reward,_partial_:true,pattern:'[0-9]'}",
-        "+reward.weights.digit=1.0", "model=tiny", "sampler.max_new_tokens=8", "algo.group_size=4",
-        "trainer.prompts_per_step=2", "trainer.micro_batch_size=4", "optimizer.lr=0.05", "trainer.warmup_steps=0",
-        "trainer.max_steps=2"]
 PROMPT = [{"role": "user", "content": "What is 2 + 3?"}]
 
 
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory) -> Path:
-    """A 2-step tiny run (~2 s): its step-2 adapter has moved away from zero."""
-    run_dir = tmp_path_factory.mktemp("run")
-    last = train.run(compose("train", TINY), run_dir)
+def tiny_run(trained_run) -> Path:
+    """The session's 2-step tiny run (conftest's trained_run): its step-2 adapter has moved away from zero."""
+    last = trained_run / "checkpoints" / "step_000002"
     assert any(v.abs().sum() > 0 for k, v in load_file(last / "adapter_model.safetensors").items() if "lora_B" in k)
-    return run_dir
+    return trained_run
 
 
 def export_cfg(ckpt, out, *overrides: str):

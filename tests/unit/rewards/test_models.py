@@ -118,7 +118,7 @@ def test_reward_config_instantiates_and_scores(path, reward_models):
     if path.stem in reward_models:
         cfg.name_or_path = str(reward_models[path.stem])
         cfg.device = "cpu"
-    if path.stem == "custom":  # the user names their functions (tests/test_own_task.py); a built-in here
+    if path.stem == "custom":  # the user names their functions (tests/integration/test_own_task.py); a built-in here
         cfg.funcs = ["accuracy"]
     assert not OmegaConf.missing_keys(cfg)
     reward = instantiate(cfg)
