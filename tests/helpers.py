@@ -36,7 +36,6 @@ from grpo_cli.rewards import RewardResult
 from grpo_cli.rollout import Rollout
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGE = REPO / "grpo_cli"
 GSM8K = REPO.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
 
 # ---- the tiny run: 2 prompts x G=4, 8 tokens, a digit reward that the random model sometimes earns ----------------
@@ -148,12 +147,21 @@ def run_cli(argv: Sequence[str], cwd: Path | str | None = None, env: dict[str, s
         root.handlers[:] = saved_handlers
         root.setLevel(saved_level)
         for name in set(sys.modules) - saved_modules:
-            where = getattr(sys.modules[name], "__file__", None) or ""
-            if where and Path(where).resolve().is_relative_to(cwd) and not Path(where).is_relative_to(PACKAGE):
+            if _users_module(getattr(sys.modules[name], "__file__", None), cwd):
                 del sys.modules[name]
         if (torch := sys.modules.get("torch")) is not None and saved_threads is not None:
             torch.set_num_threads(saved_threads)
     return CliResult(code, out.getvalue(), err.getvalue())
+
+
+def _users_module(where: str | None, cwd: Path) -> bool:
+    """A module file of the user's folder `cwd` (a reward file), not of the repo or the environment (a venv may
+    lie in the repo: `make install` puts .venv there)."""
+    if not where:
+        return False
+    path = Path(where).resolve()
+    return (path.is_relative_to(cwd) and not path.is_relative_to(REPO)
+            and not path.is_relative_to(Path(sys.prefix).resolve()))
 
 
 def one_line_error(result: CliResult | subprocess.CompletedProcess, code: int = 2) -> str:
