@@ -107,3 +107,15 @@ def tmpfs(tmp_path):
     yield mount
     for where in mounted:
         subprocess.run(["umount", "-l", str(where)])
+
+
+SYSTEM_LIMIT = 15  # tests/system holds only the cases whose subject is the process itself (docs/development.md)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Refuse a 16th system case (parametrized cases count), before -m or -k deselects any."""
+    system = [item.nodeid for item in items if item.nodeid.startswith("tests/system/")]
+    if len(system) > SYSTEM_LIMIT:
+        raise pytest.UsageError(f"tests/system holds {len(system)} cases, more than {SYSTEM_LIMIT}: keep there only "
+                                f"what needs its own process (docs/development.md, The test suite)")
