@@ -64,13 +64,13 @@ train: install ## run the embedded default GRPO job (SmolLM2-135M + LoRA, arithm
 # the suite in tiers (docs/development.md, The test suite); each target fails when it collects no test (pytest's exit 5)
 FAST := -m "not slow or ci"
 
-test: install ## the fast suite plus the slow tests marked for CI, every tier (~6 min quiet); prints the 15 slowest
+test: install ## the fast suite plus the slow tests marked for CI, every tier (budget: 6 min quiet); prints the 15 slowest
 	$(BIN)/python -m pytest -q $(FAST) --durations=15 $(ARGS)
 
 test-unit: install ## tests/unit, fast tests only: the library's pieces on the tiny model (under 2 min; make test adds CI's slow ones)
 	$(BIN)/python -m pytest -q -m "not slow" tests/unit $(ARGS)
 
-test-integration: install ## tests/integration: the commands, run in-process through tests/conftest.py's run_cli
+test-integration: install ## tests/integration: the commands, run in-process through run_cli (tests/helpers.py)
 	$(BIN)/python -m pytest -q $(FAST) tests/integration $(ARGS)
 
 test-system: install ## tests/system: the process itself (console script, torchrun, signals, the wheel)
