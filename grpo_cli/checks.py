@@ -3,7 +3,7 @@
 Each module that owns settings keeps its checks beside its code, as a list `CHECKS`:
   - a `Rule(key, ok, fix)`: the value at a dotted key must pass `ok`; the error line names the key, the
     value and the fix. A key absent from the composed config is skipped (one list serves train, eval and
-    sample), so tests/test_cli.py proves every rule's key exists in some composed config;
+    sample), so tests/integration/test_cli.py proves every rule's key exists in some composed config;
   - or a function `cfg -> list[str]` for what one value alone cannot say (two settings that must agree).
 `config.validate(cfg, *command_checks)` runs every module's list and the command's own, and reports every
 problem at once, one line each.

@@ -28,7 +28,7 @@ from grpo_cli.errors import ConfigError
 RESUMABLE = ("resume", "trainer.max_steps", "trainer.save_every", "trainer.keep_last", "trainer.report_to",
              "trainer.project", "trainer.log_completions_every", "trainer.num_completions_to_print",
              "trainer.completions_max_mb", "trainer.max_nonfinite_steps",
-             # how the base is held across ranks, not what is computed (tests/test_fsdp.py: the same weights)
+             # how the base is held across ranks, not what is computed (tests/unit/test_fsdp.py: the same weights)
              "trainer.fsdp")
 
 

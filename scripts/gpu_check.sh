@@ -105,7 +105,7 @@ if ((GPUS >= 2)); then
   if has_vllm; then
     phase 08-torchrun-vllm 420 bash -c "'$BIN/torchrun' --standalone --nproc-per-node 2 '$BIN/grpo' train \
       sampler=vllm trainer.max_steps=2 'trainer.report_to=[]' 'hydra.run.dir=$LOG_DIR/tr-vllm' && \
-      '$PY' -m pytest -q -m slow -p no:cacheprovider tests/test_rollout_vllm.py -k 'torchrun or two_vllm_ranks'"
+      '$PY' -m pytest -q -m slow -p no:cacheprovider tests/integration/test_vllm_sampler.py tests/system/test_torchrun.py -k 'torchrun or two_vllm_ranks'"
   fi
   for arm in fsdp dp; do
     phase "09-$arm" 300 "$BIN/torchrun" --standalone --nproc-per-node 2 "$BIN/grpo" train \

@@ -1,8 +1,10 @@
-"""Shared fixtures: a tiny seeded random Llama + character tokenizer (no files, no network)."""
+"""Shared fixtures: a tiny seeded random Llama + character tokenizer (no files, no network), and one trained tiny run
+that the integration tests of eval/sample/export/rm/resume read. The helpers behind them live in tests/helpers.py."""
 
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -15,8 +17,9 @@ setup_process()
 # is installed; a test of the engine choice or of vLLM says so (sampler=vllm, or this variable removed)
 os.environ.setdefault("GRPO_NO_VLLM", "1")
 
-REPO = Path(__file__).resolve().parent.parent
-GSM8K = REPO.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
+from tests.helpers import EVAL_TINY, GSM8K, REPO, TINY, copy_run, run_cli  # noqa: E402 (after the process setup)
+
+__all__ = ["REPO", "GSM8K"]
 
 
 @pytest.fixture(scope="session")
@@ -34,3 +37,85 @@ def gsm8k_path() -> Path:
     if not GSM8K.exists():
         pytest.skip(f"GSM8K not found at {GSM8K} (it lives in ../shared/data beside the repo)")
     return GSM8K
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory) -> Path:
+    """One finished `grpo train` run of the tiny model (tests.helpers.TINY, 2 steps, a checkpoint at each), made once
+    per session through the command itself. Tests read it; a test that resumes or damages a run works on
+    `trained_run_copy`."""
+    folder = tmp_path_factory.mktemp("trained") / "run"
+    code, _, err = run_cli(["train", *TINY, "trainer.max_steps=2", "trainer.save_every=1",
+                            f"hydra.run.dir={folder}"])
+    assert code == 0, err[-3000:]
+    return folder
+
+
+def _eval_run(folder: Path, *overrides: str) -> Path:
+    from grpo_cli.commands import train
+    from grpo_cli.config import compose
+
+    train.run(compose("train", [*EVAL_TINY, "trainer.max_steps=2", "trainer.save_every=1", "algo.group_size=2",
+                                "trainer.prompts_per_step=1", "trainer.report_to=[]", *overrides]), folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def eval_run(tmp_path_factory) -> Path:
+    """A 2-step tiny run (tests.helpers.EVAL_TINY) with checkpoints at steps 1 and 2, for eval and sample to read.
+    Tests copy it before they change anything."""
+    return _eval_run(tmp_path_factory.mktemp("eval_run"))
+
+
+@pytest.fixture(scope="session")
+def wide_eval_run(tmp_path_factory) -> Path:
+    """`eval_run` on another tiny base model: hidden size 64 instead of 32."""
+    return _eval_run(tmp_path_factory.mktemp("wide_eval_run"), "model.loader.hidden_size=64")
+
+
+@pytest.fixture()
+def no_model(monkeypatch):
+    """Any model load fails the test: the errors it checks must come before one."""
+    from grpo_cli import policy
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(policy, "build_policy", refuse)
+
+
+@pytest.fixture()
+def trained_run_copy(trained_run, tmp_path) -> Path:
+    """A copy of `trained_run` of this test's own."""
+    return copy_run(trained_run, tmp_path / "run")
+
+
+@pytest.fixture()
+def tmpfs(tmp_path):
+    """Mount a small tmpfs (needs root, as on this project's machines and CI); yields a mount function."""
+    mounted = []
+
+    def mount(name: str, options: str) -> Path:
+        where = tmp_path / name
+        where.mkdir()
+        out = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True)
+        if out.returncode:
+            pytest.skip(f"cannot mount a tmpfs here ({out.stderr.decode().strip()}); needs root")
+        mounted.append(where)
+        return where
+
+    yield mount
+    for where in mounted:
+        subprocess.run(["umount", "-l", str(where)])
+
+
+SYSTEM_LIMIT = 15  # tests/system holds only the cases whose subject is the process itself (docs/development.md)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Refuse a 16th system case (parametrized cases count), before -m or -k deselects any."""
+    system = [item.nodeid for item in items if item.nodeid.startswith("tests/system/")]
+    if len(system) > SYSTEM_LIMIT:
+        raise pytest.UsageError(f"tests/system holds {len(system)} cases, more than {SYSTEM_LIMIT}: keep there only "
+                                f"what needs its own process (docs/development.md, The test suite)")

@@ -17,7 +17,7 @@ with the old weights:
     adapter does not touch keeps its base weight), and its linear method packs it again
     (`process_weights_after_loading`). The compiled model reads each layer's packed weight (its oneDNN
     handle, held in a tensor) from the layer at every call, so a push reaches it as it reaches an eager one
-    (tests/test_rollout_vllm.py: greedy equals HF generate after each push, compiled and eager).
+    (tests/integration/test_vllm_sampler.py: greedy equals HF generate after each push, compiled and eager).
   - CUDA: `model.load_weights` with the merged weights under their HF names (vLLM stacks them), as TRL
     does; with `enable_sleep_mode` the engine sleeps (weights to host memory, KV cache freed) between
     rollouts, so the update has the GPU. What has run where (no GPU yet): docs/sampling-vllm.md.

@@ -1,0 +1,238 @@
+"""Data parallelism (grpo_cli.distributed) on 2 gloo ranks: N ranks take the 1-rank step on the same batch."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from grpo_cli import update
+from grpo_cli.distributed import SINGLE, World
+from grpo_cli.objective import GRPOLoss
+from tests.helpers import (
+    MICRO,
+    OPTIONS,
+    G,
+    _batch,
+    _local,
+    _name,
+    _policy,
+    _save_step,
+    _step,
+    two_ranks,
+)
+
+CASES = [(loss, beta, mu, scale, "mixed")
+         for loss, beta, mu, scale in itertools.product(["grpo", "bnpo", "dr_grpo", "dapo"], [0.0, 0.04], [1, 2],
+                                                         ["group", "batch"])]
+# rank 1's groups all have equal rewards: with β = 0 it has no active row and runs no backward at all
+CASES += [(loss, 0.0, mu, scale, "dead_rank")
+          for loss, mu, scale in itertools.product(["grpo", "dapo"], [1, 2], ["group", "batch"])]
+CASES += [(loss, 0.04, mu, "group", option)
+          for loss, mu, option in itertools.product(["grpo", "dapo"], [1, 2], list(OPTIONS))]
+
+
+def _worker(rank: int, size: int, init_method: str, out: str) -> None:
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size)
+    try:
+        world = World(rank, size, rank)
+        for case in CASES:
+            _save_step(out, case, rank, *_step(case, world))
+    finally:
+        # both ranks leave together: a rank that tears the group down while the other is still in it can make
+        # gloo abort the other (seen once: exit -6, "terminate called without an active exception")
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def steps(tmp_path_factory):
+    """Run every case on 2 gloo ranks (spawned processes); the folder of their results."""
+    out = tmp_path_factory.mktemp("dp")
+    two_ranks(_worker, out)
+    return out
+
+
+@pytest.mark.parametrize("case", CASES, ids=_name)
+def test_two_ranks_take_the_one_rank_step(steps, case):
+    one, one_stats = _step(case, SINGLE)
+    ranks = [load_file(str(steps / f"{_name(case)}_r{r}.safetensors")) for r in range(2)]
+    for name, w in one.items():
+        # the ranks agree exactly (the same summed gradient, the same step) and with the 1-rank step
+        assert torch.equal(ranks[0][name], ranks[1][name]), name
+        assert torch.allclose(ranks[0][name], w, atol=1e-6, rtol=0), (name, (ranks[0][name] - w).abs().max())
+    # the step moved the weights (a step that changes nothing would pass the comparison above)
+    policy, _ = _policy()
+    start = {n: p for n, p in policy.named_parameters() if p.requires_grad}
+    assert any(not torch.allclose(start[n], w, atol=1e-4) for n, w in one.items())
+    stats = load_file(str(steps / f"{_name(case)}_stats_r0.safetensors"))
+    for key in ("loss", "kl", "ratio_mean", "entropy", "grad_norm", "counts/backward_seqs"):
+        assert stats[key].item() == pytest.approx(float(one_stats[key]), rel=1e-5, abs=1e-7), key
+
+
+def test_dead_rank_case_really_has_no_active_row_on_rank_1():
+    rollout, result = _local(*_batch("dead_rank"), World(1, 2, 1))
+    adv = update.advantages(result, rollout, None, G, "group", "population")
+    loss = GRPOLoss(beta=0.0, epsilon_low=0.2, epsilon_high=None, kl_estimator="k3", loss_type="grpo")
+    policy, _ = _policy()
+    assert update.prepare(policy, rollout, adv, loss, 1, MICRO, True).active == []
+    rollout, result = _local(*_batch("dead_rank"), World(0, 2, 0))
+    adv = update.advantages(result, rollout, None, G, "group", "population")
+    assert update.prepare(policy, rollout, adv, loss, 1, MICRO, True).active != []
+
+
+def test_world_slice_covers_the_batch_once():
+    shares = [list(range(16))[World(r, 4, r).slice(16)] for r in range(4)]
+    assert shares == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+
+
+def _own_world(monkeypatch):
+    """init_world as under torchrun, in this one process: a 1-rank gloo group over env://."""
+    import socket
+
+    import grpo_cli.distributed as distributed
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1",
+                       "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(distributed, "world_size", lambda: 2)  # as a launcher's, so init_world joins a group
+    return distributed.init_world()
+
+
+def test_close_world_leaves_the_group_init_world_made(monkeypatch):
+    import torch.distributed as dist
+
+    from grpo_cli.distributed import close_world
+
+    _own_world(monkeypatch)
+    assert dist.is_initialized()
+    close_world()
+    assert not dist.is_initialized()
+    close_world()  # again: nothing to do
+    assert not dist.is_initialized()
+
+
+def test_close_world_leaves_a_group_it_did_not_make_alone(tmp_path):
+    """An in-process vLLM engine makes its own one-process group: vLLM's shutdown at exit destroys it."""
+    import torch.distributed as dist
+
+    from grpo_cli.distributed import close_world
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        close_world()
+        assert dist.is_initialized()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_close_world_leaves_the_group_to_vllm_while_its_groups_live(monkeypatch):
+    import sys
+    import types
+
+    import torch.distributed as dist
+
+    from grpo_cli.distributed import close_world
+
+    _own_world(monkeypatch)
+    state = types.ModuleType("vllm.distributed.parallel_state")
+    state.model_parallel_is_initialized = lambda: True
+    monkeypatch.setitem(sys.modules, "vllm.distributed.parallel_state", state)
+    try:
+        close_world()
+        assert dist.is_initialized()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_command_closes_the_world_when_it_ends_normally_only(fails, monkeypatch):
+    """A command (app.hydra_app) leaves the process group when it returns, not when it fails: a failing rank
+    must not wait for peers that may be inside a collective."""
+    import hydra
+
+    from grpo_cli import app
+
+    closed = []
+
+    def command(cfg):
+        if fails:
+            raise SystemExit(1)
+
+    # Hydra's main stands in as a plain call; the checks before it have nothing to check here
+    monkeypatch.setattr(hydra, "main", lambda **kwargs: (lambda task: (lambda: task(None))))
+    for name in ("_precompose", "_check_output_dir", "_check_not_in_a_run"):
+        monkeypatch.setattr(app, name, lambda *args: None)
+    monkeypatch.setattr(app, "rank_overrides", lambda *args: [])
+    monkeypatch.setattr(app, "close_world", lambda: closed.append(True))
+    entry = app.hydra_app("eval")(command)
+    if fails:
+        with pytest.raises(SystemExit):
+            entry()
+    else:
+        entry()
+    assert closed == ([] if fails else [True])
+
+
+# ---- end to end: torchrun, 2 ranks, the tiny model -------------------------------------------
+
+
+def _collectives_worker(rank: int, size: int, init_method: str, out: str) -> None:
+    from grpo_cli.commands.train import agreed_stop
+
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size)
+    try:
+        world = World(rank, size, rank)
+        got = {
+            # SIGTERM reached rank 1 only: both ranks stop after this step
+            "stop": agreed_stop(world, "SIGTERM" if rank == 1 else None),
+            "no_stop": agreed_stop(world, None),
+            "cat": world.cat(torch.tensor([rank, 10 + rank])).tolist(),
+            "gather": world.gather({"rank": rank}),
+            "broadcast": world.broadcast(f"from {rank}"),
+            "sum": world.sum(torch.tensor([1.0, rank])).tolist(),
+            "max": world.max(torch.tensor([rank])).tolist(),
+        }
+        Path(out, f"collectives_r{rank}.json").write_text(__import__("json").dumps(got))
+    finally:
+        # both ranks leave together: a rank that tears the group down while the other is still in it can make
+        # gloo abort the other (seen once: exit -6, "terminate called without an active exception")
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+def test_collectives_andagreed_stop_on_two_ranks(tmp_path):
+    import json
+
+    two_ranks(_collectives_worker, tmp_path)
+    got = [json.loads((tmp_path / f"collectives_r{r}.json").read_text()) for r in range(2)]
+    assert got[0]["stop"] == "a stop request on another rank" and got[1]["stop"] == "SIGTERM"
+    assert got[0]["no_stop"] is None and got[1]["no_stop"] is None
+    for g in got:
+        assert g["cat"] == [0, 10, 1, 11]
+        assert g["gather"] == [{"rank": 0}, {"rank": 1}]
+        assert g["broadcast"] == "from 0"
+        assert g["sum"] == [2.0, 1.0] and g["max"] == [1]
+
+
+def test_config_errors_name_the_fix_before_the_model_loads(monkeypatch):
+    from grpo_cli.commands import train
+    from grpo_cli.config import compose, validate
+    from grpo_cli.errors import ConfigError
+
+    cfg = compose("train", ["model=tiny", "trainer.prompts_per_step=4"])
+    assert train.check_world(cfg, 2) == []  # 4 prompts on 2 ranks: 2 each
+    monkeypatch.setenv("WORLD_SIZE", "3")  # what torchrun sets: validate reads it with the trainer's checks
+    with pytest.raises(ConfigError, match=r"prompts_per_step \(4\) must divide by the number of ranks \(3\).*"
+                                          r"set trainer.prompts_per_step=6"):
+        validate(cfg, *train.CHECKS)
+    iterative = train.check_world(compose("train", ["+recipe=iterative"]), 2)
+    assert any("iterative.iterations=0" in line for line in iterative)

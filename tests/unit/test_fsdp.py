@@ -1,0 +1,113 @@
+"""trainer.fsdp (grpo_cli.fsdp) on 2 gloo ranks: the base sharded, the same update as one process."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from grpo_cli import fsdp
+from grpo_cli.distributed import SINGLE, World
+from tests.helpers import ROWS, _name, _policy, _save_step, _step, two_ranks
+
+# a subset of test_distributed's cases: plain, μ = 2 (old log-probs), β > 0 (the reference forward, adapter off),
+# a rank with no active row (it runs its spare rows, masked out), the top-entropy mask (one more forward)
+CASES = [("grpo", 0.0, 2, "batch", "mixed"), ("dapo", 0.04, 1, "group", "mixed"),
+         ("grpo", 0.0, 1, "group", "dead_rank"), ("dr_grpo", 0.0, 2, "batch", "dead_rank"),
+         ("dapo", 0.04, 2, "group", "entropy")]
+
+
+def _worker(rank: int, size: int, init_method: str, out: str) -> None:
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size)
+    try:
+        world = World(rank, size, rank)
+        policy, _ = _policy()
+        line = fsdp.shard(policy, world)
+        held, whole = fsdp.resident_bytes(policy)
+        Path(out, f"memory_r{rank}.json").write_text(json.dumps({"line": line, "held": held, "whole": whole}))
+        for case in CASES:
+            _save_step(out, case, rank, *_step(case, world, fsdp=True))
+    finally:
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def steps(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp")
+    two_ranks(_worker, out)
+    return out
+
+
+@pytest.mark.parametrize("case", CASES, ids=_name)
+def test_sharded_base_takes_the_one_process_step(steps, case):
+    one, one_stats = _step(case, SINGLE)
+    ranks = [load_file(str(steps / f"{_name(case)}_r{r}.safetensors")) for r in range(2)]
+    assert ranks[0].keys() == one.keys()
+    for name, w in one.items():
+        # the LoRA weights are replicated: the ranks agree exactly, and with one process within float rounding
+        assert torch.equal(ranks[0][name], ranks[1][name]), name
+        assert torch.allclose(ranks[0][name], w, atol=1e-6, rtol=0), (name, (ranks[0][name] - w).abs().max())
+    start = {n: p for n, p in _policy()[0].named_parameters() if p.requires_grad}
+    assert any(not torch.allclose(start[n], w, atol=1e-4) for n, w in one.items())  # the step moved them
+    stats = load_file(str(steps / f"{_name(case)}_stats_r0.safetensors"))
+    # counts/backward_seqs counts the rows that learn, not the fillers a rank runs to keep in step
+    for key in ("loss", "kl", "ratio_mean", "entropy", "grad_norm", "counts/backward_seqs"):
+        assert stats[key].item() == pytest.approx(float(one_stats[key]), rel=1e-5, abs=1e-7), key
+
+
+def test_each_rank_holds_half_the_base(steps):
+    got = [json.loads((steps / f"memory_r{r}.json").read_text()) for r in range(2)]
+    whole = got[0]["whole"]
+    # tiny model, fp32: 100-token tied embedding (100 x 32) + 2 layers (4 x 32 x 32 attention + 3 x 32 x 64 MLP
+    # + 2 norms of 32) + the final norm (32) = 3200 + 2 x 10304 + 32 = 23840 weights x 4 bytes = 95360 bytes
+    assert whole == 95360 == sum(p.numel() * 4 for p in _policy()[0].parameters() if not p.requires_grad)
+    # every weight is held once across the ranks, dim 0 of each split in two: 47680 bytes each (an odd row count
+    # would put one more row on rank 0)
+    assert got[0]["held"] + got[1]["held"] == whole
+    for g in got:
+        assert 0.45 * whole <= g["held"] <= 0.55 * whole, g
+        assert g["line"].startswith("fsdp: base sharded over 2 ranks, ") and g["line"].endswith(" MB per rank")
+
+
+def test_one_process_is_not_sharded():
+    policy, _ = _policy()
+    assert fsdp.shard(policy, SINGLE).startswith("fsdp: one process, nothing to shard")
+    assert not fsdp.sharded(policy)
+    held, whole = fsdp.resident_bytes(policy)
+    assert held == whole
+
+
+def test_lockstep_pads_with_spare_rows_up_to_the_busiest_rank():
+    class Two(World):  # the other rank runs 5 rows
+        def max(self, tensor):
+            return torch.maximum(tensor, torch.tensor([5]))
+
+    world = Two(0, 2, 0)
+    assert fsdp.lockstep([1, 4], 8, world) == ([1, 4, 0, 2, 3], [0, 2, 3])
+    assert fsdp.lockstep([], 8, world) == ([0, 1, 2, 3, 4], [0, 1, 2, 3, 4])
+    assert fsdp.lockstep([0, 1, 2, 3, 4, 5], 8, world) == ([0, 1, 2, 3, 4, 5], [])
+    assert ROWS == 16
+
+
+# ---- end to end: torchrun, 2 ranks, the tiny model -------------------------------------------
+
+
+def test_fsdp_config_checks_name_the_fix():
+    from grpo_cli.commands import train
+    from grpo_cli.config import compose
+
+    cfg = compose("train", ["model=tiny", "trainer.fsdp=true", "trainer.gradient_checkpointing=true"])
+    assert train.check_world(cfg, 2) == [] and train.check_world(cfg, 1) == []
+    vllm = train.check_world(compose("train", ["model=tiny", "trainer.fsdp=true", "sampler=vllm"]), 2)
+    assert len(vllm) == 1 and vllm[0].endswith("set sampler=default, or trainer.fsdp=false")
+    assert train.check_world(compose("train", ["model=tiny", "sampler=vllm"]), 2) == []
+    quant = train.check_world(compose("train", ["model=tiny", "trainer.fsdp=true", "model.quantization=4bit"]), 2)
+    assert len(quant) == 1 and "set model.quantization=null" in quant[0]
+    rule = next(c for c in train.CHECKS if getattr(c, "key", None) == "trainer.fsdp")
+    assert rule(compose("train", ["model=tiny", "trainer.fsdp=1"])) == [
+        "trainer.fsdp (1) must be true or false; set trainer.fsdp=false"]
