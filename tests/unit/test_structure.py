@@ -135,3 +135,23 @@ def test_the_ground_floor_imports_nothing_above_it(leaf):
     outside = set().union(*(edges[m] for m in members)) - members
     allowed = {"grpo_cli.errors", "grpo_cli.checks"} - {leaf}
     assert outside <= allowed, f"{leaf} imports {sorted(outside - allowed)}"
+
+
+def test_rooms_stay_small_and_the_loop_fits_on_a_screen():
+    """No module over 550 lines, no function body over 80, and `grpo train`'s loop at most 40 (issue #39's limits:
+    past them a module holds more than one job, or a function more than one step)."""
+    big, long, loop = [], [], None
+    for path in modules().values():
+        source = path.read_text()
+        where = path.relative_to(PACKAGE.parent)
+        if len(source.splitlines()) > 550:
+            big.append(f"{where}: {len(source.splitlines())} lines")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > 80:
+                    long.append(f"{where}:{node.lineno} {node.name}: {length} lines")
+                if path.name == "train.py" and path.parent.name == "commands" and node.name == "train":
+                    loop = length
+    assert not big and not long, "split these:\n" + "\n".join(big + long)
+    assert loop is not None and loop <= 40, f"commands/train.py's train() is {loop} lines"
