@@ -209,7 +209,7 @@ def _collectives_worker(rank: int, size: int, init_method: str, out: str) -> Non
         torch.distributed.destroy_process_group()
 
 
-def test_collectives_andagreed_stop_on_two_ranks(tmp_path):
+def test_collectives_and_agreed_stop_on_two_ranks(tmp_path):
     import json
 
     two_ranks(_collectives_worker, tmp_path)
