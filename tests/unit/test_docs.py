@@ -1,6 +1,6 @@
 """The README stays a front page and the documentation's links hold.
 
-- README.md has at most 260 lines; the manual lives in docs/*.md.
+- README.md has at most 300 lines; the manual lives in docs/*.md.
 - Every relative link and image in README.md and docs/*.md points to a file that exists, and a
   `#anchor` into a Markdown file names a heading it has (GitHub's slugs).
 - Every docs/*.md page is linked from README.md.
@@ -20,7 +20,7 @@ from tests.helpers import REPO
 ROOT = REPO
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
-MAX_README_LINES = 260
+MAX_README_LINES = 300
 
 # [text](target) and ![alt](target); the target ends at whitespace (an optional "title" follows) or ")"
 _LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\[\]]*\])*\]\(\s*<?([^()\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
