@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -106,7 +106,9 @@ class SamplerSettings:
     top_k: int
     max_new_tokens: int
     max_prompt_tokens: int
-    batch_size: int | None
+    # its one home is conf/sampler/*.yaml too; this fallback serves runs saved before the key existed, whose
+    # sampler section lacks it (keyword-only, so the engines' own required fields may follow it)
+    batch_size: int | None = field(default=None, kw_only=True)
 
     def settings(self) -> SamplerSettings:
         """The shared settings alone (for a fallback engine built from another's)."""
