@@ -256,7 +256,10 @@ class IterativeRL:
                           f"{step}-{step + self.steps - 1} (measured on {len(drawn.heldout)} fresh held-out rows)")
             return True, folder
         after = trained["heldout_after"] or {}
-        keep_previous = self._gate(i, step, after.get("auc"), self.rm_settings.min_auc, len(drawn.heldout))
+        keep_previous, line = gate(i, f"steps {step}-{step + self.steps - 1}", after.get("auc"),
+                                   self.rm_settings.min_auc, len(drawn.heldout), self.model)
+        if line:
+            console.print(f"[yellow]{line}")
         folder = self.run_dir / "rm" / ("rejected" if keep_previous else "") / f"iteration_{i:03d}"
         rm.save_reward_model(model, tokenizer, folder, {"kind": drawn.kind, "template": self.rm_settings.template,
                                                         "iteration": i, "step": step,
@@ -291,32 +294,6 @@ class IterativeRL:
                         "rm/auc_current_policy": r["rm/auc_current_policy"],
                         "rm/kept_previous": int(r["kept_previous"])}
         return {}
-
-    def _gate(self, i: int, step: int, auc: float | None, min_auc: float | None, heldout: int) -> bool:
-        """Whether iteration i keeps the previous reward model: the retrained one's AUC on its `heldout` rows
-        is below rm.min_auc and there is a previous one. One console line whenever the bar is set and not
-        cleared."""
-        if min_auc is None:
-            return False
-        steps = f"steps {step}-{step + self.steps - 1}"
-        if not heldout:
-            console.print(f"[yellow]iteration {i}: no held-out rows (rm.heldout_fraction=0), so rm.min_auc={min_auc} "
-                          f"cannot judge the retrained reward model; it scores {steps}")
-            return False
-        if auc is None:
-            console.print(f"[yellow]iteration {i}: the held-out rows hold one class only, so the retrained reward "
-                          f"model has no AUC and rm.min_auc={min_auc} cannot judge it; it scores {steps}")
-            return False
-        if auc >= min_auc:
-            return False
-        if self.model is None:
-            console.print(f"[yellow]iteration {i}: the retrained reward model's held-out AUC {auc:.3f} is below "
-                          f"rm.min_auc={min_auc}, but there is no previous model to keep (a new head); it scores "
-                          f"{steps}")
-            return False
-        console.print(f"[yellow]iteration {i}: the retrained reward model's held-out AUC {auc:.3f} is below "
-                      f"rm.min_auc={min_auc}: keeping the previous one ({self.model}) for {steps}")
-        return True
 
     def _relative(self, path: str | Path) -> str:
         """A path under the run folder relative to it (as checkpoints record it), any other as it is."""
@@ -391,3 +368,23 @@ CHECKS: list[Check] = [
          "null (off); set iterative.length_alarm=0.25"),
     raised(check_settings),
 ]
+
+
+def gate(i: int, steps: str, auc: float | None, min_auc: float | None, heldout: int,
+         previous: str | None) -> tuple[bool, str | None]:
+    """(whether iteration i keeps the `previous` reward model, the console line saying why or None): it keeps it
+    when the retrained model's AUC on its `heldout` rows is below rm.min_auc and there is a previous one; a line
+    whenever the bar is set and not cleared. `steps` names the steps the chosen model scores."""
+    if min_auc is None or (auc is not None and heldout and auc >= min_auc):
+        return False, None
+    if not heldout:
+        return False, (f"iteration {i}: no held-out rows (rm.heldout_fraction=0), so rm.min_auc={min_auc} cannot "
+                       f"judge the retrained reward model; it scores {steps}")
+    if auc is None:
+        return False, (f"iteration {i}: the held-out rows hold one class only, so the retrained reward model has no "
+                       f"AUC and rm.min_auc={min_auc} cannot judge it; it scores {steps}")
+    if previous is None:
+        return False, (f"iteration {i}: the retrained reward model's held-out AUC {auc:.3f} is below "
+                       f"rm.min_auc={min_auc}, but there is no previous model to keep (a new head); it scores {steps}")
+    return True, (f"iteration {i}: the retrained reward model's held-out AUC {auc:.3f} is below rm.min_auc={min_auc}: "
+                  f"keeping the previous one ({previous}) for {steps}")

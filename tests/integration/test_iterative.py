@@ -170,13 +170,16 @@ def test_the_gate_keeps_the_previous_model_when_the_new_one_ranks_below_the_bar(
     assert state["rm"] == "rm/iteration_000"  # what a resume at step 3 restarts from
 
     # no held-out rows, or rows of one class: nothing to judge by, the retrained model is used, and said
-    rl = schedule(cfg("rm.min_auc=0.5"), tmp_path / "other")
-    rl.model = "previous"
-    assert not rl._gate(1, 3, None, 0.5, heldout=0) and not rl._gate(1, 3, None, 0.5, heldout=2)
-    said = " ".join(capsys.readouterr().err.split())
-    assert "iteration 1: no held-out rows (rm.heldout_fraction=0), so rm.min_auc=0.5 cannot judge" in said
-    assert "iteration 1: the held-out rows hold one class only, so the retrained reward model has no AUC" in said
-    assert rl._gate(1, 3, 0.49, 0.5, heldout=2) and not rl._gate(1, 3, 0.5, 0.5, heldout=2)  # the bar is >=
+    assert iterative.gate(1, "steps 3-4", None, 0.5, 0, "previous") == (
+        False, "iteration 1: no held-out rows (rm.heldout_fraction=0), so rm.min_auc=0.5 cannot judge the retrained "
+               "reward model; it scores steps 3-4")
+    keep, line = iterative.gate(1, "steps 3-4", None, 0.5, 2, "previous")
+    assert not keep and "the held-out rows hold one class only, so the retrained reward model has no AUC" in line
+    assert iterative.gate(1, "steps 3-4", 0.49, 0.5, 2, "previous")[0]
+    assert iterative.gate(1, "steps 3-4", 0.5, 0.5, 2, "previous") == (False, None)  # the bar is >=
+    keep, line = iterative.gate(1, "steps 3-4", 0.4, 0.5, 2, None)
+    assert not keep and "no previous model to keep (a new head)" in line
+    assert iterative.gate(1, "steps 3-4", 0.1, None, 2, "previous") == (False, None)  # no bar set: nothing to say
 
 
 class AlternatingLabeler(OutcomeLabeler):
