@@ -29,7 +29,7 @@ size are fine. Each rank pushes the same merged weights at each `sync` (the adap
 and, with sleep mode on CUDA, sleeps during its own update. `sampler.cpu_kv_cache_gb` is per rank. With
 `sampler.tensor_parallel_size` k > 1 (CUDA, grpo train only) each engine spans k ranks; they run one scheduler
 each on the same requests, so every rank submits the k ranks' requests together and keeps its own outputs
-(`_shared`). What has run under torchrun, and what not yet: docs/multi-device.md.
+(`share_requests`). What has run under torchrun, and what not yet: docs/multi-device.md.
 
 Log-probs. `Rollout.sampling_logp` holds vLLM's `raw_logprobs` of each sampled token (`logprobs=0`:
 the sampled token only): log-softmax of the engine's logits before temperature, top-p and top-k,
@@ -142,7 +142,7 @@ class VLLMSampler(Sampler):
                                  detokenize=False, seed=None if greedy else seed,
                                  **({"temperature": 0.0} if greedy else sampling)) for seed in seeds]
         requests = [{"prompt_token_ids": row[keep.bool()].tolist()} for row, keep in zip(ids, mask)]
-        requests, params, mine = self._shared(requests, params)
+        requests, params, mine = self.share_requests(requests, params)
         try:
             with torch.random.fork_rng(devices=[]):  # vLLM's CPU sampler also draws from torch's generator
                 outputs = self.llm.generate(requests, params, use_tqdm=False)[mine]
@@ -164,7 +164,7 @@ class VLLMSampler(Sampler):
         rollout.sampling_logp = logp.to(device) * rollout.completion_mask  # 0 after EOS
         return rollout
 
-    def _shared(self, requests: list[dict], params: list) -> tuple[list[dict], list, slice]:
+    def share_requests(self, requests: list[dict], params: list) -> tuple[list[dict], list, slice]:
         """With tensor parallelism the ranks of one engine must all submit the same requests (each runs the same
         scheduler and its share of every matmul): every rank's requests, in rank order, and where this rank's
         are among them. One rank per engine: its own, all of them."""
@@ -191,7 +191,7 @@ class VLLMSampler(Sampler):
         on_cpu = next(policy.parameters()).device.type == "cpu"
         dtype = engine_dtype(self, policy)
         size = sizes(self, policy, dtype, self._job)
-        args = engine_args(self, self._model_folder(policy), dtype, size, on_cpu)
+        args = engine_args(self, self.model_folder(policy), dtype, size, on_cpu)
         try:
             with process_state_kept():
                 self.llm = vllm.LLM(**args)
@@ -221,7 +221,7 @@ class VLLMSampler(Sampler):
         shared = {f.name: section[f.name] for f in fields(SamplerSettings) if f.name in section}
         return OmegaConf.create({"_target_": f"{HFSampler.__module__}.{HFSampler.__qualname__}", **shared})
 
-    def _model_folder(self, policy) -> Path:
+    def model_folder(self, policy) -> Path:
         """The folder the engine loads the base model from (vllm_engine.model_folder); a temporary one, written
         for a model built in memory or a 4-bit base, is kept as long as the sampler."""
         folder, temporary = model_folder(policy)

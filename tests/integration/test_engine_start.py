@@ -74,6 +74,12 @@ def test_a_prompt_the_engine_refuses_at_run_time_is_one_line(tiny):
     from grpo_cli.rollout.vllm import VLLMSampler
 
     class Refuses:  # a started engine whose input check refuses the prompt, as vLLM's does
+        def apply_model(self, fn):  # the weight push before each generate: nothing to load into
+            pass
+
+        def reset_prefix_cache(self):
+            pass
+
         def generate(self, *args, **kwargs):
             raise VLLMValidationError("The decoder prompt (length 40) is longer than the maximum model length "
                                       "of 16. Make sure that `max_model_len` is no smaller than the number of "
@@ -83,8 +89,7 @@ def test_a_prompt_the_engine_refuses_at_run_time_is_one_line(tiny):
     sampler = VLLMSampler(**sampler_settings("vllm", max_new_tokens=4, max_model_len=16))
     sampler.llm = Refuses()
     with pytest.raises(DataError) as err:
-        sampler._generate(model, tokenizer, ["<|im_start|>user\nwhat is 1 + 1?<|im_end|>\n"], 1, greedy=True,
-                          max_new_tokens=4, temperature=1.0, generator=None)
+        sampler.generate(model, tokenizer, ["<|im_start|>user\nwhat is 1 + 1?<|im_end|>\n"], 1, greedy=True)
     assert len(str(err.value).splitlines()) == 1
     assert str(err.value).startswith("a prompt does not fit the engine (The decoder prompt (length 40) is longer")
     assert str(err.value).endswith("raise sampler.max_model_len (now 16) or lower sampler.max_prompt_tokens (1024)")

@@ -138,7 +138,7 @@ def test_the_vllm_push_is_dequantized_w_plus_delta_and_the_folder_full_precision
 
     # the folder vLLM starts from: full-precision dequant(W), no quantization constants
     sampler = VLLMSampler(**sampler_settings("vllm"))
-    folder = sampler._model_folder(policy)
+    folder = sampler.model_folder(policy)
     state = load_file(folder / "model.safetensors")
     assert not [k for k in state if ".weight." in k or "lora_" in k or "base_layer" in k]
     assert {v.dtype for v in state.values()} == {torch.float32}

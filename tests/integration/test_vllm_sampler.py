@@ -323,7 +323,7 @@ def test_two_vllm_ranks_sample_their_own_groups_and_take_the_one_process_step(tm
 
 
 def _shared_rank(rank: int, size: int, rendezvous: str, out: str) -> None:
-    """Ranks of one 2-way engine with different numbers of requests: what `_shared` gives each."""
+    """Ranks of one 2-way engine with different numbers of requests: what `share_requests` gives each."""
     import json
 
     from vllm.distributed import parallel_state
@@ -337,7 +337,7 @@ def _shared_rank(rank: int, size: int, rendezvous: str, out: str) -> None:
         parallel_state.get_tp_group = lambda: group
         mine = [{"prompt_token_ids": [rank, i]} for i in range(2 + rank)]  # rank 0: 2 requests, rank 1: 3
         sampler = VLLMSampler(**sampler_settings("vllm", tensor_parallel_size=2))
-        requests, params, where = sampler._shared(mine, [f"seed {rank}.{i}" for i in range(2 + rank)])
+        requests, params, where = sampler.share_requests(mine, [f"seed {rank}.{i}" for i in range(2 + rank)])
         assert requests[where] == mine
         Path(out, f"shared_r{rank}.json").write_text(json.dumps([requests, params, [where.start, where.stop]]))
     finally:
