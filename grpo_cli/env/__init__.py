@@ -4,7 +4,8 @@
 `environment_factory` contract (`env=class`); `formats.py`: how tools are shown and calls read (`env.tool_format`);
 `episode.py`: the episodes themselves, token in and token out, over any engine that continues token ids;
 `limits.py`: the limits and their checks. Nothing here knows the trainer, a sampler or the loss: the recipe builds
-the `env` node, prepares each row's prompt and toolbox (`prepare`) and runs the episodes on its engine.
+the `env` node, picks the format (`choose(env.tool_format, tokenizer, env.schemas)`), prepares each row's prompt
+and toolbox (`prepare`) and runs the episodes on its engine (`run_episodes(..., env.limits)`).
 """
 
 from __future__ import annotations
