@@ -104,6 +104,9 @@ GROUPS = sorted((p.parent.name, p.stem) for p in CONF_DIR.glob("*/*.yaml"))
 @pytest.mark.parametrize("group,option", GROUPS)
 def test_every_group_option_composes(group, option, gsm8k_path, monkeypatch):
     overrides = [f"{group}={option}"]
+    if group == "env":  # not in train.yaml's defaults until the recipe runs episodes (docs/environments.md)
+        overrides = [f"+env={option}", *{"tools": ["env.tools=[my_tools.fn]"],
+                                        "class": ["env.factory=my_env.Game"]}.get(option, [])]
     if group == "sampler" and option.startswith("vllm"):  # vLLM installed or not (test_vllm_sampler)
         monkeypatch.setattr("grpo_cli.rollout.vllm_engine.installed", lambda: True)
     if (group, option) in (("model", "hf"),):

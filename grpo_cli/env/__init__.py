@@ -1,0 +1,53 @@
+"""Multi-turn episodes with tools and environments (the `env` config group; docs/environments.md).
+
+`tools.py`: the user's functions, their schemas and a call under a timeout (`env=tools`); `environments.py`: TRL's
+`environment_factory` contract (`env=class`); `formats.py`: how tools are shown and calls read (`env.tool_format`);
+`episode.py`: the episodes themselves, token in and token out, over any engine that continues token ids;
+`limits.py`: the limits and their checks. Nothing here knows the trainer, a sampler or the loss: the recipe builds
+the `env` node, picks the format (`choose(env.tool_format, tokenizer, env.schemas)`), prepares each row's prompt
+and toolbox (`prepare`) and runs the episodes on its engine (`run_episodes(..., env.limits)`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import DictConfig
+
+from grpo_cli.checks import get, raised
+from grpo_cli.env.environments import ClassEnv
+from grpo_cli.env.episode import Engine, Episode, run_episodes
+from grpo_cli.env.formats import CHATML_TOOLS_TEMPLATE, ToolFormat, choose
+from grpo_cli.env.limits import CHECKS as LIMIT_CHECKS
+from grpo_cli.env.limits import Limits
+from grpo_cli.env.tools import Tool, Toolbox, ToolsEnv
+from grpo_cli.instantiate import build
+
+__all__ = ["CHATML_TOOLS_TEMPLATE", "CHECKS", "ClassEnv", "Engine", "Episode", "Limits", "Tool", "ToolFormat",
+           "Toolbox", "ToolsEnv", "choose", "prepare", "run_episodes"]
+
+
+def resolves(cfg: DictConfig) -> None:
+    """The `env` node builds: its tools resolve and have schemas, its factory keeps TRL's contract (ConfigError)."""
+    present, node = get(cfg, "env")
+    if present and isinstance(node, DictConfig) and node.get("_target_"):
+        build(node)
+
+
+# the limits' ranges, then the tools or the environment class themselves: all before the model loads
+CHECKS = [*LIMIT_CHECKS, raised(resolves)]
+
+
+def prepare(env: ToolsEnv | ClassEnv, rows: list[dict]) -> tuple[list[list[dict]], list[Toolbox]]:
+    """Each row's prompt messages and toolbox; a first observation from `reset(**row)` is appended to the content of
+    the prompt's last message, as TRL appends it. A string prompt is one user message."""
+    prompts, boxes = [], []
+    for row in rows:
+        prompt: Any = row["prompt"]
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+        box, observation = env.start(row)
+        if observation is not None:
+            messages[-1]["content"] = messages[-1]["content"] + observation
+        prompts.append(messages)
+        boxes.append(box)
+    return prompts, boxes

@@ -1,0 +1,96 @@
+"""Environments: TRL's `environment_factory` contract, so a TRL environment class runs here unchanged.
+
+    grpo train env=class env.factory=my_env.Game
+
+The contract, as read in TRL's own docs (docs/source/environments.md, docs/source/openenv.md: "How
+environment_factory works") and in GRPOTrainer's source (trl/trainer/grpo_trainer.py, the tool set-up in
+`__init__` and the tool loop), facts only:
+
+- `env.factory` names a class (or any callable) that takes no argument; TRL calls it once per rollout slot, and
+  here it is called once per episode, so no state leaks from one episode into the next;
+- the instance must have a `reset` method (TRL refuses one without it); `reset(**row)` receives the dataset row,
+  every column as a keyword, at the start of the episode, and may return the first observation: a value that is
+  not None is appended, as text, to the content of the prompt's last message (TRL's behaviour);
+- its public methods (bound methods whose name does not start with `_`), `reset` excepted, are the episode's tools,
+  each with the type hints and docstring a plain tool needs (grpo_cli.env.tools), called by their name;
+- reward functions can read the instances: TRL hands them as `environments=[...]`, one per completion, and so
+  does the episode record here (`Episode.environment`) for the lead's wiring of rewards.
+
+What is checked before the model loads: the name resolves, the factory builds an instance (one is built for the
+check), the instance has `reset`, and every public method has a schema. A `reset` that raises on some row stops
+the run with one line naming the environment, the row's columns and the error.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from grpo_cli.env.limits import Limits
+from grpo_cli.env.tools import Tool, Toolbox, tool_from
+from grpo_cli.errors import ConfigError
+from grpo_cli.rewards.user import BUILTINS, load_function
+
+
+def load_factory(spec: Any) -> tuple[Callable[[], Any], list[Tool]]:
+    """(the callable `env.factory` names, its tools), checked against the contract on one instance."""
+    if not isinstance(spec, str) or not spec.strip() or spec.strip() in BUILTINS:
+        raise ConfigError(f"env.factory ({spec!r}) must name an environment class: env.factory=my_env.Game or "
+                          f"env.factory=path/to/my_env.py:Game")
+    try:
+        _, factory = load_function(spec, "env.factory")
+    except ConfigError as err:  # the shared resolver names reward.funcs in its fixes
+        raise ConfigError(str(err).replace("reward.funcs", "env.factory")) from None
+    return factory, methods(build(factory, spec), spec)
+
+
+def build(factory: Callable[[], Any], spec: str) -> Any:
+    try:
+        return factory()
+    except Exception as err:
+        raise ConfigError(f"env.factory ({spec}): calling it raised {type(err).__name__}: {err}; the factory is "
+                          f"called with no argument, once per episode") from None
+
+
+def methods(instance: Any, spec: str) -> list[Tool]:
+    """The instance's public methods as tools; ConfigError when `reset` is missing or a method lacks a schema."""
+    members = dict(inspect.getmembers(instance, predicate=inspect.ismethod))
+    if "reset" not in members:
+        raise ConfigError(f"env.factory ({spec}): {type(instance).__name__} has no reset method; give it "
+                          f"def reset(self, **row) (it receives the dataset row, and may return the first "
+                          f"observation)")
+    names = [n for n in members if n != "reset" and not n.startswith("_")]
+    if not names:
+        raise ConfigError(f"env.factory ({spec}): {type(instance).__name__} has no public method besides reset; "
+                          f"its public methods are the model's tools, so give it at least one")
+    return [tool_from(members[n], f"env.factory ({spec}): method {n}") for n in names]
+
+
+def start(factory: Callable[[], Any], spec: str, row: dict) -> tuple[Toolbox, str | None]:
+    """A fresh instance for one episode: (its toolbox, the first observation `reset(**row)` returned, or None)."""
+    instance = build(factory, spec)
+    tools = methods(instance, spec)
+    try:
+        observation = instance.reset(**row)
+    except Exception as err:
+        raise ConfigError(f"env.factory ({spec}): reset(**row) raised {type(err).__name__}: {err} on a row with "
+                          f"columns {', '.join(row)}; reset receives every column as a keyword: "
+                          f"def reset(self, **row)") from None
+    return Toolbox({t.name: t for t in tools}, environment=instance), (None if observation is None
+                                                                        else str(observation))
+
+
+class ClassEnv:
+    """`env=class` (conf/env/class.yaml): a fresh instance of `factory` per episode, its methods the tools."""
+
+    def __init__(self, factory: str, tool_format: str, max_turns: int, max_tool_calls: int, max_episode_tokens: int,
+                 tool_timeout_s: float, max_result_chars: int):
+        self.tool_format, self.spec = tool_format, factory
+        self.limits = Limits(max_turns, max_tool_calls, max_episode_tokens, tool_timeout_s, max_result_chars)
+        self.factory, tools = load_factory(factory)
+        # every instance has the same methods: the prompt shows the checked instance's schemas
+        self.schemas = [t.schema for t in tools]
+
+    def start(self, row: dict) -> tuple[Toolbox, str | None]:
+        return start(self.factory, self.spec, row)

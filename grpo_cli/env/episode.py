@@ -1,0 +1,127 @@
+"""Multi-turn episodes, token in and token out, over any engine that continues token-id sequences.
+
+An episode is one completion for GRPO: the model's turns and what the environment adds between them (tool results
+and the template's turn markers), in the order the engine saw them. Every sampled token is kept as sampled; what
+the environment adds is rendered once (grpo_cli.env.formats.ToolFormat.environment_text), tokenized, and its ids
+appended. Nothing is decoded and encoded again, so the ids the trainer scores are the ids the engine continued
+from, even where the tokenizer would encode the same text otherwise (a word sampled as two tokens that it would
+encode as one).
+
+The engine contract: `continue_batch(sequences, max_new) -> new ids per sequence`, each row stopping at its EOS
+(kept as its last id) or after `max_new` ids, and `eos_token_id`. Episodes are batched across the rows still
+running: one engine call per round, every running episode one turn further.
+
+An episode ends when the model answers without a tool call (`answer`), or at a limit:
+- `env.max_turns`: assistant turns; the calls of the last allowed turn are not run (no turn would read them);
+- `env.max_tool_calls`: calls run in the episode; a turn whose calls would pass it ends the episode unrun;
+- `env.max_episode_tokens`, the budget: every token after the prompt counts, the sampled ones and the ones the
+  environment adds (as TRL's `max_completion_length` counts a multi-turn completion). A turn samples at most what
+  is left; a tool turn that would leave no room for one more sampled token is not added; a turn cut by the budget
+  ends the episode (`budget`), its calls unrun.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from grpo_cli.env.formats import ToolFormat
+from grpo_cli.env.limits import Limits
+from grpo_cli.env.tools import Toolbox, ToolResult
+
+
+class Engine(Protocol):
+    eos_token_id: int
+
+    def continue_batch(self, sequences: list[list[int]], max_new: int) -> list[list[int]]: ...
+
+
+@dataclass
+class Episode:
+    """One episode's record: the ids the engine saw and who wrote each."""
+
+    prompt_ids: list[int]
+    toolbox: Toolbox
+    # [T] every id after the prompt, in the engine's order: sampled turns and what the environment added
+    completion_ids: list[int] = field(default_factory=list)
+    # [T] 1 where the model sampled the id, 0 where the environment added it (masked out of the loss)
+    sampled: list[int] = field(default_factory=list)
+    # index into completion_ids of each assistant turn's last sampled id: where a per-turn reward sits
+    turn_ends: list[int] = field(default_factory=list)
+    # the assistant and tool messages, as TRL hands a multi-turn completion to reward functions
+    messages: list[dict] = field(default_factory=list)
+    tool_calls: int = 0
+    tool_failures: int = 0
+    # why it ended: answer, max_turns, max_tool_calls or budget
+    stop: str = ""
+
+    @property
+    def turns(self) -> int:
+        return len(self.turn_ends)
+
+    @property
+    def environment(self) -> Any:
+        """The `env=class` instance of this episode (reward functions read it, as TRL's `environments`)."""
+        return self.toolbox.environment
+
+    def add(self, ids: list[int], sampled: bool) -> None:
+        self.completion_ids.extend(ids)
+        self.sampled.extend([int(sampled)] * len(ids))
+
+
+def run_episodes(engine: Engine, tokenizer: Any, fmt: ToolFormat, prompts: list[list[dict]],
+                 toolboxes: list[Toolbox], limits: Limits) -> list[Episode]:
+    """One episode per prompt (messages, with any first observation already in), each with its own toolbox."""
+    episodes = [Episode(_encode(tokenizer, fmt.render(tokenizer, p, box.schemas, True)), box)
+                for p, box in zip(prompts, toolboxes, strict=True)]
+    running = list(range(len(episodes)))
+    while running:
+        room = [limits.max_episode_tokens - len(episodes[i].completion_ids) for i in running]
+        new = engine.continue_batch([episodes[i].prompt_ids + episodes[i].completion_ids for i in running], max(room))
+        running = [i for i, ids, left in zip(running, new, room, strict=True)
+                   if _turn(episodes[i], list(ids)[:left], engine.eos_token_id, tokenizer, fmt, limits)]
+    return episodes
+
+
+def _turn(ep: Episode, ids: list[int], eos: int, tokenizer: Any, fmt: ToolFormat, limits: Limits) -> bool:
+    """Record one sampled turn and, when it calls tools, their results; True while the episode goes on."""
+    ep.add(ids, sampled=True)
+    if ids:
+        ep.turn_ends.append(len(ep.completion_ids) - 1)
+    ended = bool(ids) and ids[-1] == eos
+    text = tokenizer.decode(ids[:-1] if ended else ids, skip_special_tokens=False)
+    calls = fmt.parse(text)
+    message: dict = {"role": "assistant", "content": text}
+    good = [c for c in calls if c.error is None]
+    if good:
+        message["tool_calls"] = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                                 for c in good]
+    ep.messages.append(message)
+    if not ended:
+        ep.stop = "budget"
+        return False
+    if not calls:
+        ep.stop = "answer"
+        return False
+    if ep.turns >= limits.max_turns:
+        ep.stop = "max_turns"
+        return False
+    if ep.tool_calls + len(calls) > limits.max_tool_calls:
+        ep.stop = "max_tool_calls"
+        return False
+    results: list[ToolResult] = [ep.toolbox.call(c, limits.tool_timeout_s, limits.max_result_chars) for c in calls]
+    ep.tool_calls += len(results)
+    ep.tool_failures += sum(r.failed for r in results)
+    added = _encode(tokenizer, fmt.environment_text(tokenizer, ep.toolbox.schemas, results,
+                                                    tokenizer.decode([eos], skip_special_tokens=False)))
+    if len(ep.completion_ids) + len(added) >= limits.max_episode_tokens:
+        ep.stop = "budget"
+        return False
+    ep.add(added, sampled=False)
+    ep.messages.extend({"role": "tool", "name": r.name, "content": r.text} for r in results)
+    return True
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    # the chat template's text holds its own special tokens: no BOS or EOS added on top
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])

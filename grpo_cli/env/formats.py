@@ -1,0 +1,140 @@
+"""Tool-call formats: how the prompt shows the tools, how calls are read from the model's text, and what text the
+environment adds after a turn (`env.tool_format`).
+
+- `template`: the model's own chat template, for one that renders `tools` (Qwen2.5/3, Llama 3.x and most current
+  models). `auto` picks it when rendering a conversation with the tools differs from rendering it without them.
+- `chatml`: the built-in format, for a template that ignores tools (the embedded SmolLM2's). The system turn
+  lists the tools' JSON schemas between `<tools>` and `</tools>` and says how to call one; the model calls with
+  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (one block per call); each result comes back in its
+  own `tool` turn (`<|im_start|>tool\\n...<|im_end|>`), followed by the next `<|im_start|>assistant\\n`. A system
+  message of the prompt comes first in that system turn, the tools after it.
+
+Calls are read from `<tool_call>` blocks in both formats; under `template` a turn that is one bare JSON object with
+a `name` and `arguments` (or `parameters`, Llama 3.x's key) is a call too. A block whose JSON does not parse, or
+lacks a name, is a call that failed: its error goes back to the model.
+
+What the environment adds after a turn is rendered once, as the difference between the template applied to a
+stand-in conversation with the tool messages and without them; the text between the end of the assistant's
+content and that difference (the template's end of turn, less the EOS the model sampled itself) comes first. Its
+token ids are appended to the sampled ones; the conversation is never rendered and tokenized again, so the ids
+the trainer scores are the ids the engine saw (grpo_cli.env.episode).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from grpo_cli.env.limits import FORMATS
+from grpo_cli.env.tools import ToolCall, ToolResult
+from grpo_cli.errors import ConfigError
+
+CHATML_TOOLS_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call these functions; their JSON schemas:\\n<tools>\\n' }}"
+    "{%- for tool in tools %}{{- (tool | tojson) + '\\n' }}{%- endfor %}"
+    "{{- '</tools>\\n\\nTo call one, write a JSON object with its name and arguments between <tool_call> and "
+    "</tool_call>:\\n<tool_call>\\n{\"name\": \"function_name\", \"arguments\": {\"argument\": \"value\"}}\\n"
+    "</tool_call>\\nEach result comes back in a tool turn. Answer without a tool call when you are done.'"
+    " + '<|im_end|>\\n' }}"
+    "{%- elif messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if not (loop.first and message.role == 'system') %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.S)
+# a stand-in assistant content, found again in the rendering to see where the template ends the turn
+_MARK = "\x00grpo-cli-turn\x00"
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """`name` is template or chatml; `chat_template` None renders with the tokenizer's own template."""
+
+    name: str
+    chat_template: str | None
+
+    def render(self, tokenizer: Any, messages: list[dict], tools: list[dict], generation_prompt: bool) -> str:
+        return tokenizer.apply_chat_template(messages, tools=tools or None, chat_template=self.chat_template,
+                                             tokenize=False, add_generation_prompt=generation_prompt)
+
+    def parse(self, text: str) -> list[ToolCall]:
+        """The calls of one assistant turn's text (EOS removed); [] when it answers without one."""
+        blocks = _BLOCK.findall(text)
+        if blocks:
+            return [_call(body) for body in blocks]
+        stripped = text.strip()
+        if self.name == "template" and stripped.startswith("{") and stripped.endswith("}"):
+            call = _call(stripped)
+            return [call] if call.error is None else []
+        return []
+
+    def environment_text(self, tokenizer: Any, tools: list[dict], results: list[ToolResult], eos_text: str) -> str:
+        """The text the environment adds after an assistant turn that ended with `eos_text`: the rest of the
+        template's end of turn, the tool turns, and the next assistant turn's opening."""
+        user, assistant = {"role": "user", "content": "?"}, {"role": "assistant", "content": _MARK}
+        before = self.render(tokenizer, [user, assistant], tools, False)
+        messages = [{"role": "tool", "name": r.name, "content": r.text} for r in results]
+        after = self.render(tokenizer, [user, assistant, *messages], tools, True)
+        if not after.startswith(before):
+            raise ConfigError(f"env.tool_format={self.name}: the chat template renders the turns before a tool "
+                              f"result differently once one follows, so what the environment adds cannot be "
+                              f"appended to the sampled tokens; set env.tool_format=chatml")
+        closing = before[before.rindex(_MARK) + len(_MARK):]
+        if eos_text and closing.startswith(eos_text):
+            closing = closing[len(eos_text):]  # the model sampled the EOS itself: it is in the sampled ids
+        return closing + after[len(before):]
+
+
+def _call(body: str) -> ToolCall:
+    try:
+        data = json.loads(body.strip())
+    except json.JSONDecodeError as err:
+        return ToolCall("unknown", error=f"the tool call is not valid JSON ({err.msg} at character {err.pos}); "
+                                         f"write <tool_call>{{\"name\": ..., \"arguments\": {{...}}}}</tool_call>")
+    if not isinstance(data, dict) or not isinstance(data.get("name"), str):
+        return ToolCall("unknown", error="the tool call has no \"name\"; write "
+                                         "<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>")
+    arguments = data.get("arguments", data.get("parameters", {}))
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            pass
+    return ToolCall(data["name"], arguments)
+
+
+def renders_tools(tokenizer: Any, tools: list[dict]) -> bool:
+    """Whether the tokenizer's own chat template shows `tools` (rendered with and without them, compared)."""
+    messages = [{"role": "user", "content": "?"}]
+    try:
+        plain = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        with_tools = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    except Exception:  # no chat template at all, or one that cannot take these messages
+        return False
+    return plain != with_tools
+
+
+def choose(setting: str, tokenizer: Any, tools: list[dict]) -> ToolFormat:
+    """The format `env.tool_format` names for this tokenizer; `auto`: the template when it renders tools."""
+    if setting not in FORMATS:
+        raise ConfigError(f"env.tool_format ({setting!r}) must be auto, template or chatml; set env.tool_format=auto")
+    own = renders_tools(tokenizer, tools)
+    if setting == "template" and not own:
+        raise ConfigError("env.tool_format=template, but the model's chat template ignores tools; set "
+                          "env.tool_format=auto or chatml (the built-in format, docs/environments.md)")
+    fmt = ToolFormat("template", None) if setting == "template" or (setting == "auto" and own) else \
+        ToolFormat("chatml", CHATML_TOOLS_TEMPLATE)
+    # the template must let the environment's turns be appended: checked once here, before any episode
+    fmt.environment_text(tokenizer, tools, [ToolResult("check", "ok", False)], tokenizer.eos_token or "")
+    return fmt

@@ -1,0 +1,118 @@
+"""Tool-call formats: auto picks the model's template when it renders tools and the built-in ChatML format when it
+ignores them; calls are read from the text; what the environment adds is the template's own difference."""
+
+from __future__ import annotations
+
+import pytest
+
+from grpo_cli.env.formats import choose
+from grpo_cli.env.tools import ToolCall, ToolResult, tool_from
+from grpo_cli.errors import ConfigError
+from grpo_cli.policy import char_tokenizer
+
+# a Qwen2.5-like template: tools in the system turn, consecutive tool results in one user turn
+TOOLS_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\n<tools>' }}{%- for t in tools %}{{- '\\n' + (t | tojson) }}"
+    "{%- endfor %}{{- '\\n</tools><|im_end|>\\n' }}{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'tool' %}"
+    "{%- if loop.previtem is not defined or loop.previtem.role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + m.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or loop.nextitem.role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+# renders tools, but ends the last message differently from the others: not prefix-preserving
+SHIFTING_TEMPLATE = ("{%- if tools %}{{- 'tools!' }}{%- endif %}"
+                     "{%- for m in messages %}{{- m.role + ':' + m.content + (';' if loop.last else '|') }}"
+                     "{%- endfor %}")
+
+
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: the first factor
+        b: the second factor
+    """
+    return a * b
+
+
+SCHEMAS = [tool_from(multiply, "test").schema]
+RESULTS = [ToolResult("multiply", "56088", False), ToolResult("multiply", "x", False)]
+
+
+def tokenizer(template: str | None = None):
+    tok = char_tokenizer()
+    if template is not None:
+        tok.chat_template = template
+    return tok
+
+
+def test_auto_picks_chatml_for_a_template_that_ignores_tools_and_shows_them_in_the_system_turn():
+    tok = tokenizer()
+    fmt = choose("auto", tok, SCHEMAS)
+    assert fmt.name == "chatml"
+    prompt = fmt.render(tok, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Q"}],
+                        SCHEMAS, True)
+    assert prompt.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n")
+    assert '<tools>\n{"type": "function", "function": {"name": "multiply"' in prompt
+    assert prompt.endswith("<|im_end|>\n<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_chatml_environment_text_is_the_rest_of_the_turn_the_tool_turns_and_the_next_opening():
+    tok = tokenizer()
+    text = choose("chatml", tok, SCHEMAS).environment_text(tok, SCHEMAS, RESULTS, "<|im_end|>")
+    # the model sampled <|im_end|>; the template's "\n" after it, one tool turn per result, the next opening
+    assert text == ("\n<|im_start|>tool\n56088<|im_end|>\n<|im_start|>tool\nx<|im_end|>\n"
+                    "<|im_start|>assistant\n")
+
+
+def test_auto_picks_the_models_template_when_it_renders_tools():
+    tok = tokenizer(TOOLS_TEMPLATE)
+    fmt = choose("auto", tok, SCHEMAS)
+    assert fmt.name == "template"
+    text = fmt.environment_text(tok, SCHEMAS, RESULTS, "<|im_end|>")
+    assert text == ("\n<|im_start|>user\n<tool_response>\n56088\n</tool_response>\n<tool_response>\nx\n"
+                    "</tool_response><|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_template_forced_on_a_template_that_ignores_tools_is_one_line():
+    with pytest.raises(ConfigError, match=r"^env.tool_format=template, but the model's chat template ignores tools; "
+                                          r"set env.tool_format=auto or chatml"):
+        choose("template", tokenizer(), SCHEMAS)
+
+
+def test_a_template_that_is_not_prefix_preserving_is_refused_before_any_episode():
+    with pytest.raises(ConfigError, match=r"^env.tool_format=template: .* set env.tool_format=chatml$"):
+        choose("auto", tokenizer(SHIFTING_TEMPLATE), SCHEMAS)
+    assert choose("chatml", tokenizer(SHIFTING_TEMPLATE), SCHEMAS).name == "chatml"
+
+
+def test_an_unknown_format_names_the_choices():
+    with pytest.raises(ConfigError, match=r"env.tool_format \('xml'\) must be auto, template or chatml"):
+        choose("xml", tokenizer(), SCHEMAS)
+
+
+@pytest.mark.parametrize("text, calls", [
+    ("The answer is 4.", []),
+    ('<tool_call>{"name": "multiply", "arguments": {"a": 2, "b": 3}}</tool_call>',
+     [ToolCall("multiply", {"a": 2, "b": 3})]),
+    ('a <tool_call>\n{"name": "f", "arguments": "{\\"x\\": 1}"}\n</tool_call> b <tool_call>{"name": "g"}</tool_call>',
+     [ToolCall("f", {"x": 1}), ToolCall("g", {})]),
+    ('<tool_call>{"name": "f", "arguments": {"x": 1}}', [ToolCall("f", {"x": 1})]),  # EOS before the closing tag
+], ids=["answer", "one-call", "two-calls-string-arguments", "unclosed"])
+def test_calls_are_read_from_tool_call_blocks(text, calls):
+    assert choose("chatml", tokenizer(), SCHEMAS).parse(text) == calls
+
+
+def test_malformed_blocks_are_calls_that_failed():
+    (bad,) = choose("chatml", tokenizer(), SCHEMAS).parse("<tool_call>{name: f}</tool_call>")
+    assert bad.name == "unknown" and bad.error.startswith("the tool call is not valid JSON")
+
+
+def test_a_bare_json_call_counts_only_under_the_models_template():
+    text = '{"name": "multiply", "parameters": {"a": 2, "b": 3}}'  # Llama 3.x writes its calls so
+    expected = [ToolCall("multiply", {"a": 2, "b": 3})]
+    assert choose("template", tokenizer(TOOLS_TEMPLATE), SCHEMAS).parse(text) == expected
+    assert choose("chatml", tokenizer(), SCHEMAS).parse(text) == []

@@ -1,0 +1,184 @@
+"""Tools: resolved as reward functions are, refused on one line without type hints or docstring, and a call that
+raises, hangs, returns a non-string or a megabyte is an answer to the model, never an exception."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import pytest
+
+from grpo_cli.env.tools import Toolbox, ToolCall, ToolsEnv, load_tools, tool_from
+from grpo_cli.errors import ConfigError
+
+TOOLS_PY = '''
+import asyncio
+import time
+
+
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: the first factor
+        b: the second factor
+    """
+    return a * b
+
+
+async def slow_echo(text: str, seconds: float) -> str:
+    """Echo text after a pause.
+
+    Args:
+        text: what to echo
+        seconds: how long to wait first
+    """
+    await asyncio.sleep(seconds)
+    return text
+
+
+def hang(seconds: float) -> str:
+    """Sleep.
+
+    Args:
+        seconds: how long
+    """
+    time.sleep(seconds)
+    return "awake"
+
+
+def as_dict(key: str) -> dict:
+    """A dict.
+
+    Args:
+        key: its one key
+    """
+    return {key: 1}
+
+
+def huge(n: int) -> str:
+    """A long text.
+
+    Args:
+        n: its length
+    """
+    return "x" * n
+
+
+def no_hints(a, b):
+    """Multiply.
+
+    Args:
+        a: the first
+        b: the second
+    """
+    return a * b
+
+
+def no_docstring(a: int) -> int:
+    return a
+'''
+
+
+@pytest.fixture()
+def tools_py(tmp_path, monkeypatch):
+    (tmp_path / "my_tools.py").write_text(TOOLS_PY)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "my_tools", raising=False)
+    return tmp_path
+
+
+def toolbox(*names: str) -> Toolbox:
+    return Toolbox({t.name: t for t in load_tools([f"my_tools.py:{n}" for n in names])})
+
+
+def test_a_tool_resolves_as_module_fn_or_file_fn_with_transformers_schema(tools_py):
+    by_module, by_file = load_tools(["my_tools.multiply", "my_tools.py:slow_echo"])
+    assert (by_module.name, by_file.name) == ("multiply", "slow_echo")
+    assert by_module.schema["function"]["parameters"]["properties"] == {
+        "a": {"type": "integer", "description": "the first factor"},
+        "b": {"type": "integer", "description": "the second factor"}}
+
+
+@pytest.mark.parametrize("spec, expected", [
+    ("my_tools.no_hints", "env.tools[0] (my_tools.no_hints): Argument a is missing a type hint"),
+    ("my_tools.no_docstring", "env.tools[0] (my_tools.no_docstring): Cannot generate JSON schema for no_docstring "
+                              "because it has no docstring"),
+    ("my_tools.divide", "env.tools[0]: my_tools has no 'divide'"),
+    ("nowhere.fn", "env.tools[0]: no module named 'nowhere'"),
+    ("accuracy", "env.tools[0] (accuracy) is a built-in reward, not a tool"),
+], ids=["no-type-hints", "no-docstring", "no-such-function", "no-such-module", "a-reward-builtin"])
+def test_a_bad_tool_is_one_line_naming_the_fix(tools_py, spec, expected):
+    with pytest.raises(ConfigError) as err:
+        load_tools([spec])
+    line = str(err.value)
+    assert "\n" not in line and line.startswith(expected), line
+    assert "reward.funcs" not in line
+    assert "type hint" in line or "name your function" in line or "env.tools" in line
+
+
+def test_no_tool_at_all_names_the_setting(tools_py):
+    with pytest.raises(ConfigError, match=r"env.tools is empty; name at least one function"):
+        load_tools([])
+
+
+def test_two_tools_of_one_name_are_refused(tools_py):
+    with pytest.raises(ConfigError, match="a second tool named 'multiply'"):
+        load_tools(["my_tools.multiply", "my_tools.py:multiply"])
+
+
+def test_a_call_returns_its_result_as_text(tools_py):
+    result = toolbox("multiply").call(ToolCall("multiply", {"a": 456, "b": 123}), 5.0, 4000)
+    assert (result.text, result.failed) == ("56088", False)
+
+
+def test_an_async_tool_runs_to_its_result(tools_py):
+    result = toolbox("slow_echo").call(ToolCall("slow_echo", {"text": "hi", "seconds": 0.01}), 5.0, 4000)
+    assert (result.text, result.failed) == ("hi", False)
+
+
+@pytest.mark.parametrize("name, arguments", [("hang", {"seconds": 30}), ("slow_echo", {"text": "x", "seconds": 30})],
+                         ids=["sync", "async"])
+def test_a_hanging_tool_times_out_as_a_failure(tools_py, name, arguments):
+    begin = time.monotonic()
+    result = toolbox(name).call(ToolCall(name, arguments), 0.2, 4000)
+    assert time.monotonic() - begin < 5
+    assert result.failed and result.text == str({"error": f"{name} did not return within 0.2 s"})
+
+
+def test_a_non_string_result_is_converted_with_str_as_trl_does(tools_py):
+    result = toolbox("as_dict").call(ToolCall("as_dict", {"key": "k"}), 5.0, 4000)
+    assert (result.text, result.failed) == ("{'k': 1}", False)
+
+
+def test_a_megabyte_result_is_cut_with_a_note(tools_py):
+    result = toolbox("huge").call(ToolCall("huge", {"n": 1_000_000}), 5.0, 100)
+    assert result.failed and result.text == "x" * 100 + "\n[cut: the first 100 of 1000000 characters]"
+
+
+def test_wrong_arguments_are_an_error_back_to_the_model(tools_py):
+    box = toolbox("multiply")
+    missing = box.call(ToolCall("multiply", {"a": 1}), 5.0, 4000)
+    not_object = box.call(ToolCall("multiply", [1, 2]), 5.0, 4000)
+    assert missing.failed and "TypeError" in missing.text and "missing 1 required positional argument" in missing.text
+    assert not_object.failed and "must be a JSON object" in not_object.text
+
+
+def test_a_tool_that_exits_the_process_is_a_failed_call(tools_py):
+    def exits(code: int) -> str:
+        """Exit.
+
+        Args:
+            code: the exit code
+        """
+        raise SystemExit(code)
+
+    result = Toolbox({"exits": tool_from(exits, "test")}).call(ToolCall("exits", {"code": 3}), 5.0, 4000)
+    assert result.failed and result.text == str({"error": "SystemExit: 3"})
+
+
+def test_env_tools_node_builds_from_its_settings(tools_py):
+    env = ToolsEnv(["my_tools.multiply"], "auto", 4, 8, 512, 10, 4000)
+    box, observation = env.start({"prompt": "p"})
+    assert observation is None and list(box.tools) == ["multiply"] and env.limits.max_turns == 4
