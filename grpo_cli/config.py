@@ -23,7 +23,15 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from grpo_cli import groups, iterative, policy, rewards, rollout
 from grpo_cli.checks import Check, Rule, is_int, is_num, one_of
 from grpo_cli.errors import ConfigError
-from grpo_cli.objective import IMPORTANCE_SAMPLING_LEVELS, IS_CORRECTIONS, KL_ESTIMATORS, LOSS_TYPES, SCALES, STDS
+from grpo_cli.objective import (
+    IMPORTANCE_SAMPLING_LEVELS,
+    IS_CORRECTIONS,
+    KL_ESTIMATORS,
+    LOSS_TYPES,
+    SCALES,
+    STDS,
+    SURROGATES,
+)
 from grpo_cli.resources import CONF_DIR, RECIPES_DIR
 from grpo_cli.rewards import models as reward_models
 from grpo_cli.rollout import vllm_engine
@@ -96,8 +104,33 @@ ALGO: list[Check] = [
     Rule("algo.top_entropy_quantile", lambda v: is_num(v) and 0 < v <= 1,
          "must be in (0, 1]: the share of highest-entropy tokens that carry the policy gradient (1.0: all; the "
          "paper keeps 0.2); set algo.top_entropy_quantile=1.0"),
+    Rule("algo.cispo_cap", lambda v: is_num(v) and v >= 1,
+         "must be >= 1: an on-policy token's weight is 1 (ScaleRL's ε_max; TRL suggests 5); set algo.cispo_cap=5"),
+    Rule("algo.sapo_temperature_pos", lambda v: is_num(v) and v > 0,
+         "must be > 0: the soft gate's temperature; set algo.sapo_temperature_pos=1.0"),
+    Rule("algo.sapo_temperature_neg", lambda v: is_num(v) and v > 0,
+         "must be > 0: the soft gate's temperature; set algo.sapo_temperature_neg=1.05"),
     lambda cfg: _check_is_correction(cfg.get("algo")),
+    lambda cfg: _check_loss_variant(cfg.get("algo")),
 ]
+
+
+def _check_loss_variant(algo) -> list[str]:
+    """A loss_type with a term of its own reads no clip range (cispo, sapo) or makes its own ratio (gmpo): a value
+    set for what it does not read is a mistake (TRL's epsilon_high is CISPO's cap; here that is algo.cispo_cap)."""
+    surrogate = SURROGATES.get(algo.get("loss_type")) if algo is not None else None
+    if surrogate is None:
+        return []
+    errors = []
+    if algo.get("epsilon_high") is not None and "epsilon_high" not in surrogate.reads:
+        instead = ", ".join(f"algo.{k}" for k in surrogate.reads)
+        errors.append(f"algo.epsilon_high ({algo.epsilon_high}) is not read by loss_type={algo.loss_type} (it has no "
+                      f"clip; its settings are {instead}): set algo.epsilon_high=null")
+    if surrogate.own_ratio and algo.get("importance_sampling_level") not in (None, "token"):
+        errors.append(f"algo.importance_sampling_level ({algo.importance_sampling_level}) cannot be used with "
+                      f"loss_type={algo.loss_type}, which makes its own sequence ratio from the token ratios: "
+                      f"set algo.importance_sampling_level=token")
+    return errors
 
 
 def _check_is_correction(algo) -> list[str]:

@@ -1,0 +1,50 @@
+"""config.ALGO: the algo section's checks, each error one line that names the fix, before any model loads."""
+
+from __future__ import annotations
+
+import pytest
+
+from grpo_cli.config import compose, validate
+from grpo_cli.errors import ConfigError
+
+
+def errors(*overrides: str) -> list[str]:
+    try:
+        validate(compose("train", list(overrides)))
+    except ConfigError as err:
+        return str(err).splitlines()
+    return []
+
+
+@pytest.mark.parametrize("overrides", [["algo.loss_type=cispo"], ["algo.loss_type=sapo"], ["algo.loss_type=gmpo"],
+                                       ["algo=gmpo"], ["algo.loss_type=cispo", "algo.cispo_cap=2"]])
+def test_the_loss_variants_compose_and_build_their_loss(overrides):
+    assert errors(*overrides) == []
+    algo = compose("train", overrides).algo
+    # the loss node passes the variant's settings through (GRPOLoss reads only those of its loss_type)
+    assert (algo.loss.cispo_cap, algo.loss.sapo_temperature_neg) == (algo.cispo_cap, algo.sapo_temperature_neg)
+
+
+def test_gmpo_preset_is_the_papers_clip_range():
+    algo = compose("train", ["algo=gmpo"]).algo
+    assert (algo.loss_type, algo.epsilon_low, algo.epsilon_high) == ("gmpo", 0.4, 0.4)
+
+
+@pytest.mark.parametrize("overrides,line", [
+    (["algo.loss_type=cispo", "algo.epsilon_high=5"],
+     "algo.epsilon_high (5) is not read by loss_type=cispo (it has no clip; its settings are algo.cispo_cap): "
+     "set algo.epsilon_high=null"),
+    (["algo.loss_type=sapo", "algo.epsilon_high=0.28"],
+     "algo.epsilon_high (0.28) is not read by loss_type=sapo (it has no clip; its settings are "
+     "algo.sapo_temperature_pos, algo.sapo_temperature_neg): set algo.epsilon_high=null"),
+    (["algo=gmpo", "algo.importance_sampling_level=sequence"],
+     "algo.importance_sampling_level (sequence) cannot be used with loss_type=gmpo, which makes its own sequence "
+     "ratio from the token ratios: set algo.importance_sampling_level=token"),
+    (["algo.cispo_cap=0.2"],
+     "algo.cispo_cap (0.2) must be >= 1: an on-policy token's weight is 1 (ScaleRL's ε_max; TRL suggests 5); "
+     "set algo.cispo_cap=5"),
+    (["algo.sapo_temperature_neg=0"],
+     "algo.sapo_temperature_neg (0) must be > 0: the soft gate's temperature; set algo.sapo_temperature_neg=1.05"),
+])
+def test_a_setting_the_loss_type_does_not_read_is_refused(overrides, line):
+    assert errors(*overrides) == [line]
