@@ -24,6 +24,7 @@ from grpo_cli import groups, iterative, policy, rewards, rollout
 from grpo_cli.checks import Check, Rule, is_int, is_num, one_of
 from grpo_cli.errors import ConfigError
 from grpo_cli.objective import (
+    ESTIMATORS,
     IMPORTANCE_SAMPLING_LEVELS,
     IS_CORRECTIONS,
     KL_ESTIMATORS,
@@ -31,6 +32,7 @@ from grpo_cli.objective import (
     SCALES,
     STDS,
     SURROGATES,
+    UNSCALED_ESTIMATORS,
 )
 from grpo_cli.resources import CONF_DIR, RECIPES_DIR
 from grpo_cli.rewards import models as reward_models
@@ -92,6 +94,8 @@ ALGO: list[Check] = [
     Rule("algo.loss_type", lambda v: v in LOSS_TYPES, f"must be {one_of(LOSS_TYPES)}; set algo.loss_type=grpo"),
     Rule("algo.advantage_scale", lambda v: v in SCALES, f"must be {one_of(SCALES)}; set algo.advantage_scale=group"),
     Rule("algo.advantage_std", lambda v: v in STDS, f"must be {one_of(STDS)}; set algo.advantage_std=population"),
+    Rule("algo.advantage", lambda v: v in ESTIMATORS, f"must be {one_of(ESTIMATORS)}; set algo.advantage=grpo"),
+    lambda cfg: _check_unscaled_advantage(cfg.get("algo")),
     Rule("algo.is_correction_cap", lambda v: v is None or (is_num(v) and v >= 1),
          "must be >= 1 or null (off): the weight of a token both engines agree on is 1; set algo.is_correction_cap=2"),
     Rule("algo.importance_sampling_level", lambda v: v in IMPORTANCE_SAMPLING_LEVELS,
@@ -113,6 +117,15 @@ ALGO: list[Check] = [
     lambda cfg: _check_is_correction(cfg.get("algo")),
     lambda cfg: _check_loss_variant(cfg.get("algo")),
 ]
+
+
+def _check_unscaled_advantage(algo) -> list[str]:
+    """RLOO's advantage divides by no std: divided by one it would be GRPO's times G/(G-1), a learning rate change."""
+    if algo is None or algo.get("advantage") not in UNSCALED_ESTIMATORS or algo.get("advantage_scale") == "none":
+        return []
+    return [f"algo.advantage_scale ({algo.advantage_scale}) cannot be used with algo.advantage={algo.advantage}, "
+            f"which divides by no std (divided by one it is GRPO's advantage times G/(G-1)): set "
+            f"algo.advantage_scale=none, or use algo={algo.advantage}"]
 
 
 def _check_loss_variant(algo) -> list[str]:

@@ -45,6 +45,20 @@ def test_gmpo_preset_is_the_papers_clip_range():
      "set algo.cispo_cap=5"),
     (["algo.sapo_temperature_neg=0"],
      "algo.sapo_temperature_neg (0) must be > 0: the soft gate's temperature; set algo.sapo_temperature_neg=1.05"),
+    (["algo.advantage=rloo"],
+     "algo.advantage_scale (group) cannot be used with algo.advantage=rloo, which divides by no std (divided by one "
+     "it is GRPO's advantage times G/(G-1)): set algo.advantage_scale=none, or use algo=rloo"),
+    (["algo.advantage=rloo", "algo.advantage_scale=batch"],
+     "algo.advantage_scale (batch) cannot be used with algo.advantage=rloo, which divides by no std (divided by one "
+     "it is GRPO's advantage times G/(G-1)): set algo.advantage_scale=none, or use algo=rloo"),
+    (["algo.advantage=loo"], "algo.advantage ('loo') must be grpo or rloo; set algo.advantage=grpo"),
 ])
 def test_a_setting_the_loss_type_does_not_read_is_refused(overrides, line):
     assert errors(*overrides) == [line]
+
+
+@pytest.mark.parametrize("overrides", [["algo=rloo"], ["algo.advantage=rloo", "algo.advantage_scale=none"]])
+def test_rloo_composes_without_a_std(overrides):
+    assert errors(*overrides) == []
+    algo = compose("train", overrides).algo
+    assert (algo.advantage, algo.advantage_scale) == ("rloo", "none")
