@@ -1,4 +1,4 @@
-"""`make loss-vs-trl`: our loss types against TRL's own code (and verl's for GMPO, which TRL lacks), loss and gradient.
+"""`make loss-vs-trl`: our loss types against TRL's own code (verl's for GMPO, which TRL lacks); RLOO against verl's.
 
     .venv/bin/python scripts/loss_vs_trl.py                  # 50 random batches per row
     .venv/bin/python scripts/loss_vs_trl.py --batches 200 --json outputs/loss_vs_trl.json
@@ -19,7 +19,9 @@ every clip, cap and gate binds somewhere; outcome advantages [N] or per-token [N
     "seq-mean-token-mean" over all N sequences, as our gmpo aggregates the KL. verl's module imports ray for its
     data protocol only; a stub module stands in for it (the loss functions never touch it).
 Each row: the largest |loss_ours - loss_theirs| and |grad_ours - grad_theirs| (w.r.t. logp, elementwise) over the
-batches. Pass: both <= --tol (1e-6).
+batches. Pass: both <= --tol (1e-6). Then RLOO's advantages (algo.advantage=rloo) against verl's
+`compute_rloo_outcome_advantage` on as many random batches of groups (G 2-8; every reward scored, verl has no
+"no score").
 """
 
 from __future__ import annotations
@@ -139,6 +141,29 @@ def ours(loss_type, level, logp, old, ref, adv, mask, beta, s):
     return loss, torch.autograd.grad(loss, leaf)[0]
 
 
+def rloo_row(a: argparse.Namespace) -> dict:
+    """Our RLOO advantages against verl's, the largest |ΔA| over the batches."""
+    import numpy as np
+    import torch
+    import verl
+    from verl.trainer.ppo import core_algos
+
+    from grpo_cli.objective import outcome_advantages
+
+    g, worst = torch.Generator().manual_seed(a.seed), 0.0
+    for _ in range(a.batches):
+        size, groups = int(torch.randint(2, 9, (1,), generator=g)), int(torch.randint(1, 7, (1,), generator=g))
+        rewards = torch.randn(size * groups, generator=g, dtype=torch.float64)
+        index = np.repeat(np.arange(groups), size)                 # verl's prompt uid of each completion
+        # verl's rewards are per token, summed over the response: one token each
+        theirs, _ = core_algos.compute_rloo_outcome_advantage(rewards[:, None].clone(),
+                                                              torch.ones_like(rewards)[:, None], index)
+        mine = outcome_advantages(rewards, size, scale="none", estimator="rloo")
+        worst = max(worst, (mine - theirs[:, 0]).abs().max().item())
+    return {"reference": f"verl {verl.__version__}", "batches": a.batches, "max_abs_dadv": worst,
+            "pass": worst <= a.tol}
+
+
 def inside(a: argparse.Namespace) -> None:
     """In TRL's venv: the table."""
     import types
@@ -173,10 +198,13 @@ def inside(a: argparse.Namespace) -> None:
     for row, r in results.items():
         print(f"| {row} | {r['reference']} | {r['max_abs_dloss']:.1e} | {r['max_abs_dgrad']:.1e} | "
               f"{'yes' if r['pass'] else 'NO'} |")
+    rloo = rloo_row(a)
+    print(f"\n| advantage | reference | max abs ΔA | pass |\n|---|---|---|---|\n| rloo | {rloo['reference']} | "
+          f"{rloo['max_abs_dadv']:.1e} | {'yes' if rloo['pass'] else 'NO'} |")
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps(results, indent=2) + "\n")
-    sys.exit(0 if all(r["pass"] for r in results.values()) else 1)
+        a.json.write_text(json.dumps({"losses": results, "advantages": {"rloo": rloo}}, indent=2) + "\n")
+    sys.exit(0 if all(r["pass"] for r in (*results.values(), rloo)) else 1)
 
 
 def main() -> None:
