@@ -96,6 +96,7 @@ ALGO: list[Check] = [
     Rule("algo.advantage_std", lambda v: v in STDS, f"must be {one_of(STDS)}; set algo.advantage_std=population"),
     Rule("algo.advantage", lambda v: v in ESTIMATORS, f"must be {one_of(ESTIMATORS)}; set algo.advantage=grpo"),
     lambda cfg: _check_unscaled_advantage(cfg.get("algo")),
+    lambda cfg: _check_advantage_of_step_rewards(cfg.get("algo"), cfg.get("reward")),
     Rule("algo.is_correction_cap", lambda v: v is None or (is_num(v) and v >= 1),
          "must be >= 1 or null (off): the weight of a token both engines agree on is 1; set algo.is_correction_cap=2"),
     Rule("algo.importance_sampling_level", lambda v: v in IMPORTANCE_SAMPLING_LEVELS,
@@ -126,6 +127,24 @@ def _check_unscaled_advantage(algo) -> list[str]:
     return [f"algo.advantage_scale ({algo.advantage_scale}) cannot be used with algo.advantage={algo.advantage}, "
             f"which divides by no std (divided by one it is GRPO's advantage times G/(G-1)): set "
             f"algo.advantage_scale=none, or use algo={algo.advantage}"]
+
+
+# the rewards whose step rewards make process advantages, normalized as in the paper (update.advantages); with
+# reward.process_weight their outcome half takes algo.advantage
+PROCESS_REWARDS = ("grpo_cli.rewards.ProcessReward", "grpo_cli.rewards.models.process_reward_model")
+
+
+def _check_advantage_of_step_rewards(algo, reward) -> list[str]:
+    """An advantage estimator other than GRPO's is the outcome rewards' baseline: with step rewards alone it does
+    nothing, so say so rather than train as if it were set."""
+    if algo is None or algo.get("advantage") in (None, "grpo") or reward is None:
+        return []
+    weight = reward.get("process_weight")   # None or inf: the step rewards alone (ProcessReward)
+    if reward.get("_target_") not in PROCESS_REWARDS or (is_num(weight) and math.isfinite(weight)):
+        return []
+    return [f"algo.advantage ({algo.advantage}) sets the baseline of outcome rewards, and reward ({reward._target_}) "
+            f"gives step rewards alone: set algo.advantage=grpo, or reward.process_weight (e.g. 1.0) to add an "
+            f"outcome half that takes it"]
 
 
 def _check_loss_variant(algo) -> list[str]:

@@ -62,3 +62,17 @@ def test_rloo_composes_without_a_std(overrides):
     assert errors(*overrides) == []
     algo = compose("train", overrides).algo
     assert (algo.advantage, algo.advantage_scale) == ("rloo", "none")
+
+
+@pytest.mark.parametrize("reward", [["reward=multistep_process", "data=multistep"],
+                                    ["reward=prm", "reward.name_or_path=org/prm"]])
+def test_rloo_with_step_rewards_alone_is_refused(reward):
+    # step rewards are normalized as in the paper whatever algo.advantage says: rloo would change nothing
+    assert errors(*reward, "algo=rloo") == [
+        f"algo.advantage (rloo) sets the baseline of outcome rewards, and reward "
+        f"({compose('train', reward).reward._target_}) gives step rewards alone: set algo.advantage=grpo, or "
+        f"reward.process_weight (e.g. 1.0) to add an outcome half that takes it"]
+    # with an outcome half (process_weight) the outcome rewards take RLOO's baseline
+    if reward[0] == "reward=multistep_process":
+        assert errors(*reward, "algo=rloo", "reward.process_weight=1.0") == []
+        assert len(errors(*reward, "algo=rloo", "reward.process_weight=inf")) == 1   # inf: step rewards alone
