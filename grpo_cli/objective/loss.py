@@ -182,6 +182,8 @@ class GRPOLoss:
     (token_truncate: `truncated_is_weight`) and `sampler/is_weight_mean`, `sampler/is_truncated_share`
     and `sampler/is_masked_share` are logged.
 
+    `cispo_cap`, `sapo_temperature_pos`, `sapo_temperature_neg`: read only by their loss_type (see `grpo_loss`).
+
     `importance_sampling_level="sequence"` is GSPO (see `grpo_loss`). Its ratio and the sequence IS
     weights are functions of one row each, so a micro-batch of whole rows computes the same values as
     the batch and the micro-batch losses still add up to the batch loss.

@@ -119,10 +119,11 @@ def gmpo_ratio(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Ten
 
 
 class ClipFractions(NamedTuple):
-    """Shares of the counted tokens the clip cut (0-dim each): the tokens whose gradient it zeroed."""
+    """Shares of the counted tokens a bound changed (0-dim each): those whose gradient PPO's clip (or GMPO's) zeroed,
+    or whose weight CISPO's cap lowered."""
 
-    low: torch.Tensor     # Â < 0 and ρ < 1-ε_low
-    high: torch.Tensor    # Â > 0 and ρ > 1+ε_high
+    low: torch.Tensor     # Â < 0 and ρ < 1-ε_low (GMPO: log ρ < -ε_low)
+    high: torch.Tensor    # Â > 0 and ρ > 1+ε_high (GMPO: log ρ > ε_high; CISPO: ρ > cap, any Â)
     region: torch.Tensor  # either
 
 
