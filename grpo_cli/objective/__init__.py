@@ -6,9 +6,10 @@ walks: `outcome_advantages` / `process_advantages` on the rewards of a rollout, 
 `GRPOLoss`) on the policy's log-probs (`logprobs`, through the kernels of `kernels`).
 
 The modules, one part of DeepSeekMath's §4.1 (arXiv 2402.03300) each; each docstring says where it departs:
-  advantages    outcome and process advantages, the std and scale options
+  advantages    outcome and process advantages, the std and scale options, RLOO's baseline
   kl            the KL estimators k1, k2, k3
-  surrogate     the importance ratio ρ (per token, or GSPO's per sequence), PPO's clipped term, clip fractions
+  surrogate     the importance ratio ρ (per token, or GSPO's per sequence), the per-token term of each loss_type
+                (PPO's clipped one; CISPO's, SAPO's, GMPO's), clip fractions
   aggregation   masked_mean and the aggregations by loss_type: the per-token objective -> the loss
   entropy       the top-entropy mask
   importance    the sampler's importance weights (vLLM's copy of the policy against the trainer's)
@@ -22,10 +23,13 @@ in conf/algo/*.yaml and in saved runs' config.yaml), and so do callers.
 from __future__ import annotations
 
 from grpo_cli.objective.advantages import (
+    ADVANTAGE_ESTIMATORS,
     ADVANTAGE_SCALES,
+    ESTIMATORS,
     SCALES,
     STD_DDOF,
     STDS,
+    UNSCALED_ESTIMATORS,
     outcome_advantages,
     process_advantages,
 )
@@ -58,17 +62,25 @@ from grpo_cli.objective.surrogate import (
     GSPO_EPSILON_LOW,
     IMPORTANCE_RATIOS,
     IMPORTANCE_SAMPLING_LEVELS,
+    SURROGATES,
     ClipFractions,
+    Surrogate,
+    SurrogateSettings,
+    cispo_surrogate,
     clip_fractions,
     clipped_surrogate,
+    gmpo_ratio,
     importance_ratio,
+    sapo_surrogate,
 )
 
 __all__ = [
     "ADVANTAGE_SCALES", "SCALES", "STD_DDOF", "STDS", "outcome_advantages", "process_advantages",
+    "ADVANTAGE_ESTIMATORS", "ESTIMATORS", "UNSCALED_ESTIMATORS",
     "KL_ESTIMATES", "KL_ESTIMATORS", "kl_divergence",
     "GSPO_EPSILON_HIGH", "GSPO_EPSILON_LOW", "IMPORTANCE_RATIOS", "IMPORTANCE_SAMPLING_LEVELS", "importance_ratio",
-    "clipped_surrogate", "ClipFractions", "clip_fractions",
+    "clipped_surrogate", "ClipFractions", "clip_fractions", "cispo_surrogate", "sapo_surrogate", "gmpo_ratio",
+    "Surrogate", "SurrogateSettings", "SURROGATES",
     "masked_mean", "sequence_mean", "token_mean", "constant_length_mean", "accumulated_token_mean",
     "per_sequence", "per_token", "whole_batch", "Aggregation", "AGGREGATIONS", "LOSS_TYPES",
     "high_entropy_threshold", "entropy_mask",

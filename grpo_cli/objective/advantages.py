@@ -14,7 +14,9 @@ Where it departs, and why:
   - a NaN reward means "no score" (a reward model that failed, a filtered sample): it is left out of
     the group's mean and std and its completion gets advantage 0;
   - options the paper does not have, each from a follow-up: `std="sample"` (TRL, verl),
-    `scale="batch"` (std of the whole batch) and `scale="none"` (Dr. GRPO).
+    `scale="batch"` (std of the whole batch) and `scale="none"` (Dr. GRPO);
+  - `estimator="rloo"`: RLOO's baseline (Ahmadian et al., arXiv 2402.14740; verl's "rloo"), each reward minus
+    the mean of the other G-1 of its group, divided by no std.
 """
 
 from __future__ import annotations
@@ -44,6 +46,21 @@ def _batch_std(r0: torch.Tensor, valid: torch.Tensor, centered: torch.Tensor, dd
 ADVANTAGE_SCALES: dict[str, Callable[..., torch.Tensor] | None] = {"group": _group_std, "batch": _batch_std,
                                                                    "none": None}
 SCALES = tuple(ADVANTAGE_SCALES)
+def _group_mean_baseline(centered: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    return centered                                      # r_i - mean of the group (GRPO)
+
+
+def _leave_one_out_baseline(centered: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """r_i - mean of the other c-1 scored rewards = c/(c-1)·(r_i - mean); 0 without another scored reward."""
+    return torch.where(count > 1, centered * count / (count - 1).clamp(min=1), 0.0)
+
+
+# algo.advantage -> (centered [groups, G], scored count [groups, 1]) -> the rewards minus the estimator's baseline
+ADVANTAGE_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "grpo": _group_mean_baseline, "rloo": _leave_one_out_baseline}
+ESTIMATORS = tuple(ADVANTAGE_ESTIMATORS)
+# the estimators that divide by no std: with one, only scale "none" makes sense
+UNSCALED_ESTIMATORS = ("rloo",)
 # std -> the degrees of freedom it subtracts: population 1/G (the paper's formula), sample 1/(G-1) (TRL, verl)
 STD_DDOF = {"population": 0, "sample": 1}
 STDS = tuple(STD_DDOF)
@@ -56,16 +73,22 @@ def outcome_advantages(
     scale: str = "group",
     std: str = "population",
     eps: float = 1e-4,
+    estimator: str = "grpo",
 ) -> torch.Tensor:
     """[N] rewards, groups of `group_size` contiguous completions -> [N] advantages.
 
     (r_i - group mean) / (std + eps). `scale`: "group" (paper) divides by the std of the group,
     "batch" by the std of all rewards of the batch (the mean stays per group), "none" does not
     divide. `std`: "population" (1/G, the paper's formula) or "sample" (1/(G-1), TRL and verl).
+    `estimator="rloo"`: r_i - mean of the other rewards of the group (= G/(G-1)·(r_i - group mean)), with
+    scale "none" only (divided by a std it would be GRPO's advantage times G/(G-1)).
     NaN rewards are left out of every mean and std and get advantage 0.
     """
     std_of = choose("scale", scale, ADVANTAGE_SCALES)
     ddof = choose("std", std, STD_DDOF)
+    baseline = choose("estimator", estimator, ADVANTAGE_ESTIMATORS)
+    if estimator in UNSCALED_ESTIMATORS and std_of is not None:
+        raise ValueError(f"estimator {estimator!r} divides by no std: pass scale='none', not {scale!r}")
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D [N], got shape {tuple(rewards.shape)}")
     if group_size < 1:
@@ -83,7 +106,7 @@ def outcome_advantages(
     r0 = torch.where(valid, r, 0.0)
     count = valid.sum(1, keepdim=True)                   # [groups, 1]
     mean = r0.sum(1, keepdim=True) / count.clamp(min=1)  # [groups, 1]; 0 for an all-NaN group
-    centered = torch.where(valid, r0 - mean, 0.0)        # [groups, G]; 0 where no score
+    centered = baseline(torch.where(valid, r0 - mean, 0.0), count)   # [groups, G]; 0 where no score
     if std_of is None:
         return centered.view(-1).to(dtype)
     return (centered / (std_of(r0, valid, centered, ddof) + eps)).view(-1).to(dtype)

@@ -2,12 +2,15 @@
 a micro-batch's share of the batch loss (`AGGREGATIONS`).
 
 A loss variant that aggregates differently is one function and its entry in `AGGREGATIONS` (and its
-word in conf/algo/grpo.yaml's loss_type comment).
+word in conf/algo/grpo.yaml's loss_type comment); every loss_type has its entry here and its per-token term in
+`surrogate.SURROGATES`.
 
 What follows DeepSeekMath (arXiv 2402.03300) §4.1: the `grpo` aggregation 1/G Σ_i 1/|o_i| Σ_t.
 
 Where it departs, and why:
-  - the aggregations `bnpo`, `dr_grpo` (Dr. GRPO) and `dapo` (DAPO), options from follow-ups;
+  - the aggregations `bnpo`, `dr_grpo` (Dr. GRPO) and `dapo` (DAPO), options from follow-ups; the loss types
+    with a term of their own aggregate as TRL does (cispo: dapo's; sapo: grpo's) or as their paper (gmpo: the
+    mean over sequences of r̃_i · Â_i, grpo's mean of its per-token form);
   - in the `grpo` aggregation a sequence with no unmasked token (e.g. a truncated completion whose
     loss is masked out) contributes 0 but still counts in the mean over the N sequences, so the
     weight of the other sequences does not depend on how many were masked.
@@ -101,5 +104,8 @@ AGGREGATIONS = {
     "bnpo": Aggregation(token_mean, per_token),
     "dr_grpo": Aggregation(constant_length_mean, per_sequence),
     "dapo": Aggregation(accumulated_token_mean, whole_batch, reads_normalizer=True),
+    "cispo": Aggregation(accumulated_token_mean, whole_batch, reads_normalizer=True),
+    "sapo": Aggregation(sequence_mean, per_sequence),
+    "gmpo": Aggregation(sequence_mean, per_sequence),
 }
 LOSS_TYPES = tuple(AGGREGATIONS)

@@ -2,7 +2,8 @@
 once (built from the `algo.loss` config node). `grpo_loss` reads as the formula:
 
     ρ = importance_ratio(logp, old)                       # π_θ / π_old, per token or per sequence (GSPO)
-    objective = clipped_surrogate(ρ, Â, ε_low, ε_high)    # min(ρ·Â, clip(ρ, 1-ε_low, 1+ε_high)·Â)
+    objective = SURROGATES[loss_type](ρ, Â, ...)          # PPO's min(ρ·Â, clip(ρ, 1-ε_low, 1+ε_high)·Â), or
+                                                          # CISPO's, SAPO's, GMPO's term
               · is_weight · [H ≥ h_q]                     # sampler IS weight; top-entropy mask
               - β·KL(π_θ || π_ref) + entropy_coef·H       # kl_divergence; entropy bonus
     loss = -AGGREGATIONS[loss_type].reduce(objective)      # over tokens and sequences
@@ -21,7 +22,17 @@ from grpo_cli.objective.entropy import entropy_mask
 from grpo_cli.objective.importance import is_correction_weights
 from grpo_cli.objective.kl import KL_ESTIMATES
 from grpo_cli.objective.options import choose
-from grpo_cli.objective.surrogate import clip_fractions, clipped_surrogate, importance_ratio
+from grpo_cli.objective.surrogate import SURROGATES, Surrogate, SurrogateSettings, importance_ratio
+
+
+def _check_variant(loss_type: str, surrogate: Surrogate, settings: SurrogateSettings, level: str) -> None:
+    """The settings a loss_type's own term reads are given; one that makes its own ratio (GMPO) takes token ratios."""
+    missing = [k for k in surrogate.reads if getattr(settings, k) is None]
+    if missing:
+        raise ValueError(f"loss_type={loss_type!r} reads {', '.join(missing)}: pass them (algo.{missing[0]})")
+    if surrogate.own_ratio and level != "token":
+        raise ValueError(f"loss_type={loss_type!r} makes its own sequence ratio from the token ratios: "
+                         "use importance_sampling_level='token'")
 
 
 def _check_loss_inputs(logp, old_logp, ref_logp, advantages, mask, entropy, *, beta, loss_type, aggregation,
@@ -57,12 +68,13 @@ def _check_loss_inputs(logp, old_logp, ref_logp, advantages, mask, entropy, *, b
         raise ValueError("entropy_threshold is only read when top_entropy_quantile < 1")
 
 
-def _loss_stats(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None,
-                kept: torch.Tensor | None, epsilon_low: float, epsilon_high: float) -> dict[str, torch.Tensor]:
-    """`grpo_loss`'s stats, detached 0-dim tensors; mask [N, T] in logp's dtype."""
+def _loss_stats(ratio: torch.Tensor, weighed: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                kl: torch.Tensor | None, kept: torch.Tensor | None, surrogate: Surrogate,
+                settings: SurrogateSettings) -> dict[str, torch.Tensor]:
+    """`grpo_loss`'s stats, detached 0-dim tensors; mask [N, T] in logp's dtype; `weighed` the ratio the term used."""
     with torch.no_grad():
-        r = ratio.detach()
-        clip = clip_fractions(r, advantages, mask, epsilon_low, epsilon_high)
+        r = weighed.detach()
+        clip = surrogate.clipped(ratio.detach(), advantages, mask, settings)
         stats = {
             "kl": masked_mean(kl.detach(), mask) if kl is not None else mask.new_zeros(()),
             "clip_ratio/low_mean": clip.low,
@@ -82,6 +94,8 @@ def grpo_loss(
     normalizer: torch.Tensor | float | None = None, is_weight: torch.Tensor | None = None,
     importance_sampling_level: str = "token", entropy: torch.Tensor | None = None, entropy_coef: float = 0.0,
     top_entropy_quantile: float = 1.0, entropy_threshold: torch.Tensor | float | None = None,
+    cispo_cap: float | None = None, sapo_temperature_pos: float | None = None,
+    sapo_temperature_neg: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The clipped GRPO surrogate with a KL penalty -> (loss to minimize, stats).
 
@@ -90,9 +104,12 @@ def grpo_loss(
         ρ = importance_ratio(logp, old_logp)                      (`importance_sampling_level`: token or GSPO)
         objective = [H ≥ h_q] · w · min(ρ·A, clip(ρ, 1-ε_low, 1+ε_high)·A) - β·KL(logp, ref_logp) + c·H
     and loss = -AGGREGATIONS[loss_type].reduce(objective) (grpo: the paper's mean per sequence, then over
-    the N sequences; bnpo, dr_grpo, dapo: see each). `old_logp` None means old = logp.detach() (one update
-    per rollout: ρ = 1, gradient = policy gradient). `ref_logp` may be None when beta == 0.
-    `max_completion_length` is read only by dr_grpo, `normalizer` only by dapo (the token count of the whole
+    the N sequences; bnpo, dr_grpo, dapo: see each). loss_type cispo, sapo, gmpo replace the clipped term by their
+    own (`surrogate.SURROGATES`): cispo reads `cispo_cap`, sapo `sapo_temperature_pos/neg` (each None otherwise),
+    gmpo ε_low/ε_high as its clip range of the log-ratio (token level only).
+    `old_logp` None means old = logp.detach() (one update per rollout: ρ = 1, gradient = policy gradient).
+    `ref_logp` may be None when beta == 0.
+    `max_completion_length` is read only by dr_grpo, `normalizer` only by dapo and cispo (the token count of the whole
     accumulated batch; passing it with another loss_type is an error). w = `is_weight` [N, T] (None: 1), the
     sampler's importance weight (`is_correction_weights`), weights the clipped term, not the KL.
 
@@ -110,11 +127,14 @@ def grpo_loss(
     q < 1 `entropy_mask/kept_mean`, the share of counted tokens that kept the policy-gradient term.
     """
     aggregation = choose("loss_type", loss_type, AGGREGATIONS)
+    surrogate = SURROGATES[loss_type]
+    settings = SurrogateSettings(epsilon_low, epsilon_low if epsilon_high is None else epsilon_high, cispo_cap,
+                                 sapo_temperature_pos, sapo_temperature_neg)
+    _check_variant(loss_type, surrogate, settings, importance_sampling_level)
     kl_estimate = choose("kl_estimator", kl_estimator, KL_ESTIMATES)
     _check_loss_inputs(logp, old_logp, ref_logp, advantages, mask, entropy, beta=beta, loss_type=loss_type,
                        aggregation=aggregation, normalizer=normalizer, entropy_coef=entropy_coef,
                        top_entropy_quantile=top_entropy_quantile, entropy_threshold=entropy_threshold)
-    eps_high = epsilon_low if epsilon_high is None else epsilon_high
     keep = mask.bool()                                   # [N, T]
     m = keep.to(logp.dtype)
     # masked positions are set to 0 before any exp, so pad garbage (even ±inf) reaches neither
@@ -127,7 +147,7 @@ def grpo_loss(
     adv = torch.where(keep, adv, 0.0)                    # [N, T]
 
     ratio = importance_ratio(lp, old, keep, importance_sampling_level)   # [N, T]
-    objective = clipped_surrogate(ratio, adv, epsilon_low, eps_high)
+    objective, weighed = surrogate.term(ratio, lp, old, adv, keep, settings)
     if is_weight is not None:
         objective = objective * torch.where(keep, is_weight.detach().to(logp.dtype), 0.0)
     kept = None
@@ -144,7 +164,7 @@ def grpo_loss(
     if entropy_coef != 0:
         objective = objective + entropy_coef * entropy.to(logp.dtype).masked_fill(~keep, 0.0)
     loss = -aggregation.reduce(objective * m, m, max_completion_length, normalizer)   # objective 0 where masked
-    return loss, _loss_stats(ratio, adv, m, kl, kept, epsilon_low, eps_high)
+    return loss, _loss_stats(ratio, weighed, adv, m, kl, kept, surrogate, settings)
 
 
 class GRPOLoss:
@@ -162,6 +182,8 @@ class GRPOLoss:
     (token_truncate: `truncated_is_weight`) and `sampler/is_weight_mean`, `sampler/is_truncated_share`
     and `sampler/is_masked_share` are logged.
 
+    `cispo_cap`, `sapo_temperature_pos`, `sapo_temperature_neg`: read only by their loss_type (see `grpo_loss`).
+
     `importance_sampling_level="sequence"` is GSPO (see `grpo_loss`). Its ratio and the sequence IS
     weights are functions of one row each, so a micro-batch of whole rows computes the same values as
     the batch and the micro-batch losses still add up to the batch loss.
@@ -175,7 +197,9 @@ class GRPOLoss:
 
     def __init__(self, beta: float, epsilon_low: float, epsilon_high: float | None, kl_estimator: str,
                  loss_type: str, is_correction_cap: float | None = None, importance_sampling_level: str = "token",
-                 is_correction: str = "token_truncate", entropy_coef: float = 0.0, top_entropy_quantile: float = 1.0):
+                 is_correction: str = "token_truncate", entropy_coef: float = 0.0, top_entropy_quantile: float = 1.0,
+                 cispo_cap: float | None = None, sapo_temperature_pos: float | None = None,
+                 sapo_temperature_neg: float | None = None):
         self.beta = beta
         self.epsilon_low = epsilon_low
         self.epsilon_high = epsilon_high
@@ -186,6 +210,9 @@ class GRPOLoss:
         self.is_correction = is_correction
         self.entropy_coef = entropy_coef
         self.top_entropy_quantile = top_entropy_quantile
+        # None where a run saved before these settings builds its loss; only their loss_type reads them
+        self.variant = {"cispo_cap": cispo_cap, "sapo_temperature_pos": sapo_temperature_pos,
+                        "sapo_temperature_neg": sapo_temperature_neg}
 
     @property
     def needs_reference(self) -> bool:
@@ -227,7 +254,7 @@ class GRPOLoss:
                 normalizer=num_tokens if aggregation.reads_normalizer else None, is_weight=is_weight,
                 importance_sampling_level=self.importance_sampling_level, entropy=entropy,
                 entropy_coef=self.entropy_coef, top_entropy_quantile=self.top_entropy_quantile,
-                entropy_threshold=entropy_threshold)
+                entropy_threshold=entropy_threshold, **self.variant)
             if sampling_logp is not None:
                 m = mask.to(logp.dtype)
                 stats["sampler/logp_gap"] = masked_mean((old - sampling_logp).abs(), m)

@@ -12,7 +12,6 @@ from grpo_cli.objective import (
     AGGREGATIONS,
     GSPO_EPSILON_HIGH,
     GSPO_EPSILON_LOW,
-    LOSS_TYPES,
     GRPOLoss,
     choose,
     clip_fractions,
@@ -30,6 +29,7 @@ from grpo_cli.objective import (
 )
 
 E = 1e-4  # the default eps added to the std
+CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo")  # the loss types with PPO's clipped term (the others: objective/)
 
 
 def close(x, expected, tol=1e-4):
@@ -370,16 +370,18 @@ def test_aggregations_and_micro_batch_weights_by_hand():
     # MASK's objectives (0 where masked): [1, 2, 0], [3, 0, 0]; sum 6, 3 tokens, N = 2, T = 3
     objective, m = torch.where(MASK.bool(), ADV, 0.0), MASK.float()
     reduce = {name: a.reduce(objective, m, None, None) for name, a in AGGREGATIONS.items()}
-    # grpo (1.5 + 3) / 2; bnpo 6 / 3; dr_grpo 6 / (2·3); dapo 6 / 3
-    assert close(torch.stack(list(reduce.values())), [2.25, 2.0, 1.0, 2.0])
-    # a micro-batch of 1 of 2 rows holding 2 of 3 tokens: grpo, dr_grpo 1/2; bnpo 2/3; dapo 1 (divides itself)
+    # grpo (1.5 + 3) / 2; bnpo 6 / 3; dr_grpo 6 / (2·3); dapo 6 / 3; cispo as dapo; sapo and gmpo as grpo
+    assert close(torch.stack(list(reduce.values())), [2.25, 2.0, 1.0, 2.0, 2.0, 2.25, 2.25])
+    # a micro-batch of 1 of 2 rows holding 2 of 3 tokens: grpo, dr_grpo, sapo, gmpo 1/2; bnpo 2/3; dapo, cispo 1
+    # (they divide by the batch's tokens themselves)
     weights = {name: a.micro_batch_weight(1, 2, torch.tensor(2.0), torch.tensor(3.0))
                for name, a in AGGREGATIONS.items()}
-    assert weights == pytest.approx({"grpo": 0.5, "bnpo": 2 / 3, "dr_grpo": 0.5, "dapo": 1.0})
+    assert weights == pytest.approx({"grpo": 0.5, "bnpo": 2 / 3, "dr_grpo": 0.5, "dapo": 1.0, "cispo": 1.0,
+                                     "sapo": 0.5, "gmpo": 0.5})
 
 
 def test_an_unknown_name_names_the_allowed_ones():
-    with pytest.raises(ValueError, match=r"loss_type \('ppo'\) must be one of \('grpo', 'bnpo', 'dr_grpo', 'dapo'\)"):
+    with pytest.raises(ValueError, match=r"loss_type \('ppo'\) must be one of \('grpo', 'bnpo', 'dr_grpo', 'dapo', "):
         choose("loss_type", "ppo", AGGREGATIONS)
 
 
@@ -646,7 +648,7 @@ def gspo_sequence_form(logp, old, adv, mask, el, eh, loss_type, lmax):
     return -aggregate(per_sequence[:, None] * keep, keep, loss_type, lmax)
 
 
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("loss_type", CLIPPED)
 def test_gspo_token_form_gradient_equals_the_sequence_form(loss_type):
     g = torch.Generator().manual_seed(3)
     n, t = 6, 5
@@ -680,7 +682,7 @@ def test_sequence_level_matches_loop(seed):
     mask = torch.rand(n, t, generator=g) < 0.7
     mask[0] = False
     adv = torch.randn(*((n,) if seed % 2 else (n, t)), generator=g, dtype=torch.float64)
-    for loss_type in LOSS_TYPES:
+    for loss_type in CLIPPED:
         fast, _ = grpo_loss(logp, old, ref, adv, mask, beta=0.1, epsilon_high=0.3, loss_type=loss_type,
                             max_completion_length=7, importance_sampling_level="sequence")
         slow = ref_loss(logp.tolist(), old.tolist(), ref.tolist(), adv.tolist(), mask.tolist(),
@@ -932,7 +934,7 @@ def batch_and_micro_batches(loss, batch, rows=(range(0, 2), range(2, 5)), **boun
     return full, grad_full, parts, grad_parts
 
 
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("loss_type", CLIPPED)
 def test_micro_batches_add_up_at_sequence_level(loss_type):
     # GSPO's s_i is a function of row i alone: rows 0-1 and 2-4, each weighted by its aggregation's micro_batch_weight,
     # give the batch's loss and gradient
@@ -942,7 +944,7 @@ def test_micro_batches_add_up_at_sequence_level(loss_type):
     assert torch.allclose(grad_full, grad_parts, atol=1e-12) and grad_full.abs().sum() > 0
 
 
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("loss_type", CLIPPED)
 @pytest.mark.parametrize("mode", ["sequence_truncate", "sequence_mask"])
 def test_micro_batches_add_up_with_sequence_is_weights(loss_type, mode):
     # a sequence's IS weight is a function of its row alone, and a dropped sequence still counts in the
@@ -957,7 +959,7 @@ def test_micro_batches_add_up_with_sequence_is_weights(loss_type, mode):
     assert torch.allclose(grad_full, grad_parts, atol=1e-12) and grad_full.abs().sum() > 0
 
 
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("loss_type", CLIPPED)
 def test_micro_batches_add_up_with_the_entropy_bonus_and_a_batch_threshold(loss_type):
     # the bonus is aggregated like the rest; the top-entropy mask adds up only with the batch's threshold
     # micro-batches of rows 0-3 and 4: with its own quantile each would keep other tokens than the batch
