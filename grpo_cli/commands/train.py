@@ -36,7 +36,7 @@ from grpo_cli.metrics.run_files import check_logging
 from grpo_cli.policy import trainable_dtype
 from grpo_cli.recipe import Run, resume, save, setup, step, with_section
 from grpo_cli.rollout.engine import AUTO, Choice, choose, run_refusal
-from grpo_cli.runs import claim, resume_config
+from grpo_cli.runs import claim, read_saved, resume_config
 
 
 @hydra_app("train")
@@ -57,7 +57,9 @@ def run(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) -> P
     ckpt = None
     if cfg.resume:
         ckpt = checkpoint.resolve(cfg.resume, warn=lambda line: console.print(f"[yellow]{line}"))
-        cfg = validate(resume_config(cfg, checkpoint.load_config(ckpt), overrides), *CHECKS)
+        # data, not code: only grpo_cli's own components unless trust_run_config=true (runs.check_saved)
+        saved = read_saved(ckpt, None, overrides, cfg.trust_run_config)
+        cfg = validate(resume_config(cfg, saved, overrides), *CHECKS)
         chosen = Choice(cfg.sampler, "this run's saved config")  # a resume samples as the run did
         run_dir = ckpt.parent.parent  # the same run goes on in its own folder: one metrics.jsonl, one checkpoints/
     # rank 0 holds the run folder; its verdict (a folder in use, a finished run) stops every rank alike
