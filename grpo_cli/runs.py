@@ -16,13 +16,15 @@ another model, group size or learning rate than it was trained with.
 A saved config is data, not code (`check_saved`): what eval, sample, resume, export and rm read back from a run
 folder may build only the components grpo_cli ships (the `_target_`s that conf/ and recipes/ name), unless the
 user trusts the run (`trust_run_config=true`) or gives the node on the command line; the reward files it names
-are said before they run (docs/runs.md, "A run folder is data").
+are said before they run (docs/runs.md, "A run folder is data"). `anchored()` makes a run's relative paths
+absolute against the folder it started in, so a run is resumed and evaluated from any folder.
 """
 
 from __future__ import annotations
 
 import fcntl
 import functools
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -233,9 +235,13 @@ def check_saved(saved: DictConfig, sections, overrides: list[str], trusted, sour
 
 
 def read_saved(ckpt: Path, sections, overrides: list[str] | None, trusted) -> DictConfig:
-    """Checkpoint `ckpt`'s config.yaml read as data: its `sections` (None: all) checked by check_saved."""
+    """Checkpoint `ckpt`'s config.yaml read as data: its relative paths anchored in the folder the run started in
+    (trainer_state.json's `started_in`), its `sections` (None: all) checked by check_saved."""
     ckpt = Path(ckpt)
     saved = OmegaConf.load(ckpt / "config.yaml")
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    if isinstance(state, dict) and isinstance(state.get("started_in"), str):
+        saved = anchored(saved, Path(state["started_in"]))
     check_saved(saved, list(saved) if sections is None else sections, overrides or [], trusted, ckpt)
     return saved
 
@@ -251,3 +257,29 @@ def reward_code(reward) -> list[str]:
         elif "." in spec:
             out.append(f"module {spec.rpartition('.')[0]}")
     return list(dict.fromkeys(out))
+
+
+# keys that hold a file or folder; a relative one is read against the folder the run started in
+PATH_KEYS = ("data.path", "model.name_or_path", "model.loader.name_or_path", "reward.name_or_path", "rm.init",
+             "rm.labeled", "rm.replay.folder")
+
+
+def anchored(cfg: DictConfig, folder: Path) -> DictConfig:
+    """`cfg` with its relative paths that exist under `folder` made absolute (a hub id stays as it is), and the
+    files of reward.funcs (`path/file.py:fn`) too: the run reads the same files from any working folder."""
+    cfg = cfg.copy()
+    folder = Path(folder)
+    for key in PATH_KEYS:
+        value = OmegaConf.select(cfg, key, default=None)
+        if isinstance(value, str) and value and not Path(value).expanduser().is_absolute() \
+                and (folder / value).exists():
+            OmegaConf.update(cfg, key, str((folder / value).resolve()))
+    funcs = OmegaConf.select(cfg, "reward.funcs", default=None)
+    if isinstance(funcs, (str, ListConfig)):
+        specs = [funcs] if isinstance(funcs, str) else list(funcs)
+        for i, spec in enumerate(specs):
+            file, colon, fn = str(spec).rpartition(":")
+            if colon and not Path(file).expanduser().is_absolute() and (folder / file).is_file():
+                specs[i] = f"{(folder / file).resolve()}:{fn}"
+        cfg.reward.funcs = specs[0] if isinstance(funcs, str) else specs
+    return cfg

@@ -36,7 +36,7 @@ from grpo_cli.metrics.run_files import check_logging
 from grpo_cli.policy import trainable_dtype
 from grpo_cli.recipe import Run, resume, save, setup, step, with_section
 from grpo_cli.rollout.engine import AUTO, Choice, choose, run_refusal
-from grpo_cli.runs import claim, read_saved, resume_config
+from grpo_cli.runs import anchored, claim, read_saved, resume_config
 
 
 @hydra_app("train")
@@ -53,6 +53,8 @@ def run(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) -> P
     # which engine samples (sampler=auto: vLLM when installed and usable), picked before the checks so they check it
     chosen = choose(cfg.sampler, refused=run_refusal(cfg, world_size()))
     cfg = validate(with_section(cfg, "sampler", chosen.section), *CHECKS)
+    # relative paths made absolute here, as the run saves them: it resumes and evaluates from any folder
+    cfg = anchored(cfg, Path.cwd())
     world = init_world()
     ckpt = None
     if cfg.resume:
@@ -75,6 +77,7 @@ def run(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) -> P
     try:
         with quiet(not world.main):  # one rank speaks; the others' numbers reach it through the reductions
             training = setup(cfg, run_dir, world, chosen.why)
+            training.state["started_in"] = str(Path.cwd())  # a resume keeps the run's own (recipe.resume)
             if ckpt is not None:
                 resume(training, ckpt)
             return train(training)

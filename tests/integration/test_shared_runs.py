@@ -3,12 +3,13 @@ user trusts it, and a run started in one folder is resumed and evaluated from an
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
-from tests.helpers import one_line_error, run_cli
+from tests.helpers import TINY, metrics, one_line_error, run_cli, write_jsonl
 
 
 def _write(file: Path, text: str) -> dict:
@@ -68,3 +69,21 @@ def test_a_node_given_on_the_command_line_is_trusted(trained_run_copy, tmp_path)
     assert code == 0, err[-2000:]
     assert not model_marker.exists()
 
+
+# ---- from any folder ----------------------------------------------------------------------------------------------
+
+def test_a_run_with_relative_paths_resumes_and_evaluates_from_another_folder(tmp_path):
+    start, elsewhere, run = tmp_path / "start", tmp_path / "elsewhere", tmp_path / "run"
+    elsewhere.mkdir()
+    (start / "data").mkdir(parents=True)
+    write_jsonl(start / "data" / "problems.jsonl", [{"question": f"{i} + 1?", "answer": i + 1} for i in range(8)])
+    data = ["data=jsonl", "data.path=data/problems.jsonl", "data.heldout_size=2"]
+    code, _, err = run_cli(["train", *TINY, *data, "trainer.max_steps=1", f"hydra.run.dir={run}"], cwd=start)
+    assert code == 0, err[-2000:]
+    code, _, err = run_cli(["train", f"resume={run}", "trainer.max_steps=2"], cwd=elsewhere)
+    assert code == 0, err[-2000:]
+    assert [m["step"] for m in metrics(run)] == [1, 2]
+    code, _, err = run_cli(["eval", f"checkpoint={run}", "eval.limit=2", f"hydra.run.dir={tmp_path / 'eval'}"],
+                           cwd=elsewhere)
+    assert code == 0, err[-2000:]
+    assert [r["num_problems"] for r in json.loads((tmp_path / "eval" / "eval.json").read_text())["results"]] == [2, 2]
