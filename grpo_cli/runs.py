@@ -194,12 +194,12 @@ def _code(node, path: str) -> Iterator[tuple[str, str]]:
     if isinstance(node, DictConfig):
         target = node._get_node("_target_") if "_target_" in node else None
         if target is not None and target._value() not in shipped_targets():
-            yield path, f"{path}._target_ ({target._value()})"
+            yield path, f"{path}._target_ ({target._value()}) is not a grpo_cli component"
             return  # what it holds is refused with it
         for key in node:
             value = node._get_node(key)
             if key == "trust_remote_code" and value._value() is True:
-                yield f"{path}.{key}", f"{path}.{key} (true: the model repo's own code)"
+                yield f"{path}.{key}", f"{path}.{key} is true (the model repo's own code would run)"
             elif isinstance(value, (DictConfig, ListConfig)):
                 yield from _code(value, f"{path}.{key}")
     elif isinstance(node, ListConfig):
@@ -222,11 +222,18 @@ def check_saved(saved: DictConfig, sections, overrides: list[str], trusted, sour
     found = [] if trusted else [(path, what) for section in sections if section in saved
                                 for path, what in _code(saved._get_node(section), section)
                                 if not _given(path, overrides)]
+    if not trusted and "reward" in sections and "reward" in saved and not _given("reward.funcs", overrides):
+        # grpo train writes no code into a run folder: a reward file inside it came with the run, not from the user
+        source = Path(source).absolute()
+        run_dir = (source.parent.parent if source.parent.name == "checkpoints" else source).resolve()
+        found += [("reward.funcs", f"reward.funcs ({file}) lies inside the run folder, where grpo train writes no "
+                                   f"code") for file in reward_files(saved.reward)
+                  if Path(file).expanduser().resolve().is_relative_to(run_dir)]
     if found:
         path, what = found[0]
         more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
-        raise ConfigError(f"{source}/config.yaml names code grpo_cli does not ship: {what}{more}; a run folder's "
-                          f"config is data and runs only grpo_cli's own components (conf/, recipes/). If you "
+        raise ConfigError(f"{source}/config.yaml would run code that is not grpo_cli's: {what}{more}; a run folder's "
+                          f"config is data and builds only grpo_cli's own components (conf/, recipes/). If you "
                           f"trust this run, pass trust_run_config=true, or give the node yourself: {path}=...")
     if "reward" in sections and "reward" in saved and not _given("reward.funcs", overrides):
         for where in reward_code(saved.reward):
@@ -246,17 +253,21 @@ def read_saved(ckpt: Path, sections, overrides: list[str] | None, trusted) -> Di
     return saved
 
 
-def reward_code(reward) -> list[str]:
-    """The user files and modules a reward section's `funcs` (reward=custom) import, as given."""
+def _reward_specs(reward) -> list[str]:
+    """A reward section's `funcs` (reward=custom): `path/file.py:fn`, `module.fn` or a built-in's name."""
     funcs = reward.get("funcs") if isinstance(reward, DictConfig) else None
-    specs = [funcs] if isinstance(funcs, str) else list(funcs or []) if isinstance(funcs, ListConfig) else []
-    out = []
-    for spec in (str(s) for s in specs):
-        if ":" in spec:
-            out.append(spec.rpartition(":")[0])
-        elif "." in spec:
-            out.append(f"module {spec.rpartition('.')[0]}")
-    return list(dict.fromkeys(out))
+    return [funcs] if isinstance(funcs, str) else [str(s) for s in funcs] if isinstance(funcs, ListConfig) else []
+
+
+def reward_files(reward) -> list[str]:
+    """The user files a reward section's `funcs` import, as given."""
+    return list(dict.fromkeys(s.rpartition(":")[0] for s in _reward_specs(reward) if ":" in s))
+
+
+def reward_code(reward) -> list[str]:
+    """The user files and modules a reward section's `funcs` import, as given (a built-in's short name has no dot)."""
+    modules = [f"module {s.rpartition('.')[0]}" for s in _reward_specs(reward) if ":" not in s and "." in s]
+    return reward_files(reward) + list(dict.fromkeys(modules))
 
 
 # keys that hold a file or folder; a relative one is read against the folder the run started in

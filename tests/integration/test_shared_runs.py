@@ -70,6 +70,21 @@ def test_a_node_given_on_the_command_line_is_trusted(trained_run_copy, tmp_path)
     assert not model_marker.exists()
 
 
+def test_a_reward_file_shipped_inside_the_run_folder_does_not_run(trained_run_copy, tmp_path):
+    """grpo train never writes code into a run folder: a reward file there came with the run, not from the user."""
+    marker, payload = tmp_path / "pwned", trained_run_copy / "rewards.py"
+    payload.write_text(f"import pathlib\npathlib.Path({str(marker)!r}).write_text('x')\n"
+                       f"def fn(prompts, completions, **kwargs):\n    return [0.0] * len(completions)\n")
+    for config in trained_run_copy.glob("checkpoints/step_*/config.yaml"):
+        cfg = OmegaConf.load(config)
+        cfg.reward = {"_target_": "grpo_cli.rewards.user.CustomReward", "funcs": [f"{payload}:fn"], "weights": None,
+                      "timeout_s": 10}
+        OmegaConf.save(cfg, config)
+    line = one_line_error(run_cli(_argv("sample", trained_run_copy, tmp_path / "out")))
+    assert f"reward.funcs ({payload}) lies inside the run folder" in line and "trust_run_config=true" in line, line
+    assert not marker.exists()
+
+
 # ---- from any folder ----------------------------------------------------------------------------------------------
 
 def test_a_run_with_relative_paths_resumes_and_evaluates_from_another_folder(tmp_path):
