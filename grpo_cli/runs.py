@@ -192,14 +192,14 @@ def _code(node, path: str) -> Iterator[tuple[str, str]]:
     """(dotted key, what it would run) of every node under `node` that names code grpo_cli does not ship: a
     `_target_` outside shipped_targets(), nested in lists and dicts at any depth, or trust_remote_code=true."""
     if isinstance(node, DictConfig):
-        target = node._get_node("_target_") if "_target_" in node else None
-        if target is not None and target._value() not in shipped_targets():
-            yield path, f"{path}._target_ ({target._value()}) is not a grpo_cli component"
+        target = node._get_node("_target_")._value() if "_target_" in node else None
+        if target is not None and (not isinstance(target, str) or target not in shipped_targets()):
+            yield path, f"{path}._target_ ({target}) is not a grpo_cli component"
             return  # what it holds is refused with it
         for key in node:
             value = node._get_node(key)
-            if key == "trust_remote_code" and value._value() is True:
-                yield f"{path}.{key}", f"{path}.{key} is true (the model repo's own code would run)"
+            if key == "trust_remote_code" and value._value() not in (False, None):  # a truthy string turns it on too
+                yield f"{path}.{key}", f"{path}.{key} is {value._value()!r} (the model repo's own code would run)"
             elif isinstance(value, (DictConfig, ListConfig)):
                 yield from _code(value, f"{path}.{key}")
     elif isinstance(node, ListConfig):
