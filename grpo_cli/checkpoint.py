@@ -9,8 +9,8 @@ A checkpoint folder `checkpoints/step_NNNNNN/` holds:
   reference/adapter_model.safetensors, ...          iterative RL only: the reference policy's adapter
 It is written to `step_NNNNNN.tmp`, flushed to disk (fsync) and renamed into place, so a crash never
 leaves half a checkpoint. Weights that are not finite are never written. Every file is checked when
-read (`verify`); a run folder resolves to its newest checkpoint that passes, and an error names the
-file at fault.
+read (`verify`: the JSON that resume reads by its types and keys too, `SHAPES`); a run folder resolves
+to its newest checkpoint that passes, and an error names the file at fault.
 """
 
 from __future__ import annotations
@@ -61,22 +61,30 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
 
 
 def verify(path: Path) -> None:
-    """Raise CheckpointError naming the first file of checkpoint `path` that is missing or unreadable."""
+    """Raise CheckpointError naming the first file of checkpoint `path` that is missing, unreadable or, for the JSON
+    that resume reads, of the wrong shape (types and keys: `shape_problem`), before any model loads."""
     path = Path(path)
     extra = (f"{REFERENCE_DIR}/{ADAPTER}", f"{REFERENCE_DIR}/adapter_config.json")
+    tensors: set[str] = set()  # what optimizer.safetensors holds, which optimizer.json names
     for name in FILES + (extra if (path / REFERENCE_DIR).is_dir() else ()):
         file = path / name
         if not file.is_file():
             raise CheckpointError(f"{file} is missing: the checkpoint is incomplete; use an earlier one")
         try:
             if name.endswith(".safetensors"):
-                tensors = load_file(file)
-                if name.endswith(ADAPTER) and not all(bool(t.isfinite().all()) for t in tensors.values()):
+                loaded = load_file(file)
+                if name.endswith(ADAPTER) and not all(bool(t.isfinite().all()) for t in loaded.values()):
                     raise ValueError("it holds NaN or infinite weights")
+                tensors = set(loaded) if name == "optimizer.safetensors" else tensors
             elif name.endswith(".json"):
-                json.loads(file.read_text())
+                problem = shape_problem(name, json.loads(file.read_text()), tensors)
+                if problem:
+                    raise CheckpointError(f"{file} has the wrong shape: {problem}; grpo train did not write it so "
+                                          f"(edited or damaged): use an earlier checkpoint")
             else:
                 OmegaConf.load(file)
+        except CheckpointError:
+            raise
         except Exception as err:  # safetensors, JSON and YAML each raise their own kinds
             raise CheckpointError(f"{file} cannot be read ({str(err).splitlines()[0][:200]}); "
                                   f"use an earlier checkpoint") from None
@@ -212,13 +220,118 @@ def set_aside_after(run_dir: Path, step: int) -> Path | None:
 
 
 def load_training_state(path: Path, optimizer, scheduler) -> dict:
-    """Restore optimizer and scheduler; return trainer_state."""
+    """Restore optimizer and scheduler; return trainer_state. Their shapes were checked by `verify`; what only the
+    built optimizer can tell (another number of LoRA tensors) is one line too."""
     path = Path(path)
     tensors = load_file(path / "optimizer.safetensors")
-    optimizer.load_state_dict(_optimizer_from_files(tensors, json.loads((path / "optimizer.json").read_text())))
+    try:
+        optimizer.load_state_dict(_optimizer_from_files(tensors, json.loads((path / "optimizer.json").read_text())))
+    except (ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"{path / 'optimizer.json'} does not fit this run's optimizer "
+                              f"({str(err).splitlines()[0][:200]}); use the run's own settings or an earlier "
+                              f"checkpoint") from None
     scheduler.load_state_dict(json.loads((path / "scheduler.json").read_text()))
     return json.loads((path / "trainer_state.json").read_text())
 
 
 def load_config(path: Path) -> DictConfig:
     return OmegaConf.load(Path(path) / "config.yaml")
+
+
+# ---- the shape of a checkpoint's JSON files ------------------------------------------------------------------------
+
+def _int(low: int = 0):
+    return lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= low
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _list_of(check, length: int | None = None):
+    return lambda v: isinstance(v, list) and all(check(x) for x in v) and (length is None or len(v) == length)
+
+
+def _is(kind):
+    return lambda v: isinstance(v, kind)
+
+
+# (dotted key, required, check, what it must be) of each JSON file grpo train writes; a key that a checkpoint older
+# than it lacks is optional. A key under another is checked only when that one holds an object.
+SHAPES = {
+    "trainer_state.json": [
+        ("step", True, _int(), "an integer >= 0"),
+        ("history", True, _list_of(_is(dict)), "a list of objects"),
+        ("data", True, _is(dict), "an object"),
+        ("data.position", True, _int(), "an integer >= 0"),
+        ("data.seed", False, _int(), "an integer >= 0"),
+        ("data.size", False, _int(), "an integer >= 0"),
+        ("world_size", False, _int(1), "an integer >= 1"),
+        ("dtype", False, _is(str), "a string"),
+        ("started_in", False, _is(str), "a string"),
+        ("rng", False, _is(dict), "an object"),
+        ("rng.torch", True, _list_of(lambda b: _int()(b) and b < 256), "a list of integers (bytes)"),
+        ("iterative", False, _is(dict), "an object"),
+        ("iterative.done", True, _int(), "an integer >= 0"),
+        ("iterative.history", True, _is(list), "a list"),
+        ("iterative.replay", True, _is(dict), "an object"),
+        ("iterative.rm", False, lambda v: v is None or isinstance(v, str), "a path or null"),
+    ],
+    "optimizer.json": [
+        ("param_groups", True, lambda v: _list_of(_is(dict))(v) and len(v) > 0, "a non-empty list of objects"),
+        ("state", True, lambda v: isinstance(v, dict) and all(isinstance(s, dict) for s in v.values()),
+         "an object of objects"),
+    ],
+    "scheduler.json": [
+        ("last_epoch", True, _int(-1), "an integer"),
+        ("_step_count", False, _int(), "an integer >= 0"),
+        ("base_lrs", False, _list_of(_number), "a list of numbers"),
+        ("_last_lr", False, _list_of(_number), "a list of numbers"),
+    ],
+}
+
+# each optimizer param group's keys: AdamW's, as torch writes them
+GROUP = [("lr", True, _number, "a number"), ("params", True, _list_of(_int()), "a list of integers"),
+         ("betas", False, _list_of(_number, 2), "a list of 2 numbers"), ("eps", False, _number, "a number"),
+         ("weight_decay", False, _number, "a number"), ("initial_lr", False, _number, "a number")]
+
+_ABSENT = object()
+
+
+def _problems(value: dict, shape: list, prefix: str = "") -> str | None:
+    for key, required, check, must in shape:
+        parent, _, leaf = key.rpartition(".")
+        owner = value
+        for part in parent.split(".") if parent else ():
+            owner = owner.get(part) if isinstance(owner, dict) else None
+        if not isinstance(owner, dict):
+            continue  # under a key that is absent (optional) or already reported
+        got = owner.get(leaf, _ABSENT)
+        if got is _ABSENT:
+            if required:
+                return f'it has no "{prefix}{key}"'
+        elif not check(got):
+            return f'"{prefix}{key}" must be {must}, not {repr(got)[:40]}'
+    return None
+
+
+def shape_problem(name: str, value, tensors: set[str]) -> str | None:
+    """What is wrong with the types and keys of checkpoint JSON file `name` (parsed: `value`), or None.
+    `tensors`: the names optimizer.safetensors holds, which optimizer.json's state refers to."""
+    if name not in SHAPES:
+        return None
+    if not isinstance(value, dict):
+        return f"it must be an object ({{...}}), got {type(value).__name__}"
+    problem = _problems(value, SHAPES[name])
+    if problem or name != "optimizer.json":
+        return problem
+    for i, group in enumerate(value["param_groups"]):
+        problem = _problems(group, GROUP, f"param_groups.{i}.")
+        if problem:
+            return problem
+    for idx, slots in value["state"].items():
+        for slot, v in slots.items():
+            if isinstance(v, dict) and v.get("tensor") not in tensors:
+                return (f'"state.{idx}.{slot}" names tensor {v.get("tensor")!r}, which optimizer.safetensors does '
+                        f"not hold")
+    return None

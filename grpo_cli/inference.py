@@ -15,6 +15,7 @@ from grpo_cli.config import validate
 from grpo_cli.errors import ConfigError
 from grpo_cli.metrics.console import console
 from grpo_cli.policy import build_policy
+from grpo_cli.runs import read_saved
 
 # what a checkpoint's config.yaml supplies to eval and sample unless the command line says otherwise
 INHERITED = ("model", "data", "reward", "sampler")
@@ -117,8 +118,10 @@ def inference_config(cfg, overrides: list[str], checkpoints: list, checks: tuple
     """
     first = next((c for c in checkpoints if c is not None), None)
     if first is not None:
-        cfg = inherit(cfg, checkpoint.load_config(first), overrides)
-        cfg = _iterative_reward(cfg, checkpoint.load_config(first), Path(first), overrides)
+        # data, not code: only grpo_cli's own components unless trust_run_config=true (runs.check_saved)
+        saved = read_saved(first, INHERITED, overrides, cfg.trust_run_config)
+        cfg = inherit(cfg, saved, overrides)
+        cfg = _iterative_reward(cfg, saved, Path(first), overrides)
         ours = _base_identity(cfg.model)
         for ckpt in (c for c in checkpoints if c is not None):
             theirs = _base_identity(checkpoint.load_config(ckpt).model)

@@ -12,24 +12,37 @@ its records would be rewritten), so app.py refuses such a folder before Hydra cr
 cannot change the math (how long to train, how often to save and log, where to report). Anything
 else it refuses with a line naming the key, so `grpo train resume=RUN` never continues a run with
 another model, group size or learning rate than it was trained with.
+
+A saved config is data, not code (`check_saved`): what eval, sample, resume, export and rm read back from a run
+folder may build only the components grpo_cli ships (the `_target_`s that conf/ and recipes/ name), unless the
+user trusts the run (`trust_run_config=true`) or gives the node on the command line; the reward files it names
+are said before they run (docs/runs.md, "A run folder is data"). `anchored()` makes a run's relative paths
+absolute against the folder it started in, so a run is resumed and evaluated from any folder.
 """
 
 from __future__ import annotations
 
 import fcntl
+import functools
+import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from grpo_cli.errors import ConfigError
+from grpo_cli.metrics.console import console
+from grpo_cli.resources import CONF_DIR, RECIPES_DIR
 
 # settings a resumed run may change; everything else comes from the run's saved config
 RESUMABLE = ("resume", "trainer.max_steps", "trainer.save_every", "trainer.keep_last", "trainer.report_to",
              "trainer.project", "trainer.log_completions_every", "trainer.num_completions_to_print",
              "trainer.completions_max_mb", "trainer.max_nonfinite_steps",
              # how the base is held across ranks, not what is computed (tests/unit/test_fsdp.py: the same weights)
-             "trainer.fsdp")
+             "trainer.fsdp",
+             # whether this command trusts the code a run folder's config names (check_saved): not the run's math
+             "trust_run_config")
 
 
 # sections whose settings added after a run was saved take today's default when it resumes
@@ -151,3 +164,133 @@ def resume_config(cfg: DictConfig, saved: DictConfig, overrides: list[str] | Non
         if _resumable(key) or key in newer:
             OmegaConf.update(merged, key, new[key], force_add=True)
     return merged
+
+
+# ---- a saved config read back: data, not code -------------------------------------------------------------------
+
+@functools.cache
+def shipped_targets() -> frozenset[str]:
+    """Every `_target_` that conf/ and recipes/ name: the components (and the optimizer) grpo_cli ships."""
+    found: set[str] = set()
+
+    def collect(node) -> None:
+        if isinstance(node, dict):
+            if isinstance(node.get("_target_"), str):
+                found.add(node["_target_"])
+            for value in node.values():
+                collect(value)
+        elif isinstance(node, list):
+            for value in node:
+                collect(value)
+
+    for path in (*sorted(CONF_DIR.rglob("*.yaml")), *sorted(RECIPES_DIR.glob("*.yaml"))):
+        collect(OmegaConf.to_container(OmegaConf.load(path), resolve=False))
+    return frozenset(found)
+
+
+def _code(node, path: str) -> Iterator[tuple[str, str]]:
+    """(dotted key, what it would run) of every node under `node` that names code grpo_cli does not ship: a
+    `_target_` outside shipped_targets(), nested in lists and dicts at any depth, or trust_remote_code=true."""
+    if isinstance(node, DictConfig):
+        target = node._get_node("_target_")._value() if "_target_" in node else None
+        if target is not None and (not isinstance(target, str) or target not in shipped_targets()):
+            yield path, f"{path}._target_ ({target}) is not a grpo_cli component"
+            return  # what it holds is refused with it
+        for key in node:
+            value = node._get_node(key)
+            if key == "trust_remote_code" and value._value() not in (False, None):  # a truthy string turns it on too
+                yield f"{path}.{key}", f"{path}.{key} is {value._value()!r} (the model repo's own code would run)"
+            elif isinstance(value, (DictConfig, ListConfig)):
+                yield from _code(value, f"{path}.{key}")
+    elif isinstance(node, ListConfig):
+        for i in range(len(node)):
+            yield from _code(node._get_node(i), f"{path}.{i}")
+
+
+def _given(path: str, overrides: list[str]) -> bool:
+    """The command line gives the node at `path` (or its target, or a section around it) itself."""
+    keys = [o.lstrip("+~").split("=", 1)[0] for o in overrides]
+    return any(path == k or path.startswith(k + ".") or k == path + "._target_" for k in keys)
+
+
+def check_saved(saved: DictConfig, sections, overrides: list[str], trusted, source: Path) -> None:
+    """Refuse (one line) a node of `saved`'s `sections` that would run code grpo_cli does not ship, unless
+    `trusted` (trust_run_config=true) or the command line gives that node; then name on the console the reward
+    files of the saved config that will run. `source`: the checkpoint folder the config came from."""
+    if not isinstance(trusted, bool):
+        raise ConfigError(f"trust_run_config ({trusted!r}) must be true or false; set trust_run_config=false")
+    found = [] if trusted else [(path, what) for section in sections if section in saved
+                                for path, what in _code(saved._get_node(section), section)
+                                if not _given(path, overrides)]
+    if not trusted and "reward" in sections and "reward" in saved and not _given("reward.funcs", overrides):
+        # grpo train writes no code into a run folder: a reward file inside it came with the run, not from the user
+        source = Path(source).absolute()
+        run_dir = (source.parent.parent if source.parent.name == "checkpoints" else source).resolve()
+        found += [("reward.funcs", f"reward.funcs ({file}) lies inside the run folder, where grpo train writes no "
+                                   f"code") for file in reward_files(saved.reward)
+                  if Path(file).expanduser().resolve().is_relative_to(run_dir)]
+    if found:
+        path, what = found[0]
+        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+        raise ConfigError(f"{source}/config.yaml would run code that is not grpo_cli's: {what}{more}; a run folder's "
+                          f"config is data and builds only grpo_cli's own components (conf/, recipes/). If you "
+                          f"trust this run, pass trust_run_config=true, or give the node yourself: {path}=...")
+    if "reward" in sections and "reward" in saved and not _given("reward.funcs", overrides):
+        for where in reward_code(saved.reward):
+            console.print(f"reward functions from {where} (saved with the run)", markup=False, highlight=False,
+                          soft_wrap=True)
+
+
+def read_saved(ckpt: Path, sections, overrides: list[str] | None, trusted) -> DictConfig:
+    """Checkpoint `ckpt`'s config.yaml read as data: its relative paths anchored in the folder the run started in
+    (trainer_state.json's `started_in`), its `sections` (None: all) checked by check_saved."""
+    ckpt = Path(ckpt)
+    saved = OmegaConf.load(ckpt / "config.yaml")
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    if isinstance(state, dict) and isinstance(state.get("started_in"), str):
+        saved = anchored(saved, Path(state["started_in"]))
+    check_saved(saved, list(saved) if sections is None else sections, overrides or [], trusted, ckpt)
+    return saved
+
+
+def _reward_specs(reward) -> list[str]:
+    """A reward section's `funcs` (reward=custom): `path/file.py:fn`, `module.fn` or a built-in's name."""
+    funcs = reward.get("funcs") if isinstance(reward, DictConfig) else None
+    return [funcs] if isinstance(funcs, str) else [str(s) for s in funcs] if isinstance(funcs, ListConfig) else []
+
+
+def reward_files(reward) -> list[str]:
+    """The user files a reward section's `funcs` import, as given."""
+    return list(dict.fromkeys(s.rpartition(":")[0] for s in _reward_specs(reward) if ":" in s))
+
+
+def reward_code(reward) -> list[str]:
+    """The user files and modules a reward section's `funcs` import, as given (a built-in's short name has no dot)."""
+    modules = [f"module {s.rpartition('.')[0]}" for s in _reward_specs(reward) if ":" not in s and "." in s]
+    return reward_files(reward) + list(dict.fromkeys(modules))
+
+
+# keys that hold a file or folder; a relative one is read against the folder the run started in
+PATH_KEYS = ("data.path", "model.name_or_path", "model.loader.name_or_path", "reward.name_or_path", "rm.init",
+             "rm.labeled", "rm.replay.folder")
+
+
+def anchored(cfg: DictConfig, folder: Path) -> DictConfig:
+    """`cfg` with its relative paths that exist under `folder` made absolute (a hub id stays as it is), and the
+    files of reward.funcs (`path/file.py:fn`) too: the run reads the same files from any working folder."""
+    cfg = cfg.copy()
+    folder = Path(folder)
+    for key in PATH_KEYS:
+        value = OmegaConf.select(cfg, key, default=None)
+        if isinstance(value, str) and value and not Path(value).expanduser().is_absolute() \
+                and (folder / value).exists():
+            OmegaConf.update(cfg, key, str((folder / value).resolve()))
+    funcs = OmegaConf.select(cfg, "reward.funcs", default=None)
+    if isinstance(funcs, (str, ListConfig)):
+        specs = [funcs] if isinstance(funcs, str) else list(funcs)
+        for i, spec in enumerate(specs):
+            file, colon, fn = str(spec).rpartition(":")
+            if colon and not Path(file).expanduser().is_absolute() and (folder / file).is_file():
+                specs[i] = f"{(folder / file).resolve()}:{fn}"
+        cfg.reward.funcs = specs[0] if isinstance(funcs, str) else specs
+    return cfg

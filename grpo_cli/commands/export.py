@@ -47,6 +47,7 @@ from grpo_cli.errors import ConfigError, RunError
 from grpo_cli.inference import inherit
 from grpo_cli.metrics.console import console, progress
 from grpo_cli.policy import build_policy, resolve_device, resolve_dtype
+from grpo_cli.runs import read_saved
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -125,7 +126,8 @@ def run(cfg: DictConfig, overrides: list[str] = ()) -> Path:
     export_cfg = cfg.export
     # the checkpoint's own model section (dotted command-line overrides on top), built on the CPU in
     # float32: the merge is exact there, and a GPU is not needed to export
-    cfg = inherit(cfg, OmegaConf.create({"model": checkpoint.load_config(ckpt).model}), list(overrides))
+    saved = read_saved(ckpt, ["model"], list(overrides), cfg.trust_run_config)  # data: runs.check_saved
+    cfg = inherit(cfg, OmegaConf.create({"model": saved.model}), list(overrides))
     cfg.model.device, cfg.model.dtype = "cpu", "float32"
     validate(cfg)
     step = json.loads((ckpt / "trainer_state.json").read_text()).get("step")

@@ -43,6 +43,7 @@ from grpo_cli.instantiate import build
 from grpo_cli.metrics.console import console, progress
 from grpo_cli.policy import adapter_enabled, resolve_device, resolve_dtype, trainable_dtype
 from grpo_cli.rewards.models import check_classifier
+from grpo_cli.runs import read_saved
 
 
 @hydra_app("rm")
@@ -78,7 +79,8 @@ def run(cfg: DictConfig, out_dir: Path, overrides: list[str] = ()) -> dict:
     ckpt = checkpoint.resolve(cfg.checkpoint) if cfg.checkpoint and not rm_cfg.labeled else None
     if ckpt is not None:  # sample from a trained policy: its model, data and sampler unless overridden
 
-        saved = OmegaConf.masked_copy(checkpoint.load_config(ckpt), ["model", "data", "sampler"])
+        sections = ["model", "data", "sampler"]  # data, not code: runs.check_saved
+        saved = OmegaConf.masked_copy(read_saved(ckpt, sections, list(overrides), cfg.trust_run_config), sections)
         cfg = inherit(cfg, saved, list(overrides))
     validate(cfg, *CHECKS)
     rm_cfg = cfg.rm

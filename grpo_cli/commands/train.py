@@ -36,7 +36,7 @@ from grpo_cli.metrics.run_files import check_logging
 from grpo_cli.policy import trainable_dtype
 from grpo_cli.recipe import Run, resume, save, setup, step, with_section
 from grpo_cli.rollout.engine import AUTO, Choice, choose, run_refusal
-from grpo_cli.runs import claim, resume_config
+from grpo_cli.runs import anchored, claim, read_saved, resume_config
 
 
 @hydra_app("train")
@@ -53,11 +53,15 @@ def run(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) -> P
     # which engine samples (sampler=auto: vLLM when installed and usable), picked before the checks so they check it
     chosen = choose(cfg.sampler, refused=run_refusal(cfg, world_size()))
     cfg = validate(with_section(cfg, "sampler", chosen.section), *CHECKS)
+    # relative paths made absolute here, as the run saves them: it resumes and evaluates from any folder
+    cfg = anchored(cfg, Path.cwd())
     world = init_world()
     ckpt = None
     if cfg.resume:
         ckpt = checkpoint.resolve(cfg.resume, warn=lambda line: console.print(f"[yellow]{line}"))
-        cfg = validate(resume_config(cfg, checkpoint.load_config(ckpt), overrides), *CHECKS)
+        # data, not code: only grpo_cli's own components unless trust_run_config=true (runs.check_saved)
+        saved = read_saved(ckpt, None, overrides, cfg.trust_run_config)
+        cfg = validate(resume_config(cfg, saved, overrides), *CHECKS)
         chosen = Choice(cfg.sampler, "this run's saved config")  # a resume samples as the run did
         run_dir = ckpt.parent.parent  # the same run goes on in its own folder: one metrics.jsonl, one checkpoints/
     # rank 0 holds the run folder; its verdict (a folder in use, a finished run) stops every rank alike
@@ -73,6 +77,7 @@ def run(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) -> P
     try:
         with quiet(not world.main):  # one rank speaks; the others' numbers reach it through the reductions
             training = setup(cfg, run_dir, world, chosen.why)
+            training.state["started_in"] = str(Path.cwd())  # a resume keeps the run's own (recipe.resume)
             if ckpt is not None:
                 resume(training, ckpt)
             return train(training)

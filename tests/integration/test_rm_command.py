@@ -73,7 +73,8 @@ def fake_checkpoint(run_dir: Path) -> Path:
                 p.copy_(torch.randn_like(p) * 2)
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad])
     scheduler = get_scheduler("constant", optimizer)
-    return checkpoint.save(run_dir, 1, policy, optimizer, scheduler, {"step": 1}, cfg)
+    state = {"step": 1, "history": [], "data": {"position": 0}}  # what a trainer_state holds (checkpoint.SHAPES)
+    return checkpoint.save(run_dir, 1, policy, optimizer, scheduler, state, cfg)
 
 
 def test_grpo_rm_end_to_end_from_policy_samples(tmp_path):
