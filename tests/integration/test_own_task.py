@@ -322,7 +322,7 @@ RECORD = ["reward=custom", "reward.funcs=[my_rewards.record]"]
     pytest.param(["data=hf", "data.path=numbers.jsonl", *RECORD], r"column 'prompt' holds int values",
                  marks=pytest.mark.slow),
     ([*STANDARD, "reward=custom", "reward.funcs=[nowhere.fn]"],
-     r"reward.funcs\[0\]: no module named 'nowhere' on sys.path \(.+\)"),
+     r"reward.funcs\[0\]: no module named 'nowhere' in the working folder \(.+\) or on sys.path"),
     pytest.param([*STANDARD, "reward=custom", "reward.funcs=[my_rewards.nothing]"],
      r"my_rewards has no 'nothing' \(its functions: .*record", marks=pytest.mark.slow),
     pytest.param([*STANDARD, "reward=custom", "reward.funcs=[missing.py:fn]"],
