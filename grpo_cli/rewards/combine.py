@@ -61,8 +61,7 @@ class OutcomeReward:
     use its own signal timeouts), and then nothing bounds a function that hangs: only Ctrl-C stops it.
     """
 
-    def __init__(self, functions: dict[str, Callable], weights: dict[str, float] | None = None,
-                 timeout_s: float | None = 10.0):
+    def __init__(self, functions: dict[str, Callable], weights: dict[str, float] | None, timeout_s: float | None):
         functions = dict(functions or {})
         if not functions:
             raise ConfigError("reward.functions is empty: add at least one, e.g. reward=arithmetic")
@@ -114,8 +113,9 @@ class ProcessReward:
     shrink as the step count grows. None or inf: the step rewards alone (the paper's §4.1.3).
     """
 
-    def __init__(self, scorer: Callable, outcome: dict[str, Callable] | None = None,
-                 timeout_s: float | None = 10.0, process_weight: float | None = None):
+    # process_weight keeps its fallback: a process run saved before the key existed lacks it in its reward section
+    def __init__(self, scorer: Callable, outcome: dict[str, Callable] | None, timeout_s: float | None,
+                 process_weight: float | None = None):
         if not callable(scorer):
             raise ConfigError("reward.scorer is not callable: give it a _target_ (and `_partial_: true` "
                               "for a plain function such as grpo_cli.rewards.steps.step_rewards)")
@@ -132,7 +132,7 @@ class ProcessReward:
         self.timeout_s = timeout_s
         self.process_weight = None if process_weight is None else float(process_weight)
         self._scorer = Guarded("steps", scorer, timeout_s, as_steps)
-        self._outcome = OutcomeReward(outcome, timeout_s=timeout_s) if outcome else None
+        self._outcome = OutcomeReward(outcome, weights=None, timeout_s=timeout_s) if outcome else None
 
     def names(self) -> list[str]:
         """`steps` (each completion's mean step reward), then the outcome functions' names."""

@@ -138,7 +138,7 @@ class CustomReward(OutcomeReward):
     second function of the same name gets `_2`).
     """
 
-    def __init__(self, funcs: Any, weights: Any = None, timeout_s: float | None = 10.0):
+    def __init__(self, funcs: Any, weights: Any, timeout_s: float | None):
         specs = [funcs] if isinstance(funcs, str) else list(funcs or [])
         if not specs:
             raise ConfigError("reward.funcs is empty; name at least one function: reward.funcs=[my_rewards.fn]")
