@@ -176,7 +176,16 @@ def _needs(fn: Callable) -> list[str]:
 
 # ---- config checks: this module's settings, collected by config.validate --------------------------------
 
+def _finite(weights) -> bool:
+    """Every weight a finite number (a dict by function name, a list in reward.funcs' order, or one number)."""
+    values = weights.values() if hasattr(weights, "values") else weights if hasattr(weights, "__iter__") else [weights]
+    return all(is_num(w) and math.isfinite(w) for w in values)
+
+
 CHECKS: list[Check] = [
+    Rule("reward.weights", lambda v: v is None or (not isinstance(v, str) and _finite(v)),
+         "must hold finite numbers (one NaN or inf weight makes every reward NaN or inf, and the run learns nothing); "
+         "set reward.weights to finite numbers (1.0 each: reward.weights=null)"),
     Rule("reward.process_weight", lambda v: v is None or (is_num(v) and v >= 0),
          "must be a number >= 0 (λ of A_outcome + λ·A_process) or null (step rewards alone); "
          "set reward.process_weight=1.0"),

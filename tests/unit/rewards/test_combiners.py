@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from grpo_cli.config import compose, validate
 from grpo_cli.errors import ConfigError
 from grpo_cli.rewards import OutcomeReward, ProcessReward, RewardResult
 from grpo_cli.rewards.outcome import accuracy, format_reward, length_penalty
@@ -205,3 +206,11 @@ def test_combiners_name_their_scores_and_the_columns_they_need():
     assert process.names() == ["steps", "accuracy"]  # `steps`: each completion's mean step reward
     assert process.needs() == {"scorer": [], "accuracy": ["answer"]}
     assert ProcessReward(step_rewards, outcome=None, timeout_s=10.0).names() == ["steps"]
+
+
+@pytest.mark.parametrize("overrides", [["reward.weights.accuracy=nan"],
+                                       ["reward=custom", "reward.funcs=[accuracy]", "reward.weights=[inf]"]])
+def test_reward_weights_must_be_finite(overrides):
+    # one NaN weight makes every summed reward NaN: a run that trains on nothing
+    with pytest.raises(ConfigError, match=r"^reward.weights \(.*\) must hold finite numbers.*; set reward.weights"):
+        validate(compose("train", overrides))
