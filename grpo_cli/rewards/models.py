@@ -238,8 +238,9 @@ def outcome_reward_model(name_or_path: str | None, *, template: str, label: int,
     metrics = dict(outcome or {})
     if "orm" in metrics:
         raise ConfigError("reward.outcome.orm clashes with the model's own score of that name; rename it")
+    # thread: the model lives in this process (on its device), and a worker process would load it again
     return OutcomeReward({"orm": orm, **metrics}, weights={"orm": 1.0, **{k: 0.0 for k in metrics}},
-                         timeout_s=timeout_s)
+                         timeout_s=timeout_s, worker="thread")
 
 
 def process_reward_model(name_or_path: str | None, *, pattern: str | None, template: str, label: int,
@@ -251,7 +252,7 @@ def process_reward_model(name_or_path: str | None, *, pattern: str | None, templ
     prm = TokenClassifierPRM(name_or_path, pattern=pattern, model=model, tokenizer=tokenizer, template=template,
                              label=label, sigmoid=sigmoid, batch_size=batch_size, device=device, dtype=dtype,
                              trust_remote_code=trust_remote_code, revision=revision)
-    return ProcessReward(prm, outcome=outcome, timeout_s=timeout_s, process_weight=None)
+    return ProcessReward(prm, outcome=outcome, timeout_s=timeout_s, process_weight=None, worker="thread")  # as the ORM
 
 # ---- config checks: this module's settings, collected by config.validate --------------------------------
 

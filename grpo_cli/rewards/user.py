@@ -138,7 +138,8 @@ class CustomReward(OutcomeReward):
     second function of the same name gets `_2`).
     """
 
-    def __init__(self, funcs: Any, weights: Any, timeout_s: float | None):
+    # worker keeps a fallback: a run saved before the key existed lacks it in its reward section (it gets today's)
+    def __init__(self, funcs: Any, weights: Any, timeout_s: float | None, worker: str = "process"):
         specs = [funcs] if isinstance(funcs, str) else list(funcs or [])
         if not specs:
             raise ConfigError("reward.funcs is empty; name at least one function: reward.funcs=[my_rewards.fn]")
@@ -163,4 +164,4 @@ class CustomReward(OutcomeReward):
             while unique in functions:
                 unique, k = f"{name}_{k}", k + 1
             functions[unique], named[unique] = fn, float(weight)
-        super().__init__(functions, weights=named, timeout_s=timeout_s)
+        super().__init__(functions, weights=named, timeout_s=timeout_s, worker=worker)

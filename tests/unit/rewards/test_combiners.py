@@ -51,7 +51,8 @@ def test_columns_reach_the_functions():
         return [float(n) for n in completion_length]
 
     columns = {"answer": ["4", "5"], "completion_length": [3, 7], "truncated": [False, True], "source": ["a", "b"]}
-    reward = OutcomeReward({"spy": spy, "accuracy": accuracy}, weights=None, timeout_s=10.0)
+    # in this process (its spy writes to `seen`)
+    reward = OutcomeReward({"spy": spy, "accuracy": accuracy}, weights=None, timeout_s=10.0, worker="thread")
     result = reward(["p", "q"], ["#### 4", "#### 4"], columns)
     assert seen == {"answer": ["4", "5"], "completion_length": [3, 7], "rest": ["source", "truncated"]}
     # spy 3 + accuracy 1 = 4; spy 7 + accuracy 0 = 7
@@ -84,14 +85,14 @@ def test_always_raising_function():
     assert result.rewards == [None, None] and result.failures == 1
 
 
-def test_slow_function_times_out_and_the_run_continues():
+def test_slow_function_in_a_thread_times_out_and_the_run_continues():
     release = threading.Event()
 
     def slow(prompts, completions, **_):
         release.wait(5)
         return [1.0] * len(completions)
 
-    reward = OutcomeReward({"slow": slow, "fast": constant(0.25, 0.25)}, weights=None, timeout_s=0.05)
+    reward = OutcomeReward({"slow": slow, "fast": constant(0.25, 0.25)}, weights=None, timeout_s=0.05, worker="thread")
     try:
         start = time.perf_counter()
         first = reward(["p", "p"], ["x", "y"], {})
@@ -103,6 +104,24 @@ def test_slow_function_times_out_and_the_run_continues():
     assert first.per_function["slow"] == [None, None] and first.rewards == [0.25, 0.25]
     assert first.failures == 1 and second.failures == 1
     assert elapsed < 1.0
+
+
+def test_a_hung_call_in_a_worker_process_costs_that_call_only(tmp_path):
+    first_call = tmp_path / "first_call"
+
+    def hangs_once(prompts, completions, **_):
+        if not first_call.exists():
+            first_call.touch()
+            while True:  # holds the CPU until its worker is killed
+                pass
+        return [1.0] * len(completions)
+
+    reward = OutcomeReward({"hangs": hangs_once}, weights=None, timeout_s=0.5, worker="process")
+    assert reward(["p"], ["x"], {}).rewards == [None]
+    start = time.perf_counter()
+    second = reward(["p"], ["x"], {})
+    # a new worker answers at once; a thread would still be looping, and the call skipped
+    assert second.rewards == [1.0] and second.failures == 0 and time.perf_counter() - start < 0.5
 
 
 def test_malformed_output_is_a_failure():
@@ -123,9 +142,10 @@ def test_inline_without_timeout():
     assert result.rewards == [1.0]
 
 
-def test_math_verify_in_the_worker_thread():
-    # the default path: accuracy runs in a worker thread, where signal.alarm is unavailable
-    reward = OutcomeReward({"accuracy": accuracy}, weights=None, timeout_s=10.0)
+@pytest.mark.parametrize("worker", ["process", "thread"])
+def test_math_verify_in_a_worker(worker):
+    # in a thread signal.alarm is unavailable (grpo's accuracy turns math-verify's timeout off there)
+    reward = OutcomeReward({"accuracy": accuracy}, weights=None, timeout_s=10.0, worker=worker)
     result = reward(["p"], ["\\boxed{\\sqrt{4}}"], {"answer": ["2"]})
     assert result.rewards == [1.0] and result.failures == 0
 

@@ -1,5 +1,5 @@
 """User reward functions as TRL's GRPOTrainer runs them (grpo_cli/rewards/user.py), built from conf/reward/custom.yaml:
-math_verify with its defaults, functions that mutate their inputs, TRL's own keyword arguments."""
+math_verify with its defaults, TRL's own keyword arguments."""
 
 from __future__ import annotations
 
@@ -13,12 +13,36 @@ from grpo_cli.instantiate import build
 from grpo_cli.resources import CONF_DIR
 from grpo_cli.rewards.call import check_columns
 
+# TRL's documented accuracy reward, written from its contract (`accuracy_reward(completions, solution, **kwargs)`,
+# conversational completions, math_verify's parse and verify with their defaults): 1.0 when the completion's answer
+# equals the solution, None when the solution does not parse
+TRL_ACCURACY = '''
+from math_verify import parse, verify
+
+def accuracy_reward(completions, solution, **kwargs):
+    scores = []
+    for completion, answer in zip(completions, solution):
+        gold = parse(answer)
+        scores.append(float(verify(gold, parse(completion[0]["content"]))) if gold else None)
+    return scores
+'''
+
+PROMPT = [[{"role": "user", "content": "q"}]]
+
 
 def custom(tmp_path: Path, *funcs: str, **overrides):
     """reward=custom as conf/reward/custom.yaml builds it, the functions from `tmp_path`/rewards.py."""
     section = OmegaConf.merge(OmegaConf.load(CONF_DIR / "reward" / "custom.yaml"),
                               {"funcs": [f"{tmp_path}/rewards.py:{f}" for f in funcs], **overrides})
     return build(section)
+
+
+def test_trls_accuracy_reward_with_math_verify_defaults_scores_a_right_answer_1(tmp_path):
+    (tmp_path / "rewards.py").write_text(TRL_ACCURACY)
+    reward = custom(tmp_path, "accuracy_reward")
+    result = reward(PROMPT * 2, ["So the answer is $\\boxed{4}$.", "It is $5$."],
+                    {"prompt": PROMPT * 2, "solution": ["$4$", "$4$"]})
+    assert result.per_function["accuracy_reward"] == [1.0, 0.0] and result.failures == 0
 
 
 def test_a_function_that_takes_trainer_state_is_told_it_is_not_passed(tmp_path):
