@@ -5,7 +5,8 @@ converts its output with `as_scores` (one float or None per completion: an outco
 `(char_end, reward)` per completion: a step scorer). A function that raises (even SystemExit), hangs or returns
 garbage costs its completions their score (None); a call that raised is retried one completion at a time, so only
 the completions it fails on lose theirs. A ConfigError (a bad option fails every call) stops the run with the fix,
-and KeyboardInterrupt (Ctrl-C) passes through.
+and KeyboardInterrupt (Ctrl-C) passes through. Each function gets its own copy of the inputs: one that changes
+them changes nothing the next one sees.
 
 Where the function runs (`reward.worker`): `process`, a worker process of its own (`worker.py` says why: math_verify's
 timeouts work there, and a hung call is killed, so it costs that call only); `thread`, a thread of this process,
@@ -41,6 +42,18 @@ def _failed(err: BaseException) -> bool:
     score) rather than the user stopping the run. SystemExit counts as a failure: a library that calls
     sys.exit() on odd input must not end training without a word."""
     return not isinstance(err, (KeyboardInterrupt, ConfigError))
+
+
+def _fresh(value: Any) -> Any:
+    """A copy of the lists, dicts and tuples in `value`; what they hold beyond that (strings, numbers, a column's
+    objects) is shared, as TRL shares it."""
+    if isinstance(value, list):
+        return [_fresh(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_fresh(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _fresh(v) for k, v in value.items()}
+    return value
 
 
 def attempt(fn: Callable, convert: Callable[[Any, list[str]], list], prompts: list, completions: list[str],
@@ -115,9 +128,9 @@ class Guarded:
         args = (prompts, completions, columns)
         try:
             if self._process is not None:
-                out, why = self._process.call(args, self.timeout_s)
+                out, why = self._process.call(args, self.timeout_s)  # the worker gets pickled copies
             else:
-                out, why = self._in_thread(lambda: attempt(self.fn, self.convert, *args))
+                out, why = self._in_thread(lambda: attempt(self.fn, self.convert, *_fresh(args)))
         except (TimeoutError, FutureTimeout):
             killed = "; its worker was stopped, the next call gets a new one" if self._process is not None else ""
             self._warn(f"took longer than timeout_s={self.timeout_s} s{killed}; raise reward.timeout_s if it is "

@@ -1,5 +1,5 @@
 """User reward functions as TRL's GRPOTrainer runs them (grpo_cli/rewards/user.py), built from conf/reward/custom.yaml:
-math_verify with its defaults, TRL's own keyword arguments."""
+math_verify with its defaults, functions that mutate their inputs, TRL's own keyword arguments."""
 
 from __future__ import annotations
 
@@ -27,6 +27,21 @@ def accuracy_reward(completions, solution, **kwargs):
     return scores
 '''
 
+# one function changes what it was given (the completions, a column, a message of the prompt); the next scores 1.0
+# only when it sees the inputs as they were
+MUTATING = '''
+def mutate(prompts, completions, answer, **kwargs):
+    completions[0] = [{"role": "assistant", "content": "changed"}]
+    answer[0] = "changed"
+    prompts[0][0]["content"] = "changed"
+    kwargs["completion_length"].append(99)
+    return [0.0] * len(answer)
+
+def untouched(prompts, completions, answer, completion_length, **kwargs):
+    seen = (completions[0][0]["content"], answer[0], prompts[0][0]["content"], len(completion_length))
+    return [float(seen == ("7", "7", "q", 1))] * len(answer)
+'''
+
 PROMPT = [[{"role": "user", "content": "q"}]]
 
 
@@ -43,6 +58,17 @@ def test_trls_accuracy_reward_with_math_verify_defaults_scores_a_right_answer_1(
     result = reward(PROMPT * 2, ["So the answer is $\\boxed{4}$.", "It is $5$."],
                     {"prompt": PROMPT * 2, "solution": ["$4$", "$4$"]})
     assert result.per_function["accuracy_reward"] == [1.0, 0.0] and result.failures == 0
+
+
+@pytest.mark.parametrize("worker", ["process", "thread"])
+def test_a_function_that_mutates_its_inputs_does_not_change_the_next_ones(tmp_path, worker):
+    (tmp_path / "rewards.py").write_text(MUTATING)
+    reward = custom(tmp_path, "mutate", "untouched", worker=worker)
+    prompt = [[{"role": "user", "content": "q"}]]
+    columns = {"prompt": prompt, "answer": ["7"], "completion_length": [3]}
+    result = reward(prompt, ["7"], columns)
+    assert result.per_function["untouched"] == [1.0]
+    assert columns == {"prompt": [[{"role": "user", "content": "q"}]], "answer": ["7"], "completion_length": [3]}
 
 
 def test_a_function_that_takes_trainer_state_is_told_it_is_not_passed(tmp_path):
