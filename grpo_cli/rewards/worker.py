@@ -25,6 +25,7 @@ import os
 import pickle
 import signal
 import sys
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -55,7 +56,11 @@ class Worker:
         ours, theirs = context.Pipe()
         process = context.Process(target=_serve, args=(self.work, theirs, ours, os.getpid()), daemon=True,
                                   name=f"reward-{self.name}")
-        process.start()
+        with warnings.catch_warnings():
+            # Python 3.12+ warns at every fork of a process with threads (torch's, the trainer's): on the console at
+            # every start, about a child that runs the reward function alone (torch held to one thread there)
+            warnings.filterwarnings("ignore", message=r".*multi-threaded.*fork", category=DeprecationWarning)
+            process.start()
         theirs.close()
         self._process, self._conn = process, ours
         # the worker ends with this object, or at exit
