@@ -137,10 +137,12 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: unknown command {command!r}; use one of: {', '.join(COMMANDS)}", file=sys.stderr)
         sys.exit(2)
     setup_process()
-    # the user's own code (reward.funcs=my_rewards.fn, a `_target_`) imports from where `grpo` runs, as under
-    # `python -m grpo_cli` and `trl grpo`; the console script's own sys.path[0] is its bin folder
-    if sys.path[:1] != [os.getcwd()]:
-        sys.path.insert(0, os.getcwd())
+    # the working folder is no library folder: a json.py there would stand in for json in every library. `python -m`
+    # puts it first (kept in a checkout's root, where it is how grpo_cli itself imports); the user's own modules
+    # (reward.funcs=my_rewards.fn, a `_target_`) resolve through grpo_cli.user_code
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if sys.path[:1] in ([""], [os.getcwd()]) and os.path.abspath(sys.path[0]) != here:
+        del sys.path[0]
     try:
         module = importlib.import_module("grpo_cli.commands." + COMMANDS[command][0])
         sys.argv = [f"grpo {command}", *rest]

@@ -37,6 +37,7 @@ from grpo_cli.objective import (
 from grpo_cli.resources import CONF_DIR, RECIPES_DIR
 from grpo_cli.rewards import models as reward_models
 from grpo_cli.rollout import vllm_engine
+from grpo_cli.user_code import import_targets
 
 
 def register_recipes() -> None:
@@ -210,7 +211,11 @@ def _check_targets(node: Any, path: str, errors: list[str]) -> None:
         target = node.get("_target_") if "_target_" in node else None
         if target is not None:
             try:
+                import_targets({"_target_": target}, path)  # the user's own module, from the working folder
                 obj = get_object(target)
+            except ConfigError as err:
+                errors.append(str(err))
+                return
             except Exception as err:  # ImportError, AttributeError, ...
                 errors.append(f"{path}._target_ ({target}) cannot be imported: {err}; check the module path")
                 return

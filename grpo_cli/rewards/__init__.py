@@ -18,7 +18,8 @@ A reward function is a plain callable, `fn(prompts, completions, **columns) -> l
 built from YAML with `_partial_: true` so its options live there; it takes the columns it needs by
 name and ignores the rest through `**_`. None means "no score" (for example, no reference answer).
 
-The rooms: `result` (the record), `guard` (the timeout runner every function runs in), `combine`
+The rooms: `result` (the record), `guard` (the timeout runner every function runs in; `worker`: a function's
+own worker process), `combine`
 (`OutcomeReward`, `ProcessReward`: functions -> one result), `call` (a command calling a reward),
 `shaping` (truncation floor, DAPO's overlong penalty), `outcome` and `steps` (rule-based functions),
 `models` (learned ORM/PRM), `user` (the user's own functions, called as TRL calls them). Where this

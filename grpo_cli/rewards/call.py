@@ -17,6 +17,10 @@ from grpo_cli.rewards.result import RewardResult
 # an example's keys that are not columns: the chat messages and the prompt's text (passed as `prompts`)
 _NOT_COLUMNS = ("messages", "question")
 
+# what TRL's GRPOTrainer passes a reward function besides the columns, and grpo does not
+_TRL_ONLY = {"trainer_state": "TRL's TrainerState (global_step, max_steps, ...)",
+             "log_extra": "TRL's callback for logging extra columns"}
+
 
 def score(reward_fn, examples: list[dict], owners: list[int], texts: list[str], lengths: list[int],
           truncated: list[bool], completion_ids: list[list[int]] | None = None) -> RewardResult:
@@ -57,6 +61,11 @@ def check_columns(reward_fn, example: dict) -> None:
     have += ["completion_length", "truncated", "completion_ids"]
     for name, columns in needs().items():
         missing = [column for column in columns if column not in have]
+        trl = [column for column in missing if column in _TRL_ONLY]
+        if trl:
+            raise ConfigError(f"reward function {name!r} takes {trl[0]}, {_TRL_ONLY[trl[0]]}, which grpo does not "
+                              f"pass to reward functions; give it a default ({trl[0]}=None) and do without it there, "
+                              f"or drop it")
         if missing:
             raise ConfigError(f"reward function {name!r} needs column {missing[0]!r}, which the data does not have "
                               f"(it has: {', '.join(have)}); add that column to the data, or choose a reward whose "

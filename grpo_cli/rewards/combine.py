@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 from grpo_cli.checks import Check, Rule, is_num
 from grpo_cli.errors import ConfigError
-from grpo_cli.rewards.guard import Guarded, as_scores, as_steps
+from grpo_cli.rewards.guard import WORKERS, Guarded, as_scores, as_steps
 from grpo_cli.rewards.result import RewardResult
 
 # column names that would collide with the positional arguments of a reward function
@@ -57,12 +57,12 @@ class OutcomeReward:
 
     A function missing from `weights` has weight 1.0. A completion's reward sums weight * score over
     the functions that scored it; it is None only when none did. `timeout_s` bounds each function's
-    call on a batch; null runs the functions inline, without a thread or a timeout (so math-verify can
-    use its own signal timeouts), and then nothing bounds a function that hangs: only Ctrl-C stops it.
+    call on a batch, run where `worker` says (`guard.Guarded`).
     """
 
-    def __init__(self, functions: dict[str, Callable], weights: dict[str, float] | None = None,
-                 timeout_s: float | None = 10.0):
+    # worker keeps a fallback: a run saved before the key existed lacks it in its reward section (it gets today's)
+    def __init__(self, functions: dict[str, Callable], weights: dict[str, float] | None, timeout_s: float | None,
+                 worker: str = "process"):
         functions = dict(functions or {})
         if not functions:
             raise ConfigError("reward.functions is empty: add at least one, e.g. reward=arithmetic")
@@ -78,7 +78,7 @@ class OutcomeReward:
                               f"use one of: {', '.join(functions)}")
         self.weights = {name: weights.get(name, 1.0) for name in functions}
         self.timeout_s = timeout_s
-        self._calls = {name: Guarded(str(name), fn, timeout_s, as_scores) for name, fn in functions.items()}
+        self._calls = {name: Guarded(str(name), fn, timeout_s, as_scores, worker) for name, fn in functions.items()}
 
     def names(self) -> list[str]:
         """The names its raw scores go under (`per_function`, `rewards/<name>/mean`), one per function."""
@@ -114,8 +114,10 @@ class ProcessReward:
     shrink as the step count grows. None or inf: the step rewards alone (the paper's §4.1.3).
     """
 
-    def __init__(self, scorer: Callable, outcome: dict[str, Callable] | None = None,
-                 timeout_s: float | None = 10.0, process_weight: float | None = None):
+    # process_weight and worker keep a fallback: a process run saved before the key existed lacks it in its reward
+    # section (worker: it gets today's)
+    def __init__(self, scorer: Callable, outcome: dict[str, Callable] | None, timeout_s: float | None,
+                 process_weight: float | None = None, worker: str = "process"):
         if not callable(scorer):
             raise ConfigError("reward.scorer is not callable: give it a _target_ (and `_partial_: true` "
                               "for a plain function such as grpo_cli.rewards.steps.step_rewards)")
@@ -131,8 +133,8 @@ class ProcessReward:
                               f"reward.process_weight=null (step rewards alone)")
         self.timeout_s = timeout_s
         self.process_weight = None if process_weight is None else float(process_weight)
-        self._scorer = Guarded("steps", scorer, timeout_s, as_steps)
-        self._outcome = OutcomeReward(outcome, timeout_s=timeout_s) if outcome else None
+        self._scorer = Guarded("steps", scorer, timeout_s, as_steps, worker)
+        self._outcome = OutcomeReward(outcome, weights=None, timeout_s=timeout_s, worker=worker) if outcome else None
 
     def names(self) -> list[str]:
         """`steps` (each completion's mean step reward), then the outcome functions' names."""
@@ -176,7 +178,19 @@ def _needs(fn: Callable) -> list[str]:
 
 # ---- config checks: this module's settings, collected by config.validate --------------------------------
 
+def _finite(weights) -> bool:
+    """Every weight a finite number (a dict by function name, a list in reward.funcs' order, or one number)."""
+    values = weights.values() if hasattr(weights, "values") else weights if hasattr(weights, "__iter__") else [weights]
+    return all(is_num(w) and math.isfinite(w) for w in values)
+
+
 CHECKS: list[Check] = [
+    Rule("reward.weights", lambda v: v is None or (not isinstance(v, str) and _finite(v)),
+         "must hold finite numbers (one NaN or inf weight makes every reward NaN or inf, and the run learns nothing); "
+         "set reward.weights to finite numbers (1.0 each: reward.weights=null)"),
+    Rule("reward.worker", lambda v: v in WORKERS,
+         f"must be {' or '.join(WORKERS)}; set reward.worker=process (reward.worker=thread for functions given "
+         f"objects that cannot be pickled)"),
     Rule("reward.process_weight", lambda v: v is None or (is_num(v) and v >= 0),
          "must be a number >= 0 (λ of A_outcome + λ·A_process) or null (step rewards alone); "
          "set reward.process_weight=1.0"),

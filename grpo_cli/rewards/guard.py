@@ -1,12 +1,17 @@
 """The timeout runner: each reward function runs guarded, so a broken one costs scores, never the run.
 
-`Guarded(name, fn, timeout_s, convert)` calls `fn(prompts, completions, **columns)` in a worker thread
-with a timeout and converts its output with `as_scores` (one float or None per completion: an outcome
-function) or `as_steps` (sorted `(char_end, reward)` per completion: a step scorer). A function that
-raises (even SystemExit), hangs or returns garbage costs its completions their score (None); a call
-that raised is retried one completion at a time, so only the completions it fails on lose theirs. A
-ConfigError (a bad option fails every call) stops the run with the fix, and KeyboardInterrupt (Ctrl-C)
-passes through.
+`Guarded(name, fn, timeout_s, convert, worker)` calls `fn(prompts, completions, **columns)` with a timeout and
+converts its output with `as_scores` (one float or None per completion: an outcome function) or `as_steps` (sorted
+`(char_end, reward)` per completion: a step scorer). A function that raises (even SystemExit), hangs or returns
+garbage costs its completions their score (None); a call that raised is retried one completion at a time, so only
+the completions it fails on lose theirs. A ConfigError (a bad option fails every call) stops the run with the fix,
+and KeyboardInterrupt (Ctrl-C) passes through. Each function gets its own copy of the inputs: one that changes
+them changes nothing the next one sees.
+
+Where the function runs (`reward.worker`): `process`, a worker process of its own (`worker.py` says why: math_verify's
+timeouts work there, and a hung call is killed, so it costs that call only); `thread`, a thread of this process,
+for a function given objects that do not pickle or that must share this process's (the reward models). With
+`timeout_s` null a thread-mode function runs inline, on the caller's thread.
 
 Not in the paper (DeepSeekMath scores with a reward model it trained itself): a robustness layer for
 rule-based and user-written functions.
@@ -14,17 +19,22 @@ rule-based and user-written functions.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import TimeoutError as FutureTimeout  # TimeoutError itself from Python 3.11 on
 from typing import Any
 
 from grpo_cli.errors import ConfigError
+from grpo_cli.rewards import worker as workers
 
 log = logging.getLogger(__name__)
+
+# where a function runs (reward.worker)
+WORKERS = ("process", "thread")
 
 
 def _failed(err: BaseException) -> bool:
@@ -34,20 +44,56 @@ def _failed(err: BaseException) -> bool:
     return not isinstance(err, (KeyboardInterrupt, ConfigError))
 
 
-class Guarded:
-    """One scoring function run in a worker thread with a timeout; raises only ConfigError and
-    KeyboardInterrupt.
+def _fresh(value: Any) -> Any:
+    """A copy of the lists, dicts and tuples in `value`; what they hold beyond that (strings, numbers, a column's
+    objects) is shared, as TRL shares it."""
+    if isinstance(value, list):
+        return [_fresh(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_fresh(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _fresh(v) for k, v in value.items()}
+    return value
 
-    A timed-out thread cannot be killed in Python, so it runs on as a daemon (it does not block
-    interpreter exit), and while it still runs the function is not called again: its next calls
-    give None at once instead of piling up threads. With timeout_s null the function runs inline
-    on the caller's thread and nothing bounds it: a hung function hangs the step; Ctrl-C (twice
+
+def attempt(fn: Callable, convert: Callable[[Any, list[str]], list], prompts: list, completions: list[str],
+            columns: dict[str, list]) -> tuple[list, str | None]:
+    """(one converted result per completion, None where lost; why the batch call failed, or None).
+
+    A batch call that fails is retried one completion at a time. Raises only what `_failed` says is no failure."""
+    try:
+        return convert(fn(prompts, completions, **columns), completions), None
+    except BaseException as err:
+        if not _failed(err):  # a bad option (a broken regex, buffer 0) fails every call: stop with the fix
+            raise
+        why = f"raised {err!r}; fix the function (it is retried one completion at a time)"
+    out = []
+    for i in range(len(completions)):
+        try:
+            single = fn(prompts[i:i + 1], completions[i:i + 1], **{k: v[i:i + 1] for k, v in columns.items()})
+            out.append(convert(single, completions[i:i + 1])[0])
+        except BaseException as err:
+            if isinstance(err, KeyboardInterrupt):
+                raise
+            out.append(None)
+    return out, why
+
+
+class Guarded:
+    """One scoring function run with a timeout, in its worker process or in a thread (see the module docstring);
+    raises only ConfigError and KeyboardInterrupt.
+
+    In a thread, a timed-out call cannot be killed, so it runs on as a daemon (it does not block interpreter exit),
+    and while it still runs the function is not called again: its next calls give None at once instead of piling
+    up threads. With timeout_s null in a thread, nothing bounds a hung function: it hangs the step; Ctrl-C (twice
     during training) raises KeyboardInterrupt in it, which passes through.
     """
 
     def __init__(self, name: str, fn: Callable, timeout_s: float | None,
-                 convert: Callable[[Any, list[str]], list]):
+                 convert: Callable[[Any, list[str]], list], worker: str):
         self.name, self.fn, self.timeout_s, self.convert = name, fn, timeout_s, convert
+        work = functools.partial(attempt, fn, convert)
+        self._process = workers.Worker(name, work) if worker == "process" and workers.available() else None
         self._thread: threading.Thread | None = None
         self._warned = False
 
@@ -79,36 +125,23 @@ class Guarded:
         if self._thread is not None and self._thread.is_alive():
             self._warn(f"is still running from an earlier call that passed timeout_s={self.timeout_s}")
             return [None] * n, True
+        args = (prompts, completions, columns)
         try:
-            return self.convert(self._in_thread(lambda: self.fn(prompts, completions, **columns)), completions), False
-        except FutureTimeout:
-            self._warn(f"took longer than timeout_s={self.timeout_s} s; raise reward.timeout_s if it is "
+            if self._process is not None:
+                out, why = self._process.call(args, self.timeout_s)  # the worker gets pickled copies
+            else:
+                out, why = self._in_thread(lambda: attempt(self.fn, self.convert, *_fresh(args)))
+        except (TimeoutError, FutureTimeout):
+            killed = "; its worker was stopped, the next call gets a new one" if self._process is not None else ""
+            self._warn(f"took longer than timeout_s={self.timeout_s} s{killed}; raise reward.timeout_s if it is "
                        f"just slow")
             return [None] * n, True
-        except BaseException as err:
-            if not _failed(err):  # a bad option (a broken regex, buffer 0) fails every call: stop with the fix
-                raise
-            self._warn(f"raised {err!r}; fix the function (it is retried one completion at a time)")
-
-        def one_by_one() -> list:
-            out = []
-            for i in range(n):
-                try:
-                    single = self.fn(prompts[i:i + 1], completions[i:i + 1],
-                                     **{k: v[i:i + 1] for k, v in columns.items()})
-                    out.append(self.convert(single, completions[i:i + 1])[0])
-                except BaseException as err:
-                    if isinstance(err, KeyboardInterrupt):
-                        raise
-                    out.append(None)
-            return out
-
-        try:
-            return self._in_thread(one_by_one), True
-        except BaseException as err:
-            if isinstance(err, KeyboardInterrupt):
-                raise
+        except workers.WorkerDied as err:
+            self._warn(f"ended its worker process during a call ({err}); fix the function")
             return [None] * n, True
+        if why is not None:
+            self._warn(why)
+        return out, why is not None
 
 
 def as_scores(out: Any, completions: list[str]) -> list[float | None]:

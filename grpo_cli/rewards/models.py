@@ -224,10 +224,9 @@ class TokenClassifierPRM(_HFScorer):
         return result
 
 
-def outcome_reward_model(name_or_path: str | None = None, *, template: str = "{prompt}{completion}",
-                         label: int = 1, sigmoid: bool = True, batch_size: int = 8, device: str = "auto",
-                         dtype: str = "auto", trust_remote_code: bool = False, revision: str | None = None,
-                         outcome: dict | None = None, timeout_s: float | None = 600.0, model=None, tokenizer=None):
+def outcome_reward_model(name_or_path: str | None, *, template: str, label: int, sigmoid: bool, batch_size: int,
+                         device: str, dtype: str, trust_remote_code: bool, outcome: dict | None,
+                         timeout_s: float | None, revision: str | None = None, model=None, tokenizer=None):
     """reward=orm: an `OutcomeReward` whose reward is the ORM's score alone.
 
     Built by one flat config node so the model is `reward.name_or_path=...` on the command line;
@@ -239,21 +238,21 @@ def outcome_reward_model(name_or_path: str | None = None, *, template: str = "{p
     metrics = dict(outcome or {})
     if "orm" in metrics:
         raise ConfigError("reward.outcome.orm clashes with the model's own score of that name; rename it")
+    # thread: the model lives in this process (on its device), and a worker process would load it again
     return OutcomeReward({"orm": orm, **metrics}, weights={"orm": 1.0, **{k: 0.0 for k in metrics}},
-                         timeout_s=timeout_s)
+                         timeout_s=timeout_s, worker="thread")
 
 
-def process_reward_model(name_or_path: str | None = None, *, pattern: str | None = None,
-                         template: str = "{prompt}{completion}", label: int = 1, sigmoid: bool = True,
-                         batch_size: int = 8, device: str = "auto", dtype: str = "auto",
-                         trust_remote_code: bool = False, revision: str | None = None, outcome: dict | None = None,
-                         timeout_s: float | None = 600.0, model=None, tokenizer=None):
+def process_reward_model(name_or_path: str | None, *, pattern: str | None, template: str, label: int,
+                         sigmoid: bool, batch_size: int, device: str, dtype: str, trust_remote_code: bool,
+                         outcome: dict | None, timeout_s: float | None, revision: str | None = None, model=None,
+                         tokenizer=None):
     """reward=prm: a `ProcessReward` over `TokenClassifierPRM`, from one flat config node
     (`reward.name_or_path=...`); `outcome` functions are scored for metrics only."""
     prm = TokenClassifierPRM(name_or_path, pattern=pattern, model=model, tokenizer=tokenizer, template=template,
                              label=label, sigmoid=sigmoid, batch_size=batch_size, device=device, dtype=dtype,
                              trust_remote_code=trust_remote_code, revision=revision)
-    return ProcessReward(prm, outcome=outcome, timeout_s=timeout_s)
+    return ProcessReward(prm, outcome=outcome, timeout_s=timeout_s, process_weight=None, worker="thread")  # as the ORM
 
 # ---- config checks: this module's settings, collected by config.validate --------------------------------
 

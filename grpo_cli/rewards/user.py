@@ -3,10 +3,10 @@
     grpo train data=hf data.path=prompts.jsonl reward=custom 'reward.funcs=[my_rewards.unit_reward,accuracy]'
     grpo train ... reward=custom 'reward.funcs=[path/to/rewards.py:unit_reward]' 'reward.weights=[1.0,0.5]'
 
-Each entry of `reward.funcs` is `module.fn` (imported with the working directory first on sys.path:
-grpo_cli/cli.py puts it there, as `trl grpo --reward_funcs` does), `path/to/file.py:fn`, or a
-built-in's short name (`accuracy`, `format`: grpo_cli.rewards.outcome). A user's function runs
-unchanged from a GRPOTrainer script:
+Each entry of `reward.funcs` is `module.fn` (a module of the working folder, or an installed one:
+grpo_cli.user_code resolves it and refuses a file of the folder named like an installed module),
+`path/to/file.py:fn`, or a built-in's short name (`accuracy`, `format`: grpo_cli.rewards.outcome).
+A user's function runs unchanged from a GRPOTrainer script:
 
     fn(prompts=..., completions=..., completion_ids=..., **columns) -> list[float | None]
 
@@ -27,15 +27,13 @@ function that raises during a step costs its completions their score, as for eve
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import importlib
-import importlib.util
 import inspect
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from grpo_cli import user_code
 from grpo_cli.checks import is_num
 from grpo_cli.errors import ConfigError
 from grpo_cli.rewards.combine import OutcomeReward
@@ -44,33 +42,8 @@ from grpo_cli.rewards.outcome import accuracy, format_reward
 # short names for grpo_cli's own outcome functions, with their YAML defaults (format: GSM8K's "#### N" line)
 BUILTINS: dict[str, Callable] = {"accuracy": accuracy, "format": format_reward}
 
-# path/to/file.py:fn, executed once per file and process
-_FILES: dict[Path, Any] = {}
-
-
 def _search_path() -> str:
     return ", ".join(p or "." for p in sys.path)
-
-
-def _import_file(file: Path, where: str) -> Any:
-    path = file.expanduser().resolve()
-    if path in _FILES:
-        return _FILES[path]
-    if not path.is_file():
-        raise ConfigError(f"{where}: {file} does not exist (looked in {Path.cwd()}); give a path to a .py file "
-                          f"(relative to the working directory) before :function")
-    # a name of its own per file, so two files called rewards.py do not replace each other in sys.modules
-    name = f"grpo_user_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses and pickling look their module up here
-    try:
-        spec.loader.exec_module(module)
-    except Exception as err:
-        del sys.modules[name]
-        raise ConfigError(f"{where}: running {file} raised {type(err).__name__}: {err}; fix the file") from None
-    _FILES[path] = module
-    return module
 
 
 def _import_dotted(spec: str, where: str) -> tuple[Any, list[str]]:
@@ -79,7 +52,7 @@ def _import_dotted(spec: str, where: str) -> tuple[Any, list[str]]:
     for i in range(len(parts) - 1, 0, -1):
         module = ".".join(parts[:i])
         try:
-            return importlib.import_module(module), parts[i:]
+            return user_code.import_module(module, where), parts[i:]
         except ModuleNotFoundError as err:
             if err.name is not None and (module == err.name or module.startswith(err.name + ".")):
                 continue  # this prefix is not a module: try a shorter one (module.Class.method)
@@ -88,8 +61,9 @@ def _import_dotted(spec: str, where: str) -> tuple[Any, list[str]]:
         except Exception as err:
             raise ConfigError(f"{where}: importing {module} raised {type(err).__name__}: {err}; fix the module"
                               ) from None
-    raise ConfigError(f"{where}: no module named {parts[0]!r} on sys.path ({_search_path()}); put {parts[0]}.py "
-                      f"in the working directory, or give a file: path/to/{parts[0]}.py:{parts[-1]}")
+    raise ConfigError(f"{where}: no module named {parts[0]!r} in the working folder ({Path.cwd()}) or on sys.path "
+                      f"({_search_path()}); put {parts[0]}.py in the working folder, or give a file: "
+                      f"path/to/{parts[0]}.py:{parts[-1]}")
 
 
 def load_function(spec: Any, where: str) -> tuple[str, Callable]:
@@ -102,7 +76,7 @@ def load_function(spec: Any, where: str) -> tuple[str, Callable]:
         return spec, BUILTINS[spec]
     if ":" in spec:
         file, _, attr = spec.rpartition(":")
-        owner, names, shown = _import_file(Path(file), where), attr.split("."), file
+        owner, names, shown = user_code.import_file(Path(file), where), attr.split("."), file
     elif "." in spec:
         owner, names = _import_dotted(spec, where)
         shown = owner.__name__
@@ -164,7 +138,8 @@ class CustomReward(OutcomeReward):
     second function of the same name gets `_2`).
     """
 
-    def __init__(self, funcs: Any, weights: Any = None, timeout_s: float | None = 10.0):
+    # worker keeps a fallback: a run saved before the key existed lacks it in its reward section (it gets today's)
+    def __init__(self, funcs: Any, weights: Any, timeout_s: float | None, worker: str = "process"):
         specs = [funcs] if isinstance(funcs, str) else list(funcs or [])
         if not specs:
             raise ConfigError("reward.funcs is empty; name at least one function: reward.funcs=[my_rewards.fn]")
@@ -189,4 +164,4 @@ class CustomReward(OutcomeReward):
             while unique in functions:
                 unique, k = f"{name}_{k}", k + 1
             functions[unique], named[unique] = fn, float(weight)
-        super().__init__(functions, weights=named, timeout_s=timeout_s)
+        super().__init__(functions, weights=named, timeout_s=timeout_s, worker=worker)

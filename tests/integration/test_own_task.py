@@ -265,7 +265,7 @@ def test_a_hub_name_without_network_fails_fast_with_the_local_fix(monkeypatch):
 
 def test_trl_documented_format_reward_runs_unchanged(tmp_path):
     (tmp_path / "trl_rewards.py").write_text(TRL_FORMAT_REWARD)
-    reward = CustomReward([f"{tmp_path}/trl_rewards.py:format_reward_func"], timeout_s=None)
+    reward = CustomReward([f"{tmp_path}/trl_rewards.py:format_reward_func"], weights=None, timeout_s=None)
     # the documentation's own test case, as our combiner hands it over: conversational prompts, text completions
     prompts = [[{"role": "assistant", "content": "What is the result of (1 + 2) * 4?"}],
                [{"role": "assistant", "content": "What is the result of (3 + 1) * 2?"}]]
@@ -295,7 +295,8 @@ def test_a_reward_that_needs_a_missing_column_is_named():
                                           r"not have \(it has: word, completion_length, truncated, completion_ids\)"):
         check_columns(load_reward("arithmetic"), answerless)
     check_columns(load_reward("arithmetic"), {**answerless, "answer": "1"})
-    check_columns(OutcomeReward({"any": lambda prompts, completions, **_: [0.0] * len(completions)}), answerless)
+    check_columns(OutcomeReward({"any": lambda prompts, completions, **_: [0.0] * len(completions)},
+                                weights=None, timeout_s=10.0), answerless)
 
 
 def load_reward(name: str):
@@ -322,7 +323,7 @@ RECORD = ["reward=custom", "reward.funcs=[my_rewards.record]"]
     pytest.param(["data=hf", "data.path=numbers.jsonl", *RECORD], r"column 'prompt' holds int values",
                  marks=pytest.mark.slow),
     ([*STANDARD, "reward=custom", "reward.funcs=[nowhere.fn]"],
-     r"reward.funcs\[0\]: no module named 'nowhere' on sys.path \(.+\)"),
+     r"reward.funcs\[0\]: no module named 'nowhere' in the working folder \(.+\) or on sys.path"),
     pytest.param([*STANDARD, "reward=custom", "reward.funcs=[my_rewards.nothing]"],
      r"my_rewards has no 'nothing' \(its functions: .*record", marks=pytest.mark.slow),
     pytest.param([*STANDARD, "reward=custom", "reward.funcs=[missing.py:fn]"],

@@ -183,4 +183,4 @@ def test_process_weight_needs_an_outcome_function():
     from grpo_cli.rewards.steps import step_rewards
 
     with pytest.raises(ConfigError, match="reward.process_weight"):
-        ProcessReward(step_rewards, process_weight=1.0)
+        ProcessReward(step_rewards, outcome=None, timeout_s=10.0, process_weight=1.0)

@@ -21,7 +21,7 @@ def exits(prompts, completions, **_):
 
 @pytest.mark.parametrize("timeout_s", [None, 5.0], ids=["inline", "worker-thread"])
 def test_system_exit_in_a_reward_is_a_failure(timeout_s, caplog):
-    reward = OutcomeReward({"exits": exits}, timeout_s=timeout_s)
+    reward = OutcomeReward({"exits": exits}, weights=None, timeout_s=timeout_s)
     with caplog.at_level(logging.WARNING, logger="grpo_cli.rewards"):
         result = reward(["p"] * 3, ["good", "bad", "good"], {})
     # the batch call exits; retried one by one, only "bad" loses its score
@@ -34,7 +34,8 @@ def test_system_exit_on_every_completion(timeout_s):
     def always(prompts, completions, **_):
         raise SystemExit
 
-    assert OutcomeReward({"always": always}, timeout_s=timeout_s)(["p", "p"], ["x", "y"], {}).rewards == [None, None]
+    reward = OutcomeReward({"always": always}, weights=None, timeout_s=timeout_s)
+    assert reward(["p", "p"], ["x", "y"], {}).rewards == [None, None]
 
 
 def test_ctrl_c_and_config_errors_still_pass_through():
@@ -45,6 +46,6 @@ def test_ctrl_c_and_config_errors_still_pass_through():
         raise ConfigError("reward.functions.x.pattern is broken; fix it")
 
     with pytest.raises(KeyboardInterrupt):
-        OutcomeReward({"i": interrupted}, timeout_s=None)(["p"], ["x"], {})
+        OutcomeReward({"i": interrupted}, weights=None, timeout_s=None)(["p"], ["x"], {})
     with pytest.raises(ConfigError, match="pattern is broken"):
-        OutcomeReward({"m": misconfigured}, timeout_s=5.0)(["p"], ["x"], {})
+        OutcomeReward({"m": misconfigured}, weights=None, timeout_s=5.0)(["p"], ["x"], {})

@@ -1,0 +1,147 @@
+"""A reward function's own worker process: forked at its first call, called over a pipe, killed and forked again
+when a call passes the timeout (`reward.worker=process`).
+
+Why a process rather than a thread of this one:
+- math_verify (the parse/verify of TRL's and open-r1's rewards) times itself with signal.alarm, which works only
+  on a process's main thread; the worker runs the function on its own main thread, so such a reward runs unchanged;
+- a hung call is ended with its process: the next call gets a fresh worker, and nothing abandoned keeps holding
+  the CPU or the GIL (a thread cannot be killed, and one looping forever slows every later step);
+- the worker gets copies of the inputs (pickled), so a function that changes them changes nothing another sees.
+
+Forked, not spawned: the function itself is never pickled (a lambda, a module run from a file, a partial of
+grpo_cli's), and a start costs a fork of this process, not a new interpreter. A call costs one pickled round trip
+of the batch's prompts, completions and columns. What a worker cannot take: arguments that do not pickle (an
+environment object) or this process's own objects (a reward model on the GPU); `reward.worker=thread` keeps such
+a function in this process, and the reward models do so always. Where the platform cannot fork, functions run in
+threads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import multiprocessing
+import os
+import pickle
+import signal
+import sys
+import warnings
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from grpo_cli.errors import ConfigError
+
+
+def available() -> bool:
+    """Whether this platform can fork a worker (not on Windows)."""
+    return "fork" in multiprocessing.get_all_start_methods()
+
+
+class WorkerDied(Exception):
+    """The worker process ended during a call (the function called os._exit, or crashed the interpreter)."""
+
+
+class Worker:
+    """`work(*args)` run in a child process of its own; one call at a time."""
+
+    def __init__(self, name: str, work: Callable[..., Any]):
+        self.name, self.work = name, work
+        self._process: Any = None
+        self._conn: Any = None
+        self._stop: weakref.finalize | None = None
+
+    def _start(self) -> None:
+        context = multiprocessing.get_context("fork")
+        ours, theirs = context.Pipe()
+        process = context.Process(target=_serve, args=(self.work, theirs, ours, os.getpid()), daemon=True,
+                                  name=f"reward-{self.name}")
+        with warnings.catch_warnings():
+            # Python 3.12+ warns at every fork of a process with threads (torch's, the trainer's): on the console at
+            # every start, about a child that runs the reward function alone (torch held to one thread there)
+            warnings.filterwarnings("ignore", message=r".*multi-threaded.*fork", category=DeprecationWarning)
+            process.start()
+        theirs.close()
+        self._process, self._conn = process, ours
+        # the worker ends with this object, or at exit
+        self._stop = weakref.finalize(self, _kill, process, ours, os.getpid())
+
+    def stop(self) -> None:
+        if self._stop is not None:
+            self._stop()
+        self._process = self._conn = self._stop = None
+
+    def call(self, args: tuple, timeout_s: float | None) -> Any:
+        """`work(*args)` in the worker. TimeoutError after `timeout_s` seconds (None: no bound): the worker is killed
+        and the next call starts another. WorkerDied when it ended during the call. An exception `work` raised is
+        raised here."""
+        if self._process is None or not self._process.is_alive():
+            self.stop()
+            self._start()
+        try:
+            self._conn.send(args)  # pickled whole before anything is written: a failure leaves the pipe clean
+        except (pickle.PicklingError, TypeError, AttributeError) as err:
+            raise ConfigError(f"reward function {self.name!r} is given objects that cannot be sent to its worker "
+                              f"process ({err}); set reward.worker=thread to run it in this process") from None
+        try:
+            if not self._conn.poll(timeout_s):
+                self.stop()
+                raise TimeoutError(f"no answer within {timeout_s} s")
+            status, value = self._conn.recv()
+        except (EOFError, OSError):
+            code = self._process.exitcode if self._process is not None else None
+            self.stop()
+            raise WorkerDied(f"exit code {code}") from None
+        except KeyboardInterrupt:  # Ctrl-C while waiting: the call is abandoned with its worker
+            self.stop()
+            raise
+        if status == "raise":
+            raise value
+        return value
+
+
+def _kill(process, conn, owner: int) -> None:
+    if os.getpid() != owner:  # a copy of this object in another worker: not its child
+        return
+    conn.close()
+    if process.is_alive():
+        process.kill()  # SIGKILL: the function may ignore or catch anything milder
+    process.join(5)
+
+
+def _die_with_parent(parent: int) -> None:
+    """Linux: the kernel kills this worker when the process that forked it dies, even by kill -9, so no worker
+    outlives a run (holding its files, its lock, a CPU)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.prctl(1, int(signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:  # it died before prctl took effect
+        os._exit(0)
+
+
+def _serve(work: Callable[..., Any], conn, parent_end, parent: int) -> None:
+    """The worker's loop: receive arguments, answer ("ok", result) or ("raise", exception); end at EOF."""
+    parent_end.close()
+    # Ctrl-C is the trainer's to handle (it ends this worker); SIGTERM, whose handler the trainer installed before
+    # the fork, ends the worker at once
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _die_with_parent(parent)
+    torch = sys.modules.get("torch")
+    if torch is not None:  # OpenMP's thread pool does not survive a fork: one thread for whatever torch work runs here
+        torch.set_num_threads(1)
+    while True:
+        try:
+            args = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            reply = ("ok", work(*args))
+        except BaseException as err:  # handed to the caller
+            reply = ("raise", err)
+        try:
+            conn.send(reply)
+        except Exception as err:  # an exception or result that does not pickle
+            conn.send(("raise", RuntimeError(f"{type(err).__name__} sending the result back: {err}")))

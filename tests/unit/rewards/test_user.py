@@ -1,0 +1,81 @@
+"""User reward functions as TRL's GRPOTrainer runs them (grpo_cli/rewards/user.py), built from conf/reward/custom.yaml:
+math_verify with its defaults, functions that mutate their inputs, TRL's own keyword arguments."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from grpo_cli.errors import ConfigError
+from grpo_cli.instantiate import build
+from grpo_cli.resources import CONF_DIR
+from grpo_cli.rewards.call import check_columns
+
+# TRL's documented accuracy reward, written from its contract (`accuracy_reward(completions, solution, **kwargs)`,
+# conversational completions, math_verify's parse and verify with their defaults): 1.0 when the completion's answer
+# equals the solution, None when the solution does not parse
+TRL_ACCURACY = '''
+from math_verify import parse, verify
+
+def accuracy_reward(completions, solution, **kwargs):
+    scores = []
+    for completion, answer in zip(completions, solution):
+        gold = parse(answer)
+        scores.append(float(verify(gold, parse(completion[0]["content"]))) if gold else None)
+    return scores
+'''
+
+# one function changes what it was given (the completions, a column, a message of the prompt); the next scores 1.0
+# only when it sees the inputs as they were
+MUTATING = '''
+def mutate(prompts, completions, answer, **kwargs):
+    completions[0] = [{"role": "assistant", "content": "changed"}]
+    answer[0] = "changed"
+    prompts[0][0]["content"] = "changed"
+    kwargs["completion_length"].append(99)
+    return [0.0] * len(answer)
+
+def untouched(prompts, completions, answer, completion_length, **kwargs):
+    seen = (completions[0][0]["content"], answer[0], prompts[0][0]["content"], len(completion_length))
+    return [float(seen == ("7", "7", "q", 1))] * len(answer)
+'''
+
+PROMPT = [[{"role": "user", "content": "q"}]]
+
+
+def custom(tmp_path: Path, *funcs: str, **overrides):
+    """reward=custom as conf/reward/custom.yaml builds it, the functions from `tmp_path`/rewards.py."""
+    section = OmegaConf.merge(OmegaConf.load(CONF_DIR / "reward" / "custom.yaml"),
+                              {"funcs": [f"{tmp_path}/rewards.py:{f}" for f in funcs], **overrides})
+    return build(section)
+
+
+def test_trls_accuracy_reward_with_math_verify_defaults_scores_a_right_answer_1(tmp_path):
+    (tmp_path / "rewards.py").write_text(TRL_ACCURACY)
+    reward = custom(tmp_path, "accuracy_reward")
+    result = reward(PROMPT * 2, ["So the answer is $\\boxed{4}$.", "It is $5$."],
+                    {"prompt": PROMPT * 2, "solution": ["$4$", "$4$"]})
+    assert result.per_function["accuracy_reward"] == [1.0, 0.0] and result.failures == 0
+
+
+@pytest.mark.parametrize("worker", ["process", "thread"])
+def test_a_function_that_mutates_its_inputs_does_not_change_the_next_ones(tmp_path, worker):
+    (tmp_path / "rewards.py").write_text(MUTATING)
+    reward = custom(tmp_path, "mutate", "untouched", worker=worker)
+    prompt = [[{"role": "user", "content": "q"}]]
+    columns = {"prompt": prompt, "answer": ["7"], "completion_length": [3]}
+    result = reward(prompt, ["7"], columns)
+    assert result.per_function["untouched"] == [1.0]
+    assert columns == {"prompt": [[{"role": "user", "content": "q"}]], "answer": ["7"], "completion_length": [3]}
+
+
+def test_a_function_that_takes_trainer_state_is_told_it_is_not_passed(tmp_path):
+    (tmp_path / "rewards.py").write_text("def scheduled(prompts, completions, trainer_state, **kwargs):\n"
+                                         "    return [trainer_state.global_step / 100] * len(completions)\n")
+    with pytest.raises(ConfigError) as err:
+        check_columns(custom(tmp_path, "scheduled"), {"question": "q", "prompt": "q", "answer": "1"})
+    line = str(err.value)
+    assert "takes trainer_state, TRL's TrainerState (global_step, max_steps, ...), which grpo does not" in line
+    assert "trainer_state=None" in line and "add that column" not in line and "\n" not in line
