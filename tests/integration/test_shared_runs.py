@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from tests.helpers import TINY, metrics, one_line_error, run_cli, write_jsonl
@@ -54,7 +55,14 @@ def test_a_planted_config_runs_no_code(trained_run_copy, tmp_path, command):
 
 
 def test_a_trusted_run_config_runs(trained_run_copy, tmp_path):
+    """Trusted, both planted pieces run: the model node's write, and the reward file (written here beforehand:
+    reward.weights must be numbers, so the chain through it is a config error even in a trusted run)."""
     markers = plant(trained_run_copy, tmp_path)
+    for config in trained_run_copy.glob("checkpoints/step_*/config.yaml"):
+        cfg = OmegaConf.load(config)
+        instantiate(cfg.reward.weights[0])  # the planted write_text node, run by the test: payload.py
+        cfg.reward.weights = None
+        OmegaConf.save(cfg, config)
     code, _, err = run_cli([*_argv("eval", trained_run_copy, tmp_path / "out"), "trust_run_config=true"])
     assert code == 0, err[-2000:]
     assert all(m.exists() for m in markers)
