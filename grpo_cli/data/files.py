@@ -151,7 +151,9 @@ class _RecordTask(_Task):
                             f"{self.skipped} without a question or an answer); {fix}")
         order = list(range(len(rows)))
         random.Random(self.seed).shuffle(order)
-        held_ids = [] if test is not None else sorted(order[:self.heldout_size])
+        if test is None:
+            heldout = self._heldout_count(len(rows), len({_question_key(r.question) for r in rows}), source)
+        held_ids = [] if test is not None else sorted(order[:heldout])
         held = self._rows(test) if test is not None else [rows[j] for j in held_ids]
         if not held:
             raise DataError(f"{source}: the test split has no examples; remove it or fix it")
@@ -250,7 +252,7 @@ class GSM8KTask(_RecordTask):
     """GSM8K (grade-school math): `answer` is the number after the last '####', commas removed;
     `solution` is the full reference text. Few-shot replies drop the "<<48/2=24>>" calculator notes."""
 
-    def __init__(self, *, path: str | None, split: str, heldout_size: int, limit: int | None, seed: int,
+    def __init__(self, *, path: str | None, split: str, heldout_size: int | str, limit: int | None, seed: int,
                  system_prompt: str | None, instruction: str, few_shot: int) -> None:
         if not isinstance(split, str) or not split:
             raise ConfigError(f"data.split ({split!r}) must be a split name; set data.split=train")
@@ -272,7 +274,7 @@ class JsonlTask(_RecordTask):
     """Problems from any local JSONL (or a folder with train.jsonl and, optionally, test.jsonl)."""
 
     def __init__(self, *, path: str, question_field: str, answer_field: str, solution_field: str | None,
-                 answer_regex: str | None, heldout_size: int, limit: int | None, seed: int,
+                 answer_regex: str | None, heldout_size: int | str, limit: int | None, seed: int,
                  system_prompt: str | None, instruction: str, few_shot: int) -> None:
         if not path:
             raise ConfigError("data.path is required; set data.path=/path/to/problems.jsonl")

@@ -170,7 +170,7 @@ class HFTask(_Task):
     """A `datasets` dataset as train and held-out examples; see the module docstring."""
 
     def __init__(self, *, path: str, name: str | None, split: str, test_split: str | None, prompt_field: str,
-                 heldout_size: int, limit: int | None, seed: int, system_prompt: str | None) -> None:
+                 heldout_size: int | str, limit: int | None, seed: int, system_prompt: str | None) -> None:
         super().__init__(seed=seed, heldout_size=heldout_size, system_prompt=system_prompt, instruction="{question}",
                          few_shot=0)
         _check_int("limit", limit, 1, 1000, nullable=True)
@@ -200,21 +200,21 @@ class HFTask(_Task):
                 raise DataError(f"{source}: the prompts of split {test_split!r} and of {split!r} are in different "
                                 f"formats (a string in one, messages in the other); make them the same")
         self.columns = [c for c in train_set.column_names if c != prompt_field]
-        train_ids, held_ids = self._split(prompts, test_prompts, heldout_size, source)
+        train_ids, held_ids = self._split(prompts, test_prompts, source)
         test_set = train_set if test_set is None else test_set
         if limit is not None:
             train_ids = train_ids[:limit]
         self.train: Sequence[Example] = _Generated(len(train_ids), lambda k: self._row(train_set, train_ids[k]))
         self.heldout: Sequence[Example] = _Generated(len(held_ids), lambda k: self._row(test_set, held_ids[k]))
 
-    def _split(self, prompts: list, test_prompts: list | None, heldout_size: int, source: str
-               ) -> tuple[list[int], list[int]]:
-        """(training row ids, held-out row ids): the test split's rows, or a seeded `heldout_size` slice of
-        `prompts`; a training row whose prompt is held out is dropped. A DataError when none is left to train on."""
+    def _split(self, prompts: list, test_prompts: list | None, source: str) -> tuple[list[int], list[int]]:
+        """(training row ids, held-out row ids): the test split's rows, or a seeded slice of `prompts`
+        (data.heldout_size); a training row whose prompt is held out is dropped. A DataError when none is left."""
         if test_prompts is None:
             order = list(range(len(prompts)))
             random.Random(self.seed).shuffle(order)
-            held_ids = sorted(order[:heldout_size])
+            distinct = len({_prompt_key(p) for p in prompts})
+            held_ids = sorted(order[:self._heldout_count(len(prompts), distinct, source)])
             held_keys = {_prompt_key(prompts[i]) for i in held_ids}
         else:
             held_ids = list(range(len(test_prompts)))
