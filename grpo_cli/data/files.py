@@ -186,6 +186,11 @@ class _RecordTask(_Task):
         self.shots = [(r.question, self._shot_reply(r)) for r in shots]
         self.heldout = [self._example(r.question, r.answer, r.solution) for r in held]
         self.train = [self._example(r.question, r.answer, r.solution) for r in kept]
+        # FILE:LINE of each training then held-out example, for prompt_rows
+        self._where = [r.where for r in kept] + [r.where for r in held]
+
+    def prompt_rows(self) -> list[tuple[str, list[dict]]]:
+        return [(where, e["messages"]) for where, e in zip(self._where, [*self.train, *self.heldout])]
 
     def _shot_reply(self, row: _Row) -> str:
         return row.solution if row.solution is not None else row.answer
@@ -265,6 +270,9 @@ class GSM8KTask(_RecordTask):
                          instruction=instruction, few_shot=few_shot)
         self.path = path
         self.split = split
+
+    def prompt_rows(self) -> list[tuple[str, list[dict]]]:
+        return [(where, e["messages"]) for where, e in zip(self._where, [*self.train, *self.heldout])]
 
     def _shot_reply(self, row: _Row) -> str:
         return _CALCULATOR_NOTE.sub("", row.solution or row.answer)

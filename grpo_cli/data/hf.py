@@ -204,6 +204,11 @@ class HFTask(_Task):
         test_set = train_set if test_set is None else test_set
         if limit is not None:
             train_ids = train_ids[:limit]
+        # (where, the prompt as given) of every training then held-out row, for prompt_rows
+        held_source, held_prompts = ((self.source, prompts) if test_prompts is None
+                                     else (f"{source} [{test_split}]", test_prompts))
+        self._prompts = ([(f"{self.source} row {i + 1}", prompts[i]) for i in train_ids]
+                         + [(f"{held_source} row {i + 1}", held_prompts[i]) for i in held_ids])
         self.train: Sequence[Example] = _Generated(len(train_ids), lambda k: self._row(train_set, train_ids[k]))
         self.heldout: Sequence[Example] = _Generated(len(held_ids), lambda k: self._row(test_set, held_ids[k]))
 
@@ -267,16 +272,22 @@ class HFTask(_Task):
                             f"not {like} like row 1's; fix or remove that row")
         return conversational, prompts
 
-    def _row(self, dataset, index: int) -> Example:
-        row = dict(dataset[index])
-        prompt = row.pop(self.prompt_field)
+    def prompt_rows(self) -> list[tuple[str, list[dict]]]:
+        return [(where, self._chat(prompt)[0]) for where, prompt in self._prompts]
+
+    def _chat(self, prompt) -> tuple[list[dict], str]:
+        """(chat messages, the question's text) of a prompt as the dataset gives it."""
         if self.conversational:  # every row's prompt is messages: checked when the task was built (_check)
             # Arrow gives every message every key of any message (None where absent): keep the ones it has
             messages = [{k: v for k, v in m.items() if v is not None} for m in prompt]
             users = [m["content"] for m in messages if m["role"] == "user"]
-            question = str(users[-1] if users else messages[-1]["content"])
-        else:
-            messages, question = self._messages(prompt), prompt
+            return messages, str(users[-1] if users else messages[-1]["content"])
+        return self._messages(prompt), prompt
+
+    def _row(self, dataset, index: int) -> Example:
+        row = dict(dataset[index])
+        prompt = row.pop(self.prompt_field)
+        messages, question = self._chat(prompt)
         return {"messages": messages, "question": question, "prompt": prompt, **row}
 
     def __repr__(self) -> str:

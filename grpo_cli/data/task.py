@@ -53,6 +53,11 @@ class _Task:
         # (question, assistant reply) pairs, the same earlier turns in every prompt
         self.shots: list[tuple[str, str]] = []
 
+    def prompt_rows(self) -> list[tuple[str, list[dict]]]:
+        """(where, chat messages) of every prompt read from a user's data, training rows then held-out ones, for
+        grpo_cli.data.lengths; none for a generated task, whose settings bound its prompts."""
+        return []
+
     def _heldout_count(self, rows: int, distinct: int, source: str) -> int:
         """data.heldout_size as a number of the `rows` (`distinct` questions): the number given, or for auto a tenth
         (AUTO_SHARE), never so many that no question is left to train on; said in one line when under AUTO_MOST."""
