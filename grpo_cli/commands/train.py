@@ -101,6 +101,8 @@ def train(run: Run) -> Path:
             run.samples.log(n, record.kept.positions, record.kept.examples, record.kept.rollout, record.kept.result,
                             record.advantages, world)
             bar.update(task, completed=n, info=summary(record.metrics))
+            if state := run.keep.state(record.metrics):  # dynamic sampling short of a full batch: a line that stays
+                console.print(f"[yellow]step {n}: {state}", highlight=False)
             stop.requested = agreed_stop(world, stop.requested)  # a stop asked of any rank stops them all here
             if n % trainer.save_every == 0 or n == trainer.max_steps or stop.requested:
                 last = save(run, n)
