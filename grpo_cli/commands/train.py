@@ -71,7 +71,9 @@ def run(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) -> P
     if refused:
         raise ConfigError(refused)
     try:
-        with quiet(not world.main):  # one rank speaks; the others' numbers reach it through the reductions
+        # one rank speaks (the others' numbers reach it through the reductions); a rank that dies is named in one
+        # line, also when FSDP's own gathers inside a forward or backward are the collectives that break
+        with quiet(not world.main), world.lost_rank(collective=False):
             training = setup(cfg, run_dir, world, chosen.why)
             if ckpt is not None:
                 resume(training, ckpt)
