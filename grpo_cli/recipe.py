@@ -129,7 +129,8 @@ def setup(cfg: DictConfig, run_dir: Path, world: World, why: str) -> Run:
     rewards = reward_schedule(cfg, run_dir, data)
     keep = GroupFilter(algo.dynamic_sampling, algo.filter_metric, algo.max_generation_batches)
     rewards.check(data.train[0], keep)
-    early = load_tokenizer(cfg.model)  # every prompt measured before the model loads, where its tokenizer can be
+    # a user's data: every prompt measured before the model loads, where its tokenizer loads without it
+    early = load_tokenizer(cfg.model) if data.prompt_rows() else None
     if early is not None:
         check_lengths(cfg, data, early)
     torch.manual_seed(trainer.seed)
