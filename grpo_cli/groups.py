@@ -136,8 +136,7 @@ class GroupFilter:
         draws, drawn = int(metrics["dynamic/generation_batches"]), metrics["dynamic/prompts_drawn"]
         bound = f"in {draws} draws (algo.max_generation_batches={self.max_batches})"
         if metrics["dynamic/unfiltered"] == 1.0:
-            return (f"dynamic sampling: every group tied on {self.metric} {bound}; trained on the last draw as it is, "
-                    f"whose advantages are all 0")
+            return f"dynamic sampling: every group tied on {self.metric} {bound}; trained on the last draw as it is"
         varied, wanted = round(metrics["dynamic/kept_share"] * drawn), round(drawn / draws)
         return (f"dynamic sampling: {varied} of the {wanted} groups wanted varied on {self.metric} {bound}; trained "
                 f"on {int(metrics['dynamic/groups_trained'])}")

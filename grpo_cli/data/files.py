@@ -151,9 +151,8 @@ class _RecordTask(_Task):
                             f"{self.skipped} without a question or an answer); {fix}")
         order = list(range(len(rows)))
         random.Random(self.seed).shuffle(order)
-        if test is None:
-            heldout = self._heldout_count(len(rows), len({_question_key(r.question) for r in rows}), source)
-        held_ids = [] if test is not None else sorted(order[:heldout])
+        held_ids = [] if test is not None else sorted(
+            order[:self._heldout_count(len(rows), len({_question_key(r.question) for r in rows}), source)])
         held = self._rows(test) if test is not None else [rows[j] for j in held_ids]
         if not held:
             raise DataError(f"{source}: the test split has no examples; remove it or fix it")
@@ -270,9 +269,6 @@ class GSM8KTask(_RecordTask):
                          instruction=instruction, few_shot=few_shot)
         self.path = path
         self.split = split
-
-    def prompt_rows(self) -> list[tuple[str, list[dict]]]:
-        return [(where, e["messages"]) for where, e in zip(self._where, [*self.train, *self.heldout])]
 
     def _shot_reply(self, row: _Row) -> str:
         return _CALCULATOR_NOTE.sub("", row.solution or row.answer)
