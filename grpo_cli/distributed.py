@@ -23,8 +23,9 @@ controller, nanoGPT wraps the model in DDP; this follows none of them exactly):
 
 A rank that dies (kill -9, a crash) breaks the others' next collective: each ends with one RunError
 line naming the dead rank (found by the host and pid every rank gave at start), not the backend's
-"Connection reset by peer" traceback. Nothing written is half done: checkpoints are renamed into
-place whole, and a metrics line cut short is dropped on resume.
+"Connection reset by peer" traceback; `grpo train` guards its whole work so, FSDP's gathers included.
+Nothing written is half done: checkpoints are renamed into place whole, and a metrics line cut short is
+dropped on resume.
 
 A single process (no WORLD_SIZE in the environment, or 1) gets `SINGLE`, whose collectives return
 their input: the code paths are the same, and the 1-rank numbers are unchanged.
@@ -36,6 +37,7 @@ import contextlib
 import os
 import socket
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
@@ -47,6 +49,8 @@ import torch.distributed as dist
 from grpo_cli.errors import RunError
 
 _START: datetime | None = None
+# seconds a rank whose collective broke waits for the rank that broke it to be gone, before it says "another rank"
+_GONE_WAIT_S = 3.0
 _WORLD: World | None = None
 
 
@@ -140,21 +144,37 @@ class World:
                 p.data.copy_(there)
 
     @contextlib.contextmanager
-    def lost_rank(self) -> Iterator[None]:
+    def lost_rank(self, *, collective: bool = True) -> Iterator[None]:
         """A collective that breaks (gloo's "Connection reset by peer", NCCL's errors: RuntimeError kinds)
-        ends in a RunError naming the rank that is gone."""
+        ends in a RunError naming the rank that is gone. `collective=False` guards a block that runs collectives
+        it does not call itself (a command's whole work: FSDP's gathers inside the model's forward and backward):
+        there, only an error met while a rank is gone is converted; any other goes on as it was raised."""
         try:
             yield
         except (RuntimeError, ConnectionError) as err:
-            here = socket.gethostname()
-            dead = [r for r, (host, pid) in enumerate(self.peers)
-                    if r != self.rank and host == here and not _alive(pid)]
+            dead = self._gone() if self.size > 1 else []
+            if not dead and not collective:
+                raise
             who = (f"rank {dead[0]} (pid {self.peers[dead[0]][1]})" if len(dead) == 1 else
                    f"ranks {', '.join(map(str, dead))}" if dead else "another rank")
             reason = " ".join(str(err).split())[:120] or type(err).__name__
             raise RunError(f"{who} stopped (killed or crashed), so rank {self.rank} cannot go on ({reason}); every "
                            f"rank stops, the last checkpoint is whole: resume the run with grpo train resume=RUN"
                            ) from None
+
+    def _gone(self) -> list[int]:
+        """The ranks on this host whose process has ended, waiting up to _GONE_WAIT_S for one: a rank's
+        connections close before its process ends (a crash's traceback and exit, a kill the launcher has yet to
+        reap), so the collective can break while the rank that broke it still looks alive."""
+        here = socket.gethostname()
+        local = [r for r, (host, _) in enumerate(self.peers) if r != self.rank and host == here]
+        deadline = time.monotonic() + _GONE_WAIT_S
+        while local:
+            dead = [r for r in local if not _alive(self.peers[r][1])]
+            if dead or time.monotonic() > deadline:
+                return dead
+            time.sleep(0.05)
+        return []
 
     def slice(self, n: int) -> slice:
         """This rank's contiguous share of `n` items (n divisible by the world size)."""

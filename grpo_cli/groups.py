@@ -128,6 +128,19 @@ class GroupFilter:
         kept = sum(sum(flags) for draw in self._signal(draws, group_size, world) for flags in draw)
         return kept >= prompts_per_step
 
+    def state(self, metrics: dict) -> str:
+        """What the console says of a step's filter (its `dynamic/...` metrics): nothing when it is off or the batch
+        is full; else how many groups varied in how many draws, and what the step trained on."""
+        if not metrics.get("dynamic/generation_batches") or metrics["dynamic/batch_full"] == 1.0:
+            return ""
+        draws, drawn = int(metrics["dynamic/generation_batches"]), metrics["dynamic/prompts_drawn"]
+        bound = f"in {draws} draws (algo.max_generation_batches={self.max_batches})"
+        if metrics["dynamic/unfiltered"] == 1.0:
+            return f"dynamic sampling: every group tied on {self.metric} {bound}; trained on the last draw as it is"
+        varied, wanted = round(metrics["dynamic/kept_share"] * drawn), round(drawn / draws)
+        return (f"dynamic sampling: {varied} of the {wanted} groups wanted varied on {self.metric} {bound}; trained "
+                f"on {int(metrics['dynamic/groups_trained'])}")
+
     def select(self, draws: list[Draw], prompts_per_step: int, group_size: int, pad: int,
                world: World = SINGLE) -> Kept:
         """This rank's share of the groups to train on (module docstring), with the filter's metrics."""
@@ -142,7 +155,8 @@ class GroupFilter:
         take = min(prompts_per_step, len(order)) // world.size * world.size
         metrics = {"dynamic/generation_batches": len(draws), "dynamic/prompts_drawn": generated,
                    "dynamic/kept_share": len(order) / max(generated, 1),
-                   "dynamic/batch_full": float(take == prompts_per_step), "dynamic/unfiltered": float(take == 0)}
+                   "dynamic/batch_full": float(take == prompts_per_step), "dynamic/unfiltered": float(take == 0),
+                   "dynamic/groups_trained": take}
         if take == 0:  # nothing with signal within the bound: the last draw as it is
             d = draws[-1]
             return Kept(d.examples, d.positions, d.rollout, d.result, metrics)

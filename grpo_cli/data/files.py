@@ -151,7 +151,8 @@ class _RecordTask(_Task):
                             f"{self.skipped} without a question or an answer); {fix}")
         order = list(range(len(rows)))
         random.Random(self.seed).shuffle(order)
-        held_ids = [] if test is not None else sorted(order[:self.heldout_size])
+        held_ids = [] if test is not None else sorted(
+            order[:self._heldout_count(len(rows), len({_question_key(r.question) for r in rows}), source)])
         held = self._rows(test) if test is not None else [rows[j] for j in held_ids]
         if not held:
             raise DataError(f"{source}: the test split has no examples; remove it or fix it")
@@ -184,6 +185,11 @@ class _RecordTask(_Task):
         self.shots = [(r.question, self._shot_reply(r)) for r in shots]
         self.heldout = [self._example(r.question, r.answer, r.solution) for r in held]
         self.train = [self._example(r.question, r.answer, r.solution) for r in kept]
+        # FILE:LINE of each training then held-out example, for prompt_rows
+        self._where = [r.where for r in kept] + [r.where for r in held]
+
+    def prompt_rows(self) -> list[tuple[str, list[dict]]]:
+        return [(where, e["messages"]) for where, e in zip(self._where, [*self.train, *self.heldout])]
 
     def _shot_reply(self, row: _Row) -> str:
         return row.solution if row.solution is not None else row.answer
@@ -250,7 +256,7 @@ class GSM8KTask(_RecordTask):
     """GSM8K (grade-school math): `answer` is the number after the last '####', commas removed;
     `solution` is the full reference text. Few-shot replies drop the "<<48/2=24>>" calculator notes."""
 
-    def __init__(self, *, path: str | None, split: str, heldout_size: int, limit: int | None, seed: int,
+    def __init__(self, *, path: str | None, split: str, heldout_size: int | str, limit: int | None, seed: int,
                  system_prompt: str | None, instruction: str, few_shot: int) -> None:
         if not isinstance(split, str) or not split:
             raise ConfigError(f"data.split ({split!r}) must be a split name; set data.split=train")
@@ -272,7 +278,7 @@ class JsonlTask(_RecordTask):
     """Problems from any local JSONL (or a folder with train.jsonl and, optionally, test.jsonl)."""
 
     def __init__(self, *, path: str, question_field: str, answer_field: str, solution_field: str | None,
-                 answer_regex: str | None, heldout_size: int, limit: int | None, seed: int,
+                 answer_regex: str | None, heldout_size: int | str, limit: int | None, seed: int,
                  system_prompt: str | None, instruction: str, few_shot: int) -> None:
         if not path:
             raise ConfigError("data.path is required; set data.path=/path/to/problems.jsonl")

@@ -116,6 +116,8 @@ def _load(path: str, name: str | None) -> tuple[dict, str]:
             if local.suffix not in BUILDERS:
                 raise DataError(f"data.path ({path}) is a {local.suffix or 'suffix-less'} file; data=hf reads "
                                 f"{', '.join(BUILDERS)} files, folders of them and save_to_disk folders")
+            if local.suffix != ".parquet" and _blank(local):  # `datasets` would say StopIteration
+                raise DataError(f"{path} is empty (no rows); set data.path=... to a file with one prompt per row")
             return {None: datasets.load_dataset(BUILDERS[local.suffix], data_files=str(local), split="train")}, path
         if (local / "dataset_dict.json").exists() or (local / "state.json").exists():  # Dataset(Dict).save_to_disk
             loaded = datasets.load_from_disk(str(local))
@@ -133,6 +135,31 @@ def _is_messages(value: Any) -> bool:
             and all(isinstance(m, dict) and "role" in m and "content" in m for m in value))
 
 
+def _decoded(dataset, field: str, source: str) -> list:
+    """Every row's `field`, read once; a DataError naming the first row whose bytes are not UTF-8 (Arrow's JSON
+    reader keeps them; they fail only when read)."""
+    try:
+        return list(dataset[field])
+    except UnicodeDecodeError:
+        pass
+    for n, value in enumerate(dataset.data.column(field), 1):  # the error path only: find the row
+        try:
+            value.as_py()
+        except UnicodeDecodeError as err:
+            raise DataError(f"{source} row {n}: {field!r} is not UTF-8 text (byte 0x{err.object[err.start]:02x}); "
+                            f"save the file as UTF-8") from None
+    raise DataError(f"{source}: column {field!r} is not UTF-8 text; save the file as UTF-8")
+
+
+def _blank(path: Path) -> bool:
+    """Whether a text file holds nothing but whitespace (read until its first other byte)."""
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 16):
+            if chunk.strip():
+                return False
+    return True
+
+
 def _prompt_key(prompt: Any) -> str:
     """Two rows with this key ask the same thing (whitespace and case aside)."""
     text = prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True, default=str)
@@ -143,7 +170,7 @@ class HFTask(_Task):
     """A `datasets` dataset as train and held-out examples; see the module docstring."""
 
     def __init__(self, *, path: str, name: str | None, split: str, test_split: str | None, prompt_field: str,
-                 heldout_size: int, limit: int | None, seed: int, system_prompt: str | None) -> None:
+                 heldout_size: int | str, limit: int | None, seed: int, system_prompt: str | None) -> None:
         super().__init__(seed=seed, heldout_size=heldout_size, system_prompt=system_prompt, instruction="{question}",
                          few_shot=0)
         _check_int("limit", limit, 1, 1000, nullable=True)
@@ -165,36 +192,56 @@ class HFTask(_Task):
         self.path, self.name, self.split, self.test_split, self.limit = path, name, split, test_split, limit
         self.prompt_field = prompt_field
         self.source = source if test_set is None else f"{source} [{split}]"
-        self.conversational = self._check(train_set, source)
-        if test_set is not None and self._check(test_set, f"{source} [{test_split}]") != self.conversational:
-            raise DataError(f"{source}: the prompts of split {test_split!r} and of {split!r} are in different formats "
-                            f"(a string in one, messages in the other); make them the same")
+        self.conversational, prompts = self._check(train_set, source)
+        test_prompts = None
+        if test_set is not None:
+            test_conversational, test_prompts = self._check(test_set, f"{source} [{test_split}]")
+            if test_conversational != self.conversational:
+                raise DataError(f"{source}: the prompts of split {test_split!r} and of {split!r} are in different "
+                                f"formats (a string in one, messages in the other); make them the same")
         self.columns = [c for c in train_set.column_names if c != prompt_field]
-
-        prompts = list(train_set[prompt_field])
-        if test_set is None:
-            order = list(range(len(prompts)))
-            random.Random(seed).shuffle(order)
-            held_ids = sorted(order[:heldout_size])
-            held_keys = {_prompt_key(prompts[i]) for i in held_ids}
-            test_set = train_set
-        else:
-            held_ids = list(range(len(test_set)))
-            held_keys = {_prompt_key(p) for p in test_set[prompt_field]}
-        taken = set(held_ids) if test_set is train_set else set()
-        train_ids = [i for i, p in enumerate(prompts) if i not in taken and _prompt_key(p) not in held_keys]
-        if not train_ids:
-            fix = (f"set data.heldout_size={max(1, len(prompts) // 10)}" if test_set is train_set
-                   else f"its prompts are all in split {test_split!r}; set data.test_split=null to hold out a slice")
-            raise DataError(f"{source} has no training rows left after holding out {len(held_ids)} ({len(prompts)} "
-                            f"rows, repeated prompts count once); {fix}")
+        train_ids, held_ids = self._split(prompts, test_prompts, source)
+        test_set = train_set if test_set is None else test_set
         if limit is not None:
             train_ids = train_ids[:limit]
+        # (where, the prompt as given) of every training then held-out row, for prompt_rows
+        held_source, held_prompts = ((self.source, prompts) if test_prompts is None
+                                     else (f"{source} [{test_split}]", test_prompts))
+        self._prompts = ([(f"{self.source} row {i + 1}", prompts[i]) for i in train_ids]
+                         + [(f"{held_source} row {i + 1}", held_prompts[i]) for i in held_ids])
         self.train: Sequence[Example] = _Generated(len(train_ids), lambda k: self._row(train_set, train_ids[k]))
         self.heldout: Sequence[Example] = _Generated(len(held_ids), lambda k: self._row(test_set, held_ids[k]))
 
-    def _check(self, dataset, source: str) -> bool:
-        """Whether the prompts are messages (else strings); a DataError for a missing or mistyped column."""
+    def _split(self, prompts: list, test_prompts: list | None, source: str) -> tuple[list[int], list[int]]:
+        """(training row ids, held-out row ids): the test split's rows, or a seeded slice of `prompts`
+        (data.heldout_size); a training row whose prompt is held out is dropped. A DataError when none is left."""
+        if test_prompts is None:
+            order = list(range(len(prompts)))
+            random.Random(self.seed).shuffle(order)
+            distinct = len({_prompt_key(p) for p in prompts})
+            held_ids = sorted(order[:self._heldout_count(len(prompts), distinct, source)])
+            held_keys = {_prompt_key(prompts[i]) for i in held_ids}
+        else:
+            held_ids = list(range(len(test_prompts)))
+            held_keys = {_prompt_key(p) for p in test_prompts}
+        taken = set(held_ids) if test_prompts is None else set()
+        train_ids = [i for i, p in enumerate(prompts) if i not in taken and _prompt_key(p) not in held_keys]
+        if train_ids:
+            return train_ids, held_ids
+        distinct = len({_prompt_key(p) for p in prompts})
+        if test_prompts is not None:
+            fix = f"its prompts are all in split {self.test_split!r}; set data.test_split=null to hold out a slice"
+        elif distinct == 1:  # no held-out size helps: the held-out row's prompt is every row's
+            raise DataError(f"{source}: all {len(prompts)} rows have the same prompt (whitespace and case aside), so "
+                            f"none is left to train on once one is held out; add rows with other prompts")
+        else:  # h held-out rows hold at most h prompts: distinct - 1 leaves one to train on, whichever rows
+            fix = f"set data.heldout_size={distinct - 1} ({distinct} distinct prompts) or lower"
+        raise DataError(f"{source} has no training rows left after holding out {len(held_ids)} ({len(prompts)} "
+                        f"rows, repeated prompts count once); {fix}")
+
+    def _check(self, dataset, source: str) -> tuple[bool, list]:
+        """(whether the prompts are messages, else strings; every row's prompt): every row read once, a DataError
+        naming the first row with a missing, mistyped or undecodable prompt, or a column named like ours."""
         field, columns = self.prompt_field, dataset.column_names
         if field not in columns:
             raise DataError(f"{source} has no column {field!r} (its columns: {', '.join(columns)}); set "
@@ -204,7 +251,8 @@ class HFTask(_Task):
         missing = dataset.data.column(field).null_count
         if missing:
             raise DataError(f"{source}: {missing} rows have no {field!r} (null); remove them or fill them in")
-        first = dataset[0][field]
+        prompts = _decoded(dataset, field, source)
+        first = prompts[0]
         if not isinstance(first, str) and not _is_messages(first):
             raise DataError(f"{source}: column {field!r} holds {type(first).__name__} values ({str(first)[:80]!r}), "
                             f"not a string or a list of {{\"role\", \"content\"}} messages; set "
@@ -214,21 +262,32 @@ class HFTask(_Task):
             raise DataError(f"{source}: column {clash[0]!r} has a name grpo uses for the prompt or the reward "
                             f"call ({', '.join(RESERVED)}); rename it (or make it the prompt: "
                             f"data.prompt_field={clash[0]})")
-        return not isinstance(first, str)
+        conversational = not isinstance(first, str)
+        # a column of mixed types reaches here as JSON values (datasets' Json feature): any row may differ
+        for n, prompt in enumerate(prompts, 1):
+            if (_is_messages(prompt) if conversational else isinstance(prompt, str)):
+                continue
+            like = "a list of {\"role\", \"content\"} messages" if conversational else "a string"
+            raise DataError(f"{source} row {n}: {field!r} holds {type(prompt).__name__} ({repr(prompt)[:80]}), "
+                            f"not {like} like row 1's; fix or remove that row")
+        return conversational, prompts
+
+    def prompt_rows(self) -> list[tuple[str, list[dict]]]:
+        return [(where, self._chat(prompt)[0]) for where, prompt in self._prompts]
+
+    def _chat(self, prompt) -> tuple[list[dict], str]:
+        """(chat messages, the question's text) of a prompt as the dataset gives it."""
+        if self.conversational:  # every row's prompt is messages: checked when the task was built (_check)
+            # Arrow gives every message every key of any message (None where absent): keep the ones it has
+            messages = [{k: v for k, v in m.items() if v is not None} for m in prompt]
+            users = [m["content"] for m in messages if m["role"] == "user"]
+            return messages, str(users[-1] if users else messages[-1]["content"])
+        return self._messages(prompt), prompt
 
     def _row(self, dataset, index: int) -> Example:
         row = dict(dataset[index])
         prompt = row.pop(self.prompt_field)
-        if self.conversational:
-            if not _is_messages(prompt):
-                raise DataError(f"{self.source} row {index + 1}: {self.prompt_field!r} is not a list of "
-                                f"{{\"role\", \"content\"}} messages like the first row's; fix that row")
-            # Arrow gives every message every key of any message (None where absent): keep the ones it has
-            messages = [{k: v for k, v in m.items() if v is not None} for m in prompt]
-            users = [m["content"] for m in messages if m["role"] == "user"]
-            question = str(users[-1] if users else messages[-1]["content"])
-        else:
-            messages, question = self._messages(prompt), prompt
+        messages, question = self._chat(prompt)
         return {"messages": messages, "question": question, "prompt": prompt, **row}
 
     def __repr__(self) -> str:

@@ -75,6 +75,9 @@ class ArithmeticTask(_Task):
     def __init__(self, *, num_operands: int, min_digits: int, max_digits: int, operators: Sequence[str],
                  style: str, seed: int, train_size: int, heldout_size: int, system_prompt: str | None,
                  instruction: str, few_shot: int) -> None:
+        if heldout_size == "auto":  # a share of a stream of made-up problems would be a share of train_size
+            raise ConfigError("data.heldout_size=auto is for data read from files (a share of its rows); a generated "
+                              "task needs a number: set data.heldout_size=500")
         super().__init__(seed=seed, heldout_size=heldout_size, system_prompt=system_prompt,
                          instruction=instruction, few_shot=few_shot)
         _check_int("num_operands", num_operands, 2, 2)

@@ -7,8 +7,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from grpo_cli.errors import ConfigError
+from grpo_cli.metrics.console import console
 
 Example = dict[str, Any]
+
+# data.heldout_size=auto, a file's seeded held-out slice: a tenth of its rows, at least 1 and at most AUTO_MOST. Every
+# dataset of 2,000 rows or more holds out AUTO_MOST, the number these tasks held out before auto existed (GSM8K's
+# 7,473 rows: the same 200 rows, so its runs' held-out numbers stay comparable)
+AUTO_SHARE, AUTO_MOST = 10, 200
 
 
 def _check_int(name: str, value: Any, minimum: int, fix: Any, *, nullable: bool = False) -> None:
@@ -25,10 +31,13 @@ class _Task:
     train: Sequence[Example]
     heldout: Sequence[Example]
 
-    def __init__(self, *, seed: int, heldout_size: int, system_prompt: str | None, instruction: str,
+    def __init__(self, *, seed: int, heldout_size: int | str, system_prompt: str | None, instruction: str,
                  few_shot: int) -> None:
         _check_int("seed", seed, 0, 0)
-        _check_int("heldout_size", heldout_size, 1, 200)
+        if heldout_size != "auto" and (not isinstance(heldout_size, int) or isinstance(heldout_size, bool)
+                                       or heldout_size < 1):
+            raise ConfigError(f"data.heldout_size ({heldout_size!r}) must be an integer >= 1 or auto; "
+                              f"set data.heldout_size=auto")
         _check_int("few_shot", few_shot, 0, 0)
         if system_prompt is not None and not isinstance(system_prompt, str):
             raise ConfigError(f"data.system_prompt ({system_prompt!r}) must be a string or null; "
@@ -43,6 +52,24 @@ class _Task:
         self.few_shot = few_shot
         # (question, assistant reply) pairs, the same earlier turns in every prompt
         self.shots: list[tuple[str, str]] = []
+
+    def prompt_rows(self) -> list[tuple[str, list[dict]]]:
+        """(where, chat messages) of every prompt read from a user's data, training rows then held-out ones, for
+        grpo_cli.data.lengths; none for a generated task, whose settings bound its prompts."""
+        return []
+
+    def _heldout_count(self, rows: int, distinct: int, source: str) -> int:
+        """data.heldout_size as a number of the `rows` (`distinct` questions): the number given, or for auto a tenth
+        (AUTO_SHARE), never so many that no question is left to train on; said in one line when under AUTO_MOST."""
+        if self.heldout_size != "auto":
+            return self.heldout_size
+        # h held-out rows and f shots hold at most h + f questions: h <= distinct - f - 1 leaves one to train on
+        count = max(1, min(AUTO_MOST, rows // AUTO_SHARE, distinct - self.few_shot - 1))
+        if count < AUTO_MOST:
+            console.print(f"data: {count} of {source}'s {rows} rows held out for eval (data.heldout_size=auto: a "
+                          f"tenth, at least 1, at most {AUTO_MOST}); set data.heldout_size=N for another number",
+                          markup=False, highlight=False, soft_wrap=True)
+        return count
 
     def _user(self, question: str) -> str:
         # str.replace, not str.format: instructions may hold literal braces ("#### {N}")

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from grpo_cli import recipe
 from grpo_cli.commands import train
 from grpo_cli.errors import ConfigError
-from tests.helpers import deterministic, metrics, tiny_cfg
+from tests.helpers import TINY, deterministic, metrics, run_cli, tiny_cfg
 
 # the digit reward (1 when the completion has a digit) on the tiny random model: some groups tie, some do not
 DYNAMIC = ["algo.dynamic_sampling=true", "algo.filter_metric=digit", "algo.max_generation_batches=4",
@@ -64,3 +64,15 @@ def test_a_filter_metric_the_reward_lacks_stops_before_the_model_loads(tmp_path,
     with pytest.raises(ConfigError, match=r"algo.filter_metric \(digits\) is not a function of this reward \(it "
                                           r"has: accuracy, digit\); set algo.filter_metric=accuracy"):
         train.run(tiny_cfg("algo.dynamic_sampling=true", "algo.filter_metric=digits", "trainer.max_steps=1"), tmp_path)
+
+
+def test_the_console_says_when_every_group_tied(tmp_path):
+    # an empty pattern matches every completion: every group ties on `always` in every draw
+    tied = ("+reward.functions.always={_target_:grpo_cli.rewards.outcome.format_reward,_partial_:true,"
+            "pattern:''}")
+    result = run_cli(["train", *TINY, tied, "+reward.weights.always=1.0", "algo.dynamic_sampling=true",
+                      "algo.filter_metric=always", "algo.max_generation_batches=2", "trainer.max_steps=1",
+                      "hydra.run.dir=run"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert ("step 1: dynamic sampling: every group tied on always in 2 draws (algo.max_generation_batches=2); "
+            "trained on the last draw as it is") in " ".join(result.stderr.split())

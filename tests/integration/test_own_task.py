@@ -165,6 +165,21 @@ def test_standard_jsonl_columns_reach_a_user_reward_in_train_eval_and_sample(wor
     assert len(samples) == 4 and all(s["reward"] is not None for s in samples)
 
 
+def test_the_docs_two_row_example_trains_as_written(tmp_path):
+    # docs/your-own-task.md's two rows and its unit_reward, and its command with nothing added but the tiny model
+    write_jsonl(tmp_path / "prompts.jsonl", [
+        {"prompt": "How far is it from Paris to Lyon?", "unit": "km", "answer": "465"},
+        {"prompt": "How much does a litre of water weigh?", "unit": "kg", "answer": "1"}])
+    (tmp_path / "my_rewards.py").write_text("def unit_reward(prompts, completions, unit, **kwargs):\n"
+                                            "    return [float(u in c) for c, u in zip(completions, unit)]\n")
+    out = grpo("train", *TINY, "data=hf", "data.path=prompts.jsonl", "reward=custom",
+               "reward.funcs=[my_rewards.unit_reward,accuracy]", "hydra.run.dir=run", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    # one row held out (a tenth of 2, at least 1), said in one line; the other trains
+    assert "data: 1 of prompts.jsonl's 2 rows held out for eval (data.heldout_size=auto" in out.stderr
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2
+
+
 @pytest.mark.slow  # 3 CLI runs (~21 s); the standard-format run above covers the same path in the fast suite
 def test_conversational_parquet_without_answers_trains_evals_and_samples_with_trl_rewards(workdir):
     # TRL's documented format reward runs unchanged beside a recording one; the data has no answer column

@@ -179,7 +179,9 @@ def test_a_huge_prompt_is_refused_before_it_is_tokenized(tmp_path):
     data = tmp_path / "huge.jsonl"
     rows = [{"question": "What is 1 + 1?", "answer": "2"}] * 30 + [{"question": "x" * 10_000_000, "answer": "1"}]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with pytest.raises(ConfigError, match="10,000,0.. characters is longer than sampler.max_prompt_tokens"):
+    # measured with every row before the model loads, named by its line (grpo_cli.data.lengths)
+    with pytest.raises(ConfigError, match="huge.jsonl:31: the prompt is 10,000,0.. characters with the chat "
+                                          "template, longer than sampler.max_prompt_tokens"):
         train.run(tiny_cfg("data=jsonl", f"data.path={data}", "data.heldout_size=1", "trainer.prompts_per_step=31",
                            "trainer.max_steps=1", "algo.group_size=2"), tmp_path / "run")
 

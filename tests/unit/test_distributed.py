@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 from pathlib import Path
 
 import pytest
@@ -236,3 +237,72 @@ def test_config_errors_name_the_fix_before_the_model_loads(monkeypatch):
         validate(cfg, *train.CHECKS)
     iterative = train.check_world(compose("train", ["+recipe=iterative"]), 2)
     assert any("iterative.iterations=0" in line for line in iterative)
+
+
+# ---- a rank that dies: the others end with one line naming it --------------------------------------------------
+
+
+def _join_as_torchrun(rank: int, size: int, init_method: str) -> None:
+    """The environment torchrun gives a rank, so init_world (and a command) joins the group as under torchrun."""
+    import os
+
+    host, port = init_method.removeprefix("tcp://").split(":")
+    os.environ.update(WORLD_SIZE=str(size), RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR=host, MASTER_PORT=port)
+    torch.set_num_threads(1)
+
+
+def _die_slowly() -> None:
+    """Stop as a crashing rank does: its connections close first, the process ends a moment later."""
+    import os
+    import time
+
+    torch.distributed.destroy_process_group()
+    time.sleep(1.0)
+    os._exit(0)
+
+
+def _slow_death_worker(rank: int, size: int, init_method: str, out: str) -> None:
+    import time
+
+    from grpo_cli.distributed import init_world
+    from grpo_cli.errors import RunError
+
+    _join_as_torchrun(rank, size, init_method)
+    world = init_world()
+    if rank == 1:
+        time.sleep(0.5)
+        _die_slowly()
+    try:
+        world.sum(torch.tensor([1.0]))
+    except RunError as err:
+        Path(out, "rank0.txt").write_text(str(err))
+
+
+def test_a_rank_that_dies_slowly_is_named_not_another_rank(tmp_path):
+    two_ranks(_slow_death_worker, tmp_path)
+    line = (tmp_path / "rank0.txt").read_text()
+    # the collective breaks while rank 1's process still exists: it is named once it is gone
+    assert re.match(r"rank 1 \(pid \d+\) stopped \(killed or crashed\), so rank 0 cannot go on \(", line), line
+
+
+def _fsdp_death_worker(rank: int, size: int, init_method: str, out: str) -> None:
+    from grpo_cli import fsdp
+    from grpo_cli.commands import train
+    from grpo_cli.errors import RunError
+    from tests.helpers import tiny_cfg
+
+    _join_as_torchrun(rank, size, init_method)
+    if rank == 1:
+        # rank 1 dies as step 1 starts; rank 0 goes on into FSDP's all-gather of the base for sampling
+        fsdp.whole = lambda policy: _die_slowly()
+    try:
+        train.run(tiny_cfg("trainer.fsdp=true", "trainer.max_steps=1"), Path(out, "run"))
+    except RunError as err:
+        Path(out, "rank0.txt").write_text(str(err))
+
+
+def test_fsdp_a_dead_rank_is_one_line_naming_it(tmp_path):
+    two_ranks(_fsdp_death_worker, tmp_path)
+    line = (tmp_path / "rank0.txt").read_text()
+    assert "\n" not in line and re.match(r"rank 1 \(pid \d+\) stopped \(killed or crashed\), so rank 0 cannot go on "
+                                         r"\(.*\); every rank stops", line), line

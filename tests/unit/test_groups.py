@@ -59,9 +59,9 @@ def test_draws_until_the_batch_is_full_and_keeps_the_first_groups_with_signal():
     assert kept.rollout.completion_ids[:, 0].tolist() == [1, 1, 3, 3]
     assert kept.result.per_function["accuracy"] == [0.0, 1.0, 0.0, 1.0]
     assert kept.result.rewards == [10.0, 11.0, 10.0, 11.0] and kept.result.failures == 2  # one per draw
-    # 3 of the 6 groups drawn had signal; 2 draws; full
+    # 3 of the 6 groups drawn had signal; 2 draws; full: the 2 wanted trained
     assert kept.metrics == {"dynamic/generation_batches": 2, "dynamic/prompts_drawn": 6, "dynamic/kept_share": 0.5,
-                            "dynamic/batch_full": 1.0, "dynamic/unfiltered": 0.0}
+                            "dynamic/batch_full": 1.0, "dynamic/unfiltered": 0.0, "dynamic/groups_trained": 2}
 
 
 def test_the_bound_trains_on_what_was_kept_or_on_the_last_draw_when_nothing_was():
@@ -122,3 +122,19 @@ def test_two_ranks_agree_on_what_is_kept_and_take_equal_shares(tmp_path):
     assert r1["texts"] == ["r0:5", "r0:5", "r1:6", "r1:6"]  # rank 0's completions reached rank 1
     assert r1["accuracy"] == [1.0, 0.0, 1.0, 0.0]
     assert r0["metrics"] == r1["metrics"] and r0["metrics"]["dynamic/kept_share"] == 4 / 8
+
+
+def test_the_state_is_said_when_the_batch_is_not_full_or_every_group_tied():
+    keep = GroupFilter(True, "accuracy", 2)
+    # 2 draws of 2 groups each, every group tied: the step trains on the last draw as it is
+    tied = keep.select([_draw(0, [1.0, 1.0, 0.0, 0.0]), _draw(2, [1.0, 1.0, 1.0, 1.0])], 2, G, 0)
+    assert keep.state(tied.metrics) == ("dynamic sampling: every group tied on accuracy in 2 draws "
+                                        "(algo.max_generation_batches=2); trained on the last draw as it is")
+    # 1 group of the 2 wanted varied (group 1 of the first draw)
+    short = keep.select([_draw(0, [1.0, 1.0, 0.0, 1.0]), _draw(2, [0.0, 0.0, 1.0, 1.0])], 2, G, 0)
+    assert keep.state(short.metrics) == ("dynamic sampling: 1 of the 2 groups wanted varied on accuracy in 2 draws "
+                                         "(algo.max_generation_batches=2); trained on 1")
+    full = keep.select([_draw(0, [1.0, 0.0, 0.0, 1.0])], 2, G, 0)
+    assert keep.state(full.metrics) == ""  # a full batch: nothing to say
+    off = GroupFilter(False, "accuracy", 2)
+    assert off.state(off.select([_draw(0, [1.0, 1.0, 1.0, 1.0])], 2, G, 0).metrics) == ""

@@ -71,7 +71,7 @@ def test_all_duplicates_asks_for_other_questions(tmp_path):
 
 
 @pytest.mark.parametrize("questions, few_shot, heldout_size", [
-    (["a", "b", "c", "d"], 0, 3),  # 4 distinct, all held out by the default 200 -> at most 4 - 0 - 1 = 3
+    (["a", "b", "c", "d"], 0, 3),  # 4 distinct, all held out by 200 -> at most 4 - 0 - 1 = 3
     (["a", "b", "c", "d", "e"], 2, 2),  # 5 distinct, 2 shots -> at most 5 - 2 - 1 = 2
     (["a", "a", "b", "b", "c", "c"], 0, 2),  # 3 distinct, each twice -> at most 3 - 0 - 1 = 2
 ])
@@ -79,7 +79,7 @@ def test_suggested_heldout_size_works(tmp_path, questions, few_shot, heldout_siz
     path = tmp_path / "p.jsonl"
     path.write_bytes(lines(*[json.dumps({"question": q, "answer": "1"}) for q in questions]))
     with pytest.raises(DataError, match=re.escape(f"set data.heldout_size={heldout_size} or lower")):
-        load_task("jsonl", path=str(path), few_shot=few_shot)
+        load_task("jsonl", path=str(path), few_shot=few_shot, heldout_size=200)
     for seed in range(5):  # the fix holds whichever rows the seed holds out
         task = load_task("jsonl", path=str(path), few_shot=few_shot, heldout_size=heldout_size, seed=seed)
         assert len(task.train) >= 1 and len(task.shots) == few_shot
