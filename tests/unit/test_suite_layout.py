@@ -20,3 +20,9 @@ def test_no_test_module_imports_another():
                       if n.split(".")[-1].startswith("test_") or n.startswith(("tests.unit", "tests.integration",
                                                                                  "tests.system"))]
     assert found == []
+
+
+def test_test_modules_have_unique_names():
+    """pytest imports test files by their base name (no __init__.py in the tiers): two of one name stop collection."""
+    names = [p.name for p in TESTS.rglob("test_*.py")]
+    assert sorted({n for n in names if names.count(n) > 1}) == []

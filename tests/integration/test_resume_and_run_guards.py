@@ -1,5 +1,5 @@
-"""Issue #13, the training side: resume honours the run, run folders are guarded, checkpoint files
-are checked and named, non-finite steps are skipped, every bad value stops before the model loads.
+"""Resume honours the run, run folders are guarded, checkpoint files are checked and named, non-finite steps
+are skipped, every bad value stops before the model loads.
 
 Each case asserts the exit code, that an error is one line without a traceback, and that no file of
 an earlier run changed where data was at stake. Item numbers are the issue's.
@@ -367,7 +367,7 @@ def test_a_training_run_survives_a_reward_that_exits(tmp_path):
     # the run's only other reward scores every completion 0.5 (a format pattern any text matches)
     cfg = compose("train", [*EVAL_TINY, "trainer.max_steps=2", "algo.group_size=2", "trainer.prompts_per_step=1",
                             "trainer.report_to=[]", "~reward.functions.accuracy", "reward.weights=null",
-                            "+reward.functions.exits={_target_:test_runs.always_exits,_partial_:true}",
+                            "+reward.functions.exits={_target_:test_resume_and_run_guards.always_exits,_partial_:true}",
                             "+reward.functions.any={_target_:grpo_cli.rewards.outcome.format_reward,_partial_:true,"
                             "pattern:'(?s).*',match:0.5}"])
     train.run(cfg, tmp_path)
