@@ -49,10 +49,29 @@ class Rollout:
     # no top-p/top-k: what the trainer scores), 0 on pad; engines with their own copy of the weights
     # return it (vLLM); None for HF generate, which samples from the trainer's own policy
     sampling_logp: torch.Tensor | None = None
+    # [N, T] 1 where the model sampled the id, 0 where an environment added it (a tool result, the template's turn
+    # markers: context for attention and positions, never scored); None for plain completions, every id sampled
+    sampled_mask: torch.Tensor | None = None
+
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        """[N, T] the completion tokens the model sampled: what the loss, the KL, the entropy and lengths count."""
+        if self.sampled_mask is None:
+            return self.completion_mask
+        return self.completion_mask * self.sampled_mask.to(self.completion_mask.dtype)
 
     @property
     def lengths(self) -> list[int]:
-        return self.completion_mask.sum(1).tolist()
+        """N sampled tokens per completion (an episode's environment tokens are not its length)."""
+        return self.loss_mask.sum(1).tolist()
+
+    @property
+    def sampled_width(self) -> int:
+        """The padded completion width in sampled tokens (dr_grpo's divisor): T, or for episodes the most sampled
+        tokens of any row, so the tokens an environment added do not dilute the loss."""
+        if self.sampled_mask is None:
+            return self.completion_mask.shape[1]
+        return int(self.loss_mask.sum(1).max()) if self.loss_mask.shape[0] else 0
 
     @staticmethod
     def concat(parts: list[Rollout], pad: int) -> Rollout:
@@ -68,27 +87,32 @@ class Rollout:
         def right(x, width, value):  # [n, w] -> [n, width], padding after the completion
             return torch.nn.functional.pad(x, (0, width - x.shape[1]), value=value)
 
-        logp = None
+        logp = sampled = None
         if all(r.sampling_logp is not None for r in parts):
             logp = torch.cat([right(r.sampling_logp, width_t, 0.0) for r in parts])
+        if any(r.sampled_mask is not None for r in parts):  # a plain part: every id sampled
+            sampled = torch.cat([right(r.completion_mask if r.sampled_mask is None else r.sampled_mask, width_t, 0)
+                                 for r in parts])
         return Rollout(torch.cat([left(r.prompt_ids, width_p, pad) for r in parts]),
                        torch.cat([left(r.prompt_mask, width_p, 0) for r in parts]),
                        torch.cat([right(r.completion_ids, width_t, pad) for r in parts]),
                        torch.cat([right(r.completion_mask, width_t, 0) for r in parts]),
-                       [t for r in parts for t in r.texts], [t for r in parts for t in r.truncated], logp)
+                       [t for r in parts for t in r.texts], [t for r in parts for t in r.truncated], logp, sampled)
 
     def to(self, device) -> Rollout:
         """The same rows with every tensor on `device`."""
         return Rollout(self.prompt_ids.to(device), self.prompt_mask.to(device), self.completion_ids.to(device),
                        self.completion_mask.to(device), self.texts, self.truncated,
-                       None if self.sampling_logp is None else self.sampling_logp.to(device))
+                       None if self.sampling_logp is None else self.sampling_logp.to(device),
+                       None if self.sampled_mask is None else self.sampled_mask.to(device))
 
     def select(self, rows: torch.Tensor | list[int]) -> Rollout:
         rows = torch.as_tensor(rows, dtype=torch.long)
         pick = rows.tolist()
         return Rollout(self.prompt_ids[rows], self.prompt_mask[rows], self.completion_ids[rows],
                        self.completion_mask[rows], [self.texts[i] for i in pick], [self.truncated[i] for i in pick],
-                       None if self.sampling_logp is None else self.sampling_logp[rows])
+                       None if self.sampling_logp is None else self.sampling_logp[rows],
+                       None if self.sampled_mask is None else self.sampled_mask[rows])
 
 
 def pad_id(tokenizer) -> int:
