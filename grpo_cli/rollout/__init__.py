@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from grpo_cli.checks import Check, Rule, get, is_int, is_num
-from grpo_cli.errors import DataError
+from grpo_cli.errors import ConfigError, DataError
 from grpo_cli.policy import context_length
 
 
@@ -52,6 +52,9 @@ class Rollout:
     # [N, T] 1 where the model sampled the id, 0 where an environment added it (a tool result, the template's turn
     # markers: context for attention and positions, never scored); None for plain completions, every id sampled
     sampled_mask: torch.Tensor | None = None
+    # N episode records (grpo_cli.env.Episode: messages, tool calls and failures, turns, the env=class instance),
+    # one per row, when the rows are multi-turn episodes; None for plain completions
+    episodes: list | None = None
 
     @property
     def loss_mask(self) -> torch.Tensor:
@@ -87,24 +90,27 @@ class Rollout:
         def right(x, width, value):  # [n, w] -> [n, width], padding after the completion
             return torch.nn.functional.pad(x, (0, width - x.shape[1]), value=value)
 
-        logp = sampled = None
+        logp = sampled = episodes = None
         if all(r.sampling_logp is not None for r in parts):
             logp = torch.cat([right(r.sampling_logp, width_t, 0.0) for r in parts])
         if any(r.sampled_mask is not None for r in parts):  # a plain part: every id sampled
             sampled = torch.cat([right(r.completion_mask if r.sampled_mask is None else r.sampled_mask, width_t, 0)
                                  for r in parts])
+        if any(r.episodes is not None for r in parts):
+            episodes = [e for r in parts for e in (r.episodes or [None] * len(r.texts))]
         return Rollout(torch.cat([left(r.prompt_ids, width_p, pad) for r in parts]),
                        torch.cat([left(r.prompt_mask, width_p, 0) for r in parts]),
                        torch.cat([right(r.completion_ids, width_t, pad) for r in parts]),
                        torch.cat([right(r.completion_mask, width_t, 0) for r in parts]),
-                       [t for r in parts for t in r.texts], [t for r in parts for t in r.truncated], logp, sampled)
+                       [t for r in parts for t in r.texts], [t for r in parts for t in r.truncated], logp, sampled,
+                       episodes)
 
     def to(self, device) -> Rollout:
         """The same rows with every tensor on `device`."""
         return Rollout(self.prompt_ids.to(device), self.prompt_mask.to(device), self.completion_ids.to(device),
                        self.completion_mask.to(device), self.texts, self.truncated,
                        None if self.sampling_logp is None else self.sampling_logp.to(device),
-                       None if self.sampled_mask is None else self.sampled_mask.to(device))
+                       None if self.sampled_mask is None else self.sampled_mask.to(device), self.episodes)
 
     def select(self, rows: torch.Tensor | list[int]) -> Rollout:
         rows = torch.as_tensor(rows, dtype=torch.long)
@@ -112,7 +118,8 @@ class Rollout:
         return Rollout(self.prompt_ids[rows], self.prompt_mask[rows], self.completion_ids[rows],
                        self.completion_mask[rows], [self.texts[i] for i in pick], [self.truncated[i] for i in pick],
                        None if self.sampling_logp is None else self.sampling_logp[rows],
-                       None if self.sampled_mask is None else self.sampled_mask[rows])
+                       None if self.sampled_mask is None else self.sampled_mask[rows],
+                       None if self.episodes is None else [self.episodes[i] for i in pick])
 
 
 def pad_id(tokenizer) -> int:
@@ -170,6 +177,17 @@ class Sampler(SamplerSettings):
     def _generate(self, policy, tokenizer, prompts: list[str], n: int, *, greedy: bool, max_new_tokens: int,
                   temperature: float, generator: torch.Generator | None) -> Rollout:
         raise NotImplementedError
+
+    def sample(self, policy, tokenizer, examples: list[dict], n: int, *, greedy: bool = False,
+               generator: torch.Generator | None = None) -> Rollout:
+        """`n` completions for each example (its chat `messages`), rows grouped by example: what a training step
+        samples; `episodes.EpisodeSampler` answers the same call with multi-turn episodes."""
+        return self.generate(policy, tokenizer, render_prompts(tokenizer, [e["messages"] for e in examples]), n,
+                             greedy=greedy, generator=generator)
+
+    def engine(self, policy, tokenizer, *, greedy: bool, generator: torch.Generator | None):
+        """An engine that continues token-id sequences (grpo_cli.env.Engine), for multi-turn episodes."""
+        raise ConfigError(f"{type(self).__name__} cannot run multi-turn episodes yet (env=...); set sampler=hf")
 
 
 @contextlib.contextmanager
