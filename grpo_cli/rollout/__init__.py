@@ -187,7 +187,8 @@ class Sampler(SamplerSettings):
 
     def engine(self, policy, tokenizer, *, greedy: bool, generator: torch.Generator | None):
         """An engine that continues token-id sequences (grpo_cli.env.Engine), for multi-turn episodes."""
-        raise ConfigError(f"{type(self).__name__} cannot run multi-turn episodes yet (env=...); set sampler=hf")
+        raise ConfigError(f"{type(self).__name__} cannot run multi-turn episodes yet (env=tools or class); set "
+                          f"sampler=default (HF generate)")
 
 
 @contextlib.contextmanager

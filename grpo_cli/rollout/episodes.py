@@ -12,8 +12,34 @@ from __future__ import annotations
 
 import torch
 
-from grpo_cli.env import choose, prepare, run_episodes
+from grpo_cli.env import ClassEnv, choose, prepare, run_episodes
 from grpo_cli.rollout import Rollout, pad_id
+
+
+def with_env(sampler, env):
+    """The sampler a step calls: `sampler` itself without an environment (env=none), else its EpisodeSampler."""
+    return sampler if env is None else EpisodeSampler(sampler, env)
+
+
+def reward_column_names(env) -> list[str]:
+    """The columns `reward_columns` adds for a run with `env` (a reward function's needs are checked against them
+    before the model loads)."""
+    if env is None:
+        return []
+    return ["completion_messages", "tool_call_count", *(["environments"] if isinstance(env, ClassEnv) else [])]
+
+
+def reward_columns(rollout: Rollout) -> dict[str, list]:
+    """What a reward reads of episodes, as TRL passes it: each completion's messages (the assistant and tool turns;
+    a user's function gets them as `completions`), its tool-call count and, for env=class, its environment
+    instance (`environments`); {} for plain completions."""
+    if rollout.episodes is None:
+        return {}
+    columns = {"completion_messages": [e.messages for e in rollout.episodes],
+               "tool_call_count": [e.tool_calls for e in rollout.episodes]}
+    if any(e.environment is not None for e in rollout.episodes):
+        columns["environments"] = [e.environment for e in rollout.episodes]
+    return columns
 
 
 class EpisodeSampler:
