@@ -115,3 +115,20 @@ def test_episode_sampler_on_hf_generate_runs_and_stops_at_the_budget(policy, tmp
     # the tiny random model rarely writes EOS: its episodes end at the budget of 10 sampled ids, truncated
     assert all(n <= 10 for n in rollout.lengths) and len(rollout.episodes) == 4
     assert rollout.truncated == [e.stop == "budget" for e in rollout.episodes]
+
+
+def test_episodes_stay_on_hf_generate_until_vllm_continues_token_ids(tmp_path, monkeypatch):
+    from grpo_cli.config import validate
+    from grpo_cli.errors import ConfigError
+    from grpo_cli.rollout.engine import run_refusal
+    from tests.helpers import tiny_cfg
+
+    (tmp_path / "tools.py").write_text(TOOLS)
+    env = ["env=tools", f"env.tools=[{tmp_path / 'tools.py'}:multiply]"]
+    monkeypatch.setattr("grpo_cli.rollout.vllm_engine.installed", lambda: True)
+    # sampler=auto keeps the run on HF generate, saying why
+    assert "episodes" in run_refusal(tiny_cfg(*env), 1)
+    assert run_refusal(tiny_cfg(), 1) is None
+    # sampler=vllm asked for: one line before the model loads
+    with pytest.raises(ConfigError, match="set sampler=default"):
+        validate(tiny_cfg(*env, "sampler=vllm"))
