@@ -333,13 +333,17 @@ def char_ends_to_token_index(tokenizer, completion_ids: list[int], char_ends: li
 # ---- config checks: this module's settings, collected by config.validate --------------------------------
 
 def check_lengths(cfg) -> list[str]:
-    """The longest prompt plus the longest completion must fit what the engine holds: vLLM's
+    """The longest prompt plus the longest completion (an episode's: env.max_episode_tokens) must fit what the
+    engine holds: vLLM's
     sampler.max_model_len when set, else the model's context, when its config says it without loading the
     weights (else rollout.hf.check_prompts checks it once the model is loaded). An engine that held fewer
     would cut completions short without a word (vLLM does) or fail mid-run."""
     prompt, new = get(cfg, "sampler.max_prompt_tokens")[1], get(cfg, "sampler.max_new_tokens")[1]
     eval_new = get(cfg, "eval.max_new_tokens")[1]  # eval's own generation length, when it sets one
     new, key = (eval_new, "eval.max_new_tokens") if is_int(eval_new) else (new, "sampler.max_new_tokens")
+    episode = get(cfg, "env.max_episode_tokens")[1]  # episodes (env=tools or class): every token after the prompt
+    if get(cfg, "env._target_")[1] and is_int(episode):
+        new, key = episode, "env.max_episode_tokens"
     if not (is_int(prompt) and is_int(new) and prompt >= 1 and new >= 1) or get(cfg, "model")[1] is None:
         return []  # the rules above report a bad value
     context, model_len = context_length(cfg.model), get(cfg, "sampler.max_model_len")[1]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from grpo_cli.env import ClassEnv, choose, prepare, run_episodes
+from grpo_cli.errors import DataError
 from grpo_cli.rollout import Rollout, pad_id
 
 
@@ -67,9 +68,22 @@ class EpisodeSampler:
             self._format = choose(self.env.tool_format, tokenizer, self.env.schemas)
         rows = [{**e, "prompt": e["messages"]} for e in examples for _ in range(n)]
         prompts, boxes = prepare(self.env, rows)
+        self._check_prompts(tokenizer, prompts, boxes)
         engine = self.sampler.engine(policy, tokenizer, greedy=greedy, generator=generator)
         episodes = run_episodes(engine, tokenizer, self._format, prompts, boxes, self.env.limits)
         return as_rollout(episodes, tokenizer)
+
+    def _check_prompts(self, tokenizer, prompts: list[list[dict]], boxes: list) -> None:
+        """DataError for a prompt over sampler.max_prompt_tokens once rendered with the tools' schemas."""
+        limit = self.sampler.max_prompt_tokens
+        for messages, box in zip(prompts, boxes, strict=True):
+            text = self._format.render(tokenizer, messages, box.schemas, True)
+            count = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+            if count > limit:
+                raise DataError(f"a prompt of {count} tokens with the tools' schemas is longer than "
+                                f"sampler.max_prompt_tokens ({limit}): {text[:100]!r}...; raise "
+                                f"sampler.max_prompt_tokens (and keep it + env.max_episode_tokens within the model's "
+                                f"context) or shorten the prompts or the tools' docstrings")
 
 
 def as_rollout(episodes: list, tokenizer) -> Rollout:

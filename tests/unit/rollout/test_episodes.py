@@ -132,3 +132,26 @@ def test_episodes_stay_on_hf_generate_until_vllm_continues_token_ids(tmp_path, m
     # sampler=vllm asked for: one line before the model loads
     with pytest.raises(ConfigError, match="set sampler=default"):
         validate(tiny_cfg(*env, "sampler=vllm"))
+
+
+def test_the_episode_budget_must_fit_the_context_with_the_prompt(tmp_path):
+    from grpo_cli.config import validate
+    from grpo_cli.errors import ConfigError
+    from tests.helpers import tiny_cfg
+
+    (tmp_path / "tools.py").write_text(TOOLS)
+    env = ["env=tools", f"env.tools=[{tmp_path / 'tools.py'}:multiply]", "sampler.max_prompt_tokens=1024"]
+    validate(tiny_cfg(*env, "env.max_episode_tokens=1024"))  # 1024 + 1024 = the tiny model's 2048
+    # every token after the prompt counts, so the episode's budget, not sampler.max_new_tokens, must fit
+    with pytest.raises(ConfigError, match=r"env.max_episode_tokens \(1025\) exceed .* env.max_episode_tokens=1024"):
+        validate(tiny_cfg(*env, "env.max_episode_tokens=1025"))
+
+
+def test_a_prompt_longer_than_max_prompt_tokens_with_the_tools_shown_is_one_line(policy, tmp_path):
+    from grpo_cli.errors import DataError
+
+    model, tokenizer = policy
+    # the tiny tokenizer spends a token per character: the tools' schema alone is hundreds of tokens
+    sampler = HFSampler(**sampler_settings(max_new_tokens=12, max_prompt_tokens=64))
+    with pytest.raises(DataError, match=r"with the tools' schemas .* sampler.max_prompt_tokens \(64\)"):
+        EpisodeSampler(sampler, tools_env(tmp_path)).sample(model, tokenizer, EXAMPLES, 2)
