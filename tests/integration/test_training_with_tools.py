@@ -42,13 +42,13 @@ class FirstTurnCalls(HFEngine):
 
 
 def test_a_run_with_tools_logs_turns_and_tool_metrics(tmp_path, monkeypatch):
-    (tmp_path / "my_tools.py").write_text(MY_TOOLS)
+    (tmp_path / "episode_tools.py").write_text(MY_TOOLS)
     monkeypatch.setattr(HFSampler, "engine", lambda self, policy, tokenizer, *, greedy, generator:
                         FirstTurnCalls(self, policy, tokenizer, greedy, generator))
     out = tmp_path / "run"
     code, _, err = run_cli(["train", *TINY[:-2], "trainer.max_steps=2", f"hydra.run.dir={out}", "env=tools",
-                            "env.tools=[my_tools.multiply]", "env.max_episode_tokens=100", "env.max_turns=2",
-                            "reward=custom", "reward.funcs=[my_tools.saw_a_tool_turn]",
+                            "env.tools=[episode_tools.multiply]", "env.max_episode_tokens=100", "env.max_turns=2",
+                            "reward=custom", "reward.funcs=[episode_tools.saw_a_tool_turn]",
                             "trainer.log_completions_every=1"], cwd=tmp_path)
     assert code == 0, err
     records = metrics(out)
