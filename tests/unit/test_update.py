@@ -1,4 +1,5 @@
-"""grpo_cli.update: a step whose weights come out non-finite is undone whole, the optimizer's state included."""
+"""grpo_cli.update: a step whose weights come out non-finite is undone whole, the optimizer's state included; an
+episode's environment tokens are context only: out of the loss, the KL, the entropy, lengths and normalizers."""
 
 from __future__ import annotations
 
