@@ -20,7 +20,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import get_object
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from grpo_cli import groups, iterative, policy, rewards, rollout
+from grpo_cli import env, groups, iterative, policy, rewards, rollout
 from grpo_cli.checks import Check, Rule, is_int, is_num, one_of
 from grpo_cli.errors import ConfigError
 from grpo_cli.objective import (
@@ -178,7 +178,8 @@ def _check_is_correction(algo) -> list[str]:
 
 # every library module that owns a config section, with its checks (grpo_cli.checks); a command adds its own
 LIBRARY_CHECKS: list[Check] = [*ALGO, *policy.CHECKS, *rollout.CHECKS, *vllm_engine.CHECKS, *rewards.CHECKS,
-                               *reward_models.CHECKS, *iterative.CHECKS, *groups.CHECKS, *OPTIMIZER]
+                               *reward_models.CHECKS, *iterative.CHECKS, *groups.CHECKS, *OPTIMIZER,
+                               *env.CHECKS]
 
 
 # sections of plain settings (no `_target_`): their keys are the ones their YAML file defines, so a

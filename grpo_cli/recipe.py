@@ -37,6 +37,7 @@ from grpo_cli import checkpoint, fsdp
 from grpo_cli.data import PromptStream
 from grpo_cli.data.lengths import check_prompt_lengths
 from grpo_cli.distributed import World
+from grpo_cli.env import from_config
 from grpo_cli.errors import RunError
 from grpo_cli.groups import Draw, GroupFilter, Kept
 from grpo_cli.instantiate import build
@@ -49,8 +50,9 @@ from grpo_cli.policy import build_policy, context_length, load_tokenizer
 from grpo_cli.reward_schedule import FixedReward, RewardSchedule
 from grpo_cli.rewards.call import score, token_ids
 from grpo_cli.rewards.shaping import shape
-from grpo_cli.rollout import pad_id, render_prompts
+from grpo_cli.rollout import pad_id
 from grpo_cli.rollout.engine import say
+from grpo_cli.rollout.episodes import reward_column_names, reward_columns, with_env
 from grpo_cli.rollout.sizing import Job
 from grpo_cli.update import advantages, prepare, update
 
@@ -126,9 +128,11 @@ def setup(cfg: DictConfig, run_dir: Path, world: World, why: str) -> Run:
     trainer, algo = cfg.trainer, cfg.algo
     report_to = check_logging(trainer)  # a missing tracker package stops here, before the model loads
     data = build(cfg.data)
+    env = from_config(cfg)  # env=tools or class: multi-turn episodes (the tools resolve here, before the model)
     rewards = reward_schedule(cfg, run_dir, data)
     keep = GroupFilter(algo.dynamic_sampling, algo.filter_metric, algo.max_generation_batches)
-    rewards.check(data.train[0], keep)
+    # the columns a reward may read: the data's, and the episodes' (env=tools or class)
+    rewards.check({**data.train[0], **dict.fromkeys(reward_column_names(env))}, keep)
     # a user's data: every prompt measured before the model loads, where its tokenizer loads without it
     early = load_tokenizer(cfg.model) if data.prompt_rows() else None
     if early is not None:
@@ -145,7 +149,7 @@ def setup(cfg: DictConfig, run_dir: Path, world: World, why: str) -> Run:
         console.print(fsdp.shard(policy, world))
     # every rank advances the stream alike and keeps its own slice
     prompts = PromptStream(data.train, trainer.seed).shard(world.rank, world.size)
-    sampler = build(cfg.sampler)
+    sampler = with_env(build(cfg.sampler), env)  # samples episodes when the run has an environment
     optimizer = build(cfg.optimizer)(params=[p for p in policy.parameters() if p.requires_grad])
     optimizer.zero_grad(set_to_none=False)  # zero (not absent) grads: a step with every row skipped is still a step
     scheduler = get_scheduler(trainer.lr_scheduler, optimizer, num_warmup_steps=trainer.warmup_steps,
@@ -248,7 +252,7 @@ def _explore(run: Run, n: int, reward) -> tuple[Kept, list[Draw], float]:
         #    schedule's floor for truncated completions, DAPO's soft overlong punishment (algo.overlong_buffer)
         owners = [i for i in range(len(examples)) for _ in range(algo.group_size)]
         result = score(reward, examples, owners, rollout.texts, rollout.lengths, rollout.truncated,
-                       token_ids(rollout))
+                       token_ids(rollout), reward_columns(rollout))
         result = shape(result, lengths=rollout.lengths, truncated=rollout.truncated, completions=rollout.texts,
                        max_length=run.cfg.sampler.max_new_tokens, overlong_buffer=algo.overlong_buffer,
                        overlong_penalty=algo.overlong_penalty, truncated_reward=run.rewards.truncated_reward)
@@ -260,9 +264,8 @@ def _explore(run: Run, n: int, reward) -> tuple[Kept, list[Draw], float]:
 def _sample(run: Run, examples: list[dict], n: int):
     """G completions per example; a policy whose logits went NaN/inf is a RunError, not a traceback."""
     try:
-        return run.sampler.generate(run.policy, run.tokenizer,
-                                    render_prompts(run.tokenizer, [e["messages"] for e in examples]),
-                                    run.cfg.algo.group_size, generator=run.generator)
+        return run.sampler.sample(run.policy, run.tokenizer, examples, run.cfg.algo.group_size,
+                                  generator=run.generator)
     except RuntimeError as err:
         if "inf" in str(err) or "nan" in str(err):  # torch.multinomial on non-finite probabilities
             raise RunError(f"step {n}: sampling failed because the policy's probabilities are not finite "

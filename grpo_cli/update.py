@@ -101,7 +101,7 @@ class Batch:
     old_logp: torch.Tensor | None  # [N, T] sampling-time policy; None when μ = 1 (old = current)
     num_sequences: int  # N of the whole batch (all ranks): the grpo/dr_grpo mean is over it
     num_tokens: torch.Tensor  # counted tokens of the whole batch (all ranks): the bnpo/dapo mean is over them
-    max_length: int  # the longest padded completion of all ranks: dr_grpo's constant divisor
+    max_length: int  # the longest padded completion of all ranks, in sampled tokens: dr_grpo's constant divisor
     world: World = SINGLE
     # 0-dim: the entropy at or above which a token keeps its policy-gradient term (top_entropy_quantile < 1)
     entropy_threshold: torch.Tensor | None = None
@@ -136,7 +136,9 @@ def prepare(policy, rollout: Rollout, advantages: torch.Tensor, loss, num_iterat
     update bucket for `bucket_tokens` (`bucket_rows_for`, from the longest padded completion of all ranks)."""
     device = rollout.completion_ids.device
     advantages = advantages.to(device)
-    mask = rollout.completion_mask.float()  # [N, T]; 1 up to and including EOS
+    # [N, T]; 1 on the sampled tokens up to and including EOS: an episode's environment tokens are context only, out
+    # of the loss, the KL, the entropy and the counts the loss divides by
+    mask = rollout.loss_mask.float()
     if mask_truncated_completions:
         mask[torch.tensor(rollout.truncated, device=device)] = 0.0
     n = mask.shape[0]
@@ -172,12 +174,13 @@ def prepare(policy, rollout: Rollout, advantages: torch.Tensor, loss, num_iterat
         rows[active] = True
         threshold = batch_entropy_threshold(entropy, mask.bool() & rows[:, None], loss.top_entropy_quantile, world)
     policy.train(was_training)
-    # [2]: sequences and counted tokens of the whole batch; the longest padded completion of all ranks
+    # [2]: sequences and counted tokens of the whole batch; [2]: the longest padded completion of all ranks in
+    # sampled tokens (dr_grpo's divisor) and in tokens (what a bucket's activations hold)
     counts = world.sum(torch.tensor([n, mask.sum().item()], dtype=torch.float64))
-    length = world.max(torch.tensor([mask.shape[1]]))
+    length = world.max(torch.tensor([rollout.sampled_width, mask.shape[1]]))
     return Batch(rollout, advantages, mask, active, ref_logp, old_logp, int(counts[0]),
                  counts[1].to(mask.dtype).to(device).clamp(min=1), int(length[0]), world, threshold, fillers,
-                 bucket_rows_for(int(length[0]), bucket_tokens))
+                 bucket_rows_for(int(length[1]), bucket_tokens))
 
 
 def batch_entropy_threshold(entropy: torch.Tensor, mask: torch.Tensor, quantile: float,

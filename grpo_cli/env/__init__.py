@@ -24,7 +24,14 @@ from grpo_cli.env.tools import Tool, Toolbox, ToolsEnv
 from grpo_cli.instantiate import build
 
 __all__ = ["CHATML_TOOLS_TEMPLATE", "CHECKS", "ClassEnv", "Engine", "Episode", "Limits", "Tool", "ToolFormat",
-           "Toolbox", "ToolsEnv", "choose", "prepare", "run_episodes"]
+           "Toolbox", "ToolsEnv", "choose", "from_config", "prepare", "run_episodes"]
+
+
+def from_config(cfg: DictConfig) -> ToolsEnv | ClassEnv | None:
+    """The run's environment, built from its `env` node; None for env=none (and for a run saved before the group
+    existed, whose config has no `env`)."""
+    present, node = get(cfg, "env")
+    return build(node) if present and isinstance(node, DictConfig) and node.get("_target_") else None
 
 
 def resolves(cfg: DictConfig) -> None:

@@ -156,6 +156,10 @@ class CompletionsLog:
                     "advantage": adv[row], "truncated": bool(rollout.truncated[row]), "length": int(lengths[row])}
             if result.steps is not None:
                 line["steps"] = [[int(end), float(r)] for end, r in result.steps[row]]
+            if getattr(rollout, "episodes", None):  # multi-turn: the assistant turns, calls and tool results
+                episode = rollout.episodes[row]
+                line.update(turns=episode.messages, tool_calls=episode.tool_calls,
+                            tool_failures=episode.tool_failures, stop=episode.stop)
             out.append(line)
         return out
 

@@ -28,4 +28,17 @@ def rollout_metrics(result, rollout, group_size: int) -> dict:
         out[f"rewards/{name}/mean"] = mean(values)
     out.update({"completions/mean_length": sum(lengths) / len(lengths), "completions/max_length": max(lengths),
                 "completions/clipped_ratio": sum(rollout.truncated) / len(lengths)})
+    episodes = getattr(rollout, "episodes", None)  # multi-turn episodes (env=tools or class); None otherwise
+    if episodes:
+        out.update(episode_metrics(episodes))
     return out
+
+
+def episode_metrics(episodes: list) -> dict:
+    """Tool calls per episode, the share of calls that failed, assistant turns per episode, and the share of the
+    completions' tokens the environment added (tool results and turn markers: context, not scored)."""
+    calls, failures = sum(e.tool_calls for e in episodes), sum(e.tool_failures for e in episodes)
+    tokens = sum(len(e.sampled) for e in episodes)
+    return {"tools/call_frequency": calls / len(episodes), "tools/failure_frequency": failures / max(calls, 1),
+            "turns/mean": sum(e.turns for e in episodes) / len(episodes),
+            "tokens/environment_share": (tokens - sum(sum(e.sampled) for e in episodes)) / max(tokens, 1)}

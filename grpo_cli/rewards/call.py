@@ -23,19 +23,21 @@ _TRL_ONLY = {"trainer_state": "TRL's TrainerState (global_step, max_steps, ...)"
 
 
 def score(reward_fn, examples: list[dict], owners: list[int], texts: list[str], lengths: list[int],
-          truncated: list[bool], completion_ids: list[list[int]] | None = None) -> RewardResult:
+          truncated: list[bool], completion_ids: list[list[int]] | None = None,
+          episodes: dict[str, list] | None = None) -> RewardResult:
     """Call a built reward on completions; completion j answers examples[owners[j]].
 
     The reward sees each example's question as `prompts` and its other fields (`answer`, a dataset's
     columns, ...) as columns, in the order of the completions, plus the completions' token lengths,
-    truncation flags and (when given) token ids.
+    truncation flags and (when given) token ids, and for multi-turn episodes the columns
+    `grpo_cli.rollout.episodes.reward_columns` makes (their messages, tool-call counts, environments).
     """
     keys = [k for k in examples[0] if k not in _NOT_COLUMNS]
     columns = {k: [examples[i].get(k) for i in owners] for k in keys}
     rollout = {"completion_length": lengths, "truncated": truncated}
     if completion_ids is not None:
         rollout["completion_ids"] = completion_ids
-    return reward_fn([examples[i]["question"] for i in owners], texts, {**columns, **rollout})
+    return reward_fn([examples[i]["question"] for i in owners], texts, {**columns, **rollout, **(episodes or {})})
 
 
 def token_ids(rollout) -> list[list[int]]:

@@ -122,7 +122,10 @@ class TRLFunction:
         given = columns.pop("prompt", None)  # the prompts as the dataset gives them (data=hf)
         if given is not None:
             prompts = given
-        if prompts and isinstance(prompts[0], list):  # conversational: what TRL hands a reward function
+        messages = columns.pop("completion_messages", None)  # multi-turn episodes: the assistant and tool turns
+        if messages is not None:
+            completions = messages
+        elif prompts and isinstance(prompts[0], list):  # conversational: what TRL hands a reward function
             completions = [[{"role": "assistant", "content": text}] for text in completions]
         out = self.user_function(prompts=prompts, completions=completions, **columns)
         return asyncio.run(out) if inspect.iscoroutine(out) else out

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from grpo_cli.checks import Check, Rule, get, is_int, is_num
-from grpo_cli.errors import DataError
+from grpo_cli.errors import ConfigError, DataError
 from grpo_cli.policy import context_length
 
 
@@ -49,10 +49,32 @@ class Rollout:
     # no top-p/top-k: what the trainer scores), 0 on pad; engines with their own copy of the weights
     # return it (vLLM); None for HF generate, which samples from the trainer's own policy
     sampling_logp: torch.Tensor | None = None
+    # [N, T] 1 where the model sampled the id, 0 where an environment added it (a tool result, the template's turn
+    # markers: context for attention and positions, never scored); None for plain completions, every id sampled
+    sampled_mask: torch.Tensor | None = None
+    # N episode records (grpo_cli.env.Episode: messages, tool calls and failures, turns, the env=class instance),
+    # one per row, when the rows are multi-turn episodes; None for plain completions
+    episodes: list | None = None
+
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        """[N, T] the completion tokens the model sampled: what the loss, the KL, the entropy and lengths count."""
+        if self.sampled_mask is None:
+            return self.completion_mask
+        return self.completion_mask * self.sampled_mask.to(self.completion_mask.dtype)
 
     @property
     def lengths(self) -> list[int]:
-        return self.completion_mask.sum(1).tolist()
+        """N sampled tokens per completion (an episode's environment tokens are not its length)."""
+        return self.loss_mask.sum(1).tolist()
+
+    @property
+    def sampled_width(self) -> int:
+        """The padded completion width in sampled tokens (dr_grpo's divisor): T, or for episodes the most sampled
+        tokens of any row, so the tokens an environment added do not dilute the loss."""
+        if self.sampled_mask is None:
+            return self.completion_mask.shape[1]
+        return int(self.loss_mask.sum(1).max()) if self.loss_mask.shape[0] else 0
 
     @staticmethod
     def concat(parts: list[Rollout], pad: int) -> Rollout:
@@ -68,27 +90,36 @@ class Rollout:
         def right(x, width, value):  # [n, w] -> [n, width], padding after the completion
             return torch.nn.functional.pad(x, (0, width - x.shape[1]), value=value)
 
-        logp = None
+        logp = sampled = episodes = None
         if all(r.sampling_logp is not None for r in parts):
             logp = torch.cat([right(r.sampling_logp, width_t, 0.0) for r in parts])
+        if any(r.sampled_mask is not None for r in parts):  # a plain part: every id sampled
+            sampled = torch.cat([right(r.completion_mask if r.sampled_mask is None else r.sampled_mask, width_t, 0)
+                                 for r in parts])
+        if any(r.episodes is not None for r in parts):
+            episodes = [e for r in parts for e in (r.episodes or [None] * len(r.texts))]
         return Rollout(torch.cat([left(r.prompt_ids, width_p, pad) for r in parts]),
                        torch.cat([left(r.prompt_mask, width_p, 0) for r in parts]),
                        torch.cat([right(r.completion_ids, width_t, pad) for r in parts]),
                        torch.cat([right(r.completion_mask, width_t, 0) for r in parts]),
-                       [t for r in parts for t in r.texts], [t for r in parts for t in r.truncated], logp)
+                       [t for r in parts for t in r.texts], [t for r in parts for t in r.truncated], logp, sampled,
+                       episodes)
 
     def to(self, device) -> Rollout:
         """The same rows with every tensor on `device`."""
         return Rollout(self.prompt_ids.to(device), self.prompt_mask.to(device), self.completion_ids.to(device),
                        self.completion_mask.to(device), self.texts, self.truncated,
-                       None if self.sampling_logp is None else self.sampling_logp.to(device))
+                       None if self.sampling_logp is None else self.sampling_logp.to(device),
+                       None if self.sampled_mask is None else self.sampled_mask.to(device), self.episodes)
 
     def select(self, rows: torch.Tensor | list[int]) -> Rollout:
         rows = torch.as_tensor(rows, dtype=torch.long)
         pick = rows.tolist()
         return Rollout(self.prompt_ids[rows], self.prompt_mask[rows], self.completion_ids[rows],
                        self.completion_mask[rows], [self.texts[i] for i in pick], [self.truncated[i] for i in pick],
-                       None if self.sampling_logp is None else self.sampling_logp[rows])
+                       None if self.sampling_logp is None else self.sampling_logp[rows],
+                       None if self.sampled_mask is None else self.sampled_mask[rows],
+                       None if self.episodes is None else [self.episodes[i] for i in pick])
 
 
 def pad_id(tokenizer) -> int:
@@ -146,6 +177,18 @@ class Sampler(SamplerSettings):
     def _generate(self, policy, tokenizer, prompts: list[str], n: int, *, greedy: bool, max_new_tokens: int,
                   temperature: float, generator: torch.Generator | None) -> Rollout:
         raise NotImplementedError
+
+    def sample(self, policy, tokenizer, examples: list[dict], n: int, *, greedy: bool = False,
+               generator: torch.Generator | None = None) -> Rollout:
+        """`n` completions for each example (its chat `messages`), rows grouped by example: what a training step
+        samples; `episodes.EpisodeSampler` answers the same call with multi-turn episodes."""
+        return self.generate(policy, tokenizer, render_prompts(tokenizer, [e["messages"] for e in examples]), n,
+                             greedy=greedy, generator=generator)
+
+    def engine(self, policy, tokenizer, *, greedy: bool, generator: torch.Generator | None):
+        """An engine that continues token-id sequences (grpo_cli.env.Engine), for multi-turn episodes."""
+        raise ConfigError(f"{type(self).__name__} cannot run multi-turn episodes yet (env=tools or class); set "
+                          f"sampler=default (HF generate)")
 
 
 @contextlib.contextmanager
@@ -290,13 +333,17 @@ def char_ends_to_token_index(tokenizer, completion_ids: list[int], char_ends: li
 # ---- config checks: this module's settings, collected by config.validate --------------------------------
 
 def check_lengths(cfg) -> list[str]:
-    """The longest prompt plus the longest completion must fit what the engine holds: vLLM's
+    """The longest prompt plus the longest completion (an episode's: env.max_episode_tokens) must fit what the
+    engine holds: vLLM's
     sampler.max_model_len when set, else the model's context, when its config says it without loading the
     weights (else rollout.hf.check_prompts checks it once the model is loaded). An engine that held fewer
     would cut completions short without a word (vLLM does) or fail mid-run."""
     prompt, new = get(cfg, "sampler.max_prompt_tokens")[1], get(cfg, "sampler.max_new_tokens")[1]
     eval_new = get(cfg, "eval.max_new_tokens")[1]  # eval's own generation length, when it sets one
     new, key = (eval_new, "eval.max_new_tokens") if is_int(eval_new) else (new, "sampler.max_new_tokens")
+    episode = get(cfg, "env.max_episode_tokens")[1]  # episodes (env=tools or class): every token after the prompt
+    if get(cfg, "env._target_")[1] and is_int(episode):
+        new, key = episode, "env.max_episode_tokens"
     if not (is_int(prompt) and is_int(new) and prompt >= 1 and new >= 1) or get(cfg, "model")[1] is None:
         return []  # the rules above report a bad value
     context, model_len = context_length(cfg.model), get(cfg, "sampler.max_model_len")[1]

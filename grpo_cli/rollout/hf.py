@@ -63,6 +63,46 @@ class HFSampler(Sampler):
         completion = full[:, ids.shape[1]:]  # [N, T']
         return finish(tokenizer, ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0), completion, eos, pad)
 
+    def engine(self, policy, tokenizer, *, greedy: bool, generator: torch.Generator | None) -> HFEngine:
+        return HFEngine(self, policy, tokenizer, greedy, generator)
+
+
+@dataclass
+class HFEngine:
+    """grpo_cli.env's Engine on transformers `generate`: token-id sequences in, each row's new ids out (up to and
+    including its EOS), sampled with the sampler's settings from `generator` (greedy for eval)."""
+
+    sampler: HFSampler
+    model: torch.nn.Module
+    tokenizer: object
+    greedy: bool
+    generator: torch.Generator | None
+
+    @property
+    def eos_token_id(self) -> int:
+        return self.tokenizer.eos_token_id
+
+    @torch.no_grad()
+    def continue_batch(self, sequences: list[list[int]], max_new: int) -> list[list[int]]:
+        model, s = self.model, self.sampler
+        device = next(model.parameters()).device
+        eos, pad = self.eos_token_id, pad_id(self.tokenizer)
+        width = max(len(q) for q in sequences)
+        ids = torch.full((len(sequences), width), pad, dtype=torch.long)  # [B, L] left-padded
+        mask = torch.zeros_like(ids)
+        for i, q in enumerate(sequences):
+            ids[i, width - len(q):], mask[i, width - len(q):] = torch.tensor(q, dtype=torch.long), 1
+        config = sampling_config(self.greedy, s.temperature, s.top_p, s.top_k, max_new, eos, pad)
+        was_training = model.training
+        model.eval()
+        with autocast(model), own_generation_config(model), drawing_from(self.generator):
+            full = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config)
+        model.train(was_training)
+        out = []
+        for row in full[:, width:].tolist():  # [B, T'] new ids, finished rows padded
+            out.append(row[:row.index(eos) + 1] if eos in row else row)
+        return out
+
 
 def sampling_config(greedy: bool, temperature: float, top_p: float, top_k: int, max_new_tokens: int, eos: int,
                     pad: int):

@@ -253,6 +253,10 @@ def check_engine(cfg: DictConfig) -> list[str]:
     tp, ranks = get(cfg, "sampler.tensor_parallel_size")[1], world_size()
     if uses_vllm and is_int(tp) and tp > 1:
         errors.extend(_check_tensor_parallel(cfg, tp, ranks))
+    env = get(cfg, "env._target_")[1]
+    if uses_vllm and env:  # grpo_cli.rollout.episodes: episodes continue token ids, which only HF generate does yet
+        errors.append("multi-turn episodes (env=tools or class) run on HF generate only for now: vLLM does not "
+                      "continue token ids yet; set sampler=default (HF generate)")
     cap = get(cfg, "algo.is_correction_cap")[1]
     if cap is not None and target.startswith("grpo_cli.rollout.hf."):
         errors.append(f"algo.is_correction_cap ({cap!r}) corrects for a sampler with its own copy of the weights, "

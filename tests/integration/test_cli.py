@@ -99,14 +99,39 @@ def test_every_recipe_composes_and_instantiates(recipe, gsm8k_path):
 
 
 GROUPS = sorted((p.parent.name, p.stem) for p in CONF_DIR.glob("*/*.yaml"))
+# a tool and a TRL-style environment class, for the env options
+MY_ENV = '''
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: the first factor
+        b: the second factor
+    """
+    return a * b
+
+
+class Game:
+    def reset(self, **row):
+        return None
+
+    def guess(self, n: int) -> str:
+        """Guess the number.
+
+        Args:
+            n: the guess
+        """
+        return "higher"
+'''
 
 
 @pytest.mark.parametrize("group,option", GROUPS)
-def test_every_group_option_composes(group, option, gsm8k_path, monkeypatch):
+def test_every_group_option_composes(group, option, gsm8k_path, monkeypatch, tmp_path):
     overrides = [f"{group}={option}"]
-    if group == "env":  # not in train.yaml's defaults until the recipe runs episodes (docs/environments.md)
-        overrides = [f"+env={option}", *{"tools": ["env.tools=[my_tools.fn]"],
-                                        "class": ["env.factory=my_env.Game"]}.get(option, [])]
+    if group == "env":  # the tools and the class are built by the checks: they must exist
+        (tmp_path / "my_env.py").write_text(MY_ENV)
+        overrides += {"tools": [f"env.tools=[{tmp_path / 'my_env.py'}:multiply]"],
+                      "class": [f"env.factory={tmp_path / 'my_env.py'}:Game"]}.get(option, [])
     if group == "sampler" and option.startswith("vllm"):  # vLLM installed or not (test_vllm_sampler)
         monkeypatch.setattr("grpo_cli.rollout.vllm_engine.installed", lambda: True)
     if (group, option) in (("model", "hf"),):

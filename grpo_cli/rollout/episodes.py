@@ -1,0 +1,107 @@
+"""Multi-turn episodes as a sampler: `EpisodeSampler` wraps the run's sampler and answers `sample` with one episode
+per completion (grpo_cli.env: tools or an environment class, token in and token out), as a `Rollout`.
+
+The step calls `sample` on whichever sampler it holds and never asks whether episodes run. A row's prompt ids are
+the rendered prompt (with the tools' schemas); its completion ids are the episode's ids in the engine's order, the
+environment's ids masked out of the loss by `sampled_mask`; its text is the episode decoded; it is truncated when the
+token budget (`env.max_episode_tokens`) ended it. `Rollout.episodes` keeps each row's record (messages, tool calls
+and failures, turns, the `env=class` instance) for the rewards, the metrics and completions.jsonl.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from grpo_cli.env import ClassEnv, choose, prepare, run_episodes
+from grpo_cli.errors import DataError
+from grpo_cli.rollout import Rollout, pad_id
+
+
+def with_env(sampler, env):
+    """The sampler a step calls: `sampler` itself without an environment (env=none), else its EpisodeSampler."""
+    return sampler if env is None else EpisodeSampler(sampler, env)
+
+
+def reward_column_names(env) -> list[str]:
+    """The columns `reward_columns` adds for a run with `env` (a reward function's needs are checked against them
+    before the model loads)."""
+    if env is None:
+        return []
+    return ["completion_messages", "tool_call_count", *(["environments"] if isinstance(env, ClassEnv) else [])]
+
+
+def reward_columns(rollout: Rollout) -> dict[str, list]:
+    """What a reward reads of episodes, as TRL passes it: each completion's messages (the assistant and tool turns;
+    a user's function gets them as `completions`), its tool-call count and, for env=class, its environment
+    instance (`environments`); {} for plain completions."""
+    if rollout.episodes is None:
+        return {}
+    columns = {"completion_messages": [e.messages for e in rollout.episodes],
+               "tool_call_count": [e.tool_calls for e in rollout.episodes]}
+    if any(e.environment is not None for e in rollout.episodes):
+        columns["environments"] = [e.environment for e in rollout.episodes]
+    return columns
+
+
+class EpisodeSampler:
+    """The run's sampler with an `env` (a built `grpo_cli.env.ToolsEnv` or `ClassEnv`) between its turns."""
+
+    def __init__(self, sampler, env):
+        self.sampler, self.env = sampler, env
+        self._format = None  # the tool format, chosen once the tokenizer is known
+
+    def __getattr__(self, name):  # the wrapped sampler's settings (max_new_tokens, ...) and its other calls
+        if name in ("sampler", "env", "_format"):
+            raise AttributeError(name)
+        return getattr(self.sampler, name)
+
+    def sync(self, policy) -> None:
+        self.sampler.sync(policy)
+
+    def start(self, policy, section, job=None):
+        return self.sampler.start(policy, section, job)
+
+    def sample(self, policy, tokenizer, examples: list[dict], n: int, *, greedy: bool = False,
+               generator: torch.Generator | None = None) -> Rollout:
+        """`n` episodes per example (each with its own toolbox or environment instance), rows grouped by example."""
+        if self._format is None:
+            self._format = choose(self.env.tool_format, tokenizer, self.env.schemas)
+        rows = [{**e, "prompt": e["messages"]} for e in examples for _ in range(n)]
+        prompts, boxes = prepare(self.env, rows)
+        self._check_prompts(tokenizer, prompts, boxes)
+        engine = self.sampler.engine(policy, tokenizer, greedy=greedy, generator=generator)
+        episodes = run_episodes(engine, tokenizer, self._format, prompts, boxes, self.env.limits)
+        return as_rollout(episodes, tokenizer)
+
+    def _check_prompts(self, tokenizer, prompts: list[list[dict]], boxes: list) -> None:
+        """DataError for a prompt over sampler.max_prompt_tokens once rendered with the tools' schemas."""
+        limit = self.sampler.max_prompt_tokens
+        for messages, box in zip(prompts, boxes, strict=True):
+            text = self._format.render(tokenizer, messages, box.schemas, True)
+            count = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+            if count > limit:
+                raise DataError(f"a prompt of {count} tokens with the tools' schemas is longer than "
+                                f"sampler.max_prompt_tokens ({limit}): {text[:100]!r}...; raise "
+                                f"sampler.max_prompt_tokens (and keep it + env.max_episode_tokens within the model's "
+                                f"context) or shorten the prompts or the tools' docstrings")
+
+
+def as_rollout(episodes: list, tokenizer) -> Rollout:
+    """The Rollout of finished episodes: prompts left-padded, completions right-padded, environment ids marked."""
+    pad = pad_id(tokenizer)
+    n, width_p = len(episodes), max(len(e.prompt_ids) for e in episodes)
+    width_t = max(1, max(len(e.completion_ids) for e in episodes))
+    prompt_ids = torch.full((n, width_p), pad, dtype=torch.long)  # [N, P] left-padded
+    prompt_mask = torch.zeros_like(prompt_ids)
+    completion_ids = torch.full((n, width_t), pad, dtype=torch.long)  # [N, T] right-padded
+    completion_mask = torch.zeros_like(completion_ids)
+    sampled = torch.zeros_like(completion_ids)  # [N, T] 1 on the ids the model sampled
+    for i, e in enumerate(episodes):
+        p, t = len(e.prompt_ids), len(e.completion_ids)
+        prompt_ids[i, width_p - p:], prompt_mask[i, width_p - p:] = torch.tensor(e.prompt_ids), 1
+        if t:
+            completion_ids[i, :t], completion_mask[i, :t] = torch.tensor(e.completion_ids), 1
+            sampled[i, :t] = torch.tensor(e.sampled)
+    texts = tokenizer.batch_decode([e.completion_ids for e in episodes], skip_special_tokens=True)
+    return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, texts,
+                   [e.stop == "budget" for e in episodes], sampled_mask=sampled, episodes=list(episodes))

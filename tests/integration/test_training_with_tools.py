@@ -1,0 +1,66 @@
+"""`grpo train env=tools`: a 2-step tiny run whose episodes call a tool, with completions.jsonl showing the turns, the
+tools/ metrics logged, and a user's reward function reading the episode's messages as TRL passes them.
+
+What is scripted: the tiny random model never writes a tool call by itself, so the engine's first turn in every
+episode is a fixed `<tool_call>` (its ids enter the episode as if sampled); every later turn is the model's own,
+sampled by HF generate after the tool's result.
+"""
+
+from __future__ import annotations
+
+import json
+
+from grpo_cli.rollout.hf import HFEngine, HFSampler
+from tests.helpers import TINY, metrics, run_cli
+
+MY_TOOLS = '''
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: the first factor
+        b: the second factor
+    """
+    return a * b
+
+
+def saw_a_tool_turn(prompts, completions, tool_call_count, **kwargs):
+    # completions as TRL passes a multi-turn episode: the assistant and tool messages
+    return [float(c[1]["role"] == "tool" and c[1]["content"] == "12" and n == 1)
+            for c, n in zip(completions, tool_call_count)]
+'''
+CALL = '<tool_call>{"name": "multiply", "arguments": {"a": 4, "b": 3}}</tool_call>'
+
+
+class FirstTurnCalls(HFEngine):
+    """HF generate, except that a sequence with no call yet is continued with CALL and EOS (the scripted turn)."""
+
+    def continue_batch(self, sequences, max_new):
+        new = super().continue_batch(sequences, max_new)
+        call = self.tokenizer(CALL, add_special_tokens=False)["input_ids"] + [self.eos_token_id]
+        return [ids if CALL in self.tokenizer.decode(seq) else call[:max_new] for seq, ids in zip(sequences, new)]
+
+
+def test_a_run_with_tools_logs_turns_and_tool_metrics(tmp_path, monkeypatch):
+    (tmp_path / "episode_tools.py").write_text(MY_TOOLS)
+    monkeypatch.setattr(HFSampler, "engine", lambda self, policy, tokenizer, *, greedy, generator:
+                        FirstTurnCalls(self, policy, tokenizer, greedy, generator))
+    out = tmp_path / "run"
+    code, _, err = run_cli(["train", *TINY[:-2], "trainer.max_steps=2", f"hydra.run.dir={out}", "env=tools",
+                            "env.tools=[episode_tools.multiply]", "env.max_episode_tokens=100", "env.max_turns=2",
+                            "reward=custom", "reward.funcs=[episode_tools.saw_a_tool_turn]",
+                            "trainer.log_completions_every=1"], cwd=tmp_path)
+    assert code == 0, err
+    records = metrics(out)
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        # one call per episode, none failed; the environment's tokens are a share of every completion
+        assert r["tools/call_frequency"] == 1.0 and r["tools/failure_frequency"] == 0.0
+        assert 1.0 < r["turns/mean"] <= 2.0 and 0 < r["tokens/environment_share"] < 1
+        assert r["reward"] == 1.0  # the reward function read the tool turn and the call count
+    lines = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+    assert len(lines) == 2 * 2 * 4  # 2 steps x 2 prompts x G=4
+    turns = lines[0]["turns"]
+    assert turns[0]["tool_calls"][0]["function"] == {"name": "multiply", "arguments": {"a": 4, "b": 3}}
+    assert turns[1] == {"role": "tool", "name": "multiply", "content": "12"}
+    assert turns[2]["role"] == "assistant" and lines[0]["tool_calls"] == 1

@@ -1,0 +1,157 @@
+"""Episodes as a sampler: HF generate as the episodes' engine, and `EpisodeSampler.sample` returning a Rollout whose
+environment tokens are context the loss does not score."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grpo_cli.env import ToolsEnv
+from grpo_cli.logprobs import sequence_logprobs
+from grpo_cli.policy import apply_lora, load_tiny_random
+from grpo_cli.rollout import encode_prompts, render_prompts
+from grpo_cli.rollout.episodes import EpisodeSampler
+from grpo_cli.rollout.hf import HFSampler
+from tests.helpers import sampler_settings
+
+TOOLS = '''
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: the first factor
+        b: the second factor
+    """
+    return a * b
+'''
+CALL = '<tool_call>{"name": "multiply", "arguments": {"a": 4, "b": 3}}</tool_call>'
+EXAMPLES = [{"messages": [{"role": "user", "content": q}], "question": q, "answer": a}
+            for q, a in (("what is 4 * 3?", "12"), ("what is 5 * 5?", "25"))]
+
+
+@pytest.fixture(scope="module")
+def policy():
+    model, tokenizer = load_tiny_random()
+    return apply_lora(model, 4, 8, 0.0, ["q_proj", "v_proj"]), tokenizer
+
+
+def tools_env(tmp_path, **limits) -> ToolsEnv:
+    (tmp_path / "tools.py").write_text(TOOLS)
+    values = dict(max_turns=3, max_tool_calls=4, max_episode_tokens=120, tool_timeout_s=5.0, max_result_chars=100)
+    return ToolsEnv([f"{tmp_path / 'tools.py'}:multiply"], "chatml", **{**values, **limits})
+
+
+class Scripted:
+    """An engine whose first turn in every row is CALL and whose later turns are the answer "12"."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.eos_token_id = tokenizer, tokenizer.eos_token_id
+
+    def continue_batch(self, sequences, max_new):
+        out = []
+        for seq in sequences:
+            text = "12" if CALL in self.tokenizer.decode(seq) else CALL  # called already: the answer
+            out.append((self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.eos_token_id])[:max_new])
+        return out
+
+
+def test_hf_engine_continues_token_ids_as_greedy_generate_does(policy):
+    model, tokenizer = policy
+    sampler = HFSampler(**sampler_settings(max_new_tokens=12))
+    prompts = render_prompts(tokenizer, [e["messages"] for e in EXAMPLES])
+    greedy = sampler.generate(model, tokenizer, prompts, 1, greedy=True)
+    ids, mask = encode_prompts(tokenizer, prompts)
+    sequences = [row[m.bool()].tolist() for row, m in zip(ids, mask)]  # ragged, no padding
+    new = sampler.engine(model, tokenizer, greedy=True, generator=None).continue_batch(sequences, 12)
+    # the same ids, each row cut after its EOS (kept) or at 12
+    assert new == [row[m.bool()].tolist() for row, m in zip(greedy.completion_ids, greedy.completion_mask)]
+
+
+def test_hf_engine_samples_from_the_callers_generator(policy):
+    model, tokenizer = policy
+    sampler = HFSampler(**sampler_settings(max_new_tokens=12))
+    seq = [encode_prompts(tokenizer, render_prompts(tokenizer, [EXAMPLES[0]["messages"]]))[0][0].tolist()] * 3
+
+    def draw(seed):
+        engine = sampler.engine(model, tokenizer, greedy=False, generator=torch.Generator().manual_seed(seed))
+        return engine.continue_batch(seq, 12)
+
+    state = torch.get_rng_state()
+    assert draw(1) == draw(1) and draw(1) != draw(2)
+    assert torch.equal(torch.get_rng_state(), state)  # torch's global generator is left as it was
+
+
+def test_episode_sampler_returns_grouped_rows_with_the_environment_tokens_masked(policy, tmp_path, monkeypatch):
+    model, tokenizer = policy
+    sampler = HFSampler(**sampler_settings(max_new_tokens=12))
+    # scripted: every episode calls multiply(4, 3) in its first turn and answers "12" after reading the result
+    monkeypatch.setattr(HFSampler, "engine", lambda self, *a, **k: Scripted(tokenizer))
+    episodes = EpisodeSampler(sampler, tools_env(tmp_path))
+    rollout = episodes.sample(model, tokenizer, EXAMPLES, 3)
+    assert len(rollout.texts) == 6 and [len(e.messages) for e in rollout.episodes] == [3] * 6
+    first = rollout.episodes[0]
+    assert first.messages[1] == {"role": "tool", "name": "multiply", "content": "12"}
+    assert first.tool_calls == 1 and first.turns == 2 and first.stop == "answer"
+    # the completion ids are the episode's; 1 in sampled_mask exactly where the model sampled
+    t = len(first.completion_ids)
+    assert rollout.completion_ids[0, :t].tolist() == first.completion_ids
+    assert rollout.sampled_mask[0, :t].tolist() == first.sampled and 0 in first.sampled
+    call_ids = len(tokenizer(CALL, add_special_tokens=False)["input_ids"]) + 1  # the call and its EOS
+    answer_ids = 3  # "12" and its EOS
+    assert rollout.lengths == [call_ids + answer_ids] * 6  # lengths count sampled ids only
+    assert CALL in rollout.texts[0] and rollout.texts[0].endswith("12") and rollout.truncated == [False] * 6
+    # the prompt rows are the rendered prompt with the tools' schema: rows 0-2 share example 0's prompt
+    assert torch.equal(rollout.prompt_ids[0], rollout.prompt_ids[2])
+    assert "multiply" in tokenizer.decode(rollout.prompt_ids[3][rollout.prompt_mask[3].bool()])
+    # the trainer scores the sequence as sampled: log-probs on every completion id, environment ids included
+    assert sequence_logprobs(model, rollout).logp.shape == rollout.completion_ids.shape
+
+
+def test_episode_sampler_on_hf_generate_runs_and_stops_at_the_budget(policy, tmp_path):
+    model, tokenizer = policy
+    sampler = HFSampler(**sampler_settings(max_new_tokens=12))
+    episodes = EpisodeSampler(sampler, tools_env(tmp_path, max_episode_tokens=10))
+    rollout = episodes.sample(model, tokenizer, EXAMPLES, 2, generator=torch.Generator().manual_seed(0))
+    # the tiny random model rarely writes EOS: its episodes end at the budget of 10 sampled ids, truncated
+    assert all(n <= 10 for n in rollout.lengths) and len(rollout.episodes) == 4
+    assert rollout.truncated == [e.stop == "budget" for e in rollout.episodes]
+
+
+def test_episodes_stay_on_hf_generate_until_vllm_continues_token_ids(tmp_path, monkeypatch):
+    from grpo_cli.config import validate
+    from grpo_cli.errors import ConfigError
+    from grpo_cli.rollout.engine import run_refusal
+    from tests.helpers import tiny_cfg
+
+    (tmp_path / "tools.py").write_text(TOOLS)
+    env = ["env=tools", f"env.tools=[{tmp_path / 'tools.py'}:multiply]"]
+    monkeypatch.setattr("grpo_cli.rollout.vllm_engine.installed", lambda: True)
+    # sampler=auto keeps the run on HF generate, saying why
+    assert "episodes" in run_refusal(tiny_cfg(*env), 1)
+    assert run_refusal(tiny_cfg(), 1) is None
+    # sampler=vllm asked for: one line before the model loads
+    with pytest.raises(ConfigError, match="set sampler=default"):
+        validate(tiny_cfg(*env, "sampler=vllm"))
+
+
+def test_the_episode_budget_must_fit_the_context_with_the_prompt(tmp_path):
+    from grpo_cli.config import validate
+    from grpo_cli.errors import ConfigError
+    from tests.helpers import tiny_cfg
+
+    (tmp_path / "tools.py").write_text(TOOLS)
+    env = ["env=tools", f"env.tools=[{tmp_path / 'tools.py'}:multiply]", "sampler.max_prompt_tokens=1024"]
+    validate(tiny_cfg(*env, "env.max_episode_tokens=1024"))  # 1024 + 1024 = the tiny model's 2048
+    # every token after the prompt counts, so the episode's budget, not sampler.max_new_tokens, must fit
+    with pytest.raises(ConfigError, match=r"env.max_episode_tokens \(1025\) exceed .* env.max_episode_tokens=1024"):
+        validate(tiny_cfg(*env, "env.max_episode_tokens=1025"))
+
+
+def test_a_prompt_longer_than_max_prompt_tokens_with_the_tools_shown_is_one_line(policy, tmp_path):
+    from grpo_cli.errors import DataError
+
+    model, tokenizer = policy
+    # the tiny tokenizer spends a token per character: the tools' schema alone is hundreds of tokens
+    sampler = HFSampler(**sampler_settings(max_new_tokens=12, max_prompt_tokens=64))
+    with pytest.raises(DataError, match=r"with the tools' schemas .* sampler.max_prompt_tokens \(64\)"):
+        EpisodeSampler(sampler, tools_env(tmp_path)).sample(model, tokenizer, EXAMPLES, 2)
