@@ -94,6 +94,11 @@ class Guarded:
         self.name, self.fn, self.timeout_s, self.convert = name, fn, timeout_s, convert
         work = functools.partial(attempt, fn, convert)
         self._process = workers.Worker(name, work) if worker == "process" and workers.available() else None
+        if self._process is not None:
+            # forked now, while the command is small (the reward is built before the model loads): a worker forked
+            # later shares the trainer's model, engine and heap pages, and every page the trainer then writes is
+            # copied first (copy-on-write), which made each training step ~20% slower (docs/rewards.md)
+            self._process.start()
         self._thread: threading.Thread | None = None
         self._warned = False
 

@@ -51,6 +51,12 @@ class Worker:
         self._conn: Any = None
         self._stop: weakref.finalize | None = None
 
+    def start(self) -> None:
+        """Fork the worker now, if it is not running (a call starts it otherwise)."""
+        if self._process is None or not self._process.is_alive():
+            self.stop()
+            self._start()
+
     def _start(self) -> None:
         context = multiprocessing.get_context("fork")
         ours, theirs = context.Pipe()
@@ -75,9 +81,7 @@ class Worker:
         """`work(*args)` in the worker. TimeoutError after `timeout_s` seconds (None: no bound): the worker is killed
         and the next call starts another. WorkerDied when it ended during the call. An exception `work` raised is
         raised here."""
-        if self._process is None or not self._process.is_alive():
-            self.stop()
-            self._start()
+        self.start()
         try:
             self._conn.send(args)  # pickled whole before anything is written: a failure leaves the pipe clean
         except (pickle.PicklingError, TypeError, AttributeError) as err:
