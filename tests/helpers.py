@@ -382,3 +382,30 @@ def letters(n: int) -> list[dict]:
 def write_jsonl(path: Path, lines: list) -> Path:
     path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
     return path
+
+
+# TRL's documented accuracy reward, written from its contract (`accuracy_reward(completions, solution, **kwargs)`,
+# conversational completions, math_verify's parse and verify with their defaults, whose timeouts refuse to run off
+# the main thread): 1.0 when the completion's answer equals the solution, None when the solution does not parse
+TRL_ACCURACY = '''
+from math_verify import parse, verify
+
+def accuracy_reward(completions, solution, **kwargs):
+    scores = []
+    for completion, answer in zip(completions, solution):
+        gold = parse(answer)
+        scores.append(float(verify(gold, parse(completion[0]["content"]))) if gold else None)
+    return scores
+'''
+
+# a typed, documented tool (what env.tools needs), as the source of a user's tool file
+MULTIPLY_TOOL = '''
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: the first factor
+        b: the second factor
+    """
+    return a * b
+'''

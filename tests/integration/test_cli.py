@@ -10,7 +10,7 @@ from grpo_cli.commands import train
 from grpo_cli.config import compose, validate
 from grpo_cli.errors import ConfigError
 from grpo_cli.resources import CONF_DIR, RECIPES_DIR
-from tests.helpers import run_cli
+from tests.helpers import MULTIPLY_TOOL, run_cli
 
 
 def test_help_lists_subcommands():
@@ -100,16 +100,7 @@ def test_every_recipe_composes_and_instantiates(recipe, gsm8k_path):
 
 GROUPS = sorted((p.parent.name, p.stem) for p in CONF_DIR.glob("*/*.yaml"))
 # a tool and a TRL-style environment class, for the env options
-MY_ENV = '''
-def multiply(a: int, b: int) -> int:
-    """Multiply two integers.
-
-    Args:
-        a: the first factor
-        b: the second factor
-    """
-    return a * b
-
+MY_ENV = MULTIPLY_TOOL + '''
 
 class Game:
     def reset(self, **row):

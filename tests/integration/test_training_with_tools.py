@@ -11,18 +11,9 @@ from __future__ import annotations
 import json
 
 from grpo_cli.rollout.hf import HFEngine, HFSampler
-from tests.helpers import TINY, metrics, run_cli
+from tests.helpers import MULTIPLY_TOOL, TINY, metrics, run_cli
 
-MY_TOOLS = '''
-def multiply(a: int, b: int) -> int:
-    """Multiply two integers.
-
-    Args:
-        a: the first factor
-        b: the second factor
-    """
-    return a * b
-
+MY_TOOLS = MULTIPLY_TOOL + '''
 
 def saw_a_tool_turn(prompts, completions, tool_call_count, **kwargs):
     # completions as TRL passes a multi-turn episode: the assistant and tool messages

@@ -9,20 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import metrics, run_cli
-
-# TRL's documented accuracy reward, written from its contract (conversational completions, a `solution` column,
-# math_verify's parse and verify with their defaults, whose timeouts refuse to run off the main thread)
-TRL_ACCURACY = '''
-from math_verify import parse, verify
-
-def accuracy_reward(completions, solution, **kwargs):
-    scores = []
-    for completion, answer in zip(completions, solution):
-        gold = parse(answer)
-        scores.append(float(verify(gold, parse(completion[0]["content"]))) if gold else None)
-    return scores
-'''
+from tests.helpers import TRL_ACCURACY, metrics, run_cli
 
 # a reward whose first call never returns (an endless loop, holding the CPU); its later calls score 0.5
 HANGS_ONCE = '''

@@ -10,21 +10,14 @@ import pytest
 
 from grpo_cli.env.tools import Toolbox, ToolCall, ToolsEnv, load_tools, tool_from
 from grpo_cli.errors import ConfigError
+from tests.helpers import MULTIPLY_TOOL
 
 TOOLS_PY = '''
 import asyncio
 import time
 
 
-def multiply(a: int, b: int) -> int:
-    """Multiply two integers.
-
-    Args:
-        a: the first factor
-        b: the second factor
-    """
-    return a * b
-
+''' + MULTIPLY_TOOL + '''
 
 async def slow_echo(text: str, seconds: float) -> str:
     """Echo text after a pause.

@@ -12,20 +12,7 @@ from grpo_cli.errors import ConfigError
 from grpo_cli.instantiate import build
 from grpo_cli.resources import CONF_DIR
 from grpo_cli.rewards.call import check_columns
-
-# TRL's documented accuracy reward, written from its contract (`accuracy_reward(completions, solution, **kwargs)`,
-# conversational completions, math_verify's parse and verify with their defaults): 1.0 when the completion's answer
-# equals the solution, None when the solution does not parse
-TRL_ACCURACY = '''
-from math_verify import parse, verify
-
-def accuracy_reward(completions, solution, **kwargs):
-    scores = []
-    for completion, answer in zip(completions, solution):
-        gold = parse(answer)
-        scores.append(float(verify(gold, parse(completion[0]["content"]))) if gold else None)
-    return scores
-'''
+from tests.helpers import TRL_ACCURACY
 
 # one function changes what it was given (the completions, a column, a message of the prompt); the next scores 1.0
 # only when it sees the inputs as they were

@@ -12,18 +12,8 @@ from grpo_cli.policy import apply_lora, load_tiny_random
 from grpo_cli.rollout import encode_prompts, render_prompts
 from grpo_cli.rollout.episodes import EpisodeSampler
 from grpo_cli.rollout.hf import HFSampler
-from tests.helpers import sampler_settings
+from tests.helpers import MULTIPLY_TOOL, sampler_settings
 
-TOOLS = '''
-def multiply(a: int, b: int) -> int:
-    """Multiply two integers.
-
-    Args:
-        a: the first factor
-        b: the second factor
-    """
-    return a * b
-'''
 CALL = '<tool_call>{"name": "multiply", "arguments": {"a": 4, "b": 3}}</tool_call>'
 EXAMPLES = [{"messages": [{"role": "user", "content": q}], "question": q, "answer": a}
             for q, a in (("what is 4 * 3?", "12"), ("what is 5 * 5?", "25"))]
@@ -36,7 +26,7 @@ def policy():
 
 
 def tools_env(tmp_path, **limits) -> ToolsEnv:
-    (tmp_path / "tools.py").write_text(TOOLS)
+    (tmp_path / "tools.py").write_text(MULTIPLY_TOOL)
     values = dict(max_turns=3, max_tool_calls=4, max_episode_tokens=120, tool_timeout_s=5.0, max_result_chars=100)
     return ToolsEnv([f"{tmp_path / 'tools.py'}:multiply"], "chatml", **{**values, **limits})
 
@@ -123,7 +113,7 @@ def test_episodes_stay_on_hf_generate_until_vllm_continues_token_ids(tmp_path, m
     from grpo_cli.rollout.engine import run_refusal
     from tests.helpers import tiny_cfg
 
-    (tmp_path / "tools.py").write_text(TOOLS)
+    (tmp_path / "tools.py").write_text(MULTIPLY_TOOL)
     env = ["env=tools", f"env.tools=[{tmp_path / 'tools.py'}:multiply]"]
     monkeypatch.setattr("grpo_cli.rollout.vllm_engine.installed", lambda: True)
     # sampler=auto keeps the run on HF generate, saying why
@@ -139,7 +129,7 @@ def test_the_episode_budget_must_fit_the_context_with_the_prompt(tmp_path):
     from grpo_cli.errors import ConfigError
     from tests.helpers import tiny_cfg
 
-    (tmp_path / "tools.py").write_text(TOOLS)
+    (tmp_path / "tools.py").write_text(MULTIPLY_TOOL)
     env = ["env=tools", f"env.tools=[{tmp_path / 'tools.py'}:multiply]", "sampler.max_prompt_tokens=1024"]
     validate(tiny_cfg(*env, "env.max_episode_tokens=1024"))  # 1024 + 1024 = the tiny model's 2048
     # every token after the prompt counts, so the episode's budget, not sampler.max_new_tokens, must fit
