@@ -231,14 +231,20 @@ def context_length(model_cfg) -> int | None:
     """The base model's context (its position table) from the `model` section alone, without loading weights:
     the tiny model's, a local or cached config.json. None when that cannot say (a hub model not downloaded yet,
     a user's own loader): then the sampler checks it once the model is loaded (rollout.hf.check_prompts)."""
+    return _read_from_loader(model_cfg, _CONTEXT_OF)
+
+
+def _read_from_loader(model_cfg, readers: dict):
+    """What `readers[loader]` reads from the `model` section's loader keys alone; None for a loader not listed, or
+    when reading fails (a loader that cannot be imported, a missing package, an unreadable file)."""
     loader = model_cfg.get("loader") if model_cfg is not None else None
     if not isinstance(loader, DictConfig) or "_target_" not in loader:
         return None
     try:
-        read = _CONTEXT_OF.get(get_object(str(loader._target_)))
+        read = readers.get(get_object(str(loader._target_)))
         keys = {k: v for k, v in OmegaConf.to_container(loader, resolve=True).items() if not k.startswith("_")}
         return read(**keys) if read is not None else None
-    except Exception:  # a loader that cannot be imported, a missing package, an unreadable config: not known
+    except Exception:  # not known before the model loads; the model's own load says why, if anything is wrong
         return None
 
 
@@ -264,15 +270,7 @@ _TOKENIZER_OF = {load_tiny_random: lambda **_: char_tokenizer(), load_pretrained
 def load_tokenizer(model_cfg):
     """The base model's tokenizer from the `model` section, without loading weights or reaching the network (for
     checks before the model loads: grpo_cli.data.lengths); None when that cannot be done, as context_length."""
-    loader = model_cfg.get("loader") if model_cfg is not None else None
-    if not isinstance(loader, DictConfig) or "_target_" not in loader:
-        return None
-    try:
-        read = _TOKENIZER_OF.get(get_object(str(loader._target_)))
-        keys = {k: v for k, v in OmegaConf.to_container(loader, resolve=True).items() if not k.startswith("_")}
-        return read(**keys) if read is not None else None
-    except Exception:  # a loader that cannot be imported, an unreadable tokenizer: the model's load says why
-        return None
+    return _read_from_loader(model_cfg, _TOKENIZER_OF)
 
 
 def apply_lora(model, r: int, alpha: int, dropout: float, target_modules: list[str]):

@@ -10,10 +10,12 @@ Why a process rather than a thread of this one:
 
 Forked, not spawned: the function itself is never pickled (a lambda, a module run from a file, a partial of
 grpo_cli's), and a start costs a fork of this process, not a new interpreter. A call costs one pickled round trip
-of the batch's prompts, completions and columns. What a worker cannot take: arguments that do not pickle (an
-environment object) or this process's own objects (a reward model on the GPU); `reward.worker=thread` keeps such
-a function in this process, and the reward models do so always. Where the platform cannot fork, functions run in
-threads.
+of the batch's prompts, completions and columns. (Pickle only on this pipe, between the trainer and
+the child it forked itself, running code the user chose: nothing pickled is written to a file or read from one,
+so the project's "no pickle" promise about saved files holds.) What a worker cannot take: arguments that do not
+pickle (an environment object) or this process's own objects (a reward model on the GPU); `reward.worker=thread`
+keeps such a function in this process, and the reward models do so always. Where the platform cannot fork,
+functions run in threads.
 """
 
 from __future__ import annotations
