@@ -31,9 +31,9 @@ def train_args(args) -> list[str]:
     """What both training runs share; they differ only in TOOLS or NO_TOOLS."""
     common = ["data=hf", "data.path=train.jsonl", "reward=custom", "reward.funcs=[answer_reward.correct]",
               "sampler=default", f"trainer.max_steps={args.steps}", f"trainer.save_every={max(1, args.steps // 3)}",
-              "trainer.prompts_per_step=4", "algo.group_size=8", "trainer.report_to=[]"]
+              "trainer.prompts_per_step=2", "algo.group_size=8", "trainer.report_to=[]"]
     if args.smoke:
-        common += ["model=tiny", "trainer.prompts_per_step=2", "algo.group_size=2"]
+        common += ["model=tiny", "algo.group_size=2"]
     return common + ([f"data.system_prompt='{DEMO}'"] if args.demo else [])
 
 
