@@ -100,12 +100,26 @@ class OutcomeReward:
             per_function[name], failed = call(list(prompts), list(completions), columns)
             failures += failed
         if any(isinstance(s, list) for scores in per_function.values() for s in scores):
-            return self._by_turn(per_function, failures, _turn_counts(columns, len(completions)))
+            counts = _turn_counts(columns, len(completions))
+            if any(counts):
+                return self._by_turn(per_function, failures, counts)
+            failures += self._no_turns(per_function)
         rewards: list[float | None] = []
         for i in range(len(completions)):
             scored = [(self.weights[name], s[i]) for name, s in per_function.items() if s[i] is not None]
             rewards.append(sum(w * s for w, s in scored) if scored else None)
         return RewardResult(rewards=rewards, per_function=per_function, failures=failures)
+
+    @staticmethod
+    def _no_turns(per_function: dict[str, list]) -> int:
+        """Per-turn scores for completions that are no episodes: no score; the functions that gave them failed."""
+        failed = [name for name, scores in per_function.items() if any(isinstance(s, list) for s in scores)]
+        for name in failed:
+            log.warning("reward %r returned a list of scores for a completion that is not a multi-turn episode; "
+                        "return one score per completion (lists score the turns of env=tools or env=class "
+                        "episodes): those completions get no score from it", name)
+            per_function[name] = [None if isinstance(s, list) else s for s in per_function[name]]
+        return len(failed)
 
     def _by_turn(self, per_function: dict[str, list], failures: int, counts: list[int]) -> RewardResult:
         """Per-turn rewards: turn t of an episode gets Σ weight · score_t over the functions that scored it; a
