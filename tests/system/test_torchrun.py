@@ -99,6 +99,7 @@ def test_torchrun_two_ranks_run_episodes_and_resume_them_exactly_after_kill_9(tm
     deadline = time.time() + 300
     while not (killed / "checkpoints" / "step_000001").exists() and time.time() < deadline and proc.poll() is None:
         time.sleep(0.05)
+    assert proc.poll() is None  # killed mid-run: step 2 had not ended
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     torchrun(tmp_path, "train", f"resume={killed}", "trust_run_config=true")
