@@ -77,7 +77,7 @@ def select_result(result: RewardResult, rows: list[int]) -> RewardResult:
         return None if values is None else [values[i] for i in rows]
 
     # every per-completion field picked, the rest (failures, process_weight) kept as they are
-    return replace(result, rewards=pick(result.rewards), steps=pick(result.steps),
+    return replace(result, rewards=pick(result.rewards), steps=pick(result.steps), turns=pick(result.turns),
                    outcome=pick(result.outcome), per_function={k: pick(v) for k, v in result.per_function.items()})
 
 
@@ -89,7 +89,16 @@ def concat_results(parts: list[RewardResult]) -> RewardResult:
                         steps=None if not parts or parts[0].steps is None else [s for p in parts for s in p.steps],
                         outcome=None if not parts or parts[0].outcome is None else [
                             o for p in parts for o in p.outcome],
-                        process_weight=parts[0].process_weight if parts else None)
+                        process_weight=parts[0].process_weight if parts else None,
+                        turns=_turns(parts))
+
+
+def _turns(parts: list[RewardResult]) -> list[list[float | None]] | None:
+    """The per-turn rewards of the parts' rows; a part scored per episode gives each its reward as its last turn's
+    (`update.advantages` aligns a short row with the episode's last turns). None when no part is per-turn."""
+    if all(p.turns is None for p in parts):
+        return None
+    return [t for p in parts for t in (p.turns or [[] if r is None else [r] for r in p.rewards])]
 
 
 class GroupFilter:

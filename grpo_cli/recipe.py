@@ -275,15 +275,19 @@ def _sample(run: Run, examples: list[dict], n: int):
 
 
 def _everyone(world: World, result, rollout):
-    """(result, rollout)-likes holding every rank's completions, for the step's reward metrics."""
+    """(result, rollout)-likes holding every rank's completions, for the step's reward and episode metrics."""
     if world.size == 1:
         return result, rollout
-    parts = world.gather((result.rewards, result.per_function, result.failures, rollout.lengths, rollout.truncated))
+    # an episode's counts, not its record: its toolbox (an env=class instance) need not pickle
+    counts = [SimpleNamespace(tool_calls=e.tool_calls, tool_failures=e.tool_failures, turns=e.turns,
+                              sampled=e.sampled) for e in rollout.episodes or []]
+    parts = world.gather((result.rewards, result.per_function, result.failures, rollout.lengths, rollout.truncated,
+                          counts))
     per_function = {name: [v for p in parts for v in p[1].get(name, [None] * len(p[0]))] for name in parts[0][1]}
     merged = SimpleNamespace(rewards=[r for p in parts for r in p[0]], per_function=per_function,
                              failures=sum(p[2] for p in parts))
     lengths, truncated = [n for p in parts for n in p[3]], [t for p in parts for t in p[4]]
-    return merged, SimpleNamespace(lengths=lengths, truncated=truncated)
+    return merged, SimpleNamespace(lengths=lengths, truncated=truncated, episodes=[e for p in parts for e in p[5]])
 
 
 def record_tokens(world: World, rollout) -> int:

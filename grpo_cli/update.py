@@ -44,7 +44,8 @@ from grpo_cli.rollout import Rollout, char_ends_to_token_index
 
 def advantages(result, rollout: Rollout, tokenizer, group_size: int, scale: str, std: str,
                world: World = SINGLE, *, estimator: str = "grpo") -> torch.Tensor:
-    """[N] outcome advantages, or [N, T] process advantages from step rewards at their end tokens.
+    """[N] outcome advantages, or [N, T] process advantages from step rewards at their end tokens (or from per-turn
+    rewards at their turns' last tokens).
 
     Outcome rewards of every rank are gathered first (scale=batch reads them all) and this rank's
     slice of the advantages is returned; process rewards are normalized per group, on this rank.
@@ -52,6 +53,8 @@ def advantages(result, rollout: Rollout, tokenizer, group_size: int, scale: str,
     each normalized on its own within the group (PRIME, arXiv 2502.01456; PURE, 2504.15275). `estimator`
     (algo.advantage: grpo, rloo) is the outcome rewards' baseline; step rewards keep the paper's.
     """
+    if result.turns is not None:
+        return _by_turn(result.turns, rollout, group_size)
     if result.steps is None:
         return _outcome(result.rewards, group_size, scale, std, world, estimator)
     step_rewards, step_ends = [], []
@@ -78,6 +81,18 @@ def advantages(result, rollout: Rollout, tokenizer, group_size: int, scale: str,
         return process
     outcome = _outcome(result.outcome, group_size, scale, std, world, estimator)  # [N], every token alike
     return outcome[:, None] + result.process_weight * process
+
+
+def _by_turn(turns: list[list[float | None]], rollout: Rollout, group_size: int) -> torch.Tensor:
+    """[N, T] process advantages with an episode's assistant turns as its steps: each turn's reward at the turn's
+    last sampled token (`Episode.turn_ends`), normalized over all turns of the group; the environment's tokens
+    carry none (they are context, never scored). A row with fewer rewards than turns holds its last turns' (an
+    episode's one number: its last turn)."""
+    rewards = [[math.nan if r is None else r for r in row] for row in turns]
+    ends = [episode.turn_ends[len(episode.turn_ends) - len(row):] if row else []
+            for episode, row in zip(rollout.episodes, turns, strict=True)]
+    process = process_advantages(rewards, ends, group_size, rollout.completion_ids.shape[1])  # [N, T]
+    return process * rollout.sampled_mask.cpu().to(process.dtype)
 
 
 def _outcome(rewards: list[float | None], group_size: int, scale: str, std: str, world: World,

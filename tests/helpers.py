@@ -409,3 +409,29 @@ def multiply(a: int, b: int) -> int:
     """
     return a * b
 '''
+
+# a user's sampler (`sampler._target_=scripted_tools.Sampler`, with MULTIPLY_TOOL as `scripted_tools.multiply`) for
+# runs in their own processes (torchrun): the tiny random model never writes a tool call, so an episode whose prompt
+# ids sum to an even number starts with a fixed multiply(4, 3) call (its ids enter the episode as if sampled), and
+# every other turn is HF generate's own
+SCRIPTED_TOOLS = MULTIPLY_TOOL + '''
+
+from grpo_cli.rollout.hf import HFEngine, HFSampler
+
+CALL = '<tool_call>{"name": "multiply", "arguments": {"a": 4, "b": 3}}</tool_call>'
+
+
+class FirstTurnCalls(HFEngine):
+    def continue_batch(self, sequences, max_new):
+        new = super().continue_batch(sequences, max_new)
+        call = (self.tokenizer(CALL, add_special_tokens=False)["input_ids"] + [self.eos_token_id])[:max_new]
+        first = [CALL not in self.tokenizer.decode(seq) and sum(seq) % 2 == 0 for seq in sequences]
+        return [call if scripted else ids for scripted, ids in zip(first, new)]
+
+
+class Sampler(HFSampler):
+    def engine(self, policy, tokenizer, *, greedy, generator):
+        return FirstTurnCalls(self, policy, tokenizer, greedy, generator)
+'''
+SCRIPTED_TOOLS_ARGS = ["sampler=short", "sampler._target_=scripted_tools.Sampler", "env=tools",
+                       "env.tools=[scripted_tools.multiply]", "env.max_episode_tokens=100", "env.max_turns=2"]

@@ -111,7 +111,8 @@ class CompletionsLog:
     stream: `PromptStream(data.train, seed)[prompt_id]` is the problem), question, completion,
     reward (combined), rewards (raw, per function, as in metrics' rewards/NAME/mean), advantage,
     truncated, length (tokens); process rewards add steps = [[char_end, step_reward], ...], and
-    their advantage is the first token's (the sum of the completion's normalized step rewards).
+    their advantage is the first token's (the sum of the completion's normalized step rewards); per-turn rewards
+    add turn_rewards, one per assistant turn.
     The file stops growing once it reaches `max_mb` (one line says so); the tables go on.
     """
 
@@ -156,6 +157,8 @@ class CompletionsLog:
                     "advantage": adv[row], "truncated": bool(rollout.truncated[row]), "length": int(lengths[row])}
             if result.steps is not None:
                 line["steps"] = [[int(end), float(r)] for end, r in result.steps[row]]
+            if getattr(result, "turns", None) is not None:  # per-turn rewards, one per assistant turn (None: unscored)
+                line["turn_rewards"] = result.turns[row]
             if getattr(rollout, "episodes", None):  # multi-turn: the assistant turns, calls and tool results
                 episode = rollout.episodes[row]
                 line.update(turns=episode.messages, tool_calls=episode.tool_calls,

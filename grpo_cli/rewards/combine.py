@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import math
 from collections.abc import Callable
 
@@ -23,6 +24,8 @@ from grpo_cli.checks import Check, Rule, is_num
 from grpo_cli.errors import ConfigError
 from grpo_cli.rewards.guard import WORKERS, Guarded, as_scores, as_steps
 from grpo_cli.rewards.result import RewardResult
+
+log = logging.getLogger(__name__)
 
 # column names that would collide with the positional arguments of a reward function
 _RESERVED = ("prompts", "completions")
@@ -96,11 +99,52 @@ class OutcomeReward:
         for name, call in self._calls.items():
             per_function[name], failed = call(list(prompts), list(completions), columns)
             failures += failed
+        if any(isinstance(s, list) for scores in per_function.values() for s in scores):
+            counts = _turn_counts(columns, len(completions))
+            if any(counts):
+                return self._by_turn(per_function, failures, counts)
+            failures += self._no_turns(per_function)
         rewards: list[float | None] = []
         for i in range(len(completions)):
             scored = [(self.weights[name], s[i]) for name, s in per_function.items() if s[i] is not None]
             rewards.append(sum(w * s for w, s in scored) if scored else None)
         return RewardResult(rewards=rewards, per_function=per_function, failures=failures)
+
+    @staticmethod
+    def _no_turns(per_function: dict[str, list]) -> int:
+        """Per-turn scores for completions that are no episodes: no score; the functions that gave them failed."""
+        failed = [name for name, scores in per_function.items() if any(isinstance(s, list) for s in scores)]
+        for name in failed:
+            log.warning("reward %r returned a list of scores for a completion that is not a multi-turn episode; "
+                        "return one score per completion (lists score the turns of env=tools or env=class "
+                        "episodes): those completions get no score from it", name)
+            per_function[name] = [None if isinstance(s, list) else s for s in per_function[name]]
+        return len(failed)
+
+    def _by_turn(self, per_function: dict[str, list], failures: int, counts: list[int]) -> RewardResult:
+        """Per-turn rewards: turn t of an episode gets Σ weight · score_t over the functions that scored it; a
+        function's list is one score per assistant turn, its number the episode's, on its last turn. A list of
+        another length (or for a completion that is no episode: 0 turns) is no score, and the function's failure."""
+        turns: list[list[float | None]] = [[None] * k for k in counts]
+        for name, scores in per_function.items():
+            wrong = [i for i, s in enumerate(scores) if isinstance(s, list) and len(s) != counts[i]]
+            if wrong:
+                failures += 1
+                log.warning("reward %r returned %d scores for an episode of %d assistant turns; a per-turn reward "
+                            "returns one score per turn (or one number for the episode): that episode gets no score "
+                            "from it", name, len(scores[wrong[0]]), counts[wrong[0]])
+            for i, s in enumerate(scores):
+                if i in wrong or not counts[i]:
+                    continue
+                given = s if isinstance(s, list) else [None] * (counts[i] - 1) + [s]
+                for t, v in enumerate(given):
+                    if v is not None:
+                        turns[i][t] = (turns[i][t] or 0.0) + self.weights[name] * v
+            # the raw score for the metrics (rewards/<name>/mean): the episode's, its turns summed
+            per_function[name] = [None if i in wrong else _summed(s) for i, s in enumerate(scores)]
+        rewards = [sum(v for v in row if v is not None) if any(v is not None for v in row) else None
+                   for row in turns]
+        return RewardResult(rewards=rewards, per_function=per_function, failures=failures, turns=turns)
 
 
 class ProcessReward:
@@ -160,6 +204,20 @@ class ProcessReward:
             outcome = extra.rewards if self.process_weight is not None else None
         return RewardResult(rewards=rewards, per_function=per_function, failures=failures, steps=steps,
                             outcome=outcome, process_weight=self.process_weight)
+
+
+def _summed(score: float | list[float | None] | None) -> float | None:
+    """A score, or a list of per-turn scores summed (None: none of them scored)."""
+    if not isinstance(score, list):
+        return score
+    scored = [v for v in score if v is not None]
+    return sum(scored) if scored else None
+
+
+def _turn_counts(columns: dict[str, list], n: int) -> list[int]:
+    """Each completion's assistant turns (an episode's `completion_messages`); 0 for a plain completion."""
+    messages = columns.get("completion_messages") or [[]] * n
+    return [sum(m.get("role") == "assistant" for m in episode) for episode in messages]
 
 
 def _needs(fn: Callable) -> list[str]:

@@ -149,17 +149,19 @@ class Guarded:
         return out, why is not None
 
 
-def as_scores(out: Any, completions: list[str]) -> list[float | None]:
-    """A reward function's output -> one float or None per completion; NaN and inf become None."""
+def as_scores(out: Any, completions: list[str]) -> list[float | list[float | None] | None]:
+    """A reward function's output -> one float or None per completion, or for a multi-turn episode a list of them,
+    one per assistant turn (`combine.OutcomeReward` checks its length); NaN and inf become None."""
     out = list(out)
     if len(out) != len(completions):
         raise ValueError(f"returned {len(out)} scores for {len(completions)} completions; "
                          f"a reward function must return one score (or None) per completion")
-    scores: list[float | None] = []
-    for value in out:
-        value = None if value is None else float(value)
-        scores.append(value if value is not None and math.isfinite(value) else None)
-    return scores
+    return [[_score(v) for v in value] if isinstance(value, (list, tuple)) else _score(value) for value in out]
+
+
+def _score(value: Any) -> float | None:
+    value = None if value is None else float(value)
+    return value if value is not None and math.isfinite(value) else None
 
 
 def as_steps(out: Any, completions: list[str]) -> list[list[tuple[int, float]] | None]:

@@ -2,7 +2,9 @@
 
 Outcome rewards fill `rewards` (one scalar per completion, DeepSeekMath §4.1.2); process rewards also
 fill `steps` (a reward per reasoning step, §4.1.3), and `rewards` is then each completion's sum of its
-step rewards. Shaping (`grpo_cli.rewards.shaping`) returns a new record of the same type.
+step rewards. A reward function that scores a multi-turn episode's turns fills `turns` (a reward per assistant
+turn, the same process supervision with the turns as its steps); `rewards` is then each episode's sum.
+Shaping (`grpo_cli.rewards.shaping`) returns a new record of the same type.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ class RewardResult:
         outcome rewards.
     outcome: process rewards combined with outcome ones: per completion, the outcome functions' sum.
     process_weight: λ of A = A_outcome + λ·A_process (`update.advantages`); None: process only.
+    turns: per-turn rewards only: per episode, one reward (None: unscored) per assistant turn, in turn order; each
+        sits on its turn's last sampled token. None when no function scored turns.
     """
 
     rewards: list[float | None]
@@ -33,3 +37,4 @@ class RewardResult:
     steps: list[list[tuple[int, float]]] | None = None
     outcome: list[float | None] | None = None
     process_weight: float | None = None
+    turns: list[list[float | None]] | None = None

@@ -6,10 +6,10 @@ Two shapings, each a pure function of a result and the rollout's facts, sharing 
   - `floor_truncated` (iterative.truncated_reward; `FlooredReward` applies it inside a reward's call): a
     completion cut at sampler.max_new_tokens scores a fixed floor instead of the reward model's score,
     so a policy cannot learn to ramble past the cap because a learned model likes long text (issue #28).
-    A process result's truncated completion becomes one step of that reward.
+    A process result's truncated completion becomes one step of that reward; a per-turn one's, its last turn.
   - `overlong_shaping` (algo.overlong_buffer, algo.overlong_penalty): DAPO's soft overlong punishment
     (arXiv 2503.14476 eq. 13), 0 down to -penalty over the last `buffer` tokens before the cap, added to
-    an outcome reward or to a process result's last step.
+    an outcome reward or to a process result's last step (a per-turn one's last turn).
 
 `shape` applies both in the trainer's order: the floor first, then the overlong penalty on top of it.
 Neither is in DeepSeekMath's GRPO, which scores every completion by its reward alone.
@@ -30,6 +30,12 @@ def _with_steps(result: RewardResult, steps: list[list[tuple[int, float]]], **ch
     return dataclasses.replace(result, rewards=rewards, steps=steps, **changes)
 
 
+def _with_turns(result: RewardResult, turns: list[list[float | None]], **changes) -> RewardResult:
+    """`result` with new per-turn rewards and each episode's reward re-summed from them (None: no turn scored)."""
+    rewards = [sum(r for r in t if r is not None) if any(r is not None for r in t) else None for t in turns]
+    return dataclasses.replace(result, rewards=rewards, turns=turns, **changes)
+
+
 def floor_truncated(result: RewardResult, truncated: list[bool], completions: list[str],
                     value: float | None) -> RewardResult:
     """`result` with every truncated completion's reward set to `value` (None: `result` as it is).
@@ -40,6 +46,9 @@ def floor_truncated(result: RewardResult, truncated: list[bool], completions: li
     """
     if value is None or not any(truncated):
         return result
+    if result.turns is not None:  # per-turn: the cut episode's last turn scores `value`, its earlier turns nothing
+        return _with_turns(result, [[None] * (len(t) - 1) + [value] if cut else t
+                                    for t, cut in zip(result.turns, truncated, strict=True)])
     if result.steps is None:
         rewards = [value if cut else r for r, cut in zip(result.rewards, truncated, strict=True)]
         return dataclasses.replace(result, rewards=rewards)
@@ -63,6 +72,9 @@ def overlong_shaping(result: RewardResult, lengths: list[int], max_length: int, 
     shaped = length_penalty(None, None, completion_length=lengths, max_length=max_length, buffer=buffer,
                             penalty=penalty)
     per_function = {**result.per_function, "overlong": shaped}
+    if result.turns is not None:  # per-turn: added to the last turn's reward (an unscored one scores it alone)
+        return _with_turns(result, [t[:-1] + [(t[-1] or 0.0) + p] if t and p is not None else t
+                                    for t, p in zip(result.turns, shaped, strict=True)], per_function=per_function)
     if result.steps is None:
         rewards = [r if r is None or p is None else r + p for r, p in zip(result.rewards, shaped)]
         return dataclasses.replace(result, rewards=rewards, per_function=per_function)

@@ -14,7 +14,9 @@ A user's function runs unchanged from a GRPOTrainer script:
 and, for prompts given as messages, what TRL passes: `[{"role": "assistant", "content": text}]`
 each. `completion_ids` are each completion's token ids (EOS included); `columns` are the example's
 other fields (every dataset column but the prompt, for `data=hf`) plus `completion_length` and
-`truncated`. TRL's `trainer_state` and `log_extra` are not passed. A function may be `async def`.
+`truncated`. TRL's `trainer_state` and `log_extra` are not passed. A function may be `async def`. For a
+multi-turn episode (`env=tools`, `env=class`) it may return a list instead of a number, one score per assistant
+turn (per-turn rewards: docs/environments.md).
 Functions of grpo_cli itself (the built-ins) get plain strings, as everywhere in grpo_cli.
 
 Everything that can be wrong from the config alone stops the run before the model loads (the

@@ -1,5 +1,6 @@
 """`grpo train env=tools`: a 2-step tiny run whose episodes call a tool, with completions.jsonl showing the turns, the
-tools/ metrics logged, and a user's reward function reading the episode's messages as TRL passes them.
+tools/ metrics logged, and a user's reward function reading the episode's messages as TRL passes them and scoring
+each assistant turn (the per-turn path, `turn_rewards` in completions.jsonl).
 
 What is scripted: the tiny random model never writes a tool call by itself, so the engine's first turn in every
 episode is a fixed `<tool_call>` (its ids enter the episode as if sampled); every later turn is the model's own,
@@ -16,9 +17,13 @@ from tests.helpers import MULTIPLY_TOOL, TINY, metrics, run_cli
 MY_TOOLS = MULTIPLY_TOOL + '''
 
 def saw_a_tool_turn(prompts, completions, tool_call_count, **kwargs):
-    # completions as TRL passes a multi-turn episode: the assistant and tool messages
-    return [float(c[1]["role"] == "tool" and c[1]["content"] == "12" and n == 1)
-            for c, n in zip(completions, tool_call_count)]
+    # completions as TRL passes a multi-turn episode: the assistant and tool messages; scored per turn, the
+    # score on the last assistant turn
+    scores = []
+    for c, n in zip(completions, tool_call_count):
+        turns = sum(m["role"] == "assistant" for m in c)
+        scores.append([0.0] * (turns - 1) + [float(c[1]["role"] == "tool" and c[1]["content"] == "12" and n == 1)])
+    return scores
 '''
 CALL = '<tool_call>{"name": "multiply", "arguments": {"a": 4, "b": 3}}</tool_call>'
 
@@ -55,3 +60,6 @@ def test_a_run_with_tools_logs_turns_and_tool_metrics(tmp_path, monkeypatch):
     assert turns[0]["tool_calls"][0]["function"] == {"name": "multiply", "arguments": {"a": 4, "b": 3}}
     assert turns[1] == {"role": "tool", "name": "multiply", "content": "12"}
     assert turns[2]["role"] == "assistant" and lines[0]["tool_calls"] == 1
+    # the per-turn rewards, one per assistant turn, and their sum as the episode's reward
+    assert all(len(line["turn_rewards"]) == len([m for m in line["turns"] if m["role"] == "assistant"])
+               and line["turn_rewards"][-1] == line["reward"] == 1.0 for line in lines)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import TORCHRUN_TINY, G, needs_vllm, torchrun
+from tests.helpers import SCRIPTED_TOOLS, SCRIPTED_TOOLS_ARGS, TORCHRUN_TINY, G, needs_vllm, torchrun
 
 
 @pytest.mark.slow
@@ -64,6 +64,47 @@ def test_torchrun_eval_shards_problems_and_gathers_every_row(tmp_path):
     assert rows["two"] == rows["one"]
     report = [json.loads((tmp_path / name / "eval.json").read_text())["results"][0] for name in ("one", "two")]
     assert report[0]["accuracy"] == report[1]["accuracy"]
+
+
+@pytest.mark.slow
+@pytest.mark.ci
+def test_torchrun_two_ranks_run_episodes_and_resume_them_exactly_after_kill_9(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    (tmp_path / "scripted_tools.py").write_text(SCRIPTED_TOOLS)
+    args = ["train", *TORCHRUN_TINY, *SCRIPTED_TOOLS_ARGS, "trainer.max_steps=2"]
+    torchrun(tmp_path, *args, f"hydra.run.dir={tmp_path / 'straight'}")
+    rows = [json.loads(line) for line in (tmp_path / "straight" / "completions.jsonl").read_text().splitlines()]
+    metrics = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
+    for record in metrics:
+        mine = [r for r in rows if r["step"] == record["step"]]
+        # both ranks' episodes, with their turns; the tool metrics are over all 16, not rank 0's 8
+        assert len(mine) == 16 and {r["rank"] for r in mine} == {0, 1} and all(r["turns"] for r in mine)
+        assert record["tools/call_frequency"] == pytest.approx(sum(r["tool_calls"] for r in mine) / 16)
+        turns = [sum(m["role"] == "assistant" for m in r["turns"]) for r in mine]
+        assert record["turns/mean"] == pytest.approx(sum(turns) / 16)
+    assert any(r["tool_calls"] for r in rows)
+
+    # the same run killed (-9, every process) once its first checkpoint is written, then resumed on 2 ranks
+    bin_dir = Path(sys.executable).parent
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen([str(bin_dir / "torchrun"), "--standalone", "--nproc-per-node=2", str(bin_dir / "grpo"),
+                             *args, f"hydra.run.dir={killed}"], cwd=tmp_path, start_new_session=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not (killed / "checkpoints" / "step_000001").exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    assert proc.poll() is None  # killed mid-run: step 2 had not ended
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    torchrun(tmp_path, "train", f"resume={killed}", "trust_run_config=true")
+    # the episodes of every step are the uninterrupted run's, token for token
+    assert (killed / "completions.jsonl").read_text() == (tmp_path / "straight" / "completions.jsonl").read_text()
 
 
 def _adapter(run: Path, step: int) -> dict:

@@ -234,3 +234,12 @@ def test_reward_weights_must_be_finite(overrides):
     # one NaN weight makes every summed reward NaN: a run that trains on nothing
     with pytest.raises(ConfigError, match=r"^reward.weights \(.*\) must hold finite numbers.*; set reward.weights"):
         validate(compose("train", overrides))
+
+
+def test_per_turn_scores_for_completions_that_are_no_episodes_are_no_score():
+    # a list is one score per assistant turn of an episode; plain completions have none: the function failed
+    functions = {"turns": lambda p, c, **_: [[1.0, 0.0] for _ in c], "one": lambda p, c, **_: [1.0] * len(c)}
+    reward = OutcomeReward(functions, None, None, worker="thread")
+    result = reward(["q", "q"], ["a", "b"], {})
+    assert result.turns is None and result.failures == 1
+    assert result.rewards == [1.0, 1.0] and result.per_function["turns"] == [None, None]

@@ -52,3 +52,15 @@ def test_shape_floors_then_penalizes_as_the_trainer_does():
     # the same as the two transforms one after the other
     floored = floor_truncated(result, [False, True], ["a", "bb"], 0.0)
     assert overlong_shaping(floored, [3, 8], 8, 4, 1.0) == shaped
+
+
+def test_per_turn_rewards_are_floored_and_penalized_on_the_last_turn():
+    # episodes of 2, 1 and 2 turns scored per turn: (1, .5) = 1.5, (2) = 2, (None, 1) = 1
+    turns = RewardResult(rewards=[1.5, 2.0, 1.0], per_function={"t": [1.5, 2.0, 1.0]},
+                         turns=[[1.0, 0.5], [2.0], [None, 1.0]])
+    # the first is cut by the episode's budget: its last turn scores the floor -1, its earlier turns nothing
+    floored = floor_truncated(turns, [True, False, False], ["x", "y", "z"], -1.0)
+    assert floored.turns == [[None, -1.0], [2.0], [None, 1.0]] and floored.rewards == [-1.0, 2.0, 1.0]
+    # DAPO's penalty (L_max 10, buffer 4): lengths 8 -> -(8 - 6) / 4 = -0.5 and 10 -> -1, on the last turn
+    shaped = overlong_shaping(turns, [8, 3, 10], 10, 4)
+    assert shaped.turns == [[1.0, 0.0], [2.0], [None, 0.0]] and shaped.rewards == [1.0, 2.0, 0.0]

@@ -145,3 +145,44 @@ def test_a_prompt_longer_than_max_prompt_tokens_with_the_tools_shown_is_one_line
     sampler = HFSampler(**sampler_settings(max_new_tokens=12, max_prompt_tokens=64))
     with pytest.raises(DataError, match=r"with the tools' schemas .* sampler.max_prompt_tokens \(64\)"):
         EpisodeSampler(sampler, tools_env(tmp_path)).sample(model, tokenizer, EXAMPLES, 2)
+
+
+def test_a_reward_per_turn_lands_on_each_turns_last_sampled_token(policy, tmp_path, monkeypatch):
+    from grpo_cli.rewards import OutcomeReward
+    from grpo_cli.rewards.call import score, token_ids
+    from grpo_cli.rollout.episodes import reward_columns
+    from grpo_cli.update import advantages
+
+    model, tokenizer = policy
+    sampler = HFSampler(**sampler_settings(max_new_tokens=12))
+    monkeypatch.setattr(HFSampler, "engine", lambda self, *a, **k: Scripted(tokenizer))
+    rollout = EpisodeSampler(sampler, tools_env(tmp_path)).sample(model, tokenizer, EXAMPLES, 3)
+    # every episode: turn 1 is CALL + EOS, then the tool turn the environment adds, then turn 2 is "12" + EOS
+
+    def per_turn(prompts, completions, **columns):
+        # a list scores each assistant turn; a number scores the episode, on its last turn; a list of the wrong
+        # length is no score
+        return [[1.0, 0.0], [0.0, 1.0], 2.0, 1.0, 0.0, [5.0]]
+
+    reward = OutcomeReward({"per_turn": per_turn}, None, None, worker="thread")
+    owners = [0, 0, 0, 1, 1, 1]
+    result = score(reward, EXAMPLES, owners, rollout.texts, rollout.lengths, rollout.truncated, token_ids(rollout),
+                   reward_columns(rollout))
+    assert result.rewards == [1.0, 1.0, 2.0, 1.0, 0.0, None]  # each episode's sum of its turns
+    adv = advantages(result, rollout, tokenizer, 3, "group", "population")  # [6, T]
+    first, last = rollout.episodes[0].turn_ends  # each turn's last sampled id (its EOS)
+    n = len(rollout.episodes[0].completion_ids)
+    sampled = torch.tensor(rollout.episodes[0].sampled, dtype=torch.bool)
+    # group 0's turn rewards 1, 0 | 0, 1 | -, 2: mean 4/5 = 0.8, population var (.04 + .64 + .64 + .04 + 1.44) / 5
+    # = 0.56; a turn's token gets the normalized rewards of its turn and of the turns after it
+    z = {r: (r - 0.8) / (0.56 ** 0.5 + 1e-4) for r in (0.0, 1.0, 2.0)}
+    expect = {0: (z[1.0] + z[0.0], z[0.0]), 1: (z[0.0] + z[1.0], z[1.0]), 2: (z[2.0], z[2.0])}
+    # group 1: 1, 0 on the last turns, row 5 unscored (normalized to 0): mean 1/2, std 1/2 -> +-1 (eps aside)
+    z1 = 0.5 / (0.5 + 1e-4)
+    expect.update({3: (z1, z1), 4: (-z1, -z1), 5: (0.0, 0.0)})
+    for row, (turn1, turn2) in expect.items():
+        want = torch.zeros(n)
+        want[:first + 1], want[first + 1:last + 1] = turn1, turn2
+        want[~sampled] = 0.0  # the environment's tokens carry no advantage
+        assert torch.allclose(adv[row, :n], want, atol=1e-5), row
+    assert (adv[:, n:] == 0).all()  # padding
