@@ -96,7 +96,7 @@ def test_grpo_rm_end_to_end_from_policy_samples(tmp_path):
     heldout = [r for r in labeled if r["split"] == "heldout"]
     scores = build(cfg.reward)([r["prompt"] for r in heldout], [r["completion"] for r in heldout],
                                {"answer": [r["answer"] for r in heldout]}).rewards
-    again = T.classification_metrics(scores, [r["label"] for r in heldout])
+    again = T.classification_metrics(scores, [r["label"] for r in heldout], [r["prompt"] for r in heldout])
     for key in ("labels", "positives", "accuracy", "loss", "mean_score"):
         assert again[key] == pytest.approx(report["heldout_after"][key], abs=1e-6), key
 
