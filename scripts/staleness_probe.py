@@ -36,10 +36,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
+import torch
 from paired import REPO, grpo, read_jsonl
+
+sys.path.insert(0, str(REPO))  # this checkout's grpo_cli, as the grpo subprocesses run it
+
+from grpo_cli import rm  # noqa: E402
+from grpo_cli.policy import resolve_device  # noqa: E402
 
 FALL = RECOVERY = 0.10  # the decision rule's bars
 
@@ -70,11 +77,6 @@ def rows_of(samples: list[dict]) -> list[dict]:
 
 def measure(folder: Path, rows: list[dict]) -> dict:
     """The reward model in `folder` on `rows`: within-prompt and pooled AUC, the prompts and right answers counted."""
-    import torch
-
-    from grpo_cli import rm
-    from grpo_cli.policy import resolve_device
-
     device = resolve_device("auto")
     model, tokenizer = rm.load_classifier(folder, "outcome", device, torch.float32)
     template = json.loads((folder / "rm.json").read_text())["template"]
