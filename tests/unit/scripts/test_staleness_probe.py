@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from grpo_cli import rm
 from tests.helpers import REPO
 
 
@@ -67,3 +68,21 @@ def test_samples_become_rows_with_the_rules_label():
                {"question": "q1", "completion": "hm", "reference": "7", "correct": None},
                {"question": "q2", "completion": "3", "reference": None, "correct": None}]
     assert [(r["prompt"], r["label"]) for r in probe.rows_of(records)] == [("q1", 1.0), ("q1", 0.0), ("q1", 0.0)]
+
+
+def test_measure_reads_a_saved_reward_model_within_each_prompt(tiny, tmp_path):
+    # a random head on the tiny model, saved as grpo rm saves it; q1 holds both labels, q2 only wrong answers
+    base, tokenizer = tiny
+    folder = rm.save_reward_model(rm.new_classifier("outcome", base, tokenizer, seed=0), tokenizer, tmp_path / "rm",
+                                  {"kind": "outcome", "template": "{prompt}{completion}"})
+    rows = [{"prompt": p, "completion": c, "label": y}
+            for p, c, y in (("q1", "7", 1.0), ("q1", "8", 0.0), ("q1", "9", 0.0), ("q2", "1", 0.0), ("q2", "2", 0.0))]
+    got = probe.measure(folder, rows)
+    scores, _ = rm.predict(*rm.load_classifier(folder, "outcome", probe.resolve_device("cpu"), probe.torch.float32),
+                           rows, kind="outcome", template="{prompt}{completion}")
+    # within prompt, q1 alone: its right answer above each of its 2 wrong ones counts 1, a tie 1/2; pooled: all 4
+    def pairs(wrong):
+        return sum(1.0 if scores[0] > s else 0.5 if scores[0] == s else 0.0 for s in wrong) / len(wrong)
+
+    assert got == {"auc": pytest.approx(pairs(scores[1:3])), "prompts": 1,
+                   "pooled_auc": pytest.approx(pairs(scores[1:])), "rows": 5, "right": 1, "of_prompts": 2}
