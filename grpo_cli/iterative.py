@@ -12,8 +12,9 @@ With M = iterative.steps, the first step of iteration i (step i*M + 1) first run
   3. train: continue training the reward model (the previous iteration's; at iteration 0
      reward.name_or_path, or a new head on the policy's base) on the mix, scoring the held-out rows before
      and after (iterative.retrain=false: after iteration 0 only measure);
-  4. gate (rm.min_auc): a retrained model whose held-out AUC is below the bar is set aside and the previous
-     one goes on scoring;
+  4. gate (rm.min_auc): a retrained model whose within-prompt AUC on the held-out rows (`rm.within_prompt_auc`)
+     is below the bar, or unmeasurable because no held-out prompt's samples hold both labels, is set aside and the
+     previous one goes on scoring;
   5. save the model and its rows, reference policy <- current policy (`policy.set_reference`), record the
      iteration (RUN/iterations.jsonl and a table).
 The steps of iteration i are scored by that model, floored for truncated completions
@@ -256,7 +257,7 @@ class IterativeRL:
                           f"{step}-{step + self.steps - 1} (measured on {len(drawn.heldout)} fresh held-out rows)")
             return True, folder
         after = trained["heldout_after"] or {}
-        keep_previous, line = gate(i, f"steps {step}-{step + self.steps - 1}", after.get("auc"),
+        keep_previous, line = gate(i, f"steps {step}-{step + self.steps - 1}", after.get("auc_within_prompt"),
                                    self.rm_settings.min_auc, len(drawn.heldout), self.model)
         if line:
             console.print(f"[yellow]{line}")
@@ -280,19 +281,24 @@ class IterativeRL:
                   "rm_trained": str(folder.relative_to(self.run_dir)), "min_auc": self.rm_settings.min_auc,
                   "kept_previous": keep_previous, "retrained": retrain, **trained,
                   "time/sample_s": round(drawn.seconds, 1), "time/rm_s": round(rm_seconds, 1)}
-        before, after = (trained["heldout_before"] or {}).get("auc"), (trained["heldout_after"] or {}).get("auc")
-        record.update({"rm/auc_current_policy_before": before, "rm/auc_current_policy_after": after,
-                       "rm/auc_current_policy": before if keep_previous else after})
+        # the gate's number, within-prompt (what GRPO's groups see), and the pooled AUC beside it
+        before, after = trained["heldout_before"] or {}, trained["heldout_after"] or {}
+        record.update({"rm/auc_current_policy_before": before.get("auc_within_prompt"),
+                       "rm/auc_current_policy_after": after.get("auc_within_prompt"),
+                       "rm/auc_current_policy": (before if keep_previous else after).get("auc_within_prompt"),
+                       "rm/auc_prompts": before.get("auc_prompts"),
+                       "rm/pooled_auc_current_policy_before": before.get("auc"),
+                       "rm/pooled_auc_current_policy_after": after.get("auc")})
         return record
 
     def metrics(self, step: int) -> dict:
         """What `step`'s metrics.jsonl record carries from a boundary run at it (none inside an iteration)."""
         for r in self.history:
             if r["step"] == step:
-                return {"rm/auc_current_policy_before": r["rm/auc_current_policy_before"],
-                        "rm/auc_current_policy_after": r["rm/auc_current_policy_after"],
-                        "rm/auc_current_policy": r["rm/auc_current_policy"],
-                        "rm/kept_previous": int(r["kept_previous"])}
+                keys = ("rm/auc_current_policy_before", "rm/auc_current_policy_after", "rm/auc_current_policy",
+                        "rm/auc_prompts", "rm/pooled_auc_current_policy_before", "rm/pooled_auc_current_policy_after")
+                # a run saved before the within-prompt AUC lacks its keys
+                return {**{k: r.get(k) for k in keys}, "rm/kept_previous": int(r["kept_previous"])}
         return {}
 
     def _relative(self, path: str | Path) -> str:
@@ -328,18 +334,19 @@ class IterativeRL:
 
 
 def history_table(history: list[dict]) -> Table:
-    """One row per iteration: the reward model on fresh held-out samples of the policy, before/after retraining."""
+    """One row per iteration: the reward model on fresh held-out samples of the policy, before/after retraining
+    (AUC within prompt: the gate's number; the prompts with both labels it rests on)."""
     table = Table(title="iterative RL: the reward model on held-out samples of the current policy")
-    for col in ("iter", "step", "rows (right)", "new+replay", "held-out", "before acc/AUC", "after acc/AUC", "scores",
-                "time"):
+    for col in ("iter", "step", "rows (right)", "new+replay", "held-out (prompts)", "before acc/AUC",
+                "after acc/AUC", "scores", "time"):
         table.add_column(col, justify="right")
     fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
     for r in history:
         b, a = r["heldout_before"] or {}, r["heldout_after"] or {}
         table.add_row(str(r["iteration"]), str(r["step"]), f"{r['rows']} ({r['positives']})",
-                      f"{r['train_new']}+{r['train_replay']}", str(r["heldout"]),
-                      f"{fmt(b.get('accuracy'))}/{fmt(b.get('auc'))}",
-                      f"{fmt(a.get('accuracy'))}/{fmt(a.get('auc'))}",
+                      f"{r['train_new']}+{r['train_replay']}", f"{r['heldout']} ({b.get('auc_prompts', '-')})",
+                      f"{fmt(b.get('accuracy'))}/{fmt(b.get('auc_within_prompt'))}",
+                      f"{fmt(a.get('accuracy'))}/{fmt(a.get('auc_within_prompt'))}",
                       "previous" if r.get("kept_previous") else "retrained",
                       f"{r['time/sample_s'] + r['time/rm_s']:.0f} s")
     return table
@@ -372,19 +379,20 @@ CHECKS: list[Check] = [
 
 def gate(i: int, steps: str, auc: float | None, min_auc: float | None, heldout: int,
          previous: str | None) -> tuple[bool, str | None]:
-    """(whether iteration i keeps the `previous` reward model, the console line saying why or None): it keeps it
-    when the retrained model's AUC on its `heldout` rows is below rm.min_auc and there is a previous one; a line
-    whenever the bar is set and not cleared. `steps` names the steps the chosen model scores."""
+    """(whether iteration i keeps the `previous` reward model, the console line saying why or None). `auc` is the
+    retrained model's within-prompt AUC on its `heldout` rows (GRPO only uses the ranking within a group), None when
+    no held-out prompt's samples hold both labels. With rm.min_auc set, a model not shown to clear it (below the
+    bar, or unmeasurable) keeps the previous one when there is one; a line whenever the bar is not cleared. With no
+    held-out rows at all (rm.heldout_fraction=0) the retrained model is used, and said. `steps` names the steps the
+    chosen model scores."""
     if min_auc is None or (auc is not None and heldout and auc >= min_auc):
         return False, None
     if not heldout:
         return False, (f"iteration {i}: no held-out rows (rm.heldout_fraction=0), so rm.min_auc={min_auc} cannot "
                        f"judge the retrained reward model; it scores {steps}")
-    if auc is None:
-        return False, (f"iteration {i}: the held-out rows hold one class only, so the retrained reward model has no "
-                       f"AUC and rm.min_auc={min_auc} cannot judge it; it scores {steps}")
+    why = (f"no held-out prompt's samples hold both labels, so the retrained reward model has no within-prompt AUC "
+           f"and rm.min_auc={min_auc} cannot validate it" if auc is None else
+           f"the retrained reward model's held-out within-prompt AUC {auc:.3f} is below rm.min_auc={min_auc}")
     if previous is None:
-        return False, (f"iteration {i}: the retrained reward model's held-out AUC {auc:.3f} is below "
-                       f"rm.min_auc={min_auc}, but there is no previous model to keep (a new head); it scores {steps}")
-    return True, (f"iteration {i}: the retrained reward model's held-out AUC {auc:.3f} is below rm.min_auc={min_auc}: "
-                  f"keeping the previous one ({previous}) for {steps}")
+        return False, f"iteration {i}: {why}; there is no previous model to keep (a new head): it scores {steps}"
+    return True, f"iteration {i}: {why}: keeping the previous one ({previous}) for {steps}"

@@ -103,8 +103,10 @@ def summarize(runs: list[dict], eval_rows: list[dict], limit: int, draws: int) -
 
 def table(s: dict) -> str:
     fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
-    rows = ["| seed | iterative acc | fixed acc | d (iterative - fixed) | AUC on current policy, iterative "
-            "(before → after) | AUC on current policy, fixed | train wall (i / f) |", "|---|---|---|---|---|---|---|"]
+    # the boundaries' AUCs are within-prompt since issue #44 (the runs of issue #28 logged the pooled AUC)
+    rows = ["| seed | iterative acc | fixed acc | d (iterative - fixed) | within-prompt AUC on current policy, "
+            "iterative (before → after) | within-prompt AUC, fixed | train wall (i / f) |",
+            "|---|---|---|---|---|---|---|"]
     for row in s["per_seed"]:
         i, f = row["iterative"], row["fixed"]
         rows.append(f"| {row['seed']} | {i['accuracy']:.3f} | {f['accuracy']:.3f} | {row['d']:+.3f} | "
@@ -134,7 +136,8 @@ def plot(s: dict, path: Path) -> None:
                          label=label)
             axes[2].plot(range(1, len(row[arm]["truncated"]) + 1), row[arm]["truncated"], color=color, alpha=0.7,
                          label=label)
-    titles = ("reward model's AUC on the current policy's samples\n(at each boundary, before retraining)",
+    titles = ("reward model's within-prompt AUC on the current policy's samples\n(at each boundary, before "
+              "retraining)",
               "completion length (tokens)", "truncated share")
     for ax, title, x in zip(axes, titles, ("iteration", "step", "step")):
         ax.set_title(title, fontsize=9)

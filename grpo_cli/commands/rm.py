@@ -1,5 +1,5 @@
 """`grpo rm`: train an outcome (ORM) or process (PRM) reward model, from a labeled JSONL or from the
-policy's own samples, and report its held-out accuracy and AUC.
+policy's own samples, and report its held-out accuracy and AUCs (pooled, within prompt).
 
     grpo rm                                                    # base SmolLM2 samples arithmetic, ORM
     grpo rm checkpoint=outputs/train/DATE/TIME                 # sample from a trained policy instead
@@ -171,19 +171,20 @@ def results_table(report: dict) -> Table:
     unit = "rows" if report["kind"] == "outcome" else "steps"
     table = Table(title=f"grpo rm: {report['kind']} reward model, held-out {unit} "
                         f"({report['rows']['heldout_prompts']} prompts it did not train on)")
-    for col in ("model", "labels", "positives", "accuracy", "AUC", "BCE", "mean score"):
+    for col in ("model", "labels", "positives", "accuracy", "AUC", "AUC in prompt (prompts)", "BCE", "mean score"):
         table.add_column(col, justify="left" if col == "model" else "right")
     start = "start (rm.init)" if report["init"] else "start (new head)"
     for name, m in ((start, report["heldout_before"]), ("trained", report["heldout_after"])):
         if m is None:
-            table.add_row(name, "0", "-", "-", "-", "-", "-")
+            table.add_row(name, "0", "-", "-", "-", "-", "-", "-")
             continue
         fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
         table.add_row(name, str(m["labels"]), str(m["positives"]), fmt(m["accuracy"]), fmt(m["auc"]),
-                      fmt(m["loss"]), fmt(m["mean_score"]))
+                      f"{fmt(m['auc_within_prompt'])} ({m['auc_prompts']})", fmt(m["loss"]), fmt(m["mean_score"]))
     rows = report["rows"]
     table.caption = (f"trained on {rows['train_new']} new + {rows['train_replay']} replayed rows; "
-                     f"accuracy at score 0.5, a label >= 0.5 counts as positive")
+                     f"accuracy at score 0.5, a label >= 0.5 counts as positive; AUC in prompt: among each prompt's "
+                     f"own samples (the ranking GRPO uses), over the prompts with both labels")
     return table
 
 

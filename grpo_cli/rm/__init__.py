@@ -1,6 +1,7 @@
 """Training reward models: labeled rows, labelers, a replay buffer, and the ORM/PRM trainer.
 
     rows.py        labeled rows: checks, JSONL read/write, the held-out split, the replay buffer
+    auc.py         the pooled and the within-prompt AUC (the ranking GRPO's groups see)
     labelers.py    problems -> policy samples -> labeled rows (the `labeler` config group)
     classifier.py  the ORM/PRM: build, load, LoRA, training, scoring, metrics, save; the `rm` settings check
 
@@ -52,11 +53,11 @@ When earlier iterations hold fewer rows than r, all of them are used and the sha
 mix reports the share it reached). share = 1 trains on all earlier rows and none of the new ones.
 """
 
+from grpo_cli.rm.auc import PromptAUC, binary_auc, within_prompt_auc
 from grpo_cli.rm.classifier import (
     AUTO_CLASS,
     KINDS,
     add_lora,
-    binary_auc,
     check_settings,
     class_weight,
     classification_metrics,
@@ -82,9 +83,11 @@ from grpo_cli.rm.rows import (
 )
 
 __all__ = [
-    "AUTO_CLASS", "KINDS", "MonteCarloLabeler", "OutcomeLabeler", "ReplayBuffer", "Row", "VerifierLabeler", "add_lora",
+    "AUTO_CLASS", "KINDS", "MonteCarloLabeler", "OutcomeLabeler", "PromptAUC", "ReplayBuffer", "Row",
+    "VerifierLabeler", "add_lora",
     "binary_auc", "check_rows", "check_settings", "check_share", "class_weight", "classification_metrics",
     "draw_samples", "evaluate", "load_classifier", "new_classifier", "pick_problems", "predict", "read_labeled",
     "replay_count", "retrain",
-    "save_reward_model", "split_heldout", "starting_classifier", "train_classifier", "write_jsonl",
+    "save_reward_model", "split_heldout", "starting_classifier", "train_classifier", "within_prompt_auc",
+    "write_jsonl",
 ]

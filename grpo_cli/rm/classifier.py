@@ -30,6 +30,7 @@ from grpo_cli import files
 from grpo_cli.errors import ConfigError
 from grpo_cli.instantiate import build
 from grpo_cli.rewards.models import check_classifier
+from grpo_cli.rm.auc import binary_auc, within_prompt_auc
 from grpo_cli.rm.rows import Row, check_share
 
 KINDS = ("outcome", "process")
@@ -251,60 +252,52 @@ def train_classifier(model, tokenizer, rows: list[Row], *, kind: str, template: 
 
 
 @torch.no_grad()
-def predict(model, tokenizer, rows: list[Row], *, kind: str, template: str,
-            batch_size: int = 8) -> tuple[list[float], list[float]]:
-    """(scores in (0, 1), labels): one per outcome row or per labeled step, in row order."""
+def _scored(model, tokenizer, rows: list[Row], kind: str, template: str,
+            batch_size: int) -> tuple[list[float], list[float], list[int]]:
+    """(scores in (0, 1), labels, the index of the row each came from): one per outcome row or labeled step."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     scores: list[float] = []
     labels: list[float] = []
+    owners: list[int] = []
     for first in range(0, len(rows), batch_size):
         inputs, where, targets = encode(tokenizer, rows[first:first + batch_size], kind, template, device)
         if targets.numel():
             scores += torch.sigmoid(logits_at(model, inputs, where)).tolist()
             labels += targets.tolist()
+            # an outcome row is one target; a process row's targets are its labeled steps (where[0]: their rows)
+            owners += [first + b for b in (range(targets.numel()) if kind == "outcome" else where[0].tolist())]
     model.train(was_training)
+    return scores, labels, owners
+
+
+def predict(model, tokenizer, rows: list[Row], *, kind: str, template: str,
+            batch_size: int = 8) -> tuple[list[float], list[float]]:
+    """(scores in (0, 1), labels): one per outcome row or per labeled step, in row order."""
+    scores, labels, _ = _scored(model, tokenizer, rows, kind, template, batch_size)
     return scores, labels
 
 
-def binary_auc(scores: list[float], positive: list[bool]) -> float | None:
-    """ROC AUC = P(score of a random positive > score of a random negative), ties counting 1/2
-    (Mann-Whitney U from average ranks); None when one class is absent."""
-    n_pos = sum(positive)
-    n_neg = len(positive) - n_pos
-    if n_pos == 0 or n_neg == 0:
-        return None
-    order = sorted(range(len(scores)), key=lambda i: scores[i])
-    ranks = [0.0] * len(scores)
-    i = 0
-    while i < len(order):  # tied scores share the average of their 1-based ranks
-        j = i
-        while j + 1 < len(order) and scores[order[j + 1]] == scores[order[i]]:
-            j += 1
-        for m in range(i, j + 1):
-            ranks[order[m]] = (i + j) / 2 + 1
-        i = j + 1
-    rank_sum = sum(r for r, p in zip(ranks, positive) if p)
-    return (rank_sum - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
-
-
-def classification_metrics(scores: list[float], labels: list[float]) -> dict:
-    """Accuracy at 0.5, AUC and BCE of scores against labels; a label >= 0.5 counts as positive."""
+def classification_metrics(scores: list[float], labels: list[float], prompts: list) -> dict:
+    """Accuracy at 0.5, the pooled and within-prompt AUCs (`grpo_cli.rm.auc`; `prompts`: the prompt of each
+    score), BCE and mean score of scores against labels; a label >= 0.5 counts as positive."""
     positive = [y >= 0.5 for y in labels]
     n = len(labels)
     eps = 1e-7
     bce = -sum(y * math.log(max(s, eps)) + (1 - y) * math.log(max(1 - s, eps)) for s, y in zip(scores, labels))
+    within = within_prompt_auc(scores, positive, prompts)
     return {"labels": n, "positives": sum(positive),
             "accuracy": sum((s >= 0.5) == p for s, p in zip(scores, positive)) / n if n else None,
-            "auc": binary_auc(scores, positive), "loss": bce / n if n else None,
-            "mean_score": sum(scores) / n if n else None}
+            "auc": binary_auc(scores, positive), "auc_within_prompt": within.auc, "auc_prompts": within.prompts,
+            "loss": bce / n if n else None, "mean_score": sum(scores) / n if n else None}
 
 
 def evaluate(model, tokenizer, rows: list[Row], *, kind: str, template: str, batch_size: int = 8) -> dict:
-    """Accuracy, AUC, BCE and mean score of the reward model on labeled rows (per step for a PRM)."""
-    scores, labels = predict(model, tokenizer, rows, kind=kind, template=template, batch_size=batch_size)
-    return classification_metrics(scores, labels)
+    """Accuracy, AUCs (pooled, within prompt), BCE and mean score of the reward model on labeled rows (per step for
+    a PRM, a step's prompt being its row's)."""
+    scores, labels, owners = _scored(model, tokenizer, rows, kind, template, batch_size)
+    return classification_metrics(scores, labels, [rows[i]["prompt"] for i in owners])
 
 
 def retrain(model, tokenizer, train_rows: list[Row], heldout: list[Row], R, kind: str, seed: int | None = None,

@@ -28,12 +28,14 @@ from grpo_cli.policy import reference
 from grpo_cli.rm import OutcomeLabeler
 from tests.helpers import REPO, TINY, deterministic, metrics
 
-# 3 iterations x 2 steps; per boundary 4 problems x 2 samples = 8 rows, 0.25 x 4 prompts = 1 held out (2 rows)
+# 3 iterations x 2 steps; per boundary 4 problems x 2 samples = 8 rows, 0.25 x 4 prompts = 1 held out (2 rows).
+# No gate: the tiny model is never right, so no held-out prompt has both labels and the gate would keep iteration
+# 0's model at every boundary (the gate's own test sets rm.min_auc)
 ITERATIVE = [o for o in TINY if "digit" not in o] + [
     "reward=orm", "reward.name_or_path=null", "reward.device=cpu", "iterative.iterations=3", "iterative.steps=2",
     "trainer.max_steps=6", "rm.num_problems=4", "rm.samples_per_problem=2", "rm.heldout_fraction=0.25",
     "rm.epochs=1", "rm.batch_size=4", "rm.lora.r=4", "rm.lora.alpha=8", "rm.lr=1e-2", "algo.beta=0.04",
-    "trainer.keep_last=null"]
+    "trainer.keep_last=null", "rm.min_auc=null"]
 
 
 def cfg(*overrides: str):
@@ -137,49 +139,41 @@ def test_resume_at_a_boundary_and_mid_iteration_is_exact(tmp_path):
 
 def test_the_gate_keeps_the_previous_model_when_the_new_one_ranks_below_the_bar(tmp_path, monkeypatch, capsys):
     """rm.min_auc=0.5: iteration 0's new head measures 0.3 (nothing earlier to keep: used, and said), iteration
-    1's retrained model 0.25 (iteration 0's model scores iteration 1, and trains on at iteration 2)."""
+    1's retrained model 0.25 (iteration 0's model scores iteration 1, and trains on at iteration 2), iteration 2's
+    held-out rows are all wrong (no within-prompt AUC: unvalidated, so iteration 0's model goes on scoring)."""
     real, seen = iterative.rm.retrain, []
 
     def measured(*args, **kwargs):  # the tiny model's labels are all 0 (no AUC): set the measured AUC here
         model, report = real(*args, **kwargs)
         seen.append(report)
         if len(seen) <= 2:
-            report["heldout_after"] = {**report["heldout_after"], "auc": (0.3, 0.25)[len(seen) - 1]}
+            report["heldout_after"] = {**report["heldout_after"], "auc_within_prompt": (0.3, 0.25)[len(seen) - 1]}
         return model, report
 
     monkeypatch.setattr(iterative.rm, "retrain", measured)
     train.run(cfg("rm.min_auc=0.5", "iterative.steps=1", "trainer.max_steps=3", "trainer.save_every=1"), tmp_path)
     said = " ".join(capsys.readouterr().err.split())  # rich wraps long lines
-    assert "iteration 0: the retrained reward model's held-out AUC 0.300 is below rm.min_auc=0.5, but there is no " \
-           "previous model to keep (a new head); it scores steps 1-1" in said
-    assert said.count("keeping the previous one") == 1
-    assert f"iteration 1: the retrained reward model's held-out AUC 0.250 is below rm.min_auc=0.5: keeping the " \
-           f"previous one ({tmp_path / 'rm/iteration_000'}) for steps 2-2" in said
+    assert "iteration 0: the retrained reward model's held-out within-prompt AUC 0.300 is below rm.min_auc=0.5; " \
+           "there is no previous model to keep (a new head): it scores steps 1-1" in said
+    assert said.count("keeping the previous one") == 2
+    assert f"iteration 1: the retrained reward model's held-out within-prompt AUC 0.250 is below rm.min_auc=0.5: " \
+           f"keeping the previous one ({tmp_path / 'rm/iteration_000'}) for steps 2-2" in said
+    assert f"iteration 2: no held-out prompt's samples hold both labels, so the retrained reward model has no " \
+           f"within-prompt AUC and rm.min_auc=0.5 cannot validate it: keeping the previous one " \
+           f"({tmp_path / 'rm/iteration_000'}) for steps 3-3" in said
 
     history = iterations(tmp_path)
-    assert [h["kept_previous"] for h in history] == [False, True, False]
-    assert [h["rm"] for h in history] == ["rm/iteration_000", "rm/iteration_000", "rm/iteration_002"]
+    assert [h["kept_previous"] for h in history] == [False, True, True]
+    assert [h["rm"] for h in history] == ["rm/iteration_000"] * 3
     assert [h["rm_trained"] for h in history] == ["rm/iteration_000", "rm/rejected/iteration_001",
-                                                  "rm/iteration_002"]
+                                                  "rm/rejected/iteration_002"]
     assert history[2]["rm_start"] == str(tmp_path / "rm/iteration_000")  # the rejected model is not trained on
-    # eval reads rm/iteration_* as the run's reward models: the rejected one is kept apart
-    assert sorted(p.name for p in (tmp_path / "rm").iterdir()) == ["iteration_000", "iteration_002", "rejected",
-                                                                   "replay"]
+    # eval reads rm/iteration_* as the run's reward models: the rejected ones are kept apart
+    assert sorted(p.name for p in (tmp_path / "rm").iterdir()) == ["iteration_000", "rejected", "replay"]
     assert (tmp_path / "rm/rejected/iteration_001/config.json").is_file()
     state = json.loads((tmp_path / "checkpoints/step_000002/trainer_state.json").read_text())["iterative"]
     assert state["rm"] == "rm/iteration_000"  # what a resume at step 3 restarts from
 
-    # no held-out rows, or rows of one class: nothing to judge by, the retrained model is used, and said
-    assert iterative.gate(1, "steps 3-4", None, 0.5, 0, "previous") == (
-        False, "iteration 1: no held-out rows (rm.heldout_fraction=0), so rm.min_auc=0.5 cannot judge the retrained "
-               "reward model; it scores steps 3-4")
-    keep, line = iterative.gate(1, "steps 3-4", None, 0.5, 2, "previous")
-    assert not keep and "the held-out rows hold one class only, so the retrained reward model has no AUC" in line
-    assert iterative.gate(1, "steps 3-4", 0.49, 0.5, 2, "previous")[0]
-    assert iterative.gate(1, "steps 3-4", 0.5, 0.5, 2, "previous") == (False, None)  # the bar is >=
-    keep, line = iterative.gate(1, "steps 3-4", 0.4, 0.5, 2, None)
-    assert not keep and "no previous model to keep (a new head)" in line
-    assert iterative.gate(1, "steps 3-4", 0.1, None, 2, "previous") == (False, None)  # no bar set: nothing to say
 
 
 class AlternatingLabeler(OutcomeLabeler):
@@ -214,22 +208,31 @@ def test_auc_on_the_current_policy_before_and_after_retraining_matches_a_pair_co
                         for line in (tmp_path / f"rm/replay/iteration_{i:03d}.jsonl").read_text().splitlines()}
     assert fresh <= replay(1) and not fresh & replay(0)  # sampled at this boundary, from the policy as it is now
 
-    counted = {}
+    counted, pooled = {}, {}
+    prompts = sorted({r["prompt"] for r in heldout})
     for when, folder in (("before", "iteration_000"), ("after", "iteration_001")):
         model, tokenizer = T.load_classifier(tmp_path / "rm" / folder, "outcome", torch.device("cpu"), torch.float32)
         scores, labels = T.predict(model, tokenizer, heldout, kind="outcome", template="{prompt}{completion}")
-        counted[when] = pair_count(scores, labels)
-    # (this run: 7 of 16 pairs ordered right before, 6 after: the tiny model learns nothing from 8 rows)
+        pooled[when] = pair_count(scores, labels)
+        # within prompt: each prompt's 2 right x 2 wrong = 4 pairs counted alone, the 2 prompts' shares averaged
+        mine = lambda p: [i for i, r in enumerate(heldout) if r["prompt"] == p]  # noqa: E731
+        counted[when] = sum(pair_count([scores[i] for i in mine(p)], [labels[i] for i in mine(p)])
+                            for p in prompts) / len(prompts)
     assert record["rm/auc_current_policy_before"] == pytest.approx(counted["before"])
     assert record["rm/auc_current_policy_after"] == pytest.approx(counted["after"])
+    assert record["rm/auc_prompts"] == 2
+    assert record["rm/pooled_auc_current_policy_before"] == pytest.approx(pooled["before"])
+    assert record["rm/pooled_auc_current_policy_after"] == pytest.approx(pooled["after"])
     assert record["rm/auc_current_policy"] == record["rm/auc_current_policy_after"]  # no gate: the retrained one
     # the same numbers in metrics.jsonl, at the boundary's step only
     step2 = metrics(tmp_path)[1]
-    assert (step2["rm/auc_current_policy_before"], step2["rm/auc_current_policy_after"], step2["rm/kept_previous"]) \
-        == (record["rm/auc_current_policy_before"], record["rm/auc_current_policy_after"], 0)
+    assert (step2["rm/auc_current_policy_before"], step2["rm/auc_current_policy_after"], step2["rm/kept_previous"],
+            step2["rm/pooled_auc_current_policy_after"]) == (record["rm/auc_current_policy_before"],
+                                                             record["rm/auc_current_policy_after"], 0,
+                                                             record["rm/pooled_auc_current_policy_after"])
     # iteration 0 from a new head: the head is scored before training too (a random ranking), then retrained
     step1, first = metrics(tmp_path)[0], iterations(tmp_path)[0]
-    assert step1["rm/auc_current_policy_after"] == first["heldout_after"]["auc"] is not None
+    assert step1["rm/auc_current_policy_after"] == first["heldout_after"]["auc_within_prompt"] is not None
 
 
 def test_truncated_completions_score_lowest_in_a_run(tmp_path):

@@ -85,6 +85,7 @@ def test_grpo_rm_end_to_end_from_policy_samples(tmp_path):
                    "rm.lora.alpha=8", f"hydra.run.dir={run}"], env=WIDE)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "grpo rm: outcome reward model" in out.stderr and "reward=orm reward.name_or_path=" in out.stderr
+    assert "AUC in prompt (prompts)" in out.stderr  # the ranking GRPO uses, beside the pooled AUC
     report = json.loads((run / "rm_eval.json").read_text())
     labeled = [json.loads(line) for line in (run / "labeled.jsonl").read_text().splitlines()]
     # 8 problems x 3 samples; 0.2 x 8 = 1.6 -> 2 held-out prompts x 3 samples
@@ -96,9 +97,12 @@ def test_grpo_rm_end_to_end_from_policy_samples(tmp_path):
     heldout = [r for r in labeled if r["split"] == "heldout"]
     scores = build(cfg.reward)([r["prompt"] for r in heldout], [r["completion"] for r in heldout],
                                {"answer": [r["answer"] for r in heldout]}).rewards
-    again = T.classification_metrics(scores, [r["label"] for r in heldout])
+    again = T.classification_metrics(scores, [r["label"] for r in heldout], [r["prompt"] for r in heldout])
     for key in ("labels", "positives", "accuracy", "loss", "mean_score"):
         assert again[key] == pytest.approx(report["heldout_after"][key], abs=1e-6), key
+    # the tiny model is never right: no held-out prompt has both labels, so no within-prompt AUC
+    assert (report["heldout_after"]["auc_within_prompt"], report["heldout_after"]["auc_prompts"]) == (None, 0) == \
+        (again["auc_within_prompt"], again["auc_prompts"])
 
 
 def test_grpo_rm_samples_from_a_checkpoint_and_labels_steps(tmp_path):

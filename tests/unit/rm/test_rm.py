@@ -251,7 +251,7 @@ def test_auc_equals_pair_enumeration():
 def test_metrics_by_hand():
     # scores .9 .6 .4 .2 vs labels 1 0 1 0: accuracy at 0.5 = (1 + 0 + 0 + 1) / 4 = 0.5;
     # positive pairs (.9,.6) (.9,.2) (.4,.6) (.4,.2): 3 of 4 ordered -> AUC 0.75; a soft 0.5 label is positive
-    m = T.classification_metrics([0.9, 0.6, 0.4, 0.2], [1.0, 0.0, 0.5, 0.0])
+    m = T.classification_metrics([0.9, 0.6, 0.4, 0.2], [1.0, 0.0, 0.5, 0.0], ["a", "a", "b", "b"])
     assert (m["labels"], m["positives"], m["accuracy"], m["auc"]) == (4, 2, 0.5, 0.75)
 
 
@@ -338,6 +338,9 @@ def test_a_reward_model_learns_a_separable_label(tiny):
     prm, tokenizer, _ = trained("process", step_rows(30), tiny, epochs=8, lr=1e-2)
     after = T.evaluate(prm, tokenizer, step_rows(40)[30:], kind="process", template="{prompt}{completion}")
     assert after["labels"] == 20 and after["accuracy"] == 1.0 and after["auc"] == 1.0
+    # a step's prompt is its row's: rows 30, 33, 34, 37 and 38 hold one right and one wrong step (A B or B A),
+    # the other five two of a kind, so the within-prompt AUC rests on those 5 prompts
+    assert (after["auc_within_prompt"], after["auc_prompts"]) == (1.0, 5)
 
 
 @pytest.mark.parametrize("kind", ["outcome", "process"])

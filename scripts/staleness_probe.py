@@ -1,0 +1,190 @@
+"""The staleness probe before iterative RL (issue #44, item 5): does a reward model trained on the base policy's
+samples rank a GRPO-trained policy's samples worse, and does retraining on them win the ranking back?
+
+    .venv/bin/python scripts/staleness_probe.py                            # SmolLM2-135M, the default job
+    .venv/bin/python scripts/staleness_probe.py --smoke --out /tmp/probe   # the tiny random model, tiny sizes
+
+The design, fixed before any run:
+- the measure: the within-prompt AUC (`grpo_cli.rm.within_prompt_auc`): for each prompt whose samples hold both a
+  right and a wrong answer (the rule's label: `grpo sample`'s `correct`), the AUC of the reward model's scores among
+  that prompt's samples, ties 1/2; the mean over those prompts. GRPO only uses the ranking within a group, so this
+  is the ranking that reaches the policy. The pooled AUC and the number of prompts the mean rests on stand beside it.
+- the fixed reward model: `grpo rm` on the base policy's samples of --problems (128) training problems x --samples
+  (8), the rest as conf/rm says (OUT/rm_base); its rows go into the replay folder OUT/replay as iteration 0.
+- the policy: the default job, `grpo train` as conf/train.yaml says (40 steps, a checkpoint every 10), in
+  OUT/train; its checkpoints at --steps (20, 40).
+- the measured samples: `grpo sample` of --samples (8) completions on each of the first --prompts (64) held-out
+  problems (set A) from the base policy and from the step-20 and step-40 checkpoints; the step-40 checkpoint also on
+  the next --prompts held-out problems (set C). No held-out problem is in any reward model's rows (`grpo rm` draws
+  from the train split).
+- the retrained reward model: `grpo rm` from the step-40 checkpoint, continuing the fixed model (rm.init), on
+  --problems training problems x --samples of the step-40 policy (rm.seed=1), with conf/rm's replay share of the base
+  rows (OUT/rm_last). It is measured on set C, prompts it never saw, beside the fixed model on the same samples.
+- fall = AUC(fixed, base, A) - AUC(fixed, step 40, A); recovery = AUC(retrained, step 40, C) - AUC(fixed, step 40,
+  C). The step-20 row is descriptive (where a fall would begin); the rule reads base, step 40 and set C.
+- the decision rule, verbatim: if the fixed model's AUC does not fall by >= 0.10 while retraining recovers >= 0.10,
+  report "staleness does not occur at this scale" and stop. Read: staleness shows only when fall >= 0.10 and
+  recovery >= 0.10; otherwise the script reports "staleness does not occur at this scale" (and so iterative RL's
+  benefit is untestable here) and the iterative-vs-fixed experiment is not run. An AUC that cannot be measured (no
+  prompt with both labels) makes the verdict "undetermined", naming the measurement.
+
+Phases, each writing its output under OUT (a re-run skips a phase whose output is there): rm_base, train,
+samples/{base,mid,last}.jsonl (steps 20 and 40), rm_last, scores.json; then OUT/table.md and OUT/results.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from paired import REPO, grpo, read_jsonl
+
+sys.path.insert(0, str(REPO))  # this checkout's grpo_cli, as the grpo subprocesses run it
+
+from grpo_cli import rm  # noqa: E402
+from grpo_cli.policy import resolve_device  # noqa: E402
+
+FALL = RECOVERY = 0.10  # the decision rule's bars
+
+# --smoke: the tiny random model (never right, so every AUC is unmeasurable) and sizes that run in a minute or two
+SMOKE_MODEL = ["model=tiny", "sampler.max_new_tokens=8"]
+SMOKE_TRAIN = ["algo.group_size=4", "trainer.prompts_per_step=2", "trainer.micro_batch_size=4",
+               "trainer.warmup_steps=0", "trainer.max_steps=2", "trainer.save_every=1"]
+SMOKE_RM = ["rm.epochs=1", "rm.batch_size=4", "rm.lora.r=4", "rm.lora.alpha=8"]
+
+
+def phase(name: str, done: Path, out: Path, *args: str) -> float | None:
+    """Run `grpo ARGS` unless `done` exists; its wall time (OUT/wall_s.json keeps it for the table)."""
+    walls_file = out / "wall_s.json"
+    walls = json.loads(walls_file.read_text()) if walls_file.exists() else {}
+    if not done.exists():
+        print(f"{name}: grpo {' '.join(args)}", flush=True)
+        walls[name] = grpo(*args, log=out / "logs" / f"{name}.log")
+        walls_file.write_text(json.dumps(walls, indent=1))
+    return walls.get(name)
+
+
+def rows_of(samples: list[dict]) -> list[dict]:
+    """`grpo sample`'s records as outcome rows: the question, the completion, the rule's label (no answer found is
+    wrong, as `OutcomeLabeler` labels it; a problem without a reference answer gives no row)."""
+    return [{"prompt": s["question"], "completion": s["completion"], "label": float(bool(s["correct"]))}
+            for s in samples if s["reference"] is not None]
+
+
+def measure(folder: Path, rows: list[dict]) -> dict:
+    """The reward model in `folder` on `rows`: within-prompt and pooled AUC, the prompts and right answers counted."""
+    device = resolve_device("auto")
+    model, tokenizer = rm.load_classifier(folder, "outcome", device, torch.float32)
+    template = json.loads((folder / "rm.json").read_text())["template"]
+    m = rm.evaluate(model, tokenizer, rows, kind="outcome", template=template)
+    return {"auc": m["auc_within_prompt"], "prompts": m["auc_prompts"], "pooled_auc": m["auc"],
+            "rows": m["labels"], "right": m["positives"], "of_prompts": len({r["prompt"] for r in rows})}
+
+
+def verdict(scores: dict, last: int = 40) -> tuple[str, dict]:
+    """(the decision rule's line, the fall and recovery) from `scores`' four AUCs the rule reads; `last`: the step of
+    the last checkpoint."""
+    need = {"fixed on base, set A": scores["fixed_base_A"], f"fixed on step {last}, set A": scores["fixed_last_A"],
+            f"fixed on step {last}, set C": scores["fixed_last_C"],
+            f"retrained on step {last}, set C": scores["retrained_C"]}
+    missing = [name for name, m in need.items() if m["auc"] is None]
+    if missing:
+        return (f"undetermined: no prompt with both a right and a wrong sample in {', '.join(missing)}, so the "
+                f"within-prompt AUC the rule reads is not measured", {"fall": None, "recovery": None})
+    fall = scores["fixed_base_A"]["auc"] - scores["fixed_last_A"]["auc"]
+    recovery = scores["retrained_C"]["auc"] - scores["fixed_last_C"]["auc"]
+    numbers = {"fall": fall, "recovery": recovery}
+    if fall >= FALL - 1e-9 and recovery >= RECOVERY - 1e-9:  # 0.7 - 0.6 is 0.0999...: the bar is inclusive
+        return (f"staleness occurs: the fixed model's within-prompt AUC falls by {fall:.3f} (>= {FALL}) and "
+                f"retraining recovers {recovery:.3f} (>= {RECOVERY}); the iterative-vs-fixed experiment is worth "
+                f"running", numbers)
+    return (f"staleness does not occur at this scale: the fixed model's within-prompt AUC falls by {fall:+.3f} and "
+            f"retraining recovers {recovery:+.3f} (the rule needs >= {FALL} both); iterative RL's benefit is "
+            f"untestable here, so the experiment is not run", numbers)
+
+
+def table(scores: dict, line: str, numbers: dict, mid: int = 20, last: int = 40) -> str:
+    """The AUC table (markdown), the fall and recovery, and the verdict; `mid`, `last`: the checkpoints' steps."""
+    fmt = lambda v: "–" if v is None else f"{v:.3f}"  # noqa: E731
+    out = ["| samples | prompts | right / rows | reward model | within-prompt AUC (prompts with both labels) | "
+           "pooled AUC |", "|---|---|---|---|---|---|"]
+    for key, samples, prompts, model in (("fixed_base_A", "base", "A", "fixed"),
+                                         ("fixed_mid_A", f"step {mid}", "A", "fixed"),
+                                         ("fixed_last_A", f"step {last}", "A", "fixed"),
+                                         ("fixed_last_C", f"step {last}", "C", "fixed"),
+                                         ("retrained_C", f"step {last}", "C", f"retrained on step {last}")):
+        m = scores[key]
+        out.append(f"| {samples} | {prompts} ({m['of_prompts']}) | {m['right']} / {m['rows']} | {model} | "
+                   f"{fmt(m['auc'])} ({m['prompts']}) | {fmt(m['pooled_auc'])} |")
+    out.append("")
+    out.append(f"fall (fixed, base → step {last}, set A): {fmt(numbers['fall'])}; recovery (retrained − fixed, "
+               f"step {last}, set C): {fmt(numbers['recovery'])}.")
+    out.append(f"**{line}**")
+    return "\n".join(out) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--problems", type=int, default=128, help="training problems of each grpo rm")
+    parser.add_argument("--prompts", type=int, default=64, help="held-out problems in each measured set (A, C)")
+    parser.add_argument("--samples", type=int, default=8, help="completions per problem, everywhere")
+    parser.add_argument("--steps", default="20,40", help="the two checkpoint steps measured (mid, last)")
+    parser.add_argument("--smoke", action="store_true", help="the tiny random model, tiny sizes: the plumbing")
+    parser.add_argument("--out", type=Path, default=REPO / "outputs" / "staleness_probe")
+    parser.add_argument("overrides", nargs="*", help="more overrides for every grpo command (key=value)")
+    args = parser.parse_args()
+    model, train, rm_more = list(args.overrides), [], []
+    if args.smoke:
+        args.problems, args.prompts, args.samples, args.steps = 4, 4, 2, "1,2"
+        model, train, rm_more = SMOKE_MODEL + model, SMOKE_TRAIN, SMOKE_RM
+    mid, last = (int(s) for s in args.steps.split(","))
+    out = args.out.resolve()
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    (out / "samples").mkdir(exist_ok=True)
+    started = time.perf_counter()
+    sizes = [f"rm.num_problems={args.problems}", f"rm.samples_per_problem={args.samples}"]
+
+    phase("rm_base", out / "rm_base" / "model", out, "rm", *sizes, f"rm.replay.folder={out / 'replay'}",
+          f"hydra.run.dir={out / 'rm_base'}", *model, *rm_more)
+    ckpt = {s: out / "train" / "checkpoints" / f"step_{s:06d}" for s in (mid, last)}
+    phase("train", ckpt[last], out, "train", "trainer.report_to=[]", f"hydra.run.dir={out / 'train'}", *model, *train)
+    for name, source, prompts in (("base", [], args.prompts), ("mid", [f"checkpoint={ckpt[mid]}"], args.prompts),
+                                  ("last", [f"checkpoint={ckpt[last]}"], 2 * args.prompts)):
+        target = out / "samples" / f"{name}.jsonl"
+        phase(f"samples_{name}", target, out, "sample", *source, f"sample.num_prompts={prompts}",
+              f"sample.n={args.samples}", f"sample.output={target}",
+              *(model if name == "base" else args.overrides))
+    phase("rm_last", out / "rm_last" / "model", out, "rm", f"checkpoint={ckpt[last]}",
+          f"rm.init={out / 'rm_base' / 'model'}", *sizes, "rm.seed=1", f"rm.replay.folder={out / 'replay'}",
+          f"hydra.run.dir={out / 'rm_last'}", *args.overrides, *rm_more)
+
+    scores_file = out / "scores.json"
+    if not scores_file.exists():
+        samples = {name: read_jsonl(out / "samples" / f"{name}.jsonl") for name in ("base", "mid", "last")}
+        rows = {name: rows_of(records) for name, records in samples.items()}
+        # grpo sample answers held-out problems in order: the first --prompts are set A, the next set C
+        set_c = set(list(dict.fromkeys(s["question"] for s in samples["last"]))[args.prompts:])
+        last_a = [r for r in rows["last"] if r["prompt"] not in set_c]
+        last_c = [r for r in rows["last"] if r["prompt"] in set_c]
+        fixed, retrained = out / "rm_base" / "model", out / "rm_last" / "model"
+        scores = {"fixed_base_A": measure(fixed, rows["base"]), "fixed_mid_A": measure(fixed, rows["mid"]),
+                  "fixed_last_A": measure(fixed, last_a), "fixed_last_C": measure(fixed, last_c),
+                  "retrained_C": measure(retrained, last_c)}
+        scores_file.write_text(json.dumps(scores, indent=1))
+    scores = json.loads(scores_file.read_text())
+    line, numbers = verdict(scores, last)
+    text = table(scores, line, numbers, mid, last)
+    walls = json.loads((out / "wall_s.json").read_text()) if (out / "wall_s.json").exists() else {}
+    (out / "results.json").write_text(json.dumps({"scores": scores, "verdict": line, **numbers, "wall_s": walls,
+                                                  "args": {k: str(v) for k, v in vars(args).items()}}, indent=1))
+    (out / "table.md").write_text(text)
+    print(text)
+    print(f"this invocation {time.perf_counter() - started:.0f} s; phases {walls}; {out / 'results.json'}")
+
+
+if __name__ == "__main__":
+    main()
