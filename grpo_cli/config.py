@@ -29,6 +29,7 @@ from grpo_cli.objective import (
     IS_CORRECTIONS,
     KL_ESTIMATORS,
     LOSS_TYPES,
+    MASK_MODES,
     SCALES,
     STDS,
     SURROGATES,
@@ -105,6 +106,8 @@ ALGO: list[Check] = [
          f"set algo.importance_sampling_level=token"),
     Rule("algo.is_correction", lambda v: v in IS_CORRECTIONS,
          f"must be {one_of(IS_CORRECTIONS)}; set algo.is_correction=token_truncate"),
+    Rule("algo.is_correction_min", lambda v: v is None or (is_num(v) and 0 < v <= 1),
+         "must be in (0, 1] or null (null: 1/is_correction_cap); set algo.is_correction_min=null"),
     Rule("algo.entropy_coef", lambda v: is_num(v) and math.isfinite(v),
          "must be a number (0: off; verl uses ~1e-3); set algo.entropy_coef=0.0"),
     Rule("algo.top_entropy_quantile", lambda v: is_num(v) and 0 < v <= 1,
@@ -167,8 +170,15 @@ def _check_loss_variant(algo) -> list[str]:
 
 
 def _check_is_correction(algo) -> list[str]:
-    """A sequence-level IS mode does nothing without a cap: say so rather than run without it."""
-    if algo is None or algo.get("is_correction") not in ("sequence_truncate", "sequence_mask"):
+    """An IS mode other than the default does nothing without a cap, and a lower bound nothing in a truncate mode:
+    say so rather than run without them."""
+    if algo is None:
+        return []
+    if algo.get("is_correction_min") is not None and algo.get("is_correction") not in MASK_MODES:
+        return [f"algo.is_correction_min ({algo.is_correction_min}) is read only by algo.is_correction="
+                f"{' or '.join(MASK_MODES)} (truncation lowers the high weights only): set "
+                f"algo.is_correction_min=null, or algo.is_correction=token_mask"]
+    if algo.get("is_correction") not in IS_CORRECTIONS or algo.is_correction == "token_truncate":
         return []
     if algo.get("is_correction_cap") is None:
         return [f"algo.is_correction ({algo.is_correction}) needs a cap: set algo.is_correction_cap (a sequence "

@@ -50,10 +50,11 @@ from grpo_cli.policy import build_policy, context_length, load_tokenizer
 from grpo_cli.reward_schedule import FixedReward, RewardSchedule
 from grpo_cli.rewards.call import score, token_ids
 from grpo_cli.rewards.shaping import shape
-from grpo_cli.rollout import pad_id
+from grpo_cli.rollout import pad_id, use_chat_template
 from grpo_cli.rollout.engine import say
 from grpo_cli.rollout.episodes import reward_column_names, reward_columns, with_env
 from grpo_cli.rollout.sizing import Job
+from grpo_cli.runs import keep_chat_template
 from grpo_cli.update import advantages, prepare, update
 
 
@@ -136,10 +137,13 @@ def setup(cfg: DictConfig, run_dir: Path, world: World, why: str) -> Run:
     # a user's data: every prompt measured before the model loads, where its tokenizer loads without it
     early = load_tokenizer(cfg.model) if data.prompt_rows() else None
     if early is not None:
+        use_chat_template(early, data.chat_template, data.chat_template_kwargs)
         check_lengths(cfg, data, early)
+    cfg = keep_chat_template(cfg, run_dir, data.chat_template, world.main)
     torch.manual_seed(trainer.seed)
     loss = build(algo.loss)
     policy, tokenizer, device = build_policy(cfg.model)
+    use_chat_template(tokenizer, data.chat_template, data.chat_template_kwargs)
     if early is None:
         check_lengths(cfg, data, tokenizer)
     world.copy_from_main([p for p in policy.parameters() if p.requires_grad])  # one adapter init on every rank

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from grpo_cli import files
 from grpo_cli.errors import ConfigError
 from grpo_cli.metrics.console import console
 from grpo_cli.resources import CONF_DIR, RECIPES_DIR
@@ -241,11 +242,30 @@ def check_saved(saved: DictConfig, sections, overrides: list[str], trusted, sour
                           soft_wrap=True)
 
 
+# the run's copy of data.chat_template's text, in its folder: its resume and its eval render the prompts it trained on
+# even when the user's file changes or moves (a template is rendered by transformers' sandboxed Jinja: data, not code)
+TEMPLATE_FILE = "chat_template.jinja"
+
+
+def keep_chat_template(cfg: DictConfig, run_dir: Path, text: str | None, writes: bool) -> DictConfig:
+    """`cfg` whose data.chat_template names the run's copy of the template's `text` (written when `writes`: rank 0),
+    relative to the run folder, where `read_saved` finds it; `cfg` itself without a template."""
+    if text is None:
+        return cfg
+    if writes:
+        files.write_text(Path(run_dir) / TEMPLATE_FILE, text)
+    cfg = cfg.copy()
+    OmegaConf.update(cfg, "data.chat_template", TEMPLATE_FILE)
+    return cfg
+
+
 def read_saved(ckpt: Path, sections, overrides: list[str] | None, trusted) -> DictConfig:
     """Checkpoint `ckpt`'s config.yaml read as data: its relative paths anchored in the folder the run started in
     (trainer_state.json's `started_in`), its `sections` (None: all) checked by check_saved."""
     ckpt = Path(ckpt)
     saved = OmegaConf.load(ckpt / "config.yaml")
+    if OmegaConf.select(saved, "data.chat_template", default=None) == TEMPLATE_FILE:  # the run's own copy
+        OmegaConf.update(saved, "data.chat_template", str((ckpt.parent.parent / TEMPLATE_FILE).resolve()))
     state = json.loads((ckpt / "trainer_state.json").read_text())
     if isinstance(state, dict) and isinstance(state.get("started_in"), str):
         saved = anchored(saved, Path(state["started_in"]))

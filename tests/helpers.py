@@ -18,8 +18,11 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 import traceback
 from collections.abc import Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import NamedTuple
 
@@ -435,3 +438,60 @@ class Sampler(HFSampler):
 '''
 SCRIPTED_TOOLS_ARGS = ["sampler=short", "sampler._target_=scripted_tools.Sampler", "env=tools",
                        "env.tools=[scripted_tools.multiply]", "env.max_episode_tokens=100", "env.max_turns=2"]
+
+class JudgeServer:
+    """A real OpenAI-compatible chat endpoint on localhost (http.server in a thread) for the judge reward's tests.
+
+    `reply(n, body) -> (status, text, delay_s)` answers the n-th request (0-based); every request's JSON body and
+    Authorization header are kept in `requests`, and `max_in_flight` is the most requests it held at once."""
+
+    def __init__(self, reply):
+        server = self
+        self.requests: list[dict] = []
+        self.in_flight = self.max_in_flight = 0
+        lock = threading.Lock()
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 (http.server's name)
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with lock:
+                    n = len(server.requests)
+                    server.requests.append({"path": self.path, "body": body,
+                                            "authorization": self.headers.get("Authorization")})
+                    server.in_flight += 1
+                    server.max_in_flight = max(server.max_in_flight, server.in_flight)
+                status, text, delay = reply(n, body)
+                time.sleep(delay)
+                with lock:
+                    server.in_flight -= 1
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(text.encode())))
+                    self.end_headers()
+                    self.wfile.write(text.encode())
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client gave up (its timeout)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def chat_reply(content: str) -> str:
+    """An OpenAI chat completion's JSON whose one choice says `content`."""
+    return json.dumps({"id": "x", "object": "chat.completion",
+                       "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
+                                    "finish_reason": "stop"}]})

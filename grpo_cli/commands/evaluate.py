@@ -49,7 +49,7 @@ from grpo_cli.metrics.stats import mean
 from grpo_cli.policy import adapter_enabled
 from grpo_cli.rewards.call import check_columns, score, token_ids
 from grpo_cli.rewards.outcome import answers_match, extract_answer, reference_answer
-from grpo_cli.rollout import render_prompts
+from grpo_cli.rollout import render_prompts, use_chat_template
 from grpo_cli.rollout.engine import choose, say
 from grpo_cli.rollout.sizing import Job
 
@@ -146,6 +146,7 @@ def _evaluate(cfg: DictConfig, out_dir: Path, overrides: list[str], world: World
     chosen = choose(cfg.sampler)  # sampler=auto: vLLM when installed and usable (a checkpoint's own sampler as it is)
     cfg.sampler = chosen.section
     policy, tokenizer = inference_policy(cfg)
+    use_chat_template(tokenizer, data.chat_template, data.chat_template_kwargs)
     sampler = build(cfg.sampler)
     # eval.json and the rows' digests say what sampled; an engine is sized for one scoring batch
     job = Job(eval_cfg.batch_size, max(1, eval_cfg.num_samples), eval_cfg.max_new_tokens)

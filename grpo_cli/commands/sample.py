@@ -27,7 +27,7 @@ from grpo_cli.metrics.console import console
 from grpo_cli.policy import adapter_enabled
 from grpo_cli.rewards.call import check_columns, score, token_ids
 from grpo_cli.rewards.outcome import answers_match, extract_answer, reference_answer
-from grpo_cli.rollout import render_prompts
+from grpo_cli.rollout import render_prompts, use_chat_template
 from grpo_cli.rollout.engine import choose, say
 from grpo_cli.rollout.sizing import Job
 
@@ -48,13 +48,15 @@ def run(cfg: DictConfig, overrides: list[str] = ()) -> list[dict]:
     cfg = inference_config(cfg, list(overrides), [ckpt], CHECKS)
     # the reward and the data before the model: a bad path, column or reward function stops here in seconds
     reward_fn = build(cfg.reward)
+    data = build(cfg.data)  # its prompts, and its chat template for a prompt of the command line too
     if prompt is not None:
         problems = [{"messages": [{"role": "user", "content": prompt}], "question": prompt}]
     else:
-        problems = list(build(cfg.data).heldout[: sample_cfg.num_prompts])
+        problems = list(data.heldout[: sample_cfg.num_prompts])
         check_columns(reward_fn, problems[0])
     chosen = choose(cfg.sampler)  # sampler=auto: vLLM when installed and usable (a checkpoint's own sampler as it is)
     policy, tokenizer = inference_policy(cfg)
+    use_chat_template(tokenizer, data.chat_template, data.chat_template_kwargs)
     if ckpt is not None:
         checkpoint.load_adapter(policy, ckpt)
     sampler = build(chosen.section)

@@ -257,7 +257,8 @@ class GSM8KTask(_RecordTask):
     `solution` is the full reference text. Few-shot replies drop the "<<48/2=24>>" calculator notes."""
 
     def __init__(self, *, path: str | None, split: str, heldout_size: int | str, limit: int | None, seed: int,
-                 system_prompt: str | None, instruction: str, few_shot: int) -> None:
+                 system_prompt: str | None, instruction: str, few_shot: int,
+                 chat_template: str | None = None, chat_template_kwargs: dict | None = None) -> None:
         if not isinstance(split, str) or not split:
             raise ConfigError(f"data.split ({split!r}) must be a split name; set data.split=train")
         train, test, source = _hub_gsm8k(split) if path is None else read_local(str(path), split)
@@ -266,7 +267,8 @@ class GSM8KTask(_RecordTask):
                          field_fix="GSM8K lines hold 'question' and 'answer'; for another layout use "
                                    "data=jsonl with data.question_field=... data.answer_field=...",
                          limit=limit, seed=seed, heldout_size=heldout_size, system_prompt=system_prompt,
-                         instruction=instruction, few_shot=few_shot)
+                         instruction=instruction, few_shot=few_shot,
+                         chat_template=chat_template, chat_template_kwargs=chat_template_kwargs)
         self.path = path
         self.split = split
 
@@ -279,7 +281,8 @@ class JsonlTask(_RecordTask):
 
     def __init__(self, *, path: str, question_field: str, answer_field: str, solution_field: str | None,
                  answer_regex: str | None, heldout_size: int | str, limit: int | None, seed: int,
-                 system_prompt: str | None, instruction: str, few_shot: int) -> None:
+                 system_prompt: str | None, instruction: str, few_shot: int,
+                 chat_template: str | None = None, chat_template_kwargs: dict | None = None) -> None:
         if not path:
             raise ConfigError("data.path is required; set data.path=/path/to/problems.jsonl")
         for name, value in (("question_field", question_field), ("answer_field", answer_field)):
@@ -289,6 +292,7 @@ class JsonlTask(_RecordTask):
         super().__init__(train, test, source, question_field=question_field, answer_field=answer_field,
                          solution_field=solution_field, answer_regex=answer_regex, field_fix=None, limit=limit,
                          seed=seed, heldout_size=heldout_size, system_prompt=system_prompt,
-                         instruction=instruction, few_shot=few_shot)
+                         instruction=instruction, few_shot=few_shot,
+                         chat_template=chat_template, chat_template_kwargs=chat_template_kwargs)
         self.path = path
 

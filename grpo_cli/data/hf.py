@@ -170,9 +170,10 @@ class HFTask(_Task):
     """A `datasets` dataset as train and held-out examples; see the module docstring."""
 
     def __init__(self, *, path: str, name: str | None, split: str, test_split: str | None, prompt_field: str,
-                 heldout_size: int | str, limit: int | None, seed: int, system_prompt: str | None) -> None:
+                 heldout_size: int | str, limit: int | None, seed: int, system_prompt: str | None,
+                 chat_template: str | None = None, chat_template_kwargs: dict | None = None) -> None:
         super().__init__(seed=seed, heldout_size=heldout_size, system_prompt=system_prompt, instruction="{question}",
-                         few_shot=0)
+                         few_shot=0, chat_template=chat_template, chat_template_kwargs=chat_template_kwargs)
         _check_int("limit", limit, 1, 1000, nullable=True)
         if not isinstance(path, str) or not path:
             raise ConfigError(f"data.path ({path!r}) must be a file, a folder or a hub name; "

@@ -74,12 +74,14 @@ class ArithmeticTask(_Task):
 
     def __init__(self, *, num_operands: int, min_digits: int, max_digits: int, operators: Sequence[str],
                  style: str, seed: int, train_size: int, heldout_size: int, system_prompt: str | None,
-                 instruction: str, few_shot: int) -> None:
+                 instruction: str, few_shot: int,
+                 chat_template: str | None = None, chat_template_kwargs: dict | None = None) -> None:
         if heldout_size == "auto":  # a share of a stream of made-up problems would be a share of train_size
             raise ConfigError("data.heldout_size=auto is for data read from files (a share of its rows); a generated "
                               "task needs a number: set data.heldout_size=500")
         super().__init__(seed=seed, heldout_size=heldout_size, system_prompt=system_prompt,
-                         instruction=instruction, few_shot=few_shot)
+                         instruction=instruction, few_shot=few_shot,
+                         chat_template=chat_template, chat_template_kwargs=chat_template_kwargs)
         _check_int("num_operands", num_operands, 2, 2)
         _check_int("min_digits", min_digits, 1, 1)
         _check_int("max_digits", max_digits, min_digits, min_digits)
@@ -183,7 +185,8 @@ class MultiStepTask(ArithmeticTask):
 
     def __init__(self, *, num_operands: int, min_digits: int, max_digits: int, operators: Sequence[str],
                  nonnegative: bool, seed: int, train_size: int, heldout_size: int, system_prompt: str | None,
-                 instruction: str, few_shot: int) -> None:
+                 instruction: str, few_shot: int,
+                 chat_template: str | None = None, chat_template_kwargs: dict | None = None) -> None:
         if not isinstance(nonnegative, bool):
             raise ConfigError(f"data.nonnegative ({nonnegative!r}) must be true or false; set data.nonnegative=true")
         # read by _draw, which the parent's constructor already calls
@@ -191,7 +194,7 @@ class MultiStepTask(ArithmeticTask):
         super().__init__(num_operands=num_operands, min_digits=min_digits, max_digits=max_digits,
                          operators=operators, style="bare", seed=seed, train_size=train_size,
                          heldout_size=heldout_size, system_prompt=system_prompt, instruction=instruction,
-                         few_shot=few_shot)
+                         few_shot=few_shot, chat_template=chat_template, chat_template_kwargs=chat_template_kwargs)
 
     def _draw(self, rng: random.Random) -> _Problem:
         for _ in range(_MAX_TRIES):

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from grpo_cli.errors import ConfigError
@@ -25,14 +26,29 @@ def _check_int(name: str, value: Any, minimum: int, fix: Any, *, nullable: bool 
         raise ConfigError(f"data.{name} ({value!r}) must be an integer >= {minimum}{null}; set data.{name}={fix}")
 
 
+def _read_template(path: str | None) -> str | None:
+    """The text of the .jinja file data.chat_template names; None for the tokenizer's own template."""
+    if path is None:
+        return None
+    file = Path(str(path)).expanduser()
+    if not file.is_file():
+        raise ConfigError(f"data.chat_template ({path}) is not a file: give the path of a .jinja chat template, or "
+                          f"set data.chat_template=null for the tokenizer's own")
+    try:
+        return file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"data.chat_template ({path}) cannot be read ({err}); give a readable UTF-8 file") from None
+
+
 class _Task:
     """Prompt settings shared by every task, and the chat messages they produce."""
 
     train: Sequence[Example]
     heldout: Sequence[Example]
 
+    # the chat template settings keep a default: a run saved before them lacks their keys in its data section
     def __init__(self, *, seed: int, heldout_size: int | str, system_prompt: str | None, instruction: str,
-                 few_shot: int) -> None:
+                 few_shot: int, chat_template: str | None = None, chat_template_kwargs: dict | None = None) -> None:
         _check_int("seed", seed, 0, 0)
         if heldout_size != "auto" and (not isinstance(heldout_size, int) or isinstance(heldout_size, bool)
                                        or heldout_size < 1):
@@ -50,6 +66,14 @@ class _Task:
         self.system_prompt = system_prompt
         self.instruction = instruction
         self.few_shot = few_shot
+        # the text of data.chat_template (read now: a missing file stops the run before the model loads) and the
+        # variables of data.chat_template_kwargs; `rollout.use_chat_template` hands both to a tokenizer
+        self.chat_template = _read_template(chat_template)
+        if not (chat_template_kwargs is None or isinstance(chat_template_kwargs, Mapping)):
+            raise ConfigError(f"data.chat_template_kwargs ({chat_template_kwargs!r}) must be a mapping, e.g. "
+                              f"'+data.chat_template_kwargs.enable_thinking=false'; "
+                              f"set data.chat_template_kwargs={{}}")
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
         # (question, assistant reply) pairs, the same earlier turns in every prompt
         self.shots: list[tuple[str, str]] = []
 

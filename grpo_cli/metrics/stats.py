@@ -26,6 +26,8 @@ def rollout_metrics(result, rollout, group_size: int) -> dict:
            "reward_failures": result.failures}
     for name, values in result.per_function.items():
         out[f"rewards/{name}/mean"] = mean(values)
+        # completions the function gave no score (a judge that failed, a missing reference): the mean leaves them out
+        out[f"rewards/{name}/no_score"] = sum(v is None for v in values)
     out.update({"completions/mean_length": sum(lengths) / len(lengths), "completions/max_length": max(lengths),
                 "completions/clipped_ratio": sum(rollout.truncated) / len(lengths)})
     episodes = getattr(rollout, "episodes", None)  # multi-turn episodes (env=tools or class); None otherwise

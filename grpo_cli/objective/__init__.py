@@ -50,6 +50,7 @@ from grpo_cli.objective.entropy import entropy_mask, high_entropy_threshold
 from grpo_cli.objective.importance import (
     IS_CORRECTION_MODES,
     IS_CORRECTIONS,
+    MASK_MODES,
     ISWeights,
     is_correction_weights,
     truncated_is_weight,
@@ -84,6 +85,7 @@ __all__ = [
     "masked_mean", "sequence_mean", "token_mean", "constant_length_mean", "accumulated_token_mean",
     "per_sequence", "per_token", "whole_batch", "Aggregation", "AGGREGATIONS", "LOSS_TYPES",
     "high_entropy_threshold", "entropy_mask",
-    "truncated_is_weight", "ISWeights", "IS_CORRECTION_MODES", "IS_CORRECTIONS", "is_correction_weights",
+    "truncated_is_weight", "ISWeights", "IS_CORRECTION_MODES", "IS_CORRECTIONS", "MASK_MODES",
+    "is_correction_weights",
     "grpo_loss", "GRPOLoss", "choose",
 ]

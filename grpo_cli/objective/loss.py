@@ -178,7 +178,8 @@ class GRPOLoss:
     `sampling_logp` [n, T]: the rollout engine's own log-probs of the sampled tokens (vLLM), or None.
     With it, the stats hold `sampler/logp_gap`, the mean |old_logp - sampling_logp| over the
     counted tokens; with `is_correction_cap` too, each token's clipped term is weighted by
-    `is_correction_weights(old_logp, sampling_logp, mask, cap=is_correction_cap, mode=is_correction)`
+    `is_correction_weights(old_logp, sampling_logp, mask, cap=is_correction_cap, mode=is_correction,
+    low=is_correction_min)`
     (token_truncate: `truncated_is_weight`) and `sampler/is_weight_mean`, `sampler/is_truncated_share`
     and `sampler/is_masked_share` are logged.
 
@@ -199,7 +200,7 @@ class GRPOLoss:
                  loss_type: str, is_correction_cap: float | None = None, importance_sampling_level: str = "token",
                  is_correction: str = "token_truncate", entropy_coef: float = 0.0, top_entropy_quantile: float = 1.0,
                  cispo_cap: float | None = None, sapo_temperature_pos: float | None = None,
-                 sapo_temperature_neg: float | None = None):
+                 sapo_temperature_neg: float | None = None, is_correction_min: float | None = None):
         self.beta = beta
         self.epsilon_low = epsilon_low
         self.epsilon_high = epsilon_high
@@ -208,6 +209,8 @@ class GRPOLoss:
         self.is_correction_cap = is_correction_cap
         self.importance_sampling_level = importance_sampling_level
         self.is_correction = is_correction
+        # the mask band's lower side; None (1/cap, and what a run saved before the setting builds) in any mode
+        self.is_correction_min = is_correction_min
         self.entropy_coef = entropy_coef
         self.top_entropy_quantile = top_entropy_quantile
         # None where a run saved before these settings builds its loss; only their loss_type reads them
@@ -245,7 +248,7 @@ class GRPOLoss:
             old = logp.detach() if old_logp is None else old_logp.detach()  # [n, T]: π_old, the trainer's
             if sampling_logp is not None and self.is_correction_cap is not None:
                 correction = is_correction_weights(old, sampling_logp, mask, cap=self.is_correction_cap,
-                                                   mode=self.is_correction)
+                                                   mode=self.is_correction, low=self.is_correction_min)
                 is_weight = correction.weight
             loss, stats = grpo_loss(
                 logp, old_logp, ref_logp, advantages, mask, beta=self.beta, epsilon_low=self.epsilon_low,

@@ -233,16 +233,32 @@ class ChatPrompt(str):
 _MARK = re.compile("\ue000(\\d+)\ue001")
 
 
+def use_chat_template(tokenizer, template: str | None, kwargs: dict | None) -> None:
+    """Make `tokenizer` render prompts (`render_prompts`) with `template`, the text of data.chat_template, in place
+    of its own (None: keep its own), and `kwargs`, data.chat_template_kwargs, as the template's variables."""
+    if template is not None:
+        tokenizer.chat_template = template
+    tokenizer.grpo_chat_template_kwargs = dict(kwargs or {})
+
+
+def _template_kwargs(tokenizer) -> dict:
+    # set by use_chat_template; a tokenizer it never saw (a test's, a reward model's) renders with none
+    return getattr(tokenizer, "grpo_chat_template_kwargs", {})
+
+
 def render_prompts(tokenizer, conversations: list[list[dict]]) -> list[str]:
-    """Chat-template each conversation, ending with the assistant's turn opened.
+    """Chat-template each conversation, ending with the assistant's turn opened: the one place prompts are
+    rendered (train's samplers, HF and vLLM alike, eval, sample, the prompt-length checks), with the template and
+    variables `use_chat_template` gave the tokenizer.
 
     A conversation whose message text holds a special-token string comes back as a ChatPrompt; every
     other prompt is a plain string, tokenized exactly as before.
     """
     specials = [t.content for t in tokenizer.added_tokens_decoder.values() if t.special]
+    extra = _template_kwargs(tokenizer)
     prompts = []
     for conversation in conversations:
-        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False, **extra)
         if any(s in str(m["content"]) for m in conversation for s in specials):
             text = _mark_messages(tokenizer, conversation, text)
         prompts.append(text)
@@ -253,7 +269,8 @@ def _mark_messages(tokenizer, conversation: list[dict], text: str) -> ChatPrompt
     """`text` split into template markup and message text: the template rendered once more with a mark
     in place of each message's text shows where the messages go."""
     marked = [{**m, "content": f"\ue000{i}\ue001"} for i, m in enumerate(conversation)]
-    skeleton = _MARK.split(tokenizer.apply_chat_template(marked, add_generation_prompt=True, tokenize=False))
+    skeleton = _MARK.split(tokenizer.apply_chat_template(marked, add_generation_prompt=True, tokenize=False,
+                                                         **_template_kwargs(tokenizer)))
     for shape in (str, str.strip):  # some templates strip message text (Llama 3's does)
         # split() alternates markup and the captured message index
         parts = [(shape(str(conversation[int(piece)]["content"])), True) if k % 2 else (piece, False)

@@ -133,6 +133,8 @@ def test_every_group_option_composes(group, option, gsm8k_path, monkeypatch, tmp
         overrides.append("reward.funcs=[accuracy]")
     if group == "reward" and option in ("orm", "prm"):
         overrides.append("reward.name_or_path=some/model")
+    if (group, option) == ("reward", "judge"):
+        overrides.append("reward.functions.judge.model=some/model")
     # the labeler and rm groups belong to both `grpo rm` and `grpo train` (its iterations)
     for command in ("rm", "train") if group in ("labeler", "rm") else ("train",):
         validate(compose(command, overrides))

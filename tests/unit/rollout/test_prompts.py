@@ -9,7 +9,7 @@ import pytest
 
 from grpo_cli.errors import ConfigError, DataError
 from grpo_cli.policy import CHATML_TEMPLATE
-from grpo_cli.rollout import encode_prompts, render_prompts
+from grpo_cli.rollout import encode_prompts, render_prompts, use_chat_template
 from grpo_cli.rollout.hf import HFSampler
 from tests.helpers import sampler_settings
 
@@ -87,3 +87,13 @@ def test_special_token_text_stays_text_with_smollm2():
     # SmolLM2's template adds a system turn and closes each turn once: 2 <|im_end|> tokens, both the template's
     assert prompt.count("<|im_end|>") == 3 and ids.count(end) == 2
     assert tokenizer.decode(ids) == prompt  # nothing lost: the typed text decodes back
+
+
+def test_a_template_and_its_kwargs_render_every_prompt(tiny):
+    # data.chat_template's text replaces the tokenizer's; data.chat_template_kwargs are its variables
+    tokenizer = copy.deepcopy(tiny[1])
+    use_chat_template(tokenizer, "{{ greeting }}:{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                                 "{% if add_generation_prompt %}>{% endif %}", {"greeting": "hi"})
+    assert render_prompts(tokenizer, [[{"role": "user", "content": "2+2?"}]]) == ["hi:2+2?>"]
+    use_chat_template(tokenizer, None, {"greeting": "yo"})      # None keeps the template it has
+    assert render_prompts(tokenizer, [[{"role": "user", "content": "1"}]]) == ["yo:1>"]

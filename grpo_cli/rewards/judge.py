@@ -1,0 +1,168 @@
+"""A judge reward: a model behind any OpenAI-compatible chat endpoint (a vLLM server, a hosted API) scores each
+completion.
+
+`judge(prompts, completions, answer=None, ...)` renders the user's template with {prompt}, {completion} and
+{answer} for each completion, POSTs it to `{base_url}/chat/completions` (one user message), and reads the score
+from the reply (`parse_score`): the last number in it, where a number written N/M counts as N; a score in
+[min_score, max_score] is mapped linearly to [0, 1], anything else (no number, out of range) is no score.
+Requests run on `max_concurrency` threads, each with a timeout; a transport error, a timeout, a 429 or a 5xx is
+retried `retries` times with a doubling pause, and a request that still fails, or whose reply is not the JSON of a
+chat completion, gives None ("no score", counted as `rewards/<name>/no_score`), never an error of the step.
+
+The key, when the endpoint needs one, is read from the environment variable `api_key_env` names, at each call: the
+config and the run folder hold only the variable's name. Standard library only (urllib): no client dependency.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import string
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+from grpo_cli.checks import Check, is_int, is_num
+
+log = logging.getLogger(__name__)
+
+TARGET = "grpo_cli.rewards.judge.judge"
+PLACEHOLDERS = ("prompt", "completion", "answer")
+# a number, and the "/M" of a score written "N/M" (N counts)
+_SCORE = re.compile(r"(-?\d+(?:\.\d+)?)(?:\s*/\s*\d+(?:\.\d+)?)?")
+# the first retry's pause; each next one doubles it
+_BACKOFF_S = 0.5
+
+
+class _Retry(Exception):
+    """A failure worth another try: the server was slow, busy or broken, not the request or its reply."""
+
+
+def parse_score(text: str, min_score: float, max_score: float) -> float | None:
+    """The last number of the judge's reply mapped from [min_score, max_score] to [0, 1]; None without one in range."""
+    found = _SCORE.findall(text or "")
+    if not found:
+        return None
+    score = float(found[-1])
+    if not min_score <= score <= max_score:
+        return None
+    return (score - min_score) / (max_score - min_score)
+
+
+def _text(prompt) -> str:
+    """A prompt as the template gets it: its text, or a conversation's last message's."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[-1], dict):
+        return str(prompt[-1].get("content", ""))
+    return str(prompt)
+
+
+def _post(url: str, body: bytes, headers: dict, timeout_s: float) -> str:
+    """The reply's message content; `_Retry` for what another try may fix, ValueError for a malformed reply."""
+    request = urllib.request.Request(url, data=body, headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            raw = response.read()
+    except urllib.error.HTTPError as err:
+        if err.code == 429 or err.code >= 500:
+            raise _Retry(f"HTTP {err.code}") from err
+        raise ValueError(f"HTTP {err.code}") from err
+    except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as err:
+        raise _Retry(str(err)) from err
+    try:
+        return json.loads(raw)["choices"][0]["message"]["content"]
+    except (ValueError, KeyError, IndexError, TypeError) as err:
+        raise ValueError(f"not a chat completion: {raw[:200]!r}") from err
+
+
+def _ask(url: str, body: bytes, headers: dict, timeout_s: float, retries: int) -> str | None:
+    """One judge request with its retries; None when it never got a usable reply."""
+    for attempt in range(retries + 1):
+        try:
+            return _post(url, body, headers, timeout_s)
+        except _Retry as err:
+            if attempt == retries:
+                log.warning("judge: no reply after %d tries (%s)", retries + 1, err)
+                return None
+            time.sleep(_BACKOFF_S * 2 ** attempt)
+        except ValueError as err:
+            log.warning("judge: %s", err)
+            return None
+    return None
+
+
+def judge(prompts, completions, answer=None, *, base_url: str, model: str, template: str, api_key_env: str | None,
+          max_concurrency: int, timeout_s: float, retries: int, min_score: float, max_score: float,
+          temperature: float, max_tokens: int, **_) -> list[float | None]:
+    """A score in [0, 1] per completion from the judge model, or None (see the module docstring)."""
+    answers = answer if answer is not None else [None] * len(completions)
+    headers = {"Content-Type": "application/json"}
+    if api_key_env:
+        headers["Authorization"] = f"Bearer {os.environ.get(api_key_env, '')}"
+    url = base_url.rstrip("/") + "/chat/completions"
+
+    def score(i: int) -> float | None:
+        content = template.format(prompt=_text(prompts[i]), completion=_text(completions[i]),
+                                  answer="" if answers[i] is None else answers[i])
+        body = json.dumps({"model": model, "messages": [{"role": "user", "content": content}],
+                           "temperature": temperature, "max_tokens": max_tokens}).encode()
+        reply = _ask(url, body, headers, timeout_s, retries)
+        return None if reply is None else parse_score(reply, min_score, max_score)
+
+    with ThreadPoolExecutor(max_workers=max_concurrency) as pool:
+        return list(pool.map(score, range(len(completions))))
+
+
+# ---- config checks: every judge among reward.functions, before any model loads ---------------------------------
+
+
+def _judges(cfg) -> list[tuple[str, object]]:
+    reward = cfg.get("reward")
+    functions = reward.get("functions") if reward is not None else None
+    if not functions or not hasattr(functions, "items"):
+        return []
+    return [(f"reward.functions.{name}", node) for name, node in functions.items()
+            if hasattr(node, "get") and node.get("_target_") == TARGET]
+
+
+def _check_judge(path: str, node) -> list[str]:
+    errors = []
+    url = node.get("base_url")
+    if not (isinstance(url, str) and url.startswith(("http://", "https://"))):
+        errors.append(f"{path}.base_url ({url}) must start with http:// or https://; "
+                      f"set {path}.base_url=http://localhost:8000/v1")
+    if not node.get("model"):
+        errors.append(f"{path}.model is not set: name the judge model the endpoint serves, "
+                      f"e.g. {path}.model=Qwen/Qwen3-8B")
+    template = node.get("template")
+    try:
+        fields = [f for _, f, _, _ in string.Formatter().parse(template or "") if f is not None]
+    except ValueError as err:
+        errors.append(f"{path}.template cannot be read ({err}): a literal brace is {{{{ or }}}}")
+        fields = []
+    for field in fields:
+        if field not in PLACEHOLDERS:
+            errors.append(f"{path}.template has the placeholder {{{field}}}: use {{prompt}}, {{completion}} and "
+                          f"{{answer}} (a literal brace is {{{{ or }}}})")
+    if not is_int(node.get("max_concurrency")) or node.get("max_concurrency") < 1:
+        errors.append(f"{path}.max_concurrency ({node.get('max_concurrency')}) must be an integer >= 1; "
+                      f"set {path}.max_concurrency=8")
+    if not is_int(node.get("retries")) or node.get("retries") < 0:
+        errors.append(f"{path}.retries ({node.get('retries')}) must be an integer >= 0; set {path}.retries=2")
+    if not (is_num(node.get("timeout_s")) and node.get("timeout_s") > 0):
+        errors.append(f"{path}.timeout_s ({node.get('timeout_s')}) must be > 0; set {path}.timeout_s=60")
+    low, high = node.get("min_score"), node.get("max_score")
+    if not (is_num(low) and is_num(high) and math.isfinite(low) and math.isfinite(high) and low < high):
+        errors.append(f"{path}.min_score ({low}) must be below {path}.max_score ({high}): the judge's scale; "
+                      f"set {path}.min_score=0 {path}.max_score=10")
+    key = node.get("api_key_env")
+    if key and key not in os.environ:
+        errors.append(f"{path}.api_key_env names {key}, which is not set: export {key}=<key> (the key is read from "
+                      f"the environment only), or set {path}.api_key_env=null for a server without one")
+    return errors
+
+
+CHECKS: list[Check] = [lambda cfg: [e for path, node in _judges(cfg) for e in _check_judge(path, node)]]

@@ -1,0 +1,136 @@
+"""The judge reward (grpo_cli/rewards/judge.py) against a real HTTP server on localhost: scores, a timeout, a 500,
+malformed JSON, a slow server, the concurrency bound and the key's header; its config checks."""
+
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+
+from grpo_cli.config import compose, validate
+from grpo_cli.errors import ConfigError
+from grpo_cli.instantiate import build
+from grpo_cli.resources import CONF_DIR
+from tests.helpers import JudgeServer, chat_reply
+
+PROMPTS = ["2+2?", "3+3?", "4+4?"]
+COMPLETIONS = ["4", "7", "8"]
+
+
+def judge(server: JudgeServer, **options):
+    """reward=judge as conf/reward/judge.yaml builds it, pointed at `server`; returns the judge's scores."""
+    section = OmegaConf.load(CONF_DIR / "reward" / "judge.yaml")
+    section.functions.judge.base_url = server.url
+    section.functions.judge.model = "judge-model"
+    for key, value in options.items():
+        section.functions.judge[key] = value
+    reward = build(section)
+    result = reward(PROMPTS, COMPLETIONS, {"answer": ["4", "6", "8"]})
+    return result.per_function["judge"]
+
+
+def test_scores_are_the_last_number_mapped_to_0_1():
+    # on the default 0-10 scale: "Score: 8" -> (8 - 0) / (10 - 0) = 0.8; "2/10" is 2 out of 10 -> 0.2 (a number
+    # written N/M counts as N); "Step 1 ... 10" -> the last number, 10 -> 1.0
+    replies = {"4": "Correct. Score: 8", "7": "wrong, 2/10", "8": "Step 1 checks out. 10"}
+
+    def reply(n, body):
+        text = body["messages"][-1]["content"]
+        completion = text.split("Completion: ")[1].split("\n")[0]
+        return 200, chat_reply(replies[completion]), 0.0
+
+    with JudgeServer(reply) as server:
+        scores = judge(server, template="Q: {prompt}\nCompletion: {completion}\nReference: {answer}\n")
+    assert scores == pytest.approx([0.8, 0.2, 1.0])
+    # the template got each example's prompt, completion and answer; the model and the path are OpenAI's
+    first = next(r for r in server.requests if "Completion: 4\n" in r["body"]["messages"][-1]["content"])
+    assert first["body"]["messages"][-1]["content"] == "Q: 2+2?\nCompletion: 4\nReference: 4\n"
+    assert first["body"]["model"] == "judge-model" and first["path"] == "/v1/chat/completions"
+
+
+def test_a_number_outside_the_range_or_none_at_all_gives_no_score():
+    replies = iter(["Score: 11", "I cannot say", "Score: -1"])
+
+    with JudgeServer(lambda n, body: (200, chat_reply(next(replies)), 0.0)) as server:
+        scores = judge(server, max_concurrency=1)
+    assert scores == [None, None, None]
+
+
+def test_a_timeout_gives_no_score_after_its_retries():
+    # each request takes 2 s, the client waits 0.3 s: 1 try + 1 retry per completion, then None
+    with JudgeServer(lambda n, body: (200, chat_reply("9"), 2.0)) as server:
+        scores = judge(server, timeout_s=0.3, retries=1)
+    assert scores == [None, None, None] and len(server.requests) == 6
+
+
+def test_a_500_is_retried_then_gives_no_score():
+    with JudgeServer(lambda n, body: (500, '{"error": "boom"}', 0.0)) as server:
+        scores = judge(server, retries=2)
+    assert scores == [None, None, None] and len(server.requests) == 9      # 3 tries each
+
+
+def test_malformed_json_gives_no_score_without_a_retry():
+    with JudgeServer(lambda n, body: (200, '{"choices": [', 0.0)) as server:
+        scores = judge(server, retries=2)
+    assert scores == [None, None, None] and len(server.requests) == 3
+
+
+def test_a_slow_server_is_retried_then_scores():
+    # the first request of each completion is slower than the client's timeout; the retry answers at once
+    seen: dict[str, int] = {}
+
+    def reply(n, body):
+        text = body["messages"][-1]["content"]
+        seen[text] = seen.get(text, 0) + 1
+        return 200, chat_reply("Score: 5"), (6.0 if seen[text] == 1 else 0.0)
+
+    # a timeout with room for a loaded machine to answer the retry in time
+    with JudgeServer(reply) as server:
+        scores = judge(server, timeout_s=2.0, retries=1)
+    assert scores == pytest.approx([0.5, 0.5, 0.5]) and len(server.requests) == 6
+
+
+def test_requests_run_concurrently_up_to_max_concurrency():
+    with JudgeServer(lambda n, body: (200, chat_reply("10"), 1.0)) as server:
+        judge(server, max_concurrency=2)
+    assert server.max_in_flight == 2
+
+
+def test_the_key_comes_from_the_environment_in_the_authorization_header(monkeypatch):
+    monkeypatch.setenv("JUDGE_TEST_KEY", "sk-local-123")
+    with JudgeServer(lambda n, body: (200, chat_reply("10"), 0.0)) as server:
+        judge(server, api_key_env="JUDGE_TEST_KEY")
+    assert {r["authorization"] for r in server.requests} == {"Bearer sk-local-123"}
+    with JudgeServer(lambda n, body: (200, chat_reply("10"), 0.0)) as server:
+        judge(server)                                   # api_key_env null: a local server, no header
+    assert {r["authorization"] for r in server.requests} == {None}
+
+
+def errors(*overrides: str) -> list[str]:
+    try:
+        validate(compose("train", ["reward=judge", "reward.functions.judge.model=m", *overrides]))
+    except ConfigError as err:
+        return str(err).splitlines()
+    return []
+
+
+def test_judge_composes():
+    assert errors() == []
+
+
+@pytest.mark.parametrize("overrides, line", [
+    (["reward.functions.judge.api_key_env=NO_SUCH_JUDGE_KEY"],
+     "reward.functions.judge.api_key_env names NO_SUCH_JUDGE_KEY, which is not set: export NO_SUCH_JUDGE_KEY=<key> "
+     "(the key is read from the environment only), or set reward.functions.judge.api_key_env=null for a server "
+     "without one"),
+    (["reward.functions.judge.template='rate {completion} of {question}'"],
+     "reward.functions.judge.template has the placeholder {question}: use {prompt}, {completion} and {answer} "
+     "(a literal brace is {{ or }})"),
+    (["reward.functions.judge.max_concurrency=0"],
+     "reward.functions.judge.max_concurrency (0) must be an integer >= 1; "
+     "set reward.functions.judge.max_concurrency=8"),
+    (["reward.functions.judge.base_url=localhost:8000"],
+     "reward.functions.judge.base_url (localhost:8000) must start with http:// or https://; "
+     "set reward.functions.judge.base_url=http://localhost:8000/v1"),
+])
+def test_judge_settings_that_cannot_work_are_refused(overrides, line):
+    assert errors(*overrides) == [line]
