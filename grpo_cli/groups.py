@@ -89,7 +89,8 @@ def concat_results(parts: list[RewardResult]) -> RewardResult:
                         steps=None if not parts or parts[0].steps is None else [s for p in parts for s in p.steps],
                         outcome=None if not parts or parts[0].outcome is None else [
                             o for p in parts for o in p.outcome],
-                        process_weight=parts[0].process_weight if parts else None)
+                        process_weight=parts[0].process_weight if parts else None,
+                        credit=parts[0].credit if parts else "sum")
 
 
 class GroupFilter:

@@ -25,6 +25,8 @@ class RewardResult:
         outcome rewards.
     outcome: process rewards combined with outcome ones: per completion, the outcome functions' sum.
     process_weight: λ of A = A_outcome + λ·A_process (`update.advantages`); None: process only.
+    credit: process rewards only: how a token's advantage gathers the steps after it, "sum" (the paper's) or
+        "min" (PURE's; `objective.process_advantages`).
     """
 
     rewards: list[float | None]
@@ -33,3 +35,4 @@ class RewardResult:
     steps: list[list[tuple[int, float]]] | None = None
     outcome: list[float | None] | None = None
     process_weight: float | None = None
+    credit: str = "sum"

@@ -251,3 +251,40 @@ def test_the_stop_token_by_hand():
     assert adv[1, 31].item() == pytest.approx(down, abs=1e-5)       # W's 31 characters, then its EOS
     # every character of S's line carries the line, the slots and the answer: 1.731852 + 3 x -0.577284 = 0
     assert adv[0, :9].tolist() == pytest.approx([0.0] * 9, abs=1e-5)
+
+
+def test_min_credit_through_the_trainer():
+    # reward.credit=min on the same group as test_the_stop_token_by_hand (S = "6 - 3 = 3", W = a slip on line 2):
+    # normalized +1 -> 1.731852, -1 -> -0.577284. W's first line is right, but the wrong line after it caps its
+    # characters at -0.577284 under min (under sum they carry 1.731852 - 3 x 0.577284 = 0): a right step cannot pay
+    # for a wrong one after it. S's line is capped by its unwritten slots the same way
+    cfg = OmegaConf.load(CONF_DIR / "reward" / "multistep_process.yaml")
+    cfg.credit = "min"
+    texts = ["6 - 3 = 3", "6 - 3 = 3\n3 + 8 = 12\n12 - 7 = 5"]
+    rows = [TOK.encode(t, add_special_tokens=False) + [TOK.eos_token_id] for t in texts]
+    width = max(map(len, rows))
+    ids = torch.tensor([r + [TOK.eos_token_id] * (width - len(r)) for r in rows])
+    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+    rollout = Rollout(torch.ones(2, 1, dtype=torch.long), torch.ones(2, 1, dtype=torch.long), ids, mask, texts,
+                      [False, False])
+    result = instantiate(cfg)(["q"] * 2, texts, {"answer": ["4"] * 2, "solution": [EX["solution"]] * 2,
+                                                  "truncated": [False] * 2})
+    adv = advantages(result, rollout, TOK, 2, "group", "population")
+    down = -0.5 / (0.75 ** 0.5 + 1e-4)
+    assert result.credit == "min"
+    assert adv[1, :9].tolist() == pytest.approx([down] * 9, abs=1e-5)
+    assert adv[0, :10].tolist() == pytest.approx([down] * 10, abs=1e-5)
+
+
+def test_credit_is_refused_on_an_outcome_reward():
+    from grpo_cli.config import compose, validate
+    from grpo_cli.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        validate(compose("train", ["+reward.credit=min"]))
+    assert ("reward.credit (min) gathers step rewards, and reward (grpo_cli.rewards.OutcomeReward) gives one reward "
+            "per completion: use a process reward (reward=multistep_process, gsm8k_process or prm) or remove "
+            "reward.credit") in str(err.value).splitlines()
+    with pytest.raises(ConfigError, match=r"reward.credit \('mean'\) must be sum or min"):
+        validate(compose("train", ["reward=multistep_process", "data=multistep", "reward.credit=mean"]))
+    validate(compose("train", ["reward=multistep_process", "data=multistep", "reward.credit=min"]))
