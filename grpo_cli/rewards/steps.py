@@ -434,14 +434,19 @@ def chain_steps(text: str, solution: str, answer=None, *, correct: float = 1.0, 
 
 def chain_step_rewards(prompts, completions, solution=None, answer=None, truncated=None, correct=1.0, wrong=-1.0,
                        missing=-1.0, outcome_correct=1.0, outcome_wrong=-1.0, outcome_truncated=-2.0,
-                       wrong_if_truncated=True, clip=False, **_) -> list[list[tuple[int, float]]]:
-    """Process scorer for `ProcessReward` on data with reference chains: `chain_steps` per completion."""
+                       wrong_if_truncated=True, clip=False, at_end=False, **_) -> list[list[tuple[int, float]]]:
+    """Process scorer for `ProcessReward` on data with reference chains: `chain_steps` per completion. `at_end`:
+    every step ends with the completion, so each token gets the same sum of the normalized steps: the same scores
+    as one sequence-level reward (where credit goes, separated from how dense it is)."""
     if solution is None:
         raise ValueError("chain_step_rewards judges lines against each example's reference `solution`, and this "
                          "data has none; use data=multistep, or grpo_cli.rewards.steps.step_rewards")
     answers = answer if answer is not None else [None] * len(completions)
     cut = _flags(truncated, len(completions))
-    return [chain_steps(c, s, a, correct=correct, wrong=wrong, missing=missing, outcome_correct=outcome_correct,
-                        outcome_wrong=outcome_wrong, outcome_truncated=outcome_truncated,
-                        truncated=wrong_if_truncated and t, clip=clip)
-            for c, s, a, t in zip(completions, solution, answers, cut, strict=True)]
+    scored = [chain_steps(c, s, a, correct=correct, wrong=wrong, missing=missing, outcome_correct=outcome_correct,
+                          outcome_wrong=outcome_wrong, outcome_truncated=outcome_truncated,
+                          truncated=wrong_if_truncated and t, clip=clip)
+              for c, s, a, t in zip(completions, solution, answers, cut, strict=True)]
+    if at_end:
+        return [[(end_of_completion(c), r) for _, r in steps] for c, steps in zip(completions, scored, strict=True)]
+    return scored

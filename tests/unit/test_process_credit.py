@@ -288,3 +288,27 @@ def test_credit_is_refused_on_an_outcome_reward():
     with pytest.raises(ConfigError, match=r"reward.credit \('mean'\) must be sum or min"):
         validate(compose("train", ["reward=multistep_process", "data=multistep", "reward.credit=mean"]))
     validate(compose("train", ["reward=multistep_process", "data=multistep", "reward.credit=min"]))
+
+
+def test_at_end_gives_every_token_the_same_sum():
+    # reward.scorer.at_end=true: the same step scores, every one on the EOS: each token of a completion gets the sum
+    # of its normalized steps (S: 1.731852 - 3 x 0.577284 = 0; W: 1.731852 - 3 x 0.577284 = 0 too, as both have one
+    # +1 and three -1), the value its first token gets under the default placement
+    cfg = OmegaConf.load(CONF_DIR / "reward" / "multistep_process.yaml")
+    texts = ["6 - 3 = 3", "6 - 3 = 3\n3 + 8 = 12\n12 - 7 = 5", EX["solution"]]
+    columns = {"answer": ["4"] * 3, "solution": [EX["solution"]] * 3, "truncated": [False] * 3}
+    placed = instantiate(cfg)(["q"] * 3, texts, columns)
+    cfg.scorer.at_end = True
+    at_end = instantiate(cfg)(["q"] * 3, texts, columns)
+    assert [[r for _, r in s] for s in at_end.steps] == [[r for _, r in s] for s in placed.steps]
+    assert all(end == len(t) + 1 for t, s in zip(texts, at_end.steps) for end, _ in s)
+    adv, _ = group_advantages(texts, EX)
+    rows = [TOK.encode(t, add_special_tokens=False) + [TOK.eos_token_id] for t in texts]
+    width = max(map(len, rows))
+    ids = torch.tensor([r + [TOK.eos_token_id] * (width - len(r)) for r in rows])
+    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+    rollout = Rollout(torch.ones(3, 1, dtype=torch.long), torch.ones(3, 1, dtype=torch.long), ids, mask, texts,
+                      [False] * 3)
+    flat = advantages(at_end, rollout, TOK, 3, "group", "population")
+    for i, t in enumerate(texts):
+        assert flat[i, :len(t) + 1].tolist() == pytest.approx([adv[i, 0].item()] * (len(t) + 1), abs=1e-5)
