@@ -114,10 +114,11 @@ def _process_weight(run: Path) -> float | None:
     """The run's reward.process_weight (None: outcome rewards, or step rewards alone)."""
     from omegaconf import OmegaConf
 
-    config = run / "config.yaml"
-    if not config.exists():
+    found = [run / ".hydra" / "config.yaml", *sorted(run.glob("checkpoints/step_*/config.yaml"))]
+    found = [path for path in found if path.exists()]
+    if not found:
         return None
-    weight = OmegaConf.load(config).get("reward", {}).get("process_weight")
+    weight = OmegaConf.load(found[0]).get("reward", {}).get("process_weight")
     return None if weight is None or weight == float("inf") else float(weight)
 
 
