@@ -99,6 +99,7 @@ ALGO: list[Check] = [
     Rule("algo.advantage", lambda v: v in ESTIMATORS, f"must be {one_of(ESTIMATORS)}; set algo.advantage=grpo"),
     lambda cfg: _check_unscaled_advantage(cfg.get("algo")),
     lambda cfg: _check_advantage_of_step_rewards(cfg.get("algo"), cfg.get("reward")),
+    lambda cfg: _check_credit_of_outcome_rewards(cfg.get("reward")),
     Rule("algo.is_correction_cap", lambda v: v is None or (is_num(v) and v >= 1),
          "must be >= 1 or null (off): the weight of a token both engines agree on is 1; set algo.is_correction_cap=2"),
     Rule("algo.importance_sampling_level", lambda v: v in IMPORTANCE_SAMPLING_LEVELS,
@@ -149,6 +150,16 @@ def _check_advantage_of_step_rewards(algo, reward) -> list[str]:
     return [f"algo.advantage ({algo.advantage}) sets the baseline of outcome rewards, and reward ({reward._target_}) "
             f"gives step rewards alone: set algo.advantage=grpo, or reward.process_weight (e.g. 1.0) to add an "
             f"outcome half that takes it"]
+
+
+def _check_credit_of_outcome_rewards(reward) -> list[str]:
+    """reward.credit gathers step rewards into a token's return: a reward of one score per completion has no steps
+    to gather, and would train as if it were not set."""
+    if reward is None or "credit" not in reward or reward.get("_target_") in PROCESS_REWARDS:
+        return []
+    return [f"reward.credit ({reward.credit}) gathers step rewards, and reward ({reward.get('_target_')}) gives one "
+            f"reward per completion: use a process reward (reward=multistep_process, gsm8k_process or prm) or remove "
+            f"reward.credit"]
 
 
 def _check_loss_variant(algo) -> list[str]:

@@ -90,7 +90,8 @@ def concat_results(parts: list[RewardResult]) -> RewardResult:
                         outcome=None if not parts or parts[0].outcome is None else [
                             o for p in parts for o in p.outcome],
                         process_weight=parts[0].process_weight if parts else None,
-                        turns=_turns(parts))
+                        turns=_turns(parts),
+                        credit=parts[0].credit if parts else "sum")
 
 
 def _turns(parts: list[RewardResult]) -> list[list[float | None]] | None:

@@ -76,7 +76,8 @@ def advantages(result, rollout: Rollout, tokenizer, group_size: int, scale: str,
             ends = [len(ids) - 1 if t == last else t for t in ends]
         step_ends.append(ends)
         step_rewards.append([r for _, r in steps])
-    process = process_advantages(step_rewards, step_ends, group_size, rollout.completion_ids.shape[1])  # [N, T]
+    process = process_advantages(step_rewards, step_ends, group_size, rollout.completion_ids.shape[1],
+                                 credit=result.credit)  # [N, T]
     if result.process_weight is None:  # process only: the paper's form (ProcessReward turns inf into None)
         return process
     outcome = _outcome(result.outcome, group_size, scale, std, world, estimator)  # [N], every token alike

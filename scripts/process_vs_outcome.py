@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -97,8 +98,10 @@ def chain_share(lines: list[dict], solution) -> float:
     """Share of claim lines that fill their slot with the reference's step (the chain judge's +1)."""
     right = total = 0
     for r in lines:
-        steps = chain_steps(r["completion"], solution(r["prompt_id"]))
-        body = [s for end, s in steps if end <= len(r["completion"])]  # the line steps, not the closing slots
+        # unwritten slots score NaN here and no answer is given: what is left are the claim lines' own steps (the
+        # slots end on the last claim line now, so their place no longer tells them apart)
+        steps = chain_steps(r["completion"], solution(r["prompt_id"]), missing=math.nan)
+        body = [s for _, s in steps if not math.isnan(s)]
         right += sum(s > 0 for s in body)
         total += len(body)
     return right / max(total, 1)

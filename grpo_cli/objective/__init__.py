@@ -25,6 +25,8 @@ from __future__ import annotations
 from grpo_cli.objective.advantages import (
     ADVANTAGE_ESTIMATORS,
     ADVANTAGE_SCALES,
+    CREDIT_FORMS,
+    CREDITS,
     ESTIMATORS,
     SCALES,
     STD_DDOF,
@@ -77,7 +79,7 @@ from grpo_cli.objective.surrogate import (
 
 __all__ = [
     "ADVANTAGE_SCALES", "SCALES", "STD_DDOF", "STDS", "outcome_advantages", "process_advantages",
-    "ADVANTAGE_ESTIMATORS", "ESTIMATORS", "UNSCALED_ESTIMATORS",
+    "ADVANTAGE_ESTIMATORS", "ESTIMATORS", "UNSCALED_ESTIMATORS", "CREDIT_FORMS", "CREDITS",
     "KL_ESTIMATES", "KL_ESTIMATORS", "kl_divergence",
     "GSPO_EPSILON_HIGH", "GSPO_EPSILON_LOW", "IMPORTANCE_RATIOS", "IMPORTANCE_SAMPLING_LEVELS", "importance_ratio",
     "clipped_surrogate", "ClipFractions", "clip_fractions", "cispo_surrogate", "sapo_surrogate", "gmpo_ratio",

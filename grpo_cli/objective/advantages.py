@@ -16,7 +16,14 @@ Where it departs, and why:
   - options the paper does not have, each from a follow-up: `std="sample"` (TRL, verl),
     `scale="batch"` (std of the whole batch) and `scale="none"` (Dr. GRPO);
   - `estimator="rloo"`: RLOO's baseline (Ahmadian et al., arXiv 2402.14740; verl's "rloo"), each reward minus
-    the mean of the other G-1 of its group, divided by no std.
+    the mean of the other G-1 of its group, divided by no std;
+  - `credit="min"` for step rewards: PURE's min-form credit (Cheng et al., arXiv 2504.15275), a token's advantage
+    is the minimum of the normalized rewards of the steps ending at or after it instead of their sum, so a good
+    step cannot pay for a bad one after it. PURE takes a soft minimum (weights softmax(-r/T), T -> 0 is the
+    minimum) of the raw PRM scores and then subtracts an RLOO baseline over the returns; here the hard minimum
+    (T -> 0) of the paper's group-normalized step rewards, keeping DeepSeekMath's normalization. The
+    normalization is increasing, so the minimum picks the same step either way; what differs from PURE is the
+    baseline (the group's mean step reward, not the mean return of the other completions).
 """
 
 from __future__ import annotations
@@ -112,6 +119,31 @@ def outcome_advantages(
     return (centered / (std_of(r0, valid, centered, ddof) + eps)).view(-1).to(dtype)
 
 
+def _sum_of_steps_after(per_step: torch.Tensor, row: torch.Tensor, end: torch.Tensor, n: int,
+                        length: int) -> torch.Tensor:
+    """[S] normalized step rewards at (row, end) -> [N, length]: Â[i, t] = Σ of row i's steps ending at or after t
+    (DeepSeekMath §4.1.3); 0 past the last step. A NaN step (no score) adds 0."""
+    out = torch.zeros(n, length, dtype=per_step.dtype)                  # [N, length]
+    out.index_put_((row, end), torch.nan_to_num(per_step, nan=0.0), accumulate=True)
+    return out.flip(1).cumsum(1).flip(1)                                # a reverse cumsum
+
+
+def _min_of_steps_after(per_step: torch.Tensor, row: torch.Tensor, end: torch.Tensor, n: int,
+                        length: int) -> torch.Tensor:
+    """[S] normalized step rewards at (row, end) -> [N, length]: Â[i, t] = min of row i's steps ending at or after t
+    (PURE's min-form); 0 past the last step. A NaN step (no score) is no candidate for the minimum."""
+    out = torch.full((n, length), float("inf"), dtype=per_step.dtype)  # [N, length]; inf = no step here
+    scored = torch.where(torch.isnan(per_step), float("inf"), per_step)
+    flat = out.view(-1).scatter_reduce(0, row * length + end, scored, reduce="amin")
+    after = flat.view(n, length).flip(1).cummin(1).values.flip(1)      # a reverse cummin
+    return torch.where(torch.isinf(after), 0.0, after)
+
+
+# reward.credit -> how a token's advantage gathers the normalized rewards of the steps ending at or after it
+CREDIT_FORMS: dict[str, Callable[..., torch.Tensor]] = {"sum": _sum_of_steps_after, "min": _min_of_steps_after}
+CREDITS = tuple(CREDIT_FORMS)
+
+
 def process_advantages(
     step_rewards: Sequence[Sequence[float]],
     step_ends: Sequence[Sequence[int]],
@@ -119,6 +151,7 @@ def process_advantages(
     length: int,
     *,
     eps: float = 1e-4,
+    credit: str = "sum",
 ) -> torch.Tensor:
     """Per-step rewards of N completions -> [N, length] per-token advantages (DeepSeekMath §4.1.3).
 
@@ -128,9 +161,11 @@ def process_advantages(
     steps a completion never wrote, all at its last token). Within each group every
     step reward is normalized by the mean and population std of all step rewards of the group;
     token t of completion i gets the sum of its normalized step rewards whose step ends at or after
-    t, so tokens after the last step end get 0. NaN step rewards are left out like NaN outcome
-    rewards (normalized to 0). Returns float32 (the default dtype) on the CPU.
+    t, so tokens after the last step end get 0 (`credit="sum"`, the paper's); `credit="min"`: the minimum of
+    them instead (PURE). NaN step rewards are left out like NaN outcome rewards (normalized to 0 in the sum,
+    no candidate for the minimum). Returns float32 (the default dtype) on the CPU.
     """
+    gather = choose("credit", credit, CREDIT_FORMS)
     n = len(step_rewards)
     if len(step_ends) != n:
         raise ValueError(f"step_rewards has {n} completions but step_ends has {len(step_ends)}")
@@ -176,7 +211,5 @@ def process_advantages(
     centered = torch.where(valid, r0 - mean[group], 0.0)                             # [S]
     var = torch.zeros(groups, dtype=dtype).index_add_(0, group, centered.pow(2)) / count.clamp(min=1)
     normalized = centered / (var.sqrt()[group] + eps)                                # [S]
-
-    # each normalized step reward at its last token, then Â[:, t] = Σ_{end ≥ t}: a reverse cumsum
-    out.index_put_((row, end), normalized, accumulate=True)
-    return out.flip(1).cumsum(1).flip(1)
+    # each normalized step reward at its last token, then gathered over the steps ending at or after each token
+    return gather(torch.where(valid, normalized, float("nan")), row, end, n, length)

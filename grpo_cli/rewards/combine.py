@@ -20,8 +20,9 @@ import logging
 import math
 from collections.abc import Callable
 
-from grpo_cli.checks import Check, Rule, is_num
+from grpo_cli.checks import Check, Rule, is_num, one_of
 from grpo_cli.errors import ConfigError
+from grpo_cli.objective import CREDITS
 from grpo_cli.rewards.guard import WORKERS, Guarded, as_scores, as_steps
 from grpo_cli.rewards.result import RewardResult
 
@@ -155,13 +156,14 @@ class ProcessReward:
     `outcome` functions are scored for the metrics (`per_function`). With `process_weight` λ (a number
     >= 0) they are also the outcome half of the advantage, A = A_outcome + λ·A_process, each normalized on
     its own within the group (PRIME, arXiv 2502.01456; PURE, 2504.15275): the answer's credit does not
-    shrink as the step count grows. None or inf: the step rewards alone (the paper's §4.1.3).
+    shrink as the step count grows. None or inf: the step rewards alone (the paper's §4.1.3). `credit`: how a
+    token's advantage gathers the steps after it, "sum" (the paper's) or "min" (PURE's).
     """
 
-    # process_weight and worker keep a fallback: a process run saved before the key existed lacks it in its reward
-    # section (worker: it gets today's)
+    # process_weight, worker and credit keep a fallback: a process run saved before the key existed lacks it in its
+    # reward section (worker: it gets today's; credit: the sum it trained with)
     def __init__(self, scorer: Callable, outcome: dict[str, Callable] | None, timeout_s: float | None,
-                 process_weight: float | None = None, worker: str = "process"):
+                 process_weight: float | None = None, worker: str = "process", credit: str = "sum"):
         if not callable(scorer):
             raise ConfigError("reward.scorer is not callable: give it a _target_ (and `_partial_: true` "
                               "for a plain function such as grpo_cli.rewards.steps.step_rewards)")
@@ -176,6 +178,7 @@ class ProcessReward:
                               f"reward, and reward.outcome is empty; add one (e.g. accuracy) or set "
                               f"reward.process_weight=null (step rewards alone)")
         self.timeout_s = timeout_s
+        self.credit = credit
         self.process_weight = None if process_weight is None else float(process_weight)
         self._scorer = Guarded("steps", scorer, timeout_s, as_steps, worker)
         self._outcome = OutcomeReward(outcome, weights=None, timeout_s=timeout_s, worker=worker) if outcome else None
@@ -203,7 +206,7 @@ class ProcessReward:
             failures += extra.failures
             outcome = extra.rewards if self.process_weight is not None else None
         return RewardResult(rewards=rewards, per_function=per_function, failures=failures, steps=steps,
-                            outcome=outcome, process_weight=self.process_weight)
+                            outcome=outcome, process_weight=self.process_weight, credit=self.credit)
 
 
 def _summed(score: float | list[float | None] | None) -> float | None:
@@ -252,6 +255,8 @@ CHECKS: list[Check] = [
     Rule("reward.process_weight", lambda v: v is None or (is_num(v) and v >= 0),
          "must be a number >= 0 (λ of A_outcome + λ·A_process) or null (step rewards alone); "
          "set reward.process_weight=1.0"),
+    Rule("reward.credit", lambda v: v in CREDITS,
+         f"must be {one_of(CREDITS)} (sum: the paper's, min: PURE's min-form); set reward.credit=sum"),
     Rule("reward.timeout_s", lambda v: v is None or (is_num(v) and v > 0),
          "must be > 0 seconds or null (wait forever); set reward.timeout_s=10"),
 ]

@@ -246,13 +246,15 @@ def outcome_reward_model(name_or_path: str | None, *, template: str, label: int,
 def process_reward_model(name_or_path: str | None, *, pattern: str | None, template: str, label: int,
                          sigmoid: bool, batch_size: int, device: str, dtype: str, trust_remote_code: bool,
                          outcome: dict | None, timeout_s: float | None, revision: str | None = None, model=None,
-                         tokenizer=None):
+                         tokenizer=None, credit: str = "sum"):
     """reward=prm: a `ProcessReward` over `TokenClassifierPRM`, from one flat config node
-    (`reward.name_or_path=...`); `outcome` functions are scored for metrics only."""
+    (`reward.name_or_path=...`); `outcome` functions are scored for metrics only. `credit` falls back to the sum
+    for a run saved before the key existed."""
     prm = TokenClassifierPRM(name_or_path, pattern=pattern, model=model, tokenizer=tokenizer, template=template,
                              label=label, sigmoid=sigmoid, batch_size=batch_size, device=device, dtype=dtype,
                              trust_remote_code=trust_remote_code, revision=revision)
-    return ProcessReward(prm, outcome=outcome, timeout_s=timeout_s, process_weight=None, worker="thread")  # as the ORM
+    return ProcessReward(prm, outcome=outcome, timeout_s=timeout_s, process_weight=None, worker="thread",  # as the ORM
+                         credit=credit)
 
 # ---- config checks: this module's settings, collected by config.validate --------------------------------
 

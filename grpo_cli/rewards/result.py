@@ -29,6 +29,8 @@ class RewardResult:
     process_weight: λ of A = A_outcome + λ·A_process (`update.advantages`); None: process only.
     turns: per-turn rewards only: per episode, one reward (None: unscored) per assistant turn, in turn order; each
         sits on its turn's last sampled token. None when no function scored turns.
+    credit: process rewards only: how a token's advantage gathers the steps after it, "sum" (the paper's) or
+        "min" (PURE's; `objective.process_advantages`).
     """
 
     rewards: list[float | None]
@@ -38,3 +40,4 @@ class RewardResult:
     outcome: list[float | None] | None = None
     process_weight: float | None = None
     turns: list[list[float | None]] | None = None
+    credit: str = "sum"

@@ -5,8 +5,8 @@ process reward model (PRM). This module is the rule-based stand-in: a step is a 
 arithmetic claim, `expr = value` in the text or GSM8K calculator notes `<<expr=value>>`. All claims
 right -> `correct` (+1), any claim wrong -> `wrong` (-1). When the example's `answer` is given, the
 final answer is one more step at the end of the text: `outcome_correct` (+1) or `outcome_wrong` (-1),
-and a truncated completion's answer is wrong (`wrong_if_truncated`). A learned PRM lives in
-`grpo_cli.rewards.models`.
+and a truncated completion's answer scores `outcome_truncated` (-2, `wrong_if_truncated`). A learned PRM
+lives in `grpo_cli.rewards.models`.
 
 Where this departs from scoring every line, and why. The trainer normalizes all step rewards of a
 group by their mean μ and std σ and gives each token the sum of the normalized rewards of the steps
@@ -30,7 +30,16 @@ unrelated line and stop" earns nothing for the line, and only the answer can pay
 Steps are character spans `(start, end)`, end exclusive; a scored step is `(char_end, reward)`
 where char_end is that span's end. The trainer gives the reward to the token that holds the
 step's last character, `char_end - 1` (DeepSeekMath's "end token of each step"); the answer's step
-and the unwritten slots end with the completion (`end_of_completion`: len(text) + 1), on its EOS.
+ends with the completion (`end_of_completion`: len(text) + 1), on its EOS.
+
+Where the closing steps sit, and why. A token's advantage is the sum of the steps ending at or after it, so
+a step's place decides which decisions it judges. The unwritten slots end on the last claim line's last
+character, where the written chain stopped, not on the EOS: on the EOS they made the decision to stop
+carry every slot the chain left out, so a correct short chain that stopped was charged more at its EOS
+than a chain that went on wrongly and stopped later; every token of the chain still carries them. A
+completion with no claim line has no chain to put them on: they end with it. A truncated completion's
+answer scores below a wrong one: at `outcome_wrong`, stopping, padding and running to the cap from the
+same prefix all got the same return, so nothing in the gradient said stop.
 
 The evaluator never calls `eval`: it parses with `ast` and walks an allowlist (numbers, + - * /
 // % ** and parentheses, unary minus), in exact `Fraction` arithmetic, with bounds on expression
@@ -318,28 +327,36 @@ def end_of_completion(text: str) -> int:
 
 
 def _close(scored: list[tuple[int, float]], tail: int, answer, text: str, *, unwritten: int, missing: float,
-           outcome_correct: float, outcome_wrong: float, truncated: bool) -> list[tuple[int, float]]:
-    """The steps at the completion's end, each its own step at `tail` (END_OF_COMPLETION, past the last
-    character): `missing` for each of the `unwritten` slots, then the final answer's slot when `answer` is given
-    (a truncated completion's answer is wrong: it never finished)."""
+           outcome_correct: float, outcome_wrong: float, outcome_truncated: float,
+           truncated: bool) -> list[tuple[int, float]]:
+    """The steps that close a completion: `missing` for each of the `unwritten` slots, at the end of the last claim
+    line (where the written chain stopped; at `tail` when there is none), then the final answer's slot at `tail`
+    (END_OF_COMPLETION, past the last character) when `answer` is given: `outcome_truncated` when `truncated` (it
+    never finished), else right or wrong."""
     if not tail:
         return scored
-    closing = [(tail, float(missing))] * unwritten
+    chain_end = scored[-1][0] if scored else tail
+    closing = [(chain_end, float(missing))] * unwritten
     ref = reference_answer(answer)
     if ref is not None:
-        right = not truncated and answers_match(extract_answer(text), ref)
-        closing.append((tail, float(outcome_correct if right else outcome_wrong)))
+        if truncated:
+            closing.append((tail, float(outcome_truncated)))
+        else:
+            right = answers_match(extract_answer(text), ref)
+            closing.append((tail, float(outcome_correct if right else outcome_wrong)))
     return scored + closing
 
 
 def verify_steps(text: str, answer=None, *, pattern: str | None = None, correct: float = 1.0,
                  wrong: float = -1.0, outcome_correct: float = 1.0, outcome_wrong: float = -1.0,
-                 truncated: bool = False, clip: bool = False) -> list[tuple[int, float]]:
+                 outcome_truncated: float = -2.0, truncated: bool = False,
+                 clip: bool = False) -> list[tuple[int, float]]:
     """(char_end, reward) for each step of `text` that makes a claim, then the final answer's step.
 
     A line (or `pattern` step) with no claim it can check is not a step: it carries no reward and does not
     count in the group's normalization, so writing more of them changes nothing. With `answer`, the final
-    answer is one more step at the end of the text (+outcome_correct / outcome_wrong; wrong when `truncated`).
+    answer is one more step at the end of the text (+outcome_correct / outcome_wrong; outcome_truncated when
+    `truncated`).
     `clip` (arXiv 2410.15115's Clip): a claim step's reward is at most 0, so a true line earns nothing by
     itself and only the answer can be positive. A completion with no step at all (blank) gets [].
     """
@@ -352,7 +369,7 @@ def verify_steps(text: str, answer=None, *, pattern: str | None = None, correct:
             scored.append((end, float(min(reward, 0.0) if clip else reward)))
     tail = end_of_completion(text) if spans else 0
     return _close(scored, tail, answer, text, unwritten=0, missing=0.0, outcome_correct=outcome_correct,
-                  outcome_wrong=outcome_wrong, truncated=truncated)
+                  outcome_wrong=outcome_wrong, outcome_truncated=outcome_truncated, truncated=truncated)
 
 
 def _flags(column, n: int) -> list[bool]:
@@ -361,14 +378,15 @@ def _flags(column, n: int) -> list[bool]:
 
 
 def step_rewards(prompts, completions, answer=None, truncated=None, pattern=None, correct=1.0, wrong=-1.0,
-                 outcome_correct=1.0, outcome_wrong=-1.0, wrong_if_truncated=True, clip=False,
+                 outcome_correct=1.0, outcome_wrong=-1.0, outcome_truncated=-2.0, wrong_if_truncated=True, clip=False,
                  **_) -> list[list[tuple[int, float]]]:
     """Process scorer for `ProcessReward`: `verify_steps` on each completion with its `answer`; with
-    `wrong_if_truncated`, a completion cut at max_new_tokens has a wrong answer."""
+    `wrong_if_truncated`, the answer step of a completion cut at max_new_tokens scores `outcome_truncated`."""
     answers = answer if answer is not None else [None] * len(completions)
     cut = _flags(truncated, len(completions))
     return [verify_steps(c, a, pattern=pattern, correct=correct, wrong=wrong, outcome_correct=outcome_correct,
-                         outcome_wrong=outcome_wrong, truncated=wrong_if_truncated and t, clip=clip)
+                         outcome_wrong=outcome_wrong, outcome_truncated=outcome_truncated,
+                         truncated=wrong_if_truncated and t, clip=clip)
             for c, a, t in zip(completions, answers, cut, strict=True)]
 
 
@@ -383,15 +401,17 @@ def _chain_step(match: re.Match) -> tuple[int, str, int, int]:
 
 def chain_steps(text: str, solution: str, answer=None, *, correct: float = 1.0, wrong: float = -1.0,
                 missing: float = -1.0, outcome_correct: float = 1.0, outcome_wrong: float = -1.0,
-                truncated: bool = False, clip: bool = False) -> list[tuple[int, float]]:
+                outcome_truncated: float = -2.0, truncated: bool = False,
+                clip: bool = False) -> list[tuple[int, float]]:
     """(char_end, reward) for the k slots of the reference chain `solution`, extra claims, and the answer.
 
     Only a line that makes a claim is a step. The k-th such line fills slot k: `correct` when its first
     `a op b = c` is the reference's k-th step (same numbers, same operator, true result) and every claim in
     it holds, else `wrong`; a claim line past the reference's last slot is `wrong` (an extra step). Each slot
-    never written is a step of its own at the end of the text scoring `missing`, and the final answer one
-    more (`verify_steps`'s answer step). So every completion of a problem has the same k + 1 steps, plus one
-    per extra claim: a claim-free line changes no reward and no count. `clip`: claim steps at most 0.
+    never written is a step of its own scoring `missing`, at the end of the last claim line (where the chain
+    stopped), and the final answer one more at the end of the text (`verify_steps`'s answer step). So every
+    completion of a problem has the same k + 1 steps, plus one per extra claim: a claim-free line changes no
+    reward and no count. `clip`: claim steps at most 0.
     """
     reference = [_chain_step(m) for m in map(_CHAIN_CLAIM.search, solution.split("\n")) if m]
     spans = split_steps(text)
@@ -408,18 +428,25 @@ def chain_steps(text: str, solution: str, answer=None, *, correct: float = 1.0, 
         k += 1
     tail = end_of_completion(text) if spans else 0
     return _close(scored, tail, answer, text, unwritten=max(len(reference) - k, 0), missing=missing,
-                  outcome_correct=outcome_correct, outcome_wrong=outcome_wrong, truncated=truncated)
+                  outcome_correct=outcome_correct, outcome_wrong=outcome_wrong, outcome_truncated=outcome_truncated,
+                  truncated=truncated)
 
 
 def chain_step_rewards(prompts, completions, solution=None, answer=None, truncated=None, correct=1.0, wrong=-1.0,
-                       missing=-1.0, outcome_correct=1.0, outcome_wrong=-1.0, wrong_if_truncated=True, clip=False,
-                       **_) -> list[list[tuple[int, float]]]:
-    """Process scorer for `ProcessReward` on data with reference chains: `chain_steps` per completion."""
+                       missing=-1.0, outcome_correct=1.0, outcome_wrong=-1.0, outcome_truncated=-2.0,
+                       wrong_if_truncated=True, clip=False, at_end=False, **_) -> list[list[tuple[int, float]]]:
+    """Process scorer for `ProcessReward` on data with reference chains: `chain_steps` per completion. `at_end`:
+    every step ends with the completion, so each token gets the same sum of the normalized steps: the same scores
+    as one sequence-level reward (where credit goes, separated from how dense it is)."""
     if solution is None:
         raise ValueError("chain_step_rewards judges lines against each example's reference `solution`, and this "
                          "data has none; use data=multistep, or grpo_cli.rewards.steps.step_rewards")
     answers = answer if answer is not None else [None] * len(completions)
     cut = _flags(truncated, len(completions))
-    return [chain_steps(c, s, a, correct=correct, wrong=wrong, missing=missing, outcome_correct=outcome_correct,
-                        outcome_wrong=outcome_wrong, truncated=wrong_if_truncated and t, clip=clip)
-            for c, s, a, t in zip(completions, solution, answers, cut, strict=True)]
+    scored = [chain_steps(c, s, a, correct=correct, wrong=wrong, missing=missing, outcome_correct=outcome_correct,
+                          outcome_wrong=outcome_wrong, outcome_truncated=outcome_truncated,
+                          truncated=wrong_if_truncated and t, clip=clip)
+              for c, s, a, t in zip(completions, solution, answers, cut, strict=True)]
+    if at_end:
+        return [[(end_of_completion(c), r) for _, r in steps] for c, steps in zip(completions, scored, strict=True)]
+    return scored

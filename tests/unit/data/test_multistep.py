@@ -180,7 +180,8 @@ def test_process_reward_scores_a_reference_and_a_slip():
     solutions = ["3 + 9 = 12\n12 - 3 = 9\n9 - 1 = 8"] * 4
     result = reward(["Compute 3 + 9 - 3 - 1."] * 4, completions, {"answer": ["8"] * 4, "solution": solutions})
     # lines end at 10, 10 + 1 + 10 = 21, 21 + 1 + 9 = 31; the 3 slots, then the answer's step with the completion
-    # (31 + 1 = 32; the prose is 16 characters -> 17, the gamed line 9 -> 10), where unwritten slots end too
+    # (31 + 1 = 32; the prose is 16 characters -> 17, the gamed line 9 -> 10); unwritten slots end where the chain
+    # stopped, on the last claim line's last character (the gamed line's 9), or with the completion without one
     # reference: +1, +1, +1, answer +1 -> sum 4
     # slip: +1, -1 (12 - 3 is 9); 8 - 1 = 7 holds but is not the reference's third step (9 - 1 = 8): -1;
     # the answer 7 is wrong: -1 -> sum -2
@@ -190,7 +191,7 @@ def test_process_reward_scores_a_reference_and_a_slip():
     assert result.steps == [[(10, 1.0), (21, 1.0), (31, 1.0), (32, 1.0)],
                             [(10, 1.0), (21, -1.0), (31, -1.0), (32, -1.0)],
                             [(17, -1.0), (17, -1.0), (17, -1.0), (17, 1.0)],
-                            [(9, -1.0), (10, -1.0), (10, -1.0), (10, -1.0)]]
+                            [(9, -1.0), (9, -1.0), (9, -1.0), (10, -1.0)]]
     assert result.rewards == [4.0, -2.0, -2.0, -4.0]
     # the metric both recipes log, rewards/accuracy/mean
     assert result.per_function["accuracy"] == [1.0, 0.0, 1.0, 0.0]
@@ -199,10 +200,10 @@ def test_process_reward_scores_a_reference_and_a_slip():
 def test_chain_steps_needs_the_reference_step_in_order():
     solution = "6 - 3 = 3\n3 + 8 = 11\n11 - 7 = 4"
     # the first step alone, then stop: slot 1 +1 (at its last character, 9), slots 2 and 3 never written -1 each
-    # and the answer 3 wrong -1, all three with the completion (10, its EOS)
-    assert chain_steps("6 - 3 = 3", solution, "4") == [(9, 1.0), (10, -1.0), (10, -1.0), (10, -1.0)]
+    # where the chain stopped (9 too), and the answer 3 wrong -1 with the completion (10, its EOS)
+    assert chain_steps("6 - 3 = 3", solution, "4") == [(9, 1.0), (9, -1.0), (9, -1.0), (10, -1.0)]
     # missing=0 makes stopping early free again (the option the recipe does not take)
-    assert chain_steps("6 - 3 = 3", solution, "4", missing=0.0) == [(9, 1.0), (10, 0.0), (10, 0.0), (10, -1.0)]
+    assert chain_steps("6 - 3 = 3", solution, "4", missing=0.0) == [(9, 1.0), (9, 0.0), (9, 0.0), (10, -1.0)]
     # trying on and slipping on the second: +1, -1, -1 (off the chain after the slip), answer 5 wrong -1
     assert [r for _, r in chain_steps("6 - 3 = 3\n3 + 8 = 12\n12 - 7 = 5", solution, "4")] == [1.0, -1.0, -1.0, -1.0]
     # all three steps written: nothing missing
@@ -218,8 +219,8 @@ def test_chain_steps_needs_the_reference_step_in_order():
     assert [r for _, r in chain_steps(solution + "\n4 + 0 = 4", solution, "4")] == [1.0, 1.0, 1.0, -1.0, 1.0]
     # a right step with a wrong extra claim on the same line is wrong (no answer given: no answer step)
     assert [r for _, r in chain_steps("6 - 3 = 3 = 4", solution)] == [-1.0, -1.0, -1.0]
-    # truncated: the answer's step is wrong even though the text's last number is the answer
-    assert chain_steps(solution, solution, "4", truncated=True)[-1] == (len(solution) + 1, -1.0)
+    # truncated: the answer's step scores outcome_truncated (-2) even though the text's last number is the answer
+    assert chain_steps(solution, solution, "4", truncated=True)[-1] == (len(solution) + 1, -2.0)
 
 
 def test_outcome_reward_scores_the_answer_alone():

@@ -48,8 +48,9 @@ def test_verify_steps_hand_worked_solution():
     assert verify_steps(SOLUTION, answer="11") == [(54, 1.0), (87, -1.0), (96, -1.0)]
     # no answer: no answer step
     assert verify_steps(SOLUTION) == [(54, 1.0), (87, -1.0)]
-    # truncated: it never finished, so its answer is wrong even though its last number is 10
-    assert verify_steps(SOLUTION, answer="10", truncated=True)[-1] == (96, -1.0)
+    # truncated: it never finished, so its answer scores outcome_truncated (-2, below a wrong answer) even though its
+    # last number is 10
+    assert verify_steps(SOLUTION, answer="10", truncated=True)[-1] == (96, -2.0)
 
 
 def test_verify_steps_options():

@@ -1,0 +1,267 @@
+"""Does step credit pay on multi-step arithmetic? Outcome vs outcome + step credit, with the power to tell (issue #44).
+
+    .venv/bin/python scripts/credit_experiment.py calibrate        # base model, 8 samples: pick the task (~15 min)
+    .venv/bin/python scripts/credit_experiment.py run              # 3 arms x 10 seeds, resumable (~3-4 h quiet)
+    .venv/bin/python scripts/credit_experiment.py report           # table, interval, verdict -> OUT/report.md
+
+The design, fixed before any run:
+- task: `data=multistep`, the configuration `calibrate` picks from CANDIDATES by the rule: at least 3 steps and a
+  base sampled accuracy (8 samples per problem at temperature 1, pass@1, a truncated completion wrong; 64 held-out
+  problems) in [0.2, 0.4], the one closest to 0.3, so that most outcome groups of 8 carry a gradient
+  (1 - 0.7^8 = 94% at 0.3, against 34% at the last experiment's 0.05). None in range: stop and say so.
+  The choice and the numbers go to OUT/calibration.json before `run` starts; `run` reads them.
+- arms, differing in the reward alone: O = `+recipe=multistep_outcome` (accuracy, group-normalized);
+  P = `+recipe=multistep_process` (A_outcome + 1·A_process, the chain judge's step credit, reward.credit=sum);
+  O+ = P with `reward.scorer.at_end=true` (the same step scores, all on the EOS: one sequence-level reward as dense
+  as P's, so O+ vs P separates where the credit goes from how dense it is).
+- shared: the same `algo.overlong_*` shaping in every arm (SHAPING: DAPO's soft penalty over the last 16 tokens
+  before the 48-token cap), 24 steps, the recipes' other settings (4 prompts x G=8, β=0, dr_grpo, LoRA, lr 3e-4);
+  fresh seeds 100-109 (trainer.seed), each arm on each seed.
+- primary endpoint: greedy accuracy (a truncated completion wrong) on 200 held-out problems (`grpo eval`,
+  eval.limit=200, the task's held-out split) of the step-24 checkpoint; per seed d = P - O; the mean of the 10
+  per-seed differences with a 95% t-interval (t(0.975, 9) = 2.262).
+- verdict: "pays" if the interval's lower bound > 0, d > 0 in >= 8 of 10 seeds, and P's held-out truncated share
+  <= 5% and <= its step-1 share + 5 points; "does not pay" if the upper bound < +0.03; otherwise "inconclusive".
+  P's held-out truncated share: the mean over seeds of its step-24 greedy truncated share on the 200 problems; its
+  step-1 share: that of the policy it starts from (the base model, the same 200 problems, evaluated once).
+- detectable difference: with n = 10 and s the sd of the per-seed differences, the interval's half-width is
+  t(0.975, 9)·s/√10 ≈ 0.715·s; a true difference of (t(0.975, 9) + t(0.80, 9))·s/√10 ≈ 0.995·s is found (lower
+  bound > 0) with 80% power. The report prints both with the observed s.
+- secondary (no verdict): O+ - O and P - O+ with the same interval; held-out truncated shares; wall times.
+
+Resumable: each finished (arm, seed) writes OUT/results/ARM_sSEED.json (atomically, after its eval); a re-run runs
+only what is missing, and an (arm, seed) whose run or eval was interrupted starts again from step 0 in an empty
+folder, so the endpoint does not depend on where a session ended. Uses the product's own commands (`grpo train`,
+`grpo eval` in subprocesses of this interpreter). Pass `-- OVERRIDES` to add overrides to every command (e.g.
+`-- model=tiny` to check the script on the tiny model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import sys
+from pathlib import Path
+
+from paired import REPO, grpo, last_checkpoint
+
+ARMS = {"O": ["+recipe=multistep_outcome"], "P": ["+recipe=multistep_process"],
+        "O+": ["+recipe=multistep_process", "reward.scorer.at_end=true"]}
+SEEDS = list(range(100, 110))
+STEPS = 24
+HELDOUT = 200
+# the same soft overlong penalty in every arm (the recipes' cap is 48 new tokens)
+SHAPING = ["algo.overlong_buffer=16", "algo.overlong_penalty=1.0"]
+# the multi-step configurations calibrate measures: name -> (data overrides, steps in a solution)
+CANDIDATES = {
+    "add3": (["data.num_operands=4", "data.operators=[+]"], 3),
+    "addsub3_4shot": (["data.num_operands=4", "data.few_shot=4"], 3),
+    "add4": (["data.num_operands=5", "data.operators=[+]"], 4),
+}
+CALIBRATION = {"problems": 64, "samples": 8, "low": 0.2, "high": 0.4, "target": 0.3, "min_steps": 3}
+# what every eval scores with: the held-out split, accuracy with a truncated completion wrong, the training cap
+EVAL = ["reward=arithmetic", "reward.functions.accuracy.wrong_if_truncated=true", "sampler=short",
+        "sampler.max_new_tokens=48"]
+# t(0.975, df) for df = 1..30, the two-sided 95% quantiles
+T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
+T80_9 = 0.883   # t(0.80, 9): 80% power at n = 10
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Whole or not at all: a kill mid-write leaves no half file that a re-run would take for a finished one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
+def result_path(out: Path, arm: str, seed: int) -> Path:
+    return out / "results" / f"{arm.replace('+', 'plus')}_s{seed}.json"
+
+
+def pending(out: Path, arms=tuple(ARMS), seeds=SEEDS) -> list[tuple[str, int]]:
+    """(arm, seed) pairs without a result file, seed by seed, so an interrupted campaign leaves whole seeds."""
+    return [(arm, seed) for seed in seeds for arm in arms if not result_path(out, arm, seed).exists()]
+
+
+def fresh(*folders: Path) -> None:
+    """An unfinished (arm, seed) starts again from nothing: its partial run and eval folders are removed."""
+    for folder in folders:
+        if folder.exists():
+            shutil.rmtree(folder)
+
+
+def read_eval(folder: Path) -> dict:
+    """The one checkpoint row of a `grpo eval` run: greedy accuracy, pass@k, truncated share."""
+    rows = json.loads((folder / "eval.json").read_text())["results"]
+    return rows[-1]
+
+
+def calibrate(out: Path, extra: list[str]) -> dict:
+    """Base sampled accuracy of each candidate; the rule above picks one. Writes OUT/calibration.json."""
+    found = {}
+    for name, (data, steps) in CANDIDATES.items():
+        folder = out / "calibrate" / name
+        wall = grpo("eval", "data=multistep", *data, *EVAL, f"eval.limit={CALIBRATION['problems']}",
+                    f"eval.num_samples={CALIBRATION['samples']}", f"eval.k=[1,{CALIBRATION['samples']}]",
+                    f"hydra.run.dir={folder}", *extra, log=_log(out, f"calibrate_{name}"))
+        row = read_eval(folder)
+        found[name] = {"data": data, "steps": steps, "sampled_accuracy": row["pass@k"]["1"],
+                       "greedy_accuracy": row["accuracy"], "truncated": row["truncation_rate"], "wall_s": wall}
+        print(f"{name}: sampled {found[name]['sampled_accuracy']:.3f}, greedy {found[name]['greedy_accuracy']:.3f}, "
+              f"truncated {found[name]['truncated']:.2f} ({wall:.0f} s)", flush=True)
+    chosen = choose_task(found)
+    report = {"rule": CALIBRATION, "candidates": found, "chosen": chosen}
+    write_json(out / "calibration.json", report)
+    print(f"chosen: {chosen}" if chosen else "no candidate in range: the experiment does not start", flush=True)
+    return report
+
+
+def choose_task(found: dict) -> str | None:
+    """The candidate with enough steps whose sampled accuracy is in range, closest to the target; None if none."""
+    rule = CALIBRATION
+    fits = [n for n, c in found.items() if c["steps"] >= rule["min_steps"]
+            and rule["low"] <= c["sampled_accuracy"] <= rule["high"]]
+    return min(fits, key=lambda n: abs(found[n]["sampled_accuracy"] - rule["target"])) if fits else None
+
+
+def run_one(out: Path, arm: str, seed: int, data: list[str], extra: list[str], steps: int) -> dict:
+    """Train one (arm, seed) from step 0, evaluate its last checkpoint, and only then write its result."""
+    name = f"{arm.replace('+', 'plus')}_s{seed}"
+    run, folder = out / "train" / name, out / "eval" / name
+    fresh(run, folder)
+    print(f"{arm} seed {seed} -> {run}", flush=True)
+    train_s = grpo("train", *ARMS[arm], *data, *SHAPING, f"trainer.seed={seed}", f"trainer.max_steps={steps}",
+                   "trainer.report_to=[]", "trainer.num_completions_to_print=0", f"hydra.run.dir={run}", *extra,
+                   log=_log(out, f"train_{arm}_s{seed}"))
+    ckpt = last_checkpoint(run)
+    if ckpt is None:
+        sys.exit(f"{arm} seed {seed}: the run saved no checkpoint; see {_log(out, f'train_{arm}_s{seed}')}")
+    eval_s = grpo("eval", f"checkpoint={ckpt}", "data=multistep", *data, *EVAL, f"eval.limit={HELDOUT}",
+                  "eval.num_samples=0", f"hydra.run.dir={folder}", *extra, log=_log(out, f"eval_{arm}_s{seed}"))
+    row = read_eval(folder)
+    result = {"arm": arm, "seed": seed, "checkpoint": str(ckpt), "accuracy": row["accuracy"],
+              "truncated": row["truncation_rate"], "length": row.get("mean_length"), "train_s": train_s,
+              "eval_s": eval_s}
+    write_json(result_path(out, arm, seed), result)
+    return result
+
+
+def run_base(out: Path, data: list[str], extra: list[str]) -> dict:
+    """The base model on the same held-out problems: every arm's step-1 policy (its truncated share)."""
+    path = out / "results" / "base.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    folder = out / "eval" / "base"
+    fresh(folder)
+    wall = grpo("eval", "data=multistep", *data, *EVAL, f"eval.limit={HELDOUT}", "eval.num_samples=0",
+                f"hydra.run.dir={folder}", *extra, log=_log(out, "eval_base"))
+    row = read_eval(folder)
+    base = {"accuracy": row["accuracy"], "truncated": row["truncation_rate"], "eval_s": wall}
+    write_json(path, base)
+    return base
+
+
+def t_interval(diffs: list[float]) -> tuple[float, float, float]:
+    """(mean, lower, upper): the 95% t-interval of the mean of per-seed differences."""
+    n = len(diffs)
+    mean = statistics.mean(diffs)
+    if n < 2:
+        return mean, -math.inf, math.inf
+    half = T975[min(n - 1, len(T975)) - 1] * statistics.stdev(diffs) / math.sqrt(n)
+    return mean, mean - half, mean + half
+
+
+def verdict(diffs: list[float], p_truncated: float, p_truncated_step1: float, planned: int = len(SEEDS)) -> str:
+    """The rule fixed before the runs (module docstring), on the per-seed differences P - O."""
+    if len(diffs) < planned:
+        return f"incomplete ({len(diffs)} of {planned} seeds)"
+    _, low, high = t_interval(diffs)
+    positive = sum(d > 0 for d in diffs)
+    if low > 0 and positive >= 8 and p_truncated <= 0.05 and p_truncated <= p_truncated_step1 + 0.05:
+        return "pays"
+    if high < 0.03:
+        return "does not pay"
+    return "inconclusive"
+
+
+def summarize(results: list[dict], base: dict | None) -> dict:
+    """Per seed with all three arms: accuracies, d = P - O and the secondary differences; the interval and verdict."""
+    by = {(r["arm"], r["seed"]): r for r in results}
+    seeds = sorted(s for s in {r["seed"] for r in results} if all((a, s) in by for a in ARMS))
+    rows = [{"seed": s, **{a: by[a, s]["accuracy"] for a in ARMS}, **{f"{a} truncated": by[a, s]["truncated"]
+                                                                    for a in ARMS}} for s in seeds]
+    diff = {name: [r[x] - r[y] for r in rows] for name, (x, y) in
+            {"P - O": ("P", "O"), "O+ - O": ("O+", "O"), "P - O+": ("P", "O+")}.items()}
+    p_trunc = statistics.mean(r["P truncated"] for r in rows) if rows else math.nan
+    step1 = base["truncated"] if base else math.nan
+    intervals = {name: t_interval(d) if d else (math.nan,) * 3 for name, d in diff.items()}
+    sd = statistics.stdev(diff["P - O"]) if len(rows) > 1 else math.nan
+    return {"rows": rows, "intervals": intervals, "positive": sum(d > 0 for d in diff["P - O"]),
+            "p_truncated": p_trunc, "p_truncated_step1": step1, "sd": sd,
+            "half_width": T975[8] * sd / math.sqrt(10), "detectable": (T975[8] + T80_9) * sd / math.sqrt(10),
+            "verdict": verdict(diff["P - O"], p_trunc, step1)}
+
+
+def markdown(s: dict) -> str:
+    """The report's table and lines, for docs/process-supervision.md."""
+    lines = ["| seed | O | P | O+ | d = P − O | truncated O / P / O+ |", "|---|---|---|---|---|---|"]
+    for r in s["rows"]:
+        lines.append(f"| {r['seed']} | {r['O']:.3f} | {r['P']:.3f} | {r['O+']:.3f} | {r['P'] - r['O']:+.3f} | "
+                     f"{r['O truncated']:.2f} / {r['P truncated']:.2f} / {r['O+ truncated']:.2f} |")
+    lines.append("")
+    for name, (mean, low, high) in s["intervals"].items():
+        lines.append(f"- {name}: {mean:+.3f} (95% t-interval {low:+.3f} … {high:+.3f})")
+    lines.append(f"- d > 0 in {s['positive']} of {len(s['rows'])} seeds; P's held-out truncated share "
+                 f"{s['p_truncated']:.3f} (step 1: {s['p_truncated_step1']:.3f})")
+    lines.append(f"- sd of the per-seed differences s = {s['sd']:.3f}: half-width t(0.975, 9)·s/√10 = "
+                 f"{s['half_width']:.3f}; detectable with 80% power ≈ 0.995·s = {s['detectable']:.3f}")
+    lines.append(f"- verdict (rule fixed before the runs): **{s['verdict']}**")
+    return "\n".join(lines) + "\n"
+
+
+def report(out: Path) -> str:
+    results = [json.loads(p.read_text()) for p in sorted((out / "results").glob("*_s*.json"))]
+    base_path = out / "results" / "base.json"
+    text = markdown(summarize(results, json.loads(base_path.read_text()) if base_path.exists() else None))
+    (out / "report.md").write_text(text)
+    print(text)
+    return text
+
+
+def _log(out: Path, name: str) -> Path:
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    return out / "logs" / f"{name}.log"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("command", choices=("calibrate", "run", "report"))
+    parser.add_argument("--out", type=Path, default=REPO / "outputs" / "credit_experiment")
+    parser.add_argument("--seeds", type=int, nargs="*", default=SEEDS, help="a subset, for a check")
+    parser.add_argument("--steps", type=int, default=STEPS, help="fewer, for a check only")
+    args, extra = parser.parse_known_args()
+    extra = [e for e in extra if e != "--"]
+    if args.command == "calibrate":
+        calibrate(args.out, extra)
+    elif args.command == "run":
+        calibration = args.out / "calibration.json"
+        chosen = json.loads(calibration.read_text())["chosen"] if calibration.exists() else None
+        if chosen is None:
+            sys.exit(f"no calibrated task in {calibration}: run `calibrate` first (the design picks the task from it)")
+        data = CANDIDATES[chosen][0]
+        run_base(args.out, data, extra)
+        for arm, seed in pending(args.out, seeds=args.seeds):
+            run_one(args.out, arm, seed, data, extra, args.steps)
+        report(args.out)
+    else:
+        report(args.out)
+
+
+if __name__ == "__main__":
+    main()

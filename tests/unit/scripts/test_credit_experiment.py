@@ -1,0 +1,86 @@
+"""scripts/credit_experiment.py's pure parts on fake results: what a re-run still has to do, the t-interval and the
+verdict rules fixed before the runs, and the calibration rule."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+
+import pytest
+
+from tests.helpers import REPO
+
+
+@pytest.fixture(scope="module")
+def ce():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(REPO / "scripts"))   # it imports its sibling `paired`, as when run as a script
+        spec = importlib.util.spec_from_file_location("credit_experiment", REPO / "scripts" / "credit_experiment.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        yield module
+    sys.modules.pop("paired", None)
+
+
+def test_a_rerun_runs_only_what_is_missing(ce, tmp_path):
+    assert len(ce.pending(tmp_path)) == 30 and ce.pending(tmp_path)[:3] == [("O", 100), ("P", 100), ("O+", 100)]
+    ce.write_json(ce.result_path(tmp_path, "O", 100), {"accuracy": 0.3})
+    ce.write_json(ce.result_path(tmp_path, "O+", 100), {"accuracy": 0.3})
+    assert ce.pending(tmp_path)[:2] == [("P", 100), ("O", 101)] and len(ce.pending(tmp_path)) == 28
+    # a write that was interrupted leaves its .tmp, never a result a re-run would skip
+    (tmp_path / "results" / "P_s100.tmp").write_text("{")
+    assert ("P", 100) in ce.pending(tmp_path)
+
+
+def test_an_interrupted_pair_starts_from_nothing(ce, tmp_path):
+    run, folder = tmp_path / "train" / "P_s100", tmp_path / "eval" / "P_s100"
+    (run / "checkpoints" / "step_000008").mkdir(parents=True)
+    folder.mkdir(parents=True)
+    ce.fresh(run, folder)
+    assert not run.exists() and not folder.exists()
+    ce.fresh(run)   # nothing there: nothing to do
+
+
+def test_t_interval_by_hand(ce):
+    # diffs 0.1, 0.0, 0.2, 0.1: mean 0.1, sample sd sqrt((0 + 0.01 + 0.01 + 0) / 3) = 0.081650,
+    # t(0.975, 3) = 3.182: half-width 3.182 x 0.081650 / sqrt(4) = 0.129905
+    mean, low, high = ce.t_interval([0.1, 0.0, 0.2, 0.1])
+    assert (mean, low, high) == pytest.approx((0.1, 0.1 - 0.129905, 0.1 + 0.129905), abs=1e-6)
+
+
+def test_the_verdict_rules(ce):
+    # 10 seeds, mean 0.05, sd ~0.0105 (half-width ~0.0075): lower bound > 0, 10 of 10 positive
+    good = [0.04, 0.05, 0.06, 0.05, 0.04, 0.06, 0.05, 0.05, 0.04, 0.06]
+    assert ce.verdict(good, p_truncated=0.03, p_truncated_step1=0.02) == "pays"
+    # the truncation guard: above 5%, or more than 5 points above the step-1 share
+    assert ce.verdict(good, p_truncated=0.06, p_truncated_step1=0.04) == "inconclusive"
+    assert ce.verdict(good, p_truncated=0.04, p_truncated_step1=0.0) == "pays"
+    # only 7 of 10 seeds positive, lower bound still > 0: not "pays"; upper bound not < 0.03: inconclusive
+    seven = [0.2, 0.2, 0.2, 0.2, 0.2, 0.2, 0.2, -0.01, -0.01, -0.01]
+    assert ce.t_interval(seven)[1] > 0 and ce.verdict(seven, 0.0, 0.0) == "inconclusive"
+    # all near zero: upper bound < +0.03
+    flat = [0.0, 0.01, -0.01, 0.0, 0.005, -0.005, 0.0, 0.01, -0.01, 0.0]
+    assert ce.t_interval(flat)[2] < 0.03 and ce.verdict(flat, 0.0, 0.0) == "does not pay"
+    # fewer seeds than planned: no verdict yet
+    assert ce.verdict(good[:6], 0.0, 0.0) == "incomplete (6 of 10 seeds)"
+
+
+def test_the_report_from_fake_results(ce, tmp_path):
+    for i, seed in enumerate(ce.SEEDS):
+        for arm, acc in (("O", 0.30), ("P", 0.35 + 0.001 * i), ("O+", 0.32)):
+            ce.write_json(ce.result_path(tmp_path, arm, seed), {"arm": arm, "seed": seed, "accuracy": acc,
+                                                                "truncated": 0.01})
+    ce.write_json(tmp_path / "results" / "base.json", {"accuracy": 0.1, "truncated": 0.02})
+    text = ce.report(tmp_path)
+    assert "| 100 | 0.300 | 0.350 | 0.320 | +0.050 |" in text
+    assert "verdict (rule fixed before the runs): **pays**" in text
+    assert (tmp_path / "report.md").read_text() == text
+
+
+def test_the_calibration_rule(ce):
+    found = {"a": {"steps": 3, "sampled_accuracy": 0.22}, "b": {"steps": 3, "sampled_accuracy": 0.33},
+             "c": {"steps": 2, "sampled_accuracy": 0.30}, "d": {"steps": 4, "sampled_accuracy": 0.45}}
+    assert ce.choose_task(found) == "b"        # in range, closest to 0.3; c has too few steps, d is too easy
+    assert ce.choose_task({"d": found["d"]}) is None
+    json.dumps(ce.CANDIDATES)                  # what calibration.json records
