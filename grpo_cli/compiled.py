@@ -26,7 +26,7 @@ The compile is paid at the first calls (its seconds read from dynamo's own timer
 the forward, so a failure shows at the call), and any exception there falls back to the eager decoder for the rest
 of the run, said in one line. Where it is not tried (`why_eager`): gradient checkpointing (logprobs takes its
 whole-sequence path), FSDP over ranks (FSDP2's per-layer gathers inside a compiled graph are not tried here), and
-under `auto` the tiny test model (its update takes milliseconds, the compile a minute) and a 4-bit base
+under `auto` the tiny test model (its update is too small to pay back a compile) and a 4-bit base
 (bitsandbytes' layers; `true` tries them). LoRA dropout > 0 draws its masks from inductor's generator, seeded from
 torch's: a compiled run resumes exactly, but its masks differ from an eager run's.
 """
@@ -103,7 +103,7 @@ def why_eager(cfg, setting) -> str | None:
     if trainer.fsdp and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         return "compiling a decoder sharded by FSDP is not tried"
     if setting == "auto" and model.loader.get("_target_") == "grpo_cli.policy.load_tiny_random":
-        return "model=tiny's update takes milliseconds and its compile a minute (trainer.compile=true compiles it)"
+        return "model=tiny's update is too small to pay back a compile (trainer.compile=true compiles it)"
     if setting == "auto" and model.get("quantization"):
         return "a 4-bit base's bitsandbytes layers are not compiled under auto (trainer.compile=true tries them)"
     return None
