@@ -128,3 +128,10 @@ def test_new_lengths_do_not_recompile(compiled_policy):
         _step(policy, _rollout(seed, prompt, width), decoder)
     assert decoder.graphs() == graphs
     assert graphs <= compiled.SHAPE_CLASSES
+
+
+def test_a_resume_may_turn_the_compile_off():
+    from grpo_cli.runs import resume_config
+
+    saved = tiny_cfg()  # the run as it was saved: trainer.compile=auto
+    assert resume_config(tiny_cfg("trainer.compile=false"), saved, ["trainer.compile=false"]).trainer.compile is False
