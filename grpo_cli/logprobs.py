@@ -63,22 +63,24 @@ class Logprobs:
 
 
 def buckets(model, rollout: Rollout, *, with_entropy: bool = False, grad: bool = False,
-            entropy_grad: bool = False, bucket_rows: int = BUCKET_ROWS) -> Iterator[Bucket]:
+            entropy_grad: bool = False, bucket_rows: int = BUCKET_ROWS, decoder=None) -> Iterator[Bucket]:
     """The rollout's rows in buckets of at most `bucket_rows` rows of similar length, each scored when asked for.
 
     grad=True: each bucket's `logp` carries the gradient; back-propagate its loss before asking for the next
     bucket. When the buckets run out, the gradients the prompts' caches gathered go through the prompt pass
     (a loop left early sends none). grad=False: no graph. `entropy_grad`: the loss differentiates the entropy
     (the entropy bonus); the fused head gives it a gradient anyway at no cost unless used, the whole-sequence
-    path only when asked, since it then keeps each chunk's softmax.
+    path only when asked, since it then keeps each chunk's softmax. `decoder`: called in place of the model's
+    decoder with the same arguments (the update's compiled one, `grpo_cli.compiled`); None: the decoder itself.
     """
     with root_gathered(model):  # a sharded base (trainer.fsdp): the embeddings and the head's weight read below
-        yield from _buckets(model, rollout, with_entropy, grad, entropy_grad, bucket_rows)
+        yield from _buckets(model, rollout, with_entropy, grad, entropy_grad, bucket_rows, decoder)
 
 
 def _buckets(model, rollout: Rollout, with_entropy: bool, grad: bool, entropy_grad: bool,
-             bucket_rows: int) -> Iterator[Bucket]:
+             bucket_rows: int, decoder) -> Iterator[Bucket]:
     body, head = _decoder_and_head(model)
+    run_body = body if decoder is None else decoder
     # checkpointed layers in training drop a KV cache they are given (transformers' GradientCheckpointingLayer)
     checkpointing = body.training and any(getattr(m, "gradient_checkpointing", False) for m in body.modules())
     n, width = rollout.completion_ids.shape
@@ -95,7 +97,7 @@ def _buckets(model, rollout: Rollout, with_entropy: bool, grad: bool, entropy_gr
         prompts, which = torch.unique(torch.cat([rollout.prompt_ids, rollout.prompt_mask], 1), dim=0,
                                       return_inverse=True)
         p_ids, p_mask = prompts.split(rollout.prompt_ids.shape[1], 1)
-        out = body(input_ids=p_ids, attention_mask=p_mask, position_ids=position_ids(p_mask), use_cache=True)
+        out = run_body(input_ids=p_ids, attention_mask=p_mask, position_ids=position_ids(p_mask), use_cache=True)
         cache = out["cache" if "cache" in out else "past_key_values"]  # named as in hf.py's prefill, by version
         # [U, H, P, d] keys and values per layer, and [U, D] the last hidden state (predicts each first token)
         inputs = [t for layer in cache.layers for t in (layer.keys, layer.values)] + [out.last_hidden_state[:, -1]]
@@ -116,7 +118,7 @@ def _buckets(model, rollout: Rollout, with_entropy: bool, grad: bool, entropy_gr
             shared = DynamicCache(ddp_cache_data=[(kv[i][own], kv[i + 1][own]) for i in range(0, len(kv), 2)])
             mask = torch.cat([p_mask[own], rollout.completion_mask[rows, :run]], 1)  # [b, P+run]
             pos = p_mask[own].sum(1, keepdim=True) + torch.arange(run, device=mask.device)
-            h = body(input_ids=rollout.completion_ids[rows, :run], attention_mask=mask, position_ids=pos,
+            h = run_body(input_ids=rollout.completion_ids[rows, :run], attention_mask=mask, position_ids=pos,
                      use_cache=True, **{cache_key: shared}).last_hidden_state  # [b, run, D]
             hidden = torch.cat([last[own][:, None], h], 1)[:, :t]  # [b, t, D]
             logp, entropy = head_logprobs(hidden.flatten(0, 1), head.weight, tokens.flatten(),

@@ -33,7 +33,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 from transformers import get_scheduler
 
-from grpo_cli import checkpoint, fsdp
+from grpo_cli import checkpoint, compiled, fsdp
 from grpo_cli.data import PromptStream
 from grpo_cli.data.lengths import check_prompt_lengths
 from grpo_cli.distributed import World
@@ -79,6 +79,7 @@ class Run:
     log: MetricsLog             # RUN/metrics.jsonl and the trackers (rank 0 writes)
     samples: CompletionsLog     # RUN/completions.jsonl and the console's tables
     state: dict                 # trainer_state.json: step, history, prompt-stream position, rng, ...
+    decoder: Any = None         # the update's compiled decoder (trainer.compile, grpo_cli.compiled); None: eager
 
 
 @dataclass(frozen=True)
@@ -151,6 +152,7 @@ def setup(cfg: DictConfig, run_dir: Path, world: World, why: str) -> Run:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if trainer.fsdp:  # the frozen base sharded over the ranks; prints how much of it each rank holds
         console.print(fsdp.shard(policy, world))
+    decoder = compiled.for_update(policy, cfg, say=console.print)  # compiled at the first update
     # every rank advances the stream alike and keeps its own slice
     prompts = PromptStream(data.train, trainer.seed).shard(world.rank, world.size)
     sampler = with_env(build(cfg.sampler), env)  # samples episodes when the run has an environment
@@ -170,7 +172,7 @@ def setup(cfg: DictConfig, run_dir: Path, world: World, why: str) -> Run:
     samples = CompletionsLog(run_dir, trainer.log_completions_every, trainer.num_completions_to_print,
                              trainer.completions_max_mb)  # every rank gives its completions, rank 0 writes
     return Run(cfg, Path(run_dir), world, policy, tokenizer, device, sampler, rewards, prompts, keep, loss, optimizer,
-               scheduler, torch.Generator(), log, samples, {"step": 0, "history": [], "dtype": dtype})
+               scheduler, torch.Generator(), log, samples, {"step": 0, "history": [], "dtype": dtype}, decoder)
 
 
 def resume(run: Run, ckpt: Path) -> None:
@@ -218,9 +220,11 @@ def step(run: Run, n: int) -> StepRecord:
     batch = prepare(run.policy, kept.rollout, adv, run.loss, algo.num_iterations, trainer.micro_batch_size,
                     algo.mask_truncated_completions, world, trainer.bucket_tokens)
     stats = update(run.policy, run.optimizer, run.scheduler, batch, run.loss, algo.num_iterations,
-                   trainer.micro_batch_size, trainer.max_grad_norm)
+                   trainer.micro_batch_size, trainer.max_grad_norm, decoder=run.decoder)
     synchronize(run.device)
     now = time.perf_counter()
+    if run.decoder is not None and (line := run.decoder.report()):  # the compile's seconds, on their own line
+        console.print(line)
 
     # 6. the step's record: rewards, lengths, the update's numbers, time and memory
     metrics = {"step": n, **tags, **rollout_metrics(*_everyone(world, kept.result, kept.rollout), algo.group_size),

@@ -42,6 +42,8 @@ RESUMABLE = ("resume", "trainer.max_steps", "trainer.save_every", "trainer.keep_
              "trainer.completions_max_mb", "trainer.max_nonfinite_steps",
              # how the base is held across ranks, not what is computed (tests/unit/test_fsdp.py: the same weights)
              "trainer.fsdp",
+             # how the update's decoder runs (compiled or eager), not what it computes (float rounding aside)
+             "trainer.compile",
              # whether this command trusts the code a run folder's config names (check_saved): not the run's math
              "trust_run_config")
 

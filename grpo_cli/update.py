@@ -255,7 +255,7 @@ def step_or_undo(optimizer, params: list[torch.Tensor]) -> bool:
 
 
 def update(policy, optimizer, scheduler, batch: Batch, loss: GRPOLoss, num_iterations: int, micro_batch_size: int,
-           max_grad_norm: float | None) -> UpdateStats:
+           max_grad_norm: float | None, *, decoder=None) -> UpdateStats:
     """μ = num_iterations optimizer steps over `batch` in micro-batches; returns the step's statistics.
 
     Token-level statistics (kl, clip ratios, ratio, entropy) are averaged over the tokens that were
@@ -263,7 +263,8 @@ def update(policy, optimizer, scheduler, batch: Batch, loss: GRPOLoss, num_itera
 
     A pass whose loss or gradient norm is NaN/inf takes no optimizer (or scheduler) step, and one
     whose step would leave a weight non-finite is undone (`step_or_undo`): `nonfinite_skipped` counts
-    them, and the weights and the optimizer's state stay what they were.
+    them, and the weights and the optimizer's state stay what they were. `decoder`: the compiled decoder the
+    forwards run (`grpo_cli.compiled`, trainer.compile); None: eager.
     """
     world = batch.world
     loss_fn = loss.for_batch(batch.num_sequences, batch.num_tokens, batch.max_length,
@@ -294,7 +295,7 @@ def update(policy, optimizer, scheduler, batch: Batch, loss: GRPOLoss, num_itera
             sub, index = batch.rollout.select(rows), torch.tensor(rows, device=batch.mask.device)
             # forward and backward bucket by bucket: the peak holds one bucket's activations, not the micro-batch's
             for bucket in buckets(policy, sub, with_entropy=True, grad=True, entropy_grad=entropy_grad,
-                                  bucket_rows=batch.bucket_rows):
+                                  bucket_rows=batch.bucket_rows, decoder=decoder):
                 picked = index[bucket.rows]  # [b] the bucket's rows in the batch
                 mask = loss_mask[picked]
                 old = batch.old_logp[picked] if batch.old_logp is not None else bucket.logp.detach()

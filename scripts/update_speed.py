@@ -1,7 +1,11 @@
-"""Time one GRPO update's forwards and backward at the bench shapes: the whole-sequence path vs the shared-prefix one.
+"""Time one GRPO update's forwards and backward at the bench shapes: the whole-sequence path vs the shared-prefix one,
+or (--compile) the shared-prefix path eager vs compiled (trainer.compile, grpo_cli/compiled.py).
 
     .venv/bin/python scripts/update_speed.py                 # 2 rounds, each path in its own process per round
     .venv/bin/python scripts/update_speed.py --rounds 3 --prompts 4 --G 8 --new 64
+    .venv/bin/python scripts/update_speed.py --compile --shape arithmetic    # eager vs compiled, profiles of each
+    .venv/bin/python scripts/update_speed.py --compile --shape gsm8k
+    .venv/bin/python scripts/update_speed.py --compile --tiny --rounds 1   # the tiny random model: checks the script
 
 The batch is the bench's (`make bench`): SmolLM2-135M fp32, LoRA r16 on all 7 projections, `--prompts` 2-digit
 addition prompts x G completions of ~51 tokens (random tokens, lengths drawn around the bench's mean, at most
@@ -9,7 +13,10 @@ addition prompts x G completions of ~51 tokens (random tokens, lengths drawn aro
 per path: the reference forward (adapter off, no gradient), then the policy's forward (log-probs + entropy)
 and backward of a GRPO-like loss (the shared path, as the trainer runs it, backs up each length bucket as soon
 as it is scored, so the two are timed together), median over steps 2-4 of the process, then over rounds.
-Run it on a quiet machine.
+`--shape gsm8k`: the first `--prompts` GSM8K questions (../shared/data/gsm8k/train.jsonl) and completions of
+~210 tokens, at most 256 (the bench's GSM8K shape). With --compile the first step's time holds the compile, which
+is printed on its own (dynamo's timers), and one more step runs under torch.profiler: its top-10 operators by
+self time, per mode. Run it on a quiet machine.
 """
 
 from __future__ import annotations
@@ -22,39 +29,56 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 PATHS = ("full", "shared")
+MODES = ("eager", "compiled")  # --compile: the shared path both ways
+GSM8K = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
 
 
-def measure(path: str, prompts: int, G: int, new: int) -> dict:
+def _questions(shape: str, prompts: int, rng: random.Random) -> list[str]:
+    if shape == "gsm8k":
+        return [json.loads(line)["question"] for line in GSM8K.read_text().splitlines()[:prompts]]
+    return [f"What is {rng.randint(10, 99)} + {rng.randint(10, 99)}? Give the final answer after ####."
+            for _ in range(prompts)]
+
+
+def measure(path: str, prompts: int, G: int, new: int, shape: str = "arithmetic", tiny: bool = False) -> dict:
     import torch
 
+    from grpo_cli import compiled
     from grpo_cli import logprobs as L
     from grpo_cli import rollout as R
     from grpo_cli.cli import setup_process
-    from grpo_cli.policy import apply_lora, load_embedded_gguf, reference
+    from grpo_cli.policy import apply_lora, load_embedded_gguf, load_tiny_random, reference
 
     setup_process()  # as the CLI does at start-up
     torch.manual_seed(0)
-    model, tokenizer = load_embedded_gguf()
+    model, tokenizer = load_tiny_random() if tiny else load_embedded_gguf()
     policy = apply_lora(model, 16, 32, 0.0, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                              "down_proj"])
+    decoder = compiled.CompiledDecoder(policy.get_base_model().get_decoder(), say=print) if path == "compiled" \
+        else None
     rng = random.Random(0)
-    conversations = [[{"role": "user", "content": f"What is {rng.randint(10, 99)} + {rng.randint(10, 99)}? "
-                                                  "Give the final answer after ####."}] for _ in range(prompts)]
+    conversations = [[{"role": "user", "content": q}] for q in _questions(shape, prompts, rng)]
     ids, mask = R.encode_prompts(tokenizer, R.render_prompts(tokenizer, conversations))  # [B, P]
     n = prompts * G
-    lengths = [min(new, max(8, int(rng.gauss(51.5, 12)))) for _ in range(n)]
+    mean, spread = (210, 40) if shape == "gsm8k" else (51.5, 12)  # the bench's completion lengths
+    lengths = [min(new, max(8, int(rng.gauss(mean, spread)))) for _ in range(n)]
     completion = torch.full((n, new), tokenizer.pad_token_id)
+    low, high = (3, len(tokenizer)) if tiny else (100, 20000)
     for i, k in enumerate(lengths):
-        completion[i, :k] = torch.randint(100, 20000, (k,))
+        completion[i, :k] = torch.randint(low, high, (k,))
         completion[i, k - 1] = tokenizer.eos_token_id
     cmask = (torch.arange(new)[None] < torch.tensor(lengths)[:, None]).long()  # [N, T]
     batch = R.Rollout(ids.repeat_interleave(G, 0), mask.repeat_interleave(G, 0), completion, cmask,
                       [""] * n, [False] * n)
     logprobs = L.full_sequence_logprobs if path == "full" else L.sequence_logprobs
-    times = []
-    for _ in range(4):
+    times, profile = [], None
+    for step in range(5 if path in MODES else 4):  # --compile: a 5th step under the profiler
+        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if step == 4 else None
+        if profiler is not None:
+            profiler.__enter__()
         t0 = time.perf_counter()
         with torch.no_grad(), reference(policy):
             ref = logprobs(policy, batch).logp
@@ -68,16 +92,21 @@ def measure(path: str, prompts: int, G: int, new: int) -> dict:
             whole = L.full_sequence_logprobs(policy, batch, with_entropy=True)
             loss(torch.arange(n), whole.logp, whole.entropy).backward()
         else:  # as the trainer: each length bucket's backward right after its forward
-            for bucket in L.buckets(policy, batch, with_entropy=True, grad=True):
+            for bucket in L.buckets(policy, batch, with_entropy=True, grad=True, decoder=decoder):
                 loss(bucket.rows, bucket.logp, bucket.entropy).backward()
         t2 = t3 = time.perf_counter()
         policy.zero_grad()
-        times.append((t1 - t0, t2 - t1, t3 - t2))
+        if profiler is not None:
+            profiler.__exit__(None, None, None)
+            profile = profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=10)
+        else:
+            times.append((t1 - t0, t2 - t1, t3 - t2))
     ref_s, policy_s, _ = (statistics.median(x) for x in zip(*times[1:]))
     rss_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     return {"path": path, "ref_s": ref_s, "policy_fwd_bwd_s": policy_s, "update_s": ref_s + policy_s,
+            "first_step_s": sum(times[0]), "compile_s": decoder.compile_seconds if decoder is not None else 0.0,
             "peak_rss_gb": rss_gb, "prompt_tokens": int(mask.sum()) * G, "completion_tokens": sum(lengths),
-            "padded_width": ids.shape[1] + new}
+            "padded_width": ids.shape[1] + new, "profile": profile}
 
 
 def main() -> None:
@@ -85,36 +114,45 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--G", type=int, default=8)
-    ap.add_argument("--new", type=int, default=64)
-    ap.add_argument("--one", choices=PATHS, help=argparse.SUPPRESS)  # a child process: one path, JSON out
+    ap.add_argument("--new", type=int, help="most new tokens (default: 64, or 256 with --shape gsm8k)")
+    ap.add_argument("--shape", choices=("arithmetic", "gsm8k"), default="arithmetic")
+    ap.add_argument("--compile", action="store_true", help="eager vs compiled shared path, with a profile of each")
+    ap.add_argument("--tiny", action="store_true", help="the tiny random model instead of SmolLM2")
+    ap.add_argument("--one", choices=PATHS + MODES, help=argparse.SUPPRESS)  # a child process: one path, JSON out
     a = ap.parse_args()
+    new = a.new or (256 if a.shape == "gsm8k" else 64)
     if a.one:
-        print(json.dumps(measure(a.one, a.prompts, a.G, a.new)))
+        print(json.dumps(measure(a.one, a.prompts, a.G, new, a.shape, a.tiny)))
         return
-    runs: dict[str, list[dict]] = {p: [] for p in PATHS}
+    paths = MODES if a.compile else PATHS
+    runs: dict[str, list[dict]] = {p: [] for p in paths}
     for r in range(a.rounds):
-        for path in PATHS:
+        for path in paths:
             out = subprocess.run([sys.executable, __file__, "--one", path, "--prompts", str(a.prompts), "--G",
-                                  str(a.G), "--new", str(a.new)], capture_output=True, text=True, check=True)
+                                  str(a.G), "--new", str(new), "--shape", a.shape, *(["--tiny"] if a.tiny else [])],
+                                 capture_output=True, text=True, check=True)
             runs[path].append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(f"round {r + 1} {path}: {runs[path][-1]['update_s']:.2f} s", file=sys.stderr, flush=True)
 
     from rich.console import Console
     from rich.table import Table
 
-    first = runs[PATHS[0]][0]
-    table = Table(title=f"one update, {a.prompts} prompts x G={a.G}, {first['completion_tokens']} completion + "
-                        f"{first['prompt_tokens']} prompt tokens (padded {a.prompts * a.G} x "
+    first = runs[paths[0]][0]
+    table = Table(title=f"one update ({a.shape}), {a.prompts} prompts x G={a.G}, {first['completion_tokens']} "
+                        f"completion + {first['prompt_tokens']} prompt tokens (padded {a.prompts * a.G} x "
                         f"{first['padded_width']}); median of {a.rounds} rounds")
-    keys = ("ref_s", "policy_fwd_bwd_s", "update_s", "peak_rss_gb")
+    keys = ("ref_s", "policy_fwd_bwd_s", "update_s", "peak_rss_gb") + (("first_step_s", "compile_s") if a.compile
+                                                                      else ())
     for col in ("path", *keys):
         table.add_column(col, justify="right")
-    for path in PATHS:
+    for path in paths:
         table.add_row(path, *(f"{statistics.median(r[k] for r in runs[path]):.2f}" for k in keys))
-    ratio = statistics.median(r["update_s"] for r in runs["shared"]) / statistics.median(
-        r["update_s"] for r in runs["full"])
+    ratio = statistics.median(r["update_s"] for r in runs[paths[1]]) / statistics.median(
+        r["update_s"] for r in runs[paths[0]])
     Console().print(table)
-    print(f"shared / full update time: {ratio:.2f}")
+    print(f"{paths[1]} / {paths[0]} update time: {ratio:.2f}")
+    for path in paths if a.compile else ():
+        print(f"\n{path}: top-10 operators of one step (last round), torch.profiler\n{runs[path][-1]['profile']}")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from transformers.trainer_utils import SchedulerType
 
-from grpo_cli import checkpoint
+from grpo_cli import checkpoint, compiled
 from grpo_cli.app import command_line_overrides, hydra_app
 from grpo_cli.checks import Check, Rule, is_int, is_num, raised
 from grpo_cli.config import validate
@@ -224,6 +224,7 @@ CHECKS: list[Check] = [
     lambda cfg: raised(check_logging)(cfg.trainer),
     lambda cfg: check_world(cfg, world_size()),
     trainable_dtype,
+    *compiled.CHECKS,
 ]
 
 
