@@ -27,7 +27,7 @@ def demonstrated(a: int, b: int) -> list[dict]:
 DEMO = [{"role": "system", "content": "You are a calculator. To multiply, call the multiply tool, then answer with "
                                       "its result."}, *demonstrated(3, 4), *demonstrated(21, 5)]
 EXAMPLES = [{"messages": [*DEMO, {"role": "user", "content": q}], "question": q}
-            for q in ("What is 123 times 45?", "What is 17 times 23?", "What is 250 times 12?")]
+            for q in ("What is 123 times 45?", "What is 17 times 23?")]
 
 
 @pytest.fixture(scope="module")
@@ -57,15 +57,23 @@ def test_vllm_and_hf_generate_give_the_same_greedy_episodes(engines):
     policy, tokenizer, hf, vllm = engines
     theirs = hf.sample(policy, tokenizer, EXAMPLES, 1, greedy=True)
     ours = vllm.sample(policy, tokenizer, EXAMPLES, 1, greedy=True)
-    assert sum(e.tool_calls for e in ours.episodes) >= 2  # the model calls the tool itself
+    assert [e.tool_calls for e in ours.episodes] == [1, 1]  # the model calls the tool itself
     assert [e.messages for e in ours.episodes] == [e.messages for e in theirs.episodes]  # texts, calls, results
     assert [e.completion_ids for e in ours.episodes] == [e.completion_ids for e in theirs.episodes]
     assert [e.sampled for e in ours.episodes] == [e.sampled for e in theirs.episodes]
     assert ours.texts == theirs.texts and [e.stop for e in ours.episodes] == [e.stop for e in theirs.episodes]
 
 
-def test_vllm_episodes_sample_from_the_callers_generator(engines):
-    policy, tokenizer, _, vllm = engines
+def test_vllm_episodes_sample_from_the_callers_generator(engines, tmp_path):
+    from grpo_cli.instantiate import build
+    from grpo_cli.rollout.episodes import EpisodeSampler
+
+    policy, tokenizer, _, started = engines
+    (tmp_path / "calc.py").write_text(MULTIPLY_TOOL)
+    # the same engine, short episodes: what is checked is where the ids come from, not what they say
+    env = build(compose("train", ["env=tools", f"env.tools=[{tmp_path / 'calc.py'}:multiply]",
+                                  "env.max_episode_tokens=16"]).env)
+    vllm = EpisodeSampler(started.sampler, env)
 
     def draw(seed):
         rollout = vllm.sample(policy, tokenizer, EXAMPLES[:1], 2, generator=torch.Generator().manual_seed(seed))
