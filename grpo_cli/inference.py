@@ -17,12 +17,13 @@ from grpo_cli.metrics.console import console
 from grpo_cli.policy import build_policy
 from grpo_cli.runs import read_saved
 
-# what a checkpoint's config.yaml supplies to eval and sample unless the command line says otherwise
-INHERITED = ("model", "data", "reward", "sampler")
+# what a checkpoint's config.yaml supplies to eval and sample unless the command line says otherwise (env: a run
+# trained with tools is evaluated with them)
+INHERITED = ("model", "data", "reward", "sampler", "env")
 
 
 def inherit(cfg: DictConfig, saved: DictConfig, overrides: list[str]) -> DictConfig:
-    """`cfg` with the model/data/reward/sampler sections of a checkpoint's `saved` config.
+    """`cfg` with the model/data/reward/sampler/env sections of a checkpoint's `saved` config.
 
     A group override on the command line (`data=gsm8k`) keeps the composed section; dotted
     overrides (`data.limit=50`) are applied on top of the saved section. A different base model is
@@ -110,7 +111,7 @@ def inference_config(cfg, overrides: list[str], checkpoints: list, checks: tuple
     """The effective config of eval and sample, validated: a command builds its data and reward from it before
     the model loads (`inference_policy`), so that a bad path, column or reward function stops it in seconds.
 
-    The first checkpoint's saved config fills in model/data/reward/sampler unless the command line
+    The first checkpoint's saved config fills in model/data/reward/sampler/env unless the command line
     overrides them (an iterative run's reward: its last reward model,
     `_iterative_reward`). Every checkpoint must have been trained on the model built here: the same
     `model.loader` node (which weights load) and the same LoRA shape, or its adapter would not fit

@@ -433,8 +433,8 @@ class FirstTurnCalls(HFEngine):
 
 
 class Sampler(HFSampler):
-    def engine(self, policy, tokenizer, *, greedy, generator):
-        return FirstTurnCalls(self, policy, tokenizer, greedy, generator)
+    def engine(self, policy, tokenizer, *, greedy, generator, temperature=None):
+        return FirstTurnCalls(self, policy, tokenizer, greedy, generator, temperature)
 '''
 SCRIPTED_TOOLS_ARGS = ["sampler=short", "sampler._target_=scripted_tools.Sampler", "env=tools",
                        "env.tools=[scripted_tools.multiply]", "env.max_episode_tokens=100", "env.max_turns=2"]
@@ -495,3 +495,23 @@ def chat_reply(content: str) -> str:
     return json.dumps({"id": "x", "object": "chat.completion",
                        "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
                                     "finish_reason": "stop"}]})
+
+
+# the tiny random model never writes a tool call: tests of commands with env=tools script each episode's first turn
+TOOL_CALL = '<tool_call>{"name": "multiply", "arguments": {"a": 4, "b": 3}}</tool_call>'
+
+
+def first_turn_calls(monkeypatch) -> None:
+    """HF generate's episodes engine, except that a sequence with no TOOL_CALL yet is continued with TOOL_CALL and
+    EOS (its ids enter the episode as if sampled); every later turn is the model's own."""
+    from grpo_cli.rollout.hf import HFEngine, HFSampler
+
+    class FirstTurnCalls(HFEngine):
+        def continue_batch(self, sequences, max_new):
+            new = super().continue_batch(sequences, max_new)
+            call = self.tokenizer(TOOL_CALL, add_special_tokens=False)["input_ids"] + [self.eos_token_id]
+            return [ids if TOOL_CALL in self.tokenizer.decode(seq) else call[:max_new]
+                    for seq, ids in zip(sequences, new)]
+
+    monkeypatch.setattr(HFSampler, "engine", lambda self, policy, tokenizer, *, greedy, generator, temperature=None:
+                        FirstTurnCalls(self, policy, tokenizer, greedy, generator, temperature))

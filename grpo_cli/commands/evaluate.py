@@ -18,6 +18,9 @@ eval's generation settings. Rows made otherwise are not reported under the new s
 files move to `stale-TIME/` in the folder and those rows are recomputed. A checkpoint whose files
 are missing or corrupt is skipped with one warning line naming the file.
 
+With `env=tools` or `class` (or a run trained with one) every completion is a multi-turn episode, sampled as
+training samples them; its turns go into eval_samples.jsonl.
+
 Under torchrun each rank evaluates every N-th problem still to do and rank 0 gathers the rows and
 writes the files (its own rows as they come, the others' at the end of each checkpoint).
 """
@@ -41,6 +44,7 @@ from grpo_cli import checkpoint, files
 from grpo_cli.app import command_line_overrides, hydra_app
 from grpo_cli.checks import Check, Rule, is_int, is_num
 from grpo_cli.distributed import World, init_world
+from grpo_cli.env import from_config
 from grpo_cli.errors import ConfigError
 from grpo_cli.inference import inference_config, inference_policy
 from grpo_cli.instantiate import build
@@ -51,6 +55,7 @@ from grpo_cli.rewards.call import check_columns, score, token_ids
 from grpo_cli.rewards.outcome import answers_match, extract_answer, reference_answer
 from grpo_cli.rollout import render_prompts, use_chat_template
 from grpo_cli.rollout.engine import choose, say
+from grpo_cli.rollout.episodes import episode_fields, reward_column_names, reward_columns, with_env
 from grpo_cli.rollout.sizing import Job
 
 
@@ -142,12 +147,13 @@ def _evaluate(cfg: DictConfig, out_dir: Path, overrides: list[str], world: World
     cfg = inference_config(cfg, list(overrides), checkpoints, CHECKS)
     data = build(cfg.data)  # the data and the reward before the model: a bad path, column or function stops here
     reward_fn = build(cfg.reward)
-    check_columns(reward_fn, data.heldout[0])
+    env = from_config(cfg)  # env=tools or class (or the run's own): episodes, as train runs them
+    check_columns(reward_fn, {**data.heldout[0], **dict.fromkeys(reward_column_names(env))})
     chosen = choose(cfg.sampler)  # sampler=auto: vLLM when installed and usable (a checkpoint's own sampler as it is)
     cfg.sampler = chosen.section
     policy, tokenizer = inference_policy(cfg)
     use_chat_template(tokenizer, data.chat_template, data.chat_template_kwargs)
-    sampler = build(cfg.sampler)
+    sampler = with_env(build(cfg.sampler), env)
     # eval.json and the rows' digests say what sampled; an engine is sized for one scoring batch
     job = Job(eval_cfg.batch_size, max(1, eval_cfg.num_samples), eval_cfg.max_new_tokens)
     cfg.sampler = sampler.start(policy, cfg.sampler, job)
@@ -213,25 +219,29 @@ def score_batch(policy, tokenizer, sampler, reward_fn, batch: list[dict], eval_c
                 generator: torch.Generator | None = None) -> list[dict]:
     """Greedy (and sampled) completions for a batch of problems, with answers, correctness and rewards."""
     prompts = render_prompts(tokenizer, [p["messages"] for p in batch])
-    greedy = sampler.generate(policy, tokenizer, prompts, 1, greedy=True, max_new_tokens=eval_cfg.max_new_tokens,
-                              generator=generator)
-    sampled = (sampler.generate(policy, tokenizer, prompts, eval_cfg.num_samples,
-                                max_new_tokens=eval_cfg.max_new_tokens, temperature=eval_cfg.temperature,
-                                generator=generator) if eval_cfg.num_samples else None)
+    greedy = sampler.sample(policy, tokenizer, batch, 1, greedy=True, max_new_tokens=eval_cfg.max_new_tokens,
+                            generator=generator)
+    sampled = (sampler.sample(policy, tokenizer, batch, eval_cfg.num_samples, max_new_tokens=eval_cfg.max_new_tokens,
+                              temperature=eval_cfg.temperature, generator=generator) if eval_cfg.num_samples else None)
     texts = greedy.texts + (sampled.texts if sampled else [])
+    # episodes (env=tools or class): each completion's turns for the file, its messages and calls for the reward
+    turns = episode_fields(greedy) + (episode_fields(sampled) if sampled else [])
+    columns = reward_columns(greedy)
+    if sampled:
+        columns = {k: v + reward_columns(sampled)[k] for k, v in columns.items()}
     n = eval_cfg.num_samples
     # rewards for every completion: greedy ones first, then n samples per problem
     owners = list(range(len(batch))) + [i for i in range(len(batch)) for _ in range(n)]
     lengths = greedy.lengths + (sampled.lengths if sampled else [])
     truncated = greedy.truncated + (sampled.truncated if sampled else [])
     ids = token_ids(greedy) + (token_ids(sampled) if sampled else [])
-    rewards = score(reward_fn, batch, owners, texts, lengths, truncated, ids).rewards
+    rewards = score(reward_fn, batch, owners, texts, lengths, truncated, ids, columns).rewards
     rows = []
     for i, problem in enumerate(batch):
         ref = reference_answer(problem.get("answer"))  # None: a prompt without a reference answer
         picks = [i] + [len(batch) + i * n + j for j in range(n)]  # greedy, then this problem's samples
         completions = [{"text": texts[j], "answer": extract_answer(texts[j]), "reward": rewards[j],
-                        "length": lengths[j], "truncated": truncated[j]} for j in picks]
+                        "length": lengths[j], "truncated": truncated[j], **turns[j]} for j in picks]
         for c in completions:
             c["correct"] = None if ref is None else c["answer"] is not None and answers_match(c["answer"], ref)
         rows.append({"prompt": prompts[i], "question": problem["question"], "reference": ref,
@@ -319,6 +329,8 @@ def _settings(cfg: DictConfig) -> dict:
     """What, besides the problem and the adapter, decides a row: the base model, reward, sampler and
     eval's generation settings (batch_size too: it sets the seeds and the padding of each batch)."""
     plain = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "reward", "sampler")}
+    if OmegaConf.select(cfg, "env._target_"):  # episodes' rows are made with their tools and limits
+        plain["env"] = OmegaConf.to_container(cfg.env, resolve=True)
     return {**plain, "eval": {k: cfg.eval[k] for k in _ROW_SETTINGS}}
 
 

@@ -4,7 +4,8 @@
     grpo sample checkpoint=outputs/train/DATE/TIME 'sample.prompt="Is 3 < 4, yes or no?"'  # Hydra: quote , = < | [ ]
     grpo sample data=gsm8k data.path=train.jsonl sample.n=4 reward=gsm8k_process
 
-With process rewards each step is highlighted green/red/grey by the sign of its step reward.
+With process rewards each step is highlighted green/red/grey by the sign of its step reward. With `env=tools` or
+`class` (or a run trained with one) each completion is an episode, as in training, shown turn by turn.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from rich.text import Text
 from grpo_cli import checkpoint
 from grpo_cli.app import command_line_overrides, hydra_app
 from grpo_cli.checks import Check, Rule, is_int
+from grpo_cli.env import from_config
 from grpo_cli.errors import ConfigError
 from grpo_cli.inference import inference_config, inference_policy
 from grpo_cli.instantiate import build
@@ -27,8 +29,9 @@ from grpo_cli.metrics.console import console
 from grpo_cli.policy import adapter_enabled
 from grpo_cli.rewards.call import check_columns, score, token_ids
 from grpo_cli.rewards.outcome import answers_match, extract_answer, reference_answer
-from grpo_cli.rollout import render_prompts, use_chat_template
+from grpo_cli.rollout import use_chat_template
 from grpo_cli.rollout.engine import choose, say
+from grpo_cli.rollout.episodes import episode_fields, reward_column_names, reward_columns, with_env
 from grpo_cli.rollout.sizing import Job
 
 
@@ -49,29 +52,30 @@ def run(cfg: DictConfig, overrides: list[str] = ()) -> list[dict]:
     # the reward and the data before the model: a bad path, column or reward function stops here in seconds
     reward_fn = build(cfg.reward)
     data = build(cfg.data)  # its prompts, and its chat template for a prompt of the command line too
+    env = from_config(cfg)  # env=tools or class (or the run's own): episodes, as train runs them
     if prompt is not None:
         problems = [{"messages": [{"role": "user", "content": prompt}], "question": prompt}]
     else:
         problems = list(data.heldout[: sample_cfg.num_prompts])
-        check_columns(reward_fn, problems[0])
+        check_columns(reward_fn, {**problems[0], **dict.fromkeys(reward_column_names(env))})
     chosen = choose(cfg.sampler)  # sampler=auto: vLLM when installed and usable (a checkpoint's own sampler as it is)
     policy, tokenizer = inference_policy(cfg)
     use_chat_template(tokenizer, data.chat_template, data.chat_template_kwargs)
     if ckpt is not None:
         checkpoint.load_adapter(policy, ckpt)
-    sampler = build(chosen.section)
+    sampler = with_env(build(chosen.section), env)
     # before the first prompt (a model vLLM cannot serve says so here), sized for this one call
     sampler.start(policy, chosen.section, Job(len(problems), sample_cfg.n))
     say(sampler, chosen.why)
     with adapter_enabled(policy, ckpt is not None):
-        prompts = render_prompts(tokenizer, [p["messages"] for p in problems])
-        rollout = sampler.generate(policy, tokenizer, prompts, sample_cfg.n,
-                                   generator=torch.Generator().manual_seed(sample_cfg.seed))
+        rollout = sampler.sample(policy, tokenizer, problems, sample_cfg.n,
+                                 generator=torch.Generator().manual_seed(sample_cfg.seed))
     owners = [i for i in range(len(problems)) for _ in range(sample_cfg.n)]
     result = None
     if prompt is None:  # the data's problems, whose columns the reward reads; a free prompt has none
         result = score(reward_fn, problems, owners, rollout.texts, rollout.lengths, rollout.truncated,
-                       token_ids(rollout))
+                       token_ids(rollout), reward_columns(rollout))
+    turns = episode_fields(rollout)  # episodes: each one's turns, calls and why it ended
     records = []
     for j, text in enumerate(rollout.texts):
         problem = problems[owners[j]]
@@ -81,7 +85,7 @@ def run(cfg: DictConfig, overrides: list[str] = ()) -> list[dict]:
                   "correct": (answers_match(answer, reference)
                               if answer is not None and reference is not None else None),
                   "reward": result.rewards[j] if result else None,
-                  "steps": result.steps[j] if result and result.steps is not None else None}
+                  "steps": result.steps[j] if result and result.steps is not None else None, **turns[j]}
         records.append(record)
         console.print(render(record, j % sample_cfg.n))
     if sample_cfg.output:
@@ -107,12 +111,27 @@ def render(record: dict, k: int) -> Panel:
         text.append(f" [{reward:+.2f}]", style=f"bold {style}")
         start = end
     text.append(record["completion"][start:])
+    if "turns" in record:  # an episode: its turns one by one rather than its text, the tools' results marked
+        text = turns_text(record["turns"])
     verdict = {True: "[green]correct", False: "[red]wrong", None: "[dim]no reference"}[record["correct"]]
     reward = f"{record['reward']:.3f}" if isinstance(record["reward"], (int, float)) else "-"
     title = f"sample {k}: {record['question'][:70]}"
     subtitle = (f"answer {record['answer']!s} · ref {record['reference']!s} · reward {reward} · {verdict}"
                 + (" · truncated" if record["truncated"] else ""))
     return Panel(text, title=title, subtitle=subtitle, title_align="left", subtitle_align="left")
+
+def turns_text(turns: list[dict]) -> Text:
+    """An episode's turns, readable: the assistant's text, each tool's result on a line of its own."""
+    text = Text()
+    for k, message in enumerate(turns):
+        if k:
+            text.append("\n")
+        if message["role"] == "tool":
+            text.append(f"[{message['name']}] -> {message['content']}", style="cyan")
+        else:
+            text.append(message["content"])
+    return text
+
 
 # ---- config checks: this module's settings, collected by config.validate --------------------------------
 

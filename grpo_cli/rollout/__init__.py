@@ -179,13 +179,19 @@ class Sampler(SamplerSettings):
         raise NotImplementedError
 
     def sample(self, policy, tokenizer, examples: list[dict], n: int, *, greedy: bool = False,
-               generator: torch.Generator | None = None) -> Rollout:
-        """`n` completions for each example (its chat `messages`), rows grouped by example: what a training step
-        samples; `episodes.EpisodeSampler` answers the same call with multi-turn episodes."""
+               generator: torch.Generator | None = None, temperature: float | None = None,
+               max_new_tokens: int | None = None) -> Rollout:
+        """`n` completions for each example (its chat `messages`), rows grouped by example: what a training step,
+        eval and sample draw; `episodes.EpisodeSampler` answers the same call with multi-turn episodes."""
         return self.generate(policy, tokenizer, render_prompts(tokenizer, [e["messages"] for e in examples]), n,
-                             greedy=greedy, generator=generator)
+                             greedy=greedy, generator=generator, temperature=temperature,
+                             max_new_tokens=max_new_tokens)
 
-    def engine(self, policy, tokenizer, *, greedy: bool, generator: torch.Generator | None):
+    def rest(self) -> None:
+        """Nothing to free between rollouts by default (vLLM's sleep mode frees its GPU memory here)."""
+
+    def engine(self, policy, tokenizer, *, greedy: bool, generator: torch.Generator | None,
+               temperature: float | None = None):
         """An engine that continues token-id sequences (grpo_cli.env.Engine), for multi-turn episodes."""
         raise ConfigError(f"{type(self).__name__} cannot run multi-turn episodes yet (env=tools or class); set "
                           f"sampler=default (HF generate)")

@@ -47,9 +47,6 @@ def run_refusal(cfg: DictConfig, world_size: int) -> str | None:
     trainer = cfg.get("trainer") or {}
     if world_size > 1 and trainer.get("fsdp") is True:
         return "trainer.fsdp=true under torchrun: vLLM's weight push reads whole weights, FSDP holds shards"
-    env = (cfg.get("env") or {}).get("_target_")
-    if env:  # grpo_cli.rollout.episodes continues token ids, which only HF generate does yet
-        return "multi-turn episodes (env=tools or class): vLLM does not continue token ids yet"
     iterations = (cfg.get("iterative") or {}).get("iterations")
     if iterations:
         return (f"iterative RL (iterative.iterations={iterations}): each iteration's reward-model sampling would "

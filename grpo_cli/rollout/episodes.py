@@ -10,11 +10,14 @@ and failures, turns, the `env=class` instance) for the rewards, the metrics and 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from grpo_cli.env import ClassEnv, choose, prepare, run_episodes
 from grpo_cli.errors import DataError
 from grpo_cli.rollout import Rollout, pad_id
+from grpo_cli.rollout.sizing import Job
 
 
 def with_env(sampler, env):
@@ -43,6 +46,15 @@ def reward_columns(rollout: Rollout) -> dict[str, list]:
     return columns
 
 
+def episode_fields(rollout: Rollout) -> list[dict]:
+    """What eval's and sample's files show of each row's episode: its turns (the assistant's text and calls, the
+    tools' results), its tool calls and failures and why it ended; {} per row for plain completions."""
+    if rollout.episodes is None:
+        return [{} for _ in rollout.texts]
+    return [{"turns": e.messages, "tool_calls": e.tool_calls, "tool_failures": e.tool_failures, "stop": e.stop}
+            for e in rollout.episodes]
+
+
 class EpisodeSampler:
     """The run's sampler with an `env` (a built `grpo_cli.env.ToolsEnv` or `ClassEnv`) between its turns."""
 
@@ -58,19 +70,28 @@ class EpisodeSampler:
     def sync(self, policy) -> None:
         self.sampler.sync(policy)
 
-    def start(self, policy, section, job=None):
+    def start(self, policy, section, job: Job | None = None):
+        # every token after the prompt counts against env.max_episode_tokens: an engine that sizes itself (vLLM)
+        # must hold the prompt and that many more
+        job = replace(job or Job(1), max_new_tokens=self.env.limits.max_episode_tokens)
         return self.sampler.start(policy, section, job)
 
     def sample(self, policy, tokenizer, examples: list[dict], n: int, *, greedy: bool = False,
-               generator: torch.Generator | None = None) -> Rollout:
-        """`n` episodes per example (each with its own toolbox or environment instance), rows grouped by example."""
+               generator: torch.Generator | None = None, temperature: float | None = None,
+               max_new_tokens: int | None = None) -> Rollout:
+        """`n` episodes per example (each with its own toolbox or environment instance), rows grouped by example;
+        `temperature` in place of the sampler's (eval's samples). `max_new_tokens` is not read: an episode's
+        length is env.max_episode_tokens, which config validation checks in its place."""
         if self._format is None:
             self._format = choose(self.env.tool_format, tokenizer, self.env.schemas)
         rows = [{**e, "prompt": e["messages"]} for e in examples for _ in range(n)]
         prompts, boxes = prepare(self.env, rows)
         self._check_prompts(tokenizer, prompts, boxes)
-        engine = self.sampler.engine(policy, tokenizer, greedy=greedy, generator=generator)
-        episodes = run_episodes(engine, tokenizer, self._format, prompts, boxes, self.env.limits)
+        engine = self.sampler.engine(policy, tokenizer, greedy=greedy, generator=generator, temperature=temperature)
+        try:
+            episodes = run_episodes(engine, tokenizer, self._format, prompts, boxes, self.env.limits)
+        finally:
+            self.sampler.rest()
         return as_rollout(episodes, tokenizer)
 
     def _check_prompts(self, tokenizer, prompts: list[list[dict]], boxes: list) -> None:

@@ -63,20 +63,23 @@ class HFSampler(Sampler):
         completion = full[:, ids.shape[1]:]  # [N, T']
         return finish(tokenizer, ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0), completion, eos, pad)
 
-    def engine(self, policy, tokenizer, *, greedy: bool, generator: torch.Generator | None) -> HFEngine:
-        return HFEngine(self, policy, tokenizer, greedy, generator)
+    def engine(self, policy, tokenizer, *, greedy: bool, generator: torch.Generator | None,
+               temperature: float | None = None) -> HFEngine:
+        return HFEngine(self, policy, tokenizer, greedy, generator, temperature)
 
 
 @dataclass
 class HFEngine:
     """grpo_cli.env's Engine on transformers `generate`: token-id sequences in, each row's new ids out (up to and
-    including its EOS), sampled with the sampler's settings from `generator` (greedy for eval)."""
+    including its EOS), sampled with the sampler's settings from `generator` (greedy for eval; `temperature`, when
+    given, in place of the sampler's: eval's samples)."""
 
     sampler: HFSampler
     model: torch.nn.Module
     tokenizer: object
     greedy: bool
     generator: torch.Generator | None
+    temperature: float | None = None
 
     @property
     def eos_token_id(self) -> int:
@@ -92,7 +95,7 @@ class HFEngine:
         mask = torch.zeros_like(ids)
         for i, q in enumerate(sequences):
             ids[i, width - len(q):], mask[i, width - len(q):] = torch.tensor(q, dtype=torch.long), 1
-        config = sampling_config(self.greedy, s.temperature, s.top_p, s.top_k, max_new, eos, pad)
+        config = sampling_config(self.greedy, self.temperature or s.temperature, s.top_p, s.top_k, max_new, eos, pad)
         was_training = model.training
         model.eval()
         with autocast(model), own_generation_config(model), drawing_from(self.generator):

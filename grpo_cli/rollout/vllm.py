@@ -39,6 +39,10 @@ settings; at temperature 1 without top-p/top-k it is also the distribution the t
 
 Randomness. Each prompt's request gets a seed drawn from torch's generator, which the trainer seeds
 from (seed, step): a run and its resume draw the same completions. Greedy requests need none.
+
+Episodes. `engine` gives grpo_cli.env's Engine (`VLLMEngine`): multi-turn episodes (env=tools or class) continue
+each row's token ids as `prompt_token_ids`, one seed per row and engine call from the same generator; prefix
+caching reuses the KV of the turns before.
 """
 
 from __future__ import annotations
@@ -116,10 +120,24 @@ class VLLMSampler(Sampler):
             return self.fallback.generate(model, tokenizer, prompts, n, **options)
         self._push(model)
         rollout = super().generate(model, tokenizer, prompts, n, **options)
-        if self.enable_sleep_mode and on_gpu():
-            self.llm.sleep(level=1)  # weights to host memory, KV cache freed: the update gets the GPU
-            self._asleep = True
+        self.rest()
         return rollout
+
+    def engine(self, policy, tokenizer, *, greedy: bool, generator: torch.Generator | None,
+               temperature: float | None = None):
+        """grpo_cli.env's Engine on this sampler's vLLM engine, the policy's weights pushed first (HF generate's
+        engine when vLLM cannot serve the model); `rest` when the episodes are done."""
+        if not self._ready(policy):
+            return self.fallback.engine(policy, tokenizer, greedy=greedy, generator=generator, temperature=temperature)
+        self._push(policy)
+        return VLLMEngine(self, tokenizer.eos_token_id, greedy, generator, temperature or self.temperature)
+
+    def rest(self) -> None:
+        """Between rollouts, with sleep mode on a GPU: weights to host memory, KV cache freed (the update gets the
+        GPU); the next push wakes the engine."""
+        if self.enable_sleep_mode and self.llm is not None and on_gpu():
+            self.llm.sleep(level=1)
+            self._asleep = True
 
     # ---- sampling ----------------------------------------------------------------------------
 
@@ -143,15 +161,7 @@ class VLLMSampler(Sampler):
                                  **({"temperature": 0.0} if greedy else sampling)) for seed in seeds]
         requests = [{"prompt_token_ids": row[keep.bool()].tolist()} for row, keep in zip(ids, mask)]
         requests, params, mine = self.share_requests(requests, params)
-        try:
-            with torch.random.fork_rng(devices=[]):  # vLLM's CPU sampler also draws from torch's generator
-                outputs = self.llm.generate(requests, params, use_tqdm=False)[mine]
-        except Exception as err:  # VLLMValidationError; config validation keeps lengths apart, this is a backstop
-            if "maximum model length" not in str(err):
-                raise
-            raise DataError(f"a prompt does not fit the engine ({' '.join(str(err).split())[:160]}); raise "
-                            f"sampler.max_model_len (now {self.max_model_len or 'sized from the job'}) or lower "
-                            f"sampler.max_prompt_tokens ({self.max_prompt_tokens})") from None
+        outputs = self._run(requests, params)[mine]
         samples = [s for out in outputs for s in sorted(out.outputs, key=lambda s: s.index)]  # [N], grouped
         width = max(len(s.token_ids) for s in samples)
         completion = torch.full((len(samples), width), pad, dtype=torch.long)  # [N, T]
@@ -163,6 +173,19 @@ class VLLMSampler(Sampler):
                          completion.to(device), eos, pad)
         rollout.sampling_logp = logp.to(device) * rollout.completion_mask  # 0 after EOS
         return rollout
+
+    def _run(self, requests: list[dict], params: list) -> list:
+        """The engine's outputs for `requests`, torch's generator left as it was; a request longer than the
+        engine holds is a DataError naming the settings."""
+        try:
+            with torch.random.fork_rng(devices=[]):  # vLLM's CPU sampler also draws from torch's generator
+                return self.llm.generate(requests, params, use_tqdm=False)
+        except Exception as err:  # VLLMValidationError; config validation keeps lengths apart, this is a backstop
+            if "maximum model length" not in str(err):
+                raise
+            raise DataError(f"a prompt does not fit the engine ({' '.join(str(err).split())[:160]}); raise "
+                            f"sampler.max_model_len (now {self.max_model_len or 'sized from the job'}) or lower "
+                            f"sampler.max_prompt_tokens ({self.max_prompt_tokens})") from None
 
     def share_requests(self, requests: list[dict], params: list) -> tuple[list[dict], list, slice]:
         """With tensor parallelism the ranks of one engine must all submit the same requests (each runs the same
@@ -251,6 +274,45 @@ class VLLMSampler(Sampler):
             trim_heap()
         self.llm.reset_prefix_cache()
         self._pushed = stamp
+
+
+@dataclass
+class VLLMEngine:
+    """grpo_cli.env's Engine on a started VLLMSampler: token-id sequences in (vLLM's `prompt_token_ids`: nothing
+    re-tokenized), each row's new ids out exactly as sampled, up to and including its EOS, as HFEngine returns them.
+
+    Each call draws one seed per row from `generator` (greedy: none), as `_generate` draws one per prompt, so a
+    run and its resume sample the same episodes. A row asks for at most what the engine's longest sequence leaves
+    it; `run_episodes` cuts each row to its own budget.
+    """
+
+    sampler: VLLMSampler
+    eos_token_id: int
+    greedy: bool
+    generator: torch.Generator | None
+    temperature: float
+
+    def continue_batch(self, sequences: list[list[int]], max_new: int) -> list[list[int]]:
+        from vllm import SamplingParams
+
+        s, eos = self.sampler, self.eos_token_id
+        seeds = [None] * len(sequences)
+        if not self.greedy:
+            with drawing_from(self.generator):
+                seeds = torch.randint(0, 2**31 - 1, (len(sequences),)).tolist()
+        sampling = ({"temperature": 0.0} if self.greedy else
+                    {"temperature": self.temperature, "top_p": s.top_p, "top_k": s.top_k})
+        longest = s.llm.llm_engine.model_config.max_model_len
+        # stop at the tokenizer's EOS only (ignore_eos drops the ones vLLM would add from generation_config)
+        params = [SamplingParams(max_tokens=max(1, min(max_new, longest - len(q))), ignore_eos=True,
+                                 stop_token_ids=[eos], detokenize=False, seed=seed, **sampling)
+                  for q, seed in zip(sequences, seeds, strict=True)]
+        outputs = s._run([{"prompt_token_ids": list(q)} for q in sequences], params)
+        out = []
+        for o in outputs:
+            ids = list(o.outputs[0].token_ids)
+            out.append(ids[:ids.index(eos) + 1] if eos in ids else ids)
+        return out
 
 
 def trim_heap() -> bool:

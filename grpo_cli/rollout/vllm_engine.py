@@ -254,10 +254,15 @@ def check_engine(cfg: DictConfig) -> list[str]:
     if uses_vllm and is_int(tp) and tp > 1:
         errors.extend(_check_tensor_parallel(cfg, tp, ranks))
     env = get(cfg, "env._target_")[1]
-    if uses_vllm and env:  # grpo_cli.rollout.episodes: episodes continue token ids, which only HF generate does yet
-        errors.append("multi-turn episodes (env=tools or class) run on HF generate only for now: vLLM does not "
-                      "continue token ids yet; set sampler=default (HF generate)")
+    if uses_vllm and env and is_int(tp) and tp > 1:
+        # each rank's episodes take their own number of turns, and ranks sharing an engine must submit together
+        errors.append(f"multi-turn episodes (env=tools or class) need an engine per rank: ranks sharing one "
+                      f"(sampler.tensor_parallel_size={tp}) would wait on each other's turns; set "
+                      f"sampler.tensor_parallel_size=1")
     cap = get(cfg, "algo.is_correction_cap")[1]
+    if cap is not None and env and uses_vllm:
+        errors.append(f"algo.is_correction_cap ({cap!r}) reads the sampler's log-probs, which multi-turn episodes "
+                      f"(env=tools or class) do not keep yet; set algo.is_correction_cap=null")
     if cap is not None and target.startswith("grpo_cli.rollout.hf."):
         errors.append(f"algo.is_correction_cap ({cap!r}) corrects for a sampler with its own copy of the weights, "
                       f"but HF generate samples from the policy itself; set algo.is_correction_cap=null or "

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import json
 
-from grpo_cli.rollout.hf import HFEngine, HFSampler
-from tests.helpers import MULTIPLY_TOOL, TINY, metrics, run_cli
+from tests.helpers import MULTIPLY_TOOL, TINY, first_turn_calls, metrics, run_cli
 
 MY_TOOLS = MULTIPLY_TOOL + '''
 
@@ -25,22 +24,11 @@ def saw_a_tool_turn(prompts, completions, tool_call_count, **kwargs):
         scores.append([0.0] * (turns - 1) + [float(c[1]["role"] == "tool" and c[1]["content"] == "12" and n == 1)])
     return scores
 '''
-CALL = '<tool_call>{"name": "multiply", "arguments": {"a": 4, "b": 3}}</tool_call>'
-
-
-class FirstTurnCalls(HFEngine):
-    """HF generate, except that a sequence with no call yet is continued with CALL and EOS (the scripted turn)."""
-
-    def continue_batch(self, sequences, max_new):
-        new = super().continue_batch(sequences, max_new)
-        call = self.tokenizer(CALL, add_special_tokens=False)["input_ids"] + [self.eos_token_id]
-        return [ids if CALL in self.tokenizer.decode(seq) else call[:max_new] for seq, ids in zip(sequences, new)]
 
 
 def test_a_run_with_tools_logs_turns_and_tool_metrics(tmp_path, monkeypatch):
     (tmp_path / "episode_tools.py").write_text(MY_TOOLS)
-    monkeypatch.setattr(HFSampler, "engine", lambda self, policy, tokenizer, *, greedy, generator:
-                        FirstTurnCalls(self, policy, tokenizer, greedy, generator))
+    first_turn_calls(monkeypatch)
     out = tmp_path / "run"
     code, _, err = run_cli(["train", *TINY[:-2], "trainer.max_steps=2", f"hydra.run.dir={out}", "env=tools",
                             "env.tools=[episode_tools.multiply]", "env.max_episode_tokens=100", "env.max_turns=2",

@@ -107,7 +107,7 @@ def test_episode_sampler_on_hf_generate_runs_and_stops_at_the_budget(policy, tmp
     assert rollout.truncated == [e.stop == "budget" for e in rollout.episodes]
 
 
-def test_episodes_stay_on_hf_generate_until_vllm_continues_token_ids(tmp_path, monkeypatch):
+def test_episodes_run_on_vllm_as_plain_completions_do(tmp_path, monkeypatch):
     from grpo_cli.config import validate
     from grpo_cli.errors import ConfigError
     from grpo_cli.rollout.engine import run_refusal
@@ -116,12 +116,18 @@ def test_episodes_stay_on_hf_generate_until_vllm_continues_token_ids(tmp_path, m
     (tmp_path / "tools.py").write_text(MULTIPLY_TOOL)
     env = ["env=tools", f"env.tools=[{tmp_path / 'tools.py'}:multiply]"]
     monkeypatch.setattr("grpo_cli.rollout.vllm_engine.installed", lambda: True)
-    # sampler=auto keeps the run on HF generate, saying why
-    assert "episodes" in run_refusal(tiny_cfg(*env), 1)
-    assert run_refusal(tiny_cfg(), 1) is None
-    # sampler=vllm asked for: one line before the model loads
-    with pytest.raises(ConfigError, match="set sampler=default"):
-        validate(tiny_cfg(*env, "sampler=vllm"))
+    # sampler=auto picks vLLM with an environment where it would without one, and sampler=vllm validates
+    assert run_refusal(tiny_cfg(*env), 1) is None
+    validate(tiny_cfg(*env, "sampler=vllm"))
+    # what episodes on vLLM cannot do yet, each one line before the model loads: an engine split over ranks (each
+    # rank's episodes take their own number of turns) and the IS correction (episodes keep no engine log-probs)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"^multi-turn episodes .* set sampler.tensor_parallel_size=1$"):
+        validate(tiny_cfg(*env, "sampler=vllm", "sampler.tensor_parallel_size=2", "trainer.prompts_per_step=4"))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(ConfigError, match=r"^algo.is_correction_cap \(2\) .* set algo.is_correction_cap=null$"):
+        validate(tiny_cfg(*env, "sampler=vllm", "algo.is_correction_cap=2"))
 
 
 def test_the_episode_budget_must_fit_the_context_with_the_prompt(tmp_path):

@@ -1,0 +1,86 @@
+"""Multi-turn episodes on vLLM (the engine continuing token ids) against HF generate, on the embedded SmolLM2: the
+same greedy episodes (texts, tool calls, every id), and sampled episodes drawn from the caller's generator.
+
+The prompt demonstrates two calls in earlier turns (a user question, the assistant's `<tool_call>`, the tool's
+result, the answer), so that the 135M model calls the tool itself on the next question.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grpo_cli.config import compose
+from tests.helpers import MULTIPLY_TOOL, needs_vllm, sampler_settings
+
+pytestmark = [needs_vllm, pytest.mark.slow, pytest.mark.ci]
+
+
+def demonstrated(a: int, b: int) -> list[dict]:
+    """One demonstrated call: the question, the assistant's call, the tool's result, the answer."""
+    call = f'<tool_call>\n{{"name": "multiply", "arguments": {{"a": {a}, "b": {b}}}}}\n</tool_call>'
+    return [{"role": "user", "content": f"What is {a} times {b}?"}, {"role": "assistant", "content": call},
+            {"role": "tool", "content": str(a * b)}, {"role": "assistant", "content": str(a * b)}]
+
+
+# the 135M model calls the tool after two demonstrations (one is not enough for it)
+DEMO = [{"role": "system", "content": "You are a calculator. To multiply, call the multiply tool, then answer with "
+                                      "its result."}, *demonstrated(3, 4), *demonstrated(21, 5)]
+EXAMPLES = [{"messages": [*DEMO, {"role": "user", "content": q}], "question": q}
+            for q in ("What is 123 times 45?", "What is 17 times 23?")]
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    """(policy, tokenizer, HF generate's EpisodeSampler, vLLM's, started and sized for the episodes)."""
+    from grpo_cli.instantiate import build
+    from grpo_cli.policy import build_policy
+    from grpo_cli.rollout.episodes import EpisodeSampler
+    from grpo_cli.rollout.hf import HFSampler
+    from grpo_cli.rollout.sizing import Job
+    from grpo_cli.rollout.vllm import VLLMSampler
+
+    tools = tmp_path_factory.mktemp("tools") / "calc.py"
+    tools.write_text(MULTIPLY_TOOL)
+    cfg = compose("train", ["sampler=vllm", "env=tools", f"env.tools=[{tools}:multiply]", "env.max_turns=3",
+                            "env.max_episode_tokens=64"])
+    policy, tokenizer, _ = build_policy(cfg.model)
+    policy.eval()
+    hf = EpisodeSampler(HFSampler(**sampler_settings()), build(cfg.env))
+    vllm = EpisodeSampler(VLLMSampler(**sampler_settings("vllm")), build(cfg.env))
+    vllm.start(policy, cfg.sampler, Job(len(EXAMPLES), 2))
+    assert vllm.sampler.llm is not None and vllm.sampler.fallback is None
+    return policy, tokenizer, hf, vllm
+
+
+def test_vllm_and_hf_generate_give_the_same_greedy_episodes(engines):
+    policy, tokenizer, hf, vllm = engines
+    theirs = hf.sample(policy, tokenizer, EXAMPLES, 1, greedy=True)
+    ours = vllm.sample(policy, tokenizer, EXAMPLES, 1, greedy=True)
+    assert [e.tool_calls for e in ours.episodes] == [1, 1]  # the model calls the tool itself
+    assert [e.messages for e in ours.episodes] == [e.messages for e in theirs.episodes]  # texts, calls, results
+    assert [e.completion_ids for e in ours.episodes] == [e.completion_ids for e in theirs.episodes]
+    assert [e.sampled for e in ours.episodes] == [e.sampled for e in theirs.episodes]
+    assert ours.texts == theirs.texts and [e.stop for e in ours.episodes] == [e.stop for e in theirs.episodes]
+
+
+def test_vllm_episodes_sample_from_the_callers_generator(engines, tmp_path):
+    from grpo_cli.instantiate import build
+    from grpo_cli.rollout.episodes import EpisodeSampler
+
+    policy, tokenizer, _, started = engines
+    (tmp_path / "calc.py").write_text(MULTIPLY_TOOL)
+    # the same engine, short episodes: what is checked is where the ids come from, not what they say
+    env = build(compose("train", ["env=tools", f"env.tools=[{tmp_path / 'calc.py'}:multiply]",
+                                  "env.max_episode_tokens=16"]).env)
+    vllm = EpisodeSampler(started.sampler, env)
+
+    def draw(seed):
+        rollout = vllm.sample(policy, tokenizer, EXAMPLES[:1], 2, generator=torch.Generator().manual_seed(seed))
+        return [e.completion_ids for e in rollout.episodes]
+
+    state = torch.get_rng_state()
+    first = draw(1)
+    assert first == draw(1) and first != draw(2)  # a run and its resume draw the same episodes
+    assert first[0] != first[1]  # each row its own seed
+    assert torch.equal(torch.get_rng_state(), state)  # torch's global generator is left as it was
