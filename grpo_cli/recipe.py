@@ -46,7 +46,7 @@ from grpo_cli.metrics.console import console
 from grpo_cli.metrics.memory import peak_memory_mb, reset_peak_memory, step_memory, synchronize
 from grpo_cli.metrics.run_files import CompletionsLog, MetricsLog, check_logging
 from grpo_cli.metrics.stats import rollout_metrics
-from grpo_cli.policy import build_policy, context_length, load_tokenizer
+from grpo_cli.policy import build_policy, context_length, keep_reference, load_tokenizer
 from grpo_cli.reward_schedule import FixedReward, RewardSchedule
 from grpo_cli.rewards.call import score, token_ids
 from grpo_cli.rewards.shaping import shape
@@ -64,7 +64,7 @@ class Run:
     cfg: DictConfig             # the run's config as saved: the composed one, with the sampler section that samples
     run_dir: Path
     world: World
-    policy: Any                 # the peft model: base + LoRA (the reference: adapter off)
+    policy: Any                 # the peft model: base + LoRA (the reference: adapter off); full: the causal LM
     tokenizer: Any
     device: torch.device
     sampler: Any                # a started rollout engine (grpo_cli.rollout's Sampler contract)
@@ -140,6 +140,9 @@ def setup(cfg: DictConfig, run_dir: Path, world: World, why: str) -> Run:
     torch.manual_seed(trainer.seed)
     loss = build(algo.loss)
     policy, tokenizer, device = build_policy(cfg.model)
+    frozen = keep_reference(policy, loss.needs_reference)  # model.finetune=full: the initial weights, if β > 0
+    if frozen:
+        console.print(frozen)
     if early is None:
         check_lengths(cfg, data, tokenizer)
     world.copy_from_main([p for p in policy.parameters() if p.requires_grad])  # one adapter init on every rank
@@ -172,7 +175,7 @@ def setup(cfg: DictConfig, run_dir: Path, world: World, why: str) -> Run:
 def resume(run: Run, ckpt: Path) -> None:
     """Continue `run` from checkpoint folder `ckpt`: adapter, optimizer and scheduler, prompt stream, reward
     schedule, dropout's RNG; later checkpoints (an abandoned branch) are set aside."""
-    checkpoint.load_adapter(run.policy, ckpt)
+    checkpoint.load_weights(run.policy, ckpt)
     state = checkpoint.load_training_state(ckpt, run.optimizer, run.scheduler)
     run.prompts.load_state_dict(state["data"])
     run.rewards.load_state_dict(state, run.policy, ckpt)

@@ -56,7 +56,7 @@ def run(cfg: DictConfig, overrides: list[str] = ()) -> list[dict]:
     chosen = choose(cfg.sampler)  # sampler=auto: vLLM when installed and usable (a checkpoint's own sampler as it is)
     policy, tokenizer = inference_policy(cfg)
     if ckpt is not None:
-        checkpoint.load_adapter(policy, ckpt)
+        checkpoint.load_weights(policy, ckpt)
     sampler = build(chosen.section)
     # before the first prompt (a model vLLM cannot serve says so here), sized for this one call
     sampler.start(policy, chosen.section, Job(len(problems), sample_cfg.n))
