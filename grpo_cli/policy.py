@@ -415,13 +415,23 @@ def trainable_dtype(cfg) -> list[str]:
 
 
 def _full_fits(cfg) -> list[str]:
-    """model.finetune=full with what trains an adapter only: a 4-bit base, iterative RL's reference adapter."""
+    """model.finetune=full with what only an adapter trains with: a 4-bit base, half-precision weights (the adapter is
+    fp32 under them), iterative RL's reference adapter."""
     if get(cfg, "model.finetune")[1] != "full":
         return []
     problems = []
     if get(cfg, "model.quantization")[1] == "4bit":
         problems.append("model.finetune (full) cannot train a 4-bit base: its NF4 weights have no gradient; set "
                         "model.quantization=null, or model.finetune=lora for QLoRA")
+    dtype, device = get(cfg, "model.dtype")[1], get(cfg, "model.device")[1]
+    # an unknown dtype, or CUDA asked for where there is none: the model.dtype and model.device Rules say so
+    known = (dtype == "auto" or dtype in DTYPES) and isinstance(device, str) \
+        and (device in ("auto", "cpu") or torch.cuda.is_available())
+    if known and resolve_dtype(dtype, resolve_device(device)) != torch.float32:
+        # a LoRA run keeps its adapter in fp32 (master weights) under a bf16 base; a full one has no fp32 copy yet
+        problems.append(f"model.finetune (full) trains its weights in model.dtype ({dtype}"
+                        f"{' -> bf16 on this GPU' if dtype == 'auto' else ''}), where an update of lr x weight "
+                        f"rounds away (no fp32 master copy is kept yet); set model.dtype=float32")
     if get(cfg, "iterative.iterations")[1]:
         problems.append("model.finetune (full) does not support iterative RL yet: its reference is a copy of the "
                         "adapter; set model.finetune=lora, or iterative.iterations=0")

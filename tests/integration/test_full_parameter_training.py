@@ -66,6 +66,7 @@ def test_beta_zero_keeps_no_reference_copy(tmp_path):
 @pytest.mark.parametrize("override,expected", [
     ("model.quantization=4bit", "model.finetune (full) cannot train a 4-bit base"),
     ("iterative.iterations=2", "model.finetune (full) does not support iterative RL yet"),
+    ("model.dtype=bfloat16", "model.finetune (full) trains its weights in model.dtype (bfloat16)"),
 ])
 def test_full_refuses_what_it_cannot_do_in_one_line(override, expected, tmp_path):
     code, err = stopped(run_cli(["train", *TINY, *FULL, override, f"hydra.run.dir={tmp_path}"]))
