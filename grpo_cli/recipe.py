@@ -15,9 +15,10 @@ same model with the adapter off). Which reward scores a step is the run's reward
 engine's fallback), so a resume samples as the run did.
 
 Departures from the paper: the policy trains a LoRA adapter instead of all weights (so the reference costs no
-memory); one step is one exploration stage followed by μ optimizer steps; sampling draws from the run's own
-torch.Generator, reseeded each step from (seed, step, rank), so a resumed run samples what the uninterrupted
-one did. Under torchrun each rank runs the step on its slice of the step's prompts (grpo_cli.distributed).
+memory; model.finetune=full trains them all, the reference a frozen copy of the initial weights); one step is
+one exploration stage followed by μ optimizer steps; sampling draws from the run's own torch.Generator, reseeded
+each step from (seed, step, rank), so a resumed run samples what the uninterrupted one did. Under torchrun each
+rank runs the step on its slice of the step's prompts (grpo_cli.distributed).
 """
 
 from __future__ import annotations
