@@ -257,6 +257,10 @@ def check_engine(cfg: DictConfig) -> list[str]:
     if uses_vllm and env:  # grpo_cli.rollout.episodes: episodes continue token ids, which only HF generate does yet
         errors.append("multi-turn episodes (env=tools or class) run on HF generate only for now: vLLM does not "
                       "continue token ids yet; set sampler=default (HF generate)")
+    if uses_vllm and get(cfg, "model.finetune")[1] == "full" and not torch.cuda.is_available():
+        # the CPU engine's graph keeps the embeddings and norms it loaded: pushed, the log-probs were 0.1 off
+        errors.append("sampler=vllm on a CPU cannot sample a full-parameter policy (model.finetune=full) yet: its "
+                      "engine keeps the embeddings and norms it loaded; set sampler=default (HF generate)")
     cap = get(cfg, "algo.is_correction_cap")[1]
     if cap is not None and target.startswith("grpo_cli.rollout.hf."):
         errors.append(f"algo.is_correction_cap ({cap!r}) corrects for a sampler with its own copy of the weights, "
