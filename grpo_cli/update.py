@@ -162,8 +162,9 @@ def prepare(policy, rollout: Rollout, advantages: torch.Tensor, loss, num_iterat
     policy.eval()  # the log-probs the ratio and the KL compare against are the policy's, not a dropout sample
     ref_logp = None
     if loss.needs_reference:
-        with reference(policy):  # the base model (adapter off), or the adapter copied at the iteration's start
-            ref_logp = torch.cat([sequence_logprobs(policy, rollout.select(b)).logp
+        # the base model (adapter off), the adapter copied at the iteration's start, or full's frozen copy
+        with reference(policy) as ref:
+            ref_logp = torch.cat([sequence_logprobs(ref, rollout.select(b)).logp
                                   for b in micro_batches(list(range(n)), micro_batch_size)])
     # rows with zero advantage everywhere carry no gradient when β = 0: skip their forward/backward
     if loss.needs_reference:

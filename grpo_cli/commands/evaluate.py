@@ -167,7 +167,7 @@ def _evaluate(cfg: DictConfig, out_dir: Path, overrides: list[str], world: World
     # the digest each row must carry to be reused: (checkpoint, problem index) -> digest
     wanted = {}
     for ckpt in checkpoints:
-        adapter = _file_digest(ckpt / checkpoint.ADAPTER) if ckpt is not None else None
+        adapter = _file_digest(checkpoint.weights_file(ckpt)) if ckpt is not None else None
         name = str(ckpt) if ckpt else None
         wanted.update({(name, i): _digest(settings, adapter, p) for i, p in enumerate(problems)})
     done = world.broadcast(_reuse(out_dir, wanted) if world.main else None)  # rank 0 alone moves stale files
@@ -176,7 +176,7 @@ def _evaluate(cfg: DictConfig, out_dir: Path, overrides: list[str], world: World
     for ckpt in checkpoints:
         name = str(ckpt) if ckpt else None
         if ckpt is not None:
-            checkpoint.load_adapter(policy, ckpt)
+            checkpoint.load_weights(policy, ckpt)
         rows = [done[(name, i)] for i in range(len(problems)) if (name, i) in done]
         todo = [i for i in range(len(problems)) if (name, i) not in done][world.rank::world.size]
         with (progress(f"eval {Path(name).name if name else 'base'}") as bar,

@@ -28,6 +28,9 @@ needed to load them); `export.merge=false` writes the adapter, whose base is the
 model (quantize it again with model.quantization=4bit to get the trained policy back). The folder
 is written beside the target and renamed into place, so a failed export (a full disk: one `error:`
 line, exit 1) never leaves half a model.
+
+A full-parameter run (`model.finetune=full`) has no adapter: its checkpoint's weights are the model, written as
+the merged folder is (`export.merge=false` is refused in one line).
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from grpo_cli.config import validate
 from grpo_cli.errors import ConfigError, RunError
 from grpo_cli.inference import inherit
 from grpo_cli.metrics.console import console, progress
-from grpo_cli.policy import build_policy, resolve_device, resolve_dtype
+from grpo_cli.policy import build_policy, finetune, resolve_device, resolve_dtype, trains_adapter
 from grpo_cli.runs import read_saved
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -130,6 +133,9 @@ def run(cfg: DictConfig, overrides: list[str] = ()) -> Path:
     cfg = inherit(cfg, OmegaConf.create({"model": saved.model}), list(overrides))
     cfg.model.device, cfg.model.dtype = "cpu", "float32"
     validate(cfg)
+    if finetune(cfg.model) == "full" and not export_cfg.merge:
+        raise ConfigError(f"export.merge=false writes a LoRA adapter, and {ckpt} trained every weight "
+                          f"(model.finetune=full): there is no adapter; drop export.merge=false")
     step = json.loads((ckpt / "trainer_state.json").read_text()).get("step")
     dtype = trained_dtype(ckpt) if export_cfg.dtype == "auto" else export_cfg.dtype
     try:
@@ -159,14 +165,20 @@ def _write(cfg: DictConfig, ckpt: Path, out: Path, step, dtype: str) -> tuple[di
     with progress("export") as bar, files.folder(out) as tmp:
         task = bar.add_task("", total=4, info="base model")
         policy, tokenizer, _ = build_policy(cfg.model)
-        base = base_identity(cfg.model, policy.get_base_model())
+        full = not trains_adapter(policy)  # model.finetune=full: the policy is the causal LM itself
+        base = base_identity(cfg.model, policy if full else policy.get_base_model())
         bar.update(task, advance=1, info="adapter")
-        checkpoint.load_adapter(policy, ckpt)
+        checkpoint.load_weights(policy, ckpt)
         policy.eval()
         bar.update(task, advance=1, info="merge" if export_cfg.merge else "adapter folder")
         if export_cfg.merge:
             # a 4-bit base (model.quantization=4bit): dequant(W) + ΔW in float32; peft's merge would quantize it again
-            merged = quantize.merge_dequantized(policy) if cfg.model.get("quantization") else policy.merge_and_unload()
+            if full:
+                merged = policy
+            elif cfg.model.get("quantization"):
+                merged = quantize.merge_dequantized(policy)
+            else:
+                merged = policy.merge_and_unload()
             model = merged.to(DTYPES[dtype])
             model.generation_config = generation_config(tokenizer)
             bar.update(task, advance=1, info="write")
@@ -180,7 +192,8 @@ def _write(cfg: DictConfig, ckpt: Path, out: Path, step, dtype: str) -> tuple[di
             (tmp / "README.md").unlink(missing_ok=True)  # peft's empty model card
         tokenizer.save_pretrained(tmp)
         record = {"checkpoint": str(ckpt.resolve()), "step": step, "merged": export_cfg.merge,
-                  "dtype": dtype, "quantization": cfg.model.get("quantization"), "base_model": base,
+                  "dtype": dtype, "quantization": cfg.model.get("quantization"), "finetune": finetune(cfg.model),
+                  "base_model": base,
                   "grpo_cli_version": __version__}
         (tmp / "export.json").write_text(json.dumps(record, indent=1) + "\n")
         bar.update(task, advance=1, info="done")

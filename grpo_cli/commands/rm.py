@@ -144,7 +144,7 @@ def sample_and_label(cfg: DictConfig, ckpt: Path | None, labeler, overrides) -> 
     rm_cfg = cfg.rm
     policy, tokenizer, _ = load_inference(cfg, list(overrides), [])
     if ckpt is not None:
-        checkpoint.load_adapter(policy, ckpt)
+        checkpoint.load_weights(policy, ckpt)
     problems = training.pick_problems(build(cfg.data).train, rm_cfg.num_problems, rm_cfg.seed)
     sampler = build(cfg.sampler)
     torch.manual_seed(rm_cfg.seed)

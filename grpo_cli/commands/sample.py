@@ -62,7 +62,7 @@ def run(cfg: DictConfig, overrides: list[str] = ()) -> list[dict]:
     policy, tokenizer = inference_policy(cfg)
     use_chat_template(tokenizer, data.chat_template, data.chat_template_kwargs)
     if ckpt is not None:
-        checkpoint.load_adapter(policy, ckpt)
+        checkpoint.load_weights(policy, ckpt)
     sampler = with_env(build(chosen.section), env)
     # before the first prompt (a model vLLM cannot serve says so here), sized for this one call
     sampler.start(policy, chosen.section, Job(len(problems), sample_cfg.n))

@@ -10,7 +10,8 @@ Weights. `sync(policy)` (and `generate`, when the policy changed since the last 
 adapter switched off for eval's base pass, the reference adapter of iterative RL) gives every linear
 layer that carries a LoRA adapter its merged weight W + ΔW (peft's `get_delta_weight` of each active
 adapter; W alone while adapters are off), then resets the prefix cache, whose prompt KV was computed
-with the old weights:
+with the old weights. A full-parameter policy (model.finetune=full) pushes every weight under its HF name (on the
+CPU its linear layers as below, its embeddings and norms through `load_weights`):
   - CPU: after loading, vLLM packs each linear layer's weight for oneDNN and drops the plain weight, so
     `load_weights` has nothing to write into. The layer gets its merged weight back, q/k/v stacked into
     `qkv_proj` and gate/up into `gate_up_proj` (the model's `packed_modules_mapping`; a partner the
@@ -60,6 +61,7 @@ from peft.tuners.lora import LoraLayer
 from grpo_cli import quantize
 from grpo_cli.distributed import world_size
 from grpo_cli.errors import DataError
+from grpo_cli.policy import trains_adapter
 from grpo_cli.rollout import Rollout, Sampler, SamplerSettings, drawing_from, encode_prompts, finish, pad_id
 from grpo_cli.rollout.hf import HFSampler, check_prompts
 from grpo_cli.rollout.sizing import Job
@@ -260,14 +262,17 @@ class VLLMSampler(Sampler):
         if self._asleep:
             self.llm.wake_up()
             self._asleep = False
-        stamp = _fingerprint(policy)
+        stamp = fingerprint(policy)
         if stamp == self._pushed:
             return
         weights = merged_weights(policy, self._packed)
         if on_gpu():
             self.llm.apply_model(lambda model: model.load_weights(weights.items()))
         else:
-            self.llm.apply_model(lambda model: _load_cpu(model, weights, self._packed))
+            linear = _linear_names(policy)  # the layers vLLM's CPU build packs; the rest (embeddings, norms) load
+            packed = {k: v for k, v in weights.items() if k.removesuffix(".weight") in linear}
+            rest = [(k, v) for k, v in weights.items() if k not in packed]
+            self.llm.apply_model(lambda model: (_load_cpu(model, packed, self._packed), _load_cpu_rest(model, rest)))
             del weights
             # the merged weights and the engine's repacking left layer-sized blocks (under the CLI's 64 MiB mmap
             # threshold, so from the heap) free but held: back to the OS (how much: docs/speed.md)
@@ -336,8 +341,16 @@ def _active(layer) -> list[str]:
     return [a for a in layer.active_adapters if a in layer.lora_A]
 
 
-def _fingerprint(policy) -> tuple:
-    """Changes when the weights the policy samples with change: active adapters and each one's values."""
+def _linear_names(policy) -> set[str]:
+    """HF module names of the policy's linear layers (model.layers.0.self_attn.q_proj), adapted ones included."""
+    return {name for name, m in base_model(policy).named_modules() if isinstance(m, (torch.nn.Linear, LoraLayer))}
+
+
+def fingerprint(policy) -> tuple:
+    """Changes when the weights the policy samples with change: active adapters and each one's values, or with
+    model.finetune=full each weight's sum (one pass over the weights, no copy)."""
+    if not trains_adapter(policy):
+        return tuple((name, float(p.detach().double().sum())) for name, p in policy.named_parameters())
     stamp = []
     for name, layer in _lora_layers(policy).items():
         for a in _active(layer):
@@ -350,6 +363,8 @@ def merged_weights(policy, packed: dict[str, list[str]]) -> dict[str, torch.Tens
     """{HF weight name: W + the active adapters' ΔW} of each adapted linear layer, plus the base weight of
     every layer fused with one in vLLM (k_proj when only q_proj and v_proj carry adapters). W of a 4-bit
     base (model.quantization=4bit) is dequant(W): the engine holds full-precision weights."""
+    if not trains_adapter(policy):  # model.finetune=full: every weight, each under its HF name
+        return {name: p.detach() for name, p in policy.named_parameters()}
     base = base_model(policy)
     layers = _lora_layers(policy)
     parts_of = {part: parts for parts in packed.values() for part in parts}  # "q_proj" -> [q, k, v]
@@ -372,6 +387,20 @@ def merged_weights(policy, packed: dict[str, list[str]]) -> dict[str, torch.Tens
             weight = (weight.float() + sum(d.float() for d in deltas)).to(weight.dtype)
         out[f"{name}.weight"] = weight
     return out
+
+
+def _load_cpu_rest(model, weights: list[tuple[str, torch.Tensor]]) -> None:
+    """Inside the engine (CPU): the weights of no linear layer (model.finetune=full: embeddings, norms) through
+    vLLM's own loader; a layer with a linear method is packed again (the embedding keeps a packed copy for the
+    tied LM head, which would go on computing the logits with the old weights)."""
+    if not weights:
+        return
+    model.load_weights(weights)
+    modules = dict(model.named_modules())
+    for key, _ in weights:
+        layer = modules.get(key.removesuffix(".weight"))
+        if layer is not None and hasattr(layer, "quant_method"):
+            layer.quant_method.process_weights_after_loading(layer)
 
 
 def _load_cpu(model, weights: dict[str, torch.Tensor], packed: dict[str, list[str]]) -> None:

@@ -224,6 +224,50 @@ def test_an_eager_engine_takes_each_push_too(smollm2):
         assert sampler.llm is not None and ours.texts == hf_greedy(policy, tokenizer, prompts).texts, seed
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU engine's refusal")
+def test_a_full_parameter_policy_on_a_cpu_engine_is_one_line(monkeypatch):
+    from grpo_cli.rollout import vllm_engine
+    from grpo_cli.rollout.engine import choose, run_refusal
+
+    cfg = compose("train", ["model=tiny", "model.finetune=full"])
+    # sampler=auto keeps such a run on HF generate, saying why
+    assert "model.finetune=full on a CPU" in choose(cfg.sampler, installed=True, refused=run_refusal(cfg, 1)).why
+    monkeypatch.setattr(vllm_engine, "installed", lambda: True)
+    errors = vllm_engine.check_engine(compose("train", ["model=tiny", "model.finetune=full", "sampler=vllm"]))
+    assert len(errors) == 1 and errors[0].startswith("sampler=vllm on a CPU cannot sample a full-parameter policy")
+
+
+@needs_vllm
+@pytest.mark.slow
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA engine: the CPU one refuses a full-parameter policy")
+def test_a_full_parameter_policy_pushes_every_weight():
+    """model.finetune=full: after each push (every weight changed, embeddings and norms too), greedy equals HF's."""
+    from grpo_cli.instantiate import build
+    from grpo_cli.logprobs import sequence_logprobs
+    from grpo_cli.policy import build_policy
+    from grpo_cli.rollout import render_prompts
+
+    policy, tokenizer, _ = build_policy(compose("train", ["model.finetune=full", "model.dtype=float32"]).model)
+    policy.eval()
+    prompts = render_prompts(tokenizer, PROMPTS)
+    sampler = build(compose("train", ["sampler=vllm", "sampler.max_new_tokens=24"]).sampler)
+    base = sampler.generate(policy, tokenizer, prompts, 1, greedy=True).texts
+    for seed in (1, 2):  # each push replaces every weight of the last one
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in policy.parameters():
+                p.mul_(1 + 0.02 * torch.randn(p.shape, generator=g))
+        sampler.sync(policy)
+        ours = sampler.generate(policy, tokenizer, prompts, 1, greedy=True)
+        with torch.no_grad():
+            trainer = sequence_logprobs(policy, ours).logp  # [N, T]: the updated policy on vLLM's tokens
+        gap = (trainer - ours.sampling_logp)[ours.completion_mask.bool()].abs()
+        print(f"full weights {seed}: mean |vLLM - trainer| log-prob {gap.mean():.2e}, max {gap.max():.2e}")
+        assert gap.mean() < 1e-3 and gap.max() < 1e-2, seed  # a weight left unpushed moves every log-prob
+        assert ours.texts == hf_greedy(policy, tokenizer, prompts).texts and ours.texts != base, seed
+
+
 # --------------------------------------------------------------------------- under torchrun (needs vLLM)
 
 G = 4  # completions per prompt in the torchrun tests: 4 prompts x 4 = 16 rows, 8 on each of 2 ranks

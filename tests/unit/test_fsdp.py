@@ -111,3 +111,12 @@ def test_fsdp_config_checks_name_the_fix():
     rule = next(c for c in train.CHECKS if getattr(c, "key", None) == "trainer.fsdp")
     assert rule(compose("train", ["model=tiny", "trainer.fsdp=1"])) == [
         "trainer.fsdp (1) must be true or false; set trainer.fsdp=false"]
+
+
+def test_fsdp_of_a_full_parameter_policy_is_refused_in_one_line():
+    from grpo_cli.commands import train
+    from grpo_cli.config import compose
+
+    full = train.check_world(compose("train", ["model=tiny", "trainer.fsdp=true", "model.finetune=full"]), 2)
+    assert len(full) == 1 and full[0].startswith("trainer.fsdp=true with model.finetune=full is not supported yet")
+    assert train.check_world(compose("train", ["model=tiny", "model.finetune=full"]), 2) == []  # data parallel
