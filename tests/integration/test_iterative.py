@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,7 +24,7 @@ from grpo_cli.errors import CheckpointError, ConfigError
 from grpo_cli.instantiate import build
 from grpo_cli.policy import reference
 from grpo_cli.rm import OutcomeLabeler
-from tests.helpers import REPO, TINY, deterministic, metrics
+from tests.helpers import TINY, deterministic, metrics, run_cli
 
 # 3 iterations x 2 steps; per boundary 4 problems x 2 samples = 8 rows, 0.25 x 4 prompts = 1 held out (2 rows)
 ITERATIVE = [o for o in TINY if "digit" not in o] + [
@@ -315,18 +313,15 @@ def test_a_rule_reward_is_refused_and_off_checks_nothing():
 
 
 def test_cli_reports_every_iterative_problem_in_one_line_each(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "grpo_cli", "train", *ITERATIVE, "trainer.max_steps=7",
-                          "labeler=verifier", "iterative.steps=0", f"hydra.run.dir={tmp_path}"],
-                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    out = run_cli(["train", *ITERATIVE, "trainer.max_steps=7", "labeler=verifier", "iterative.steps=0",
+                   f"hydra.run.dir={tmp_path}"])
     assert out.returncode == 2, out.stderr[-2000:]
     # every problem at once: the bad count on its own line, and no max_steps product made from it
     assert out.stderr.strip().splitlines() == [
         "error: iterative.steps (0) must be an integer >= 1; set iterative.steps=10",
         "error: iterative RL retrains the reward model, so the reward must be one: the labeler gives process labels, "
         "so set reward=prm (reward.name_or_path=null starts from a new head)"]
-    out = subprocess.run([sys.executable, "-m", "grpo_cli", "train", *ITERATIVE, "trainer.max_steps=7",
-                          "labeler=verifier", f"hydra.run.dir={tmp_path}"],
-                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    out = run_cli(["train", *ITERATIVE, "trainer.max_steps=7", "labeler=verifier", f"hydra.run.dir={tmp_path}"])
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 2 and all(line.startswith("error: ") for line in lines), out.stderr
     assert "set trainer.max_steps=6" in lines[0] and "set reward=prm" in lines[1]
