@@ -34,6 +34,7 @@ their input: the code paths are the same, and the 1-rank numbers are unchanged.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import socket
 import sys
@@ -239,8 +240,23 @@ def close_world() -> None:
     parallel_state = sys.modules.get("vllm.distributed.parallel_state")
     vllm_groups = parallel_state is not None and parallel_state.model_parallel_is_initialized()
     if _WORLD is not None and dist.is_initialized() and not vllm_groups:
-        dist.destroy_process_group()
+        destroy_groups()
     _WORLD, _START = None, None
+
+
+def destroy_groups() -> None:
+    """Destroy this process's groups and end their threads now. destroy_process_group alone leaves a group's
+    threads (gloo's loops, rank 0's store) running while anything still holds the group, and FSDP's device mesh
+    holds it past the run (DTensor's caches keep the mesh): threads still running at the interpreter's exit can
+    abort it ("terminate called without an active exception") after the work is done."""
+    dist.destroy_process_group()
+    mesh = sys.modules.get("torch.distributed.device_mesh")
+    if mesh is None:  # FSDP never ran here: nothing else holds the group
+        return
+    for obj in gc.get_objects():
+        if type(obj) is mesh.DeviceMesh:
+            getattr(obj, "_pg_registry", {}).clear()
+    gc.collect()  # the groups' last holders go now, and with them their threads
 
 
 def start_time() -> datetime:

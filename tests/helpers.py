@@ -236,7 +236,15 @@ def two_ranks(target, out: Path) -> None:
         p.start()
     for p in procs:
         p.join(timeout=300)
-    assert [p.exitcode for p in procs] == [0, 0], "a rank failed or hung"
+    # exit codes: -6 is an abort (SIGABRT), None a rank still running after 300 s
+    assert [p.exitcode for p in procs] == [0, 0], f"a rank failed or hung: exit codes {[p.exitcode for p in procs]}"
+
+
+def group_threads() -> list[str]:
+    """This process's threads that belong to a process group (gloo's loops, the TCP store's), by their OS names."""
+    tasks = Path("/proc/self/task")
+    names = [(t / "comm").read_text().strip() for t in tasks.iterdir()] if tasks.exists() else []
+    return sorted(n for n in names if n.startswith(("gloo", "pt_gloo", "pt_tcpstore")))
 
 
 TORCHRUN_TINY = ["model=tiny", "sampler.max_new_tokens=8", "algo.group_size=4", "trainer.prompts_per_step=4",

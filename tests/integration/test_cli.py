@@ -172,12 +172,14 @@ def test_every_rule_names_a_key_that_some_composed_config_has():
     from grpo_cli.checks import Rule
     from grpo_cli.commands import evaluate, rm, sample
 
-    keys = set()
-    for command in ("train", "eval", "sample", "rm", "export"):
-        keys |= _dotted_keys(compose(command))
-        for group, option in GROUPS:
+    commands = ("train", "eval", "sample", "rm", "export")
+    keys = set().union(*(_dotted_keys(compose(command)) for command in commands))
+    for group, option in GROUPS:
+        # an option's keys are its YAML file's whatever the command: the first command that composes it shows them
+        for command in commands:
             try:
                 keys |= _dotted_keys(compose(command, [f"{group}={option}"]))
+                break
             except Exception:  # a group that command does not compose
                 continue
     rules = [c for c in (*config.LIBRARY_CHECKS, *train.CHECKS, *evaluate.CHECKS, *sample.CHECKS, *rm.CHECKS)

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,7 +24,7 @@ from grpo_cli.errors import CheckpointError, ConfigError
 from grpo_cli.instantiate import build
 from grpo_cli.policy import reference
 from grpo_cli.rm import OutcomeLabeler
-from tests.helpers import REPO, TINY, deterministic, metrics
+from tests.helpers import TINY, copy_run, deterministic, metrics, run_cli
 
 # 3 iterations x 2 steps; per boundary 4 problems x 2 samples = 8 rows, 0.25 x 4 prompts = 1 held out (2 rows).
 # No gate: the tiny model is never right, so no held-out prompt has both labels and the gate would keep iteration
@@ -56,7 +54,10 @@ def logprobs(policy, ids: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax(policy(input_ids=ids).logits, -1)
 
 
-def test_reference_is_the_policy_at_each_boundary_kl_0_and_two_adapters(tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> tuple[Path, list[dict]]:
+    """The uninterrupted run (3 iterations x 2 steps, a checkpoint at every step), made once for the tests that read
+    it (they copy it before they change it); with what the policy and its reference were at each boundary."""
     seen = []
     real = iterative.set_reference
 
@@ -74,65 +75,78 @@ def test_reference_is_the_policy_at_each_boundary_kl_0_and_two_adapters(tmp_path
                      "adapters": sorted(policy.peft_config),
                      "trainable": sorted(n for n, p in policy.named_parameters() if p.requires_grad)})
 
-    monkeypatch.setattr(iterative, "set_reference", checked)
-    train.run(cfg("trainer.save_every=2"), tmp_path)
+    run = tmp_path_factory.mktemp("iterative") / "run"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(iterative, "set_reference", checked)
+        train.run(cfg("trainer.save_every=1"), run)
+    return run, seen
 
+
+def test_reference_is_the_policy_at_each_boundary_kl_0_and_two_adapters(straight, tmp_path):
+    run, seen = straight
     assert [s["equal"] for s in seen] == [True, True, True]  # log-probs identical, bit for bit
     assert [s["moved"] for s in seen] == [None, True, True]  # ... and not because nothing trains
     # memory stays bounded: the reference adapter is made once and overwritten, 2 adapters after 3 iterations
     assert all(s["adapters"] == ["default", "reference"] for s in seen)
     assert all(s["trainable"] and all(".default." in n for n in s["trainable"]) for s in seen)
-    assert sorted(p.name for p in (tmp_path / "checkpoints" / "step_000006").iterdir() if p.is_dir()) == ["reference"]
+    assert sorted(p.name for p in (run / "checkpoints" / "step_000006").iterdir() if p.is_dir()) == ["reference"]
 
-    records = metrics(tmp_path)
+    records = metrics(run)
     assert [r["iteration"] for r in records] == [0, 0, 1, 1, 2, 2]
     # the first step of each iteration compares the policy with an identical reference: k3 = e^0 - 0 - 1 = 0
     assert [records[i]["kl"] for i in (0, 2, 4)] == [0.0, 0.0, 0.0]
     assert all(records[i]["kl"] > 0 for i in (1, 3, 5))
 
-    history = iterations(tmp_path)
+    history = iterations(run)
     assert [h["iteration"] for h in history] == [0, 1, 2] and [h["step"] for h in history] == [1, 3, 5]
     # 8 rows, 2 held out, 6 new; replay round(6 x 0.1 / 0.9 = 0.67) = 1 row, from earlier iterations only
     assert [(h["rows"], h["heldout"], h["train_new"], h["train_replay"]) for h in history] == \
         [(8, 2, 6, 0), (8, 2, 6, 1), (8, 2, 6, 1)]
-    assert [h["rm_start"] for h in history] == [None, str(tmp_path / "rm/iteration_000"),
-                                                str(tmp_path / "rm/iteration_001")]
-    assert sorted(p.name for p in (tmp_path / "rm").iterdir()) == ["iteration_000", "iteration_001",
+    assert [h["rm_start"] for h in history] == [None, str(run / "rm/iteration_000"),
+                                                str(run / "rm/iteration_001")]
+    assert sorted(p.name for p in (run / "rm").iterdir()) == ["iteration_000", "iteration_001",
                                                                    "iteration_002", "replay"]
-    assert sorted(p.name for p in (tmp_path / "rm" / "replay").iterdir()) == [
+    assert sorted(p.name for p in (run / "rm" / "replay").iterdir()) == [
         "iteration_000.jsonl", "iteration_001.jsonl", "iteration_002.jsonl"]
-    state = json.loads((tmp_path / "checkpoints/step_000006/trainer_state.json").read_text())["iterative"]
+    state = json.loads((run / "checkpoints/step_000006/trainer_state.json").read_text())["iterative"]
     assert state["done"] == 3 and state["rm"] == "rm/iteration_002" and state["replay"]["rows"] == {
         "0": 8, "1": 8, "2": 8}
 
     # a corrupt reference adapter is named by verify, and resolve falls back to the checkpoint before
-    (tmp_path / "checkpoints/step_000006/reference/adapter_model.safetensors").write_bytes(b"garbage")
+    damaged = copy_run(run, tmp_path / "run")
+    (damaged / "checkpoints/step_000006/reference/adapter_model.safetensors").write_bytes(b"garbage")
     with pytest.raises(CheckpointError, match="reference/adapter_model.safetensors cannot be read"):
-        checkpoint.verify(tmp_path / "checkpoints/step_000006")
-    assert checkpoint.resolve(tmp_path) == tmp_path / "checkpoints/step_000004"
+        checkpoint.verify(damaged / "checkpoints/step_000006")
+    assert checkpoint.resolve(damaged) == damaged / "checkpoints/step_000005"
 
 
-def test_resume_at_a_boundary_and_mid_iteration_is_exact(tmp_path):
-    run = tmp_path / "run"
-    train.run(cfg("trainer.save_every=1"), run)
-    straight = {"metrics": [deterministic(r) for r in metrics(run)],
+def test_resume_at_a_boundary_and_mid_iteration_is_exact(straight, tmp_path):
+    source = straight[0]
+    run = copy_run(source, tmp_path / "run")
+
+    def history() -> list[dict]:
+        """The copy's iterations.jsonl without wall-clock times; the reward models it names read as the copy's
+        (the lines copied from the source name the source's folder)."""
+        lines = [{k: v for k, v in h.items() if not k.startswith("time/")} for h in iterations(run)]
+        return json.loads(json.dumps(lines).replace(str(source), str(run)))
+
+    want = {"metrics": [deterministic(r) for r in metrics(run)],
                 "adapter": load_file(run / "checkpoints/step_000006/adapter_model.safetensors"),
                 "reference": load_file(run / "checkpoints/step_000006/reference/adapter_model.safetensors"),
                 "rm": load_file(run / "rm/iteration_002/model.safetensors"),
-                "history": [{k: v for k, v in h.items() if not k.startswith("time/")} for h in iterations(run)]}
+                "history": history()}
     shutil.copytree(run, tmp_path / "first")
     # step 2 ends iteration 0 (the next step is a boundary); step 3 is inside iteration 1
     for at in (2, 3):
         train.run(cfg("trainer.save_every=1", f"resume={run / 'checkpoints' / f'step_{at:06d}'}"), run)
-        assert [deterministic(r) for r in metrics(run)] == straight["metrics"], at
+        assert [deterministic(r) for r in metrics(run)] == want["metrics"], at
         for name, path in (("adapter", "checkpoints/step_000006/adapter_model.safetensors"),
                            ("reference", "checkpoints/step_000006/reference/adapter_model.safetensors"),
                            ("rm", "rm/iteration_002/model.safetensors")):
             again = load_file(run / path)
-            assert again.keys() == straight[name].keys(), (at, name)
-            assert all(torch.equal(again[k], straight[name][k]) for k in again), (at, name)
-        assert [{k: v for k, v in h.items() if not k.startswith("time/")} for h in iterations(run)] == \
-            straight["history"], at
+            assert again.keys() == want[name].keys(), (at, name)
+            assert all(torch.equal(again[k], want[name][k]) for k in again), (at, name)
+        assert history() == want["history"], at
         shutil.rmtree(run / "checkpoints")  # the next resume starts from the uninterrupted run's checkpoints
         shutil.copytree(tmp_path / "first" / "checkpoints", run / "checkpoints")
 
@@ -318,18 +332,15 @@ def test_a_rule_reward_is_refused_and_off_checks_nothing():
 
 
 def test_cli_reports_every_iterative_problem_in_one_line_each(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "grpo_cli", "train", *ITERATIVE, "trainer.max_steps=7",
-                          "labeler=verifier", "iterative.steps=0", f"hydra.run.dir={tmp_path}"],
-                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    out = run_cli(["train", *ITERATIVE, "trainer.max_steps=7", "labeler=verifier", "iterative.steps=0",
+                   f"hydra.run.dir={tmp_path}"])
     assert out.returncode == 2, out.stderr[-2000:]
     # every problem at once: the bad count on its own line, and no max_steps product made from it
     assert out.stderr.strip().splitlines() == [
         "error: iterative.steps (0) must be an integer >= 1; set iterative.steps=10",
         "error: iterative RL retrains the reward model, so the reward must be one: the labeler gives process labels, "
         "so set reward=prm (reward.name_or_path=null starts from a new head)"]
-    out = subprocess.run([sys.executable, "-m", "grpo_cli", "train", *ITERATIVE, "trainer.max_steps=7",
-                          "labeler=verifier", f"hydra.run.dir={tmp_path}"],
-                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    out = run_cli(["train", *ITERATIVE, "trainer.max_steps=7", "labeler=verifier", f"hydra.run.dir={tmp_path}"])
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 2 and all(line.startswith("error: ") for line in lines), out.stderr
     assert "set trainer.max_steps=6" in lines[0] and "set reward=prm" in lines[1]

@@ -20,7 +20,7 @@ from grpo_cli.commands import train
 from grpo_cli.config import compose
 from grpo_cli.errors import ConfigError
 from grpo_cli.metrics import trackers
-from tests.helpers import REPO
+from tests.helpers import REPO, run_cli
 
 # the digit reward gives the tiny model's random text rewards that differ from step to step
 TINY = ["+reward.functions.digit={_target_:grpo_cli.rewards.outcome.format_reward,_partial_:true,pattern:'[0-9]'}",
@@ -127,8 +127,6 @@ def test_a_missing_tracker_package_stops_before_the_model_loads(tmp_path, monkey
 
 def test_cli_missing_tracker_is_one_line_exit_2(tmp_path):
     # a name that can never be installed: the unknown-tracker error, end to end through Hydra
-    out = subprocess.run([sys.executable, "-m", "grpo_cli", "train", *TINY, "trainer.report_to=[tensorbord]",
-                          f"hydra.run.dir={tmp_path}"], cwd=REPO, capture_output=True, text=True, timeout=120,
-                         env={k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"})
+    out = run_cli(["train", *TINY, "trainer.report_to=[tensorbord]", f"hydra.run.dir={tmp_path}"])
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert "trainer.report_to: 'tensorbord' is not a tracker" in out.stderr

@@ -43,6 +43,7 @@ def _worker(rank: int, size: int, init_method: str, out: str) -> None:
         world = World(rank, size, rank)
         for case in CASES:
             _save_step(out, case, rank, *_step(case, world))
+        _collectives(world, out)
     finally:
         # both ranks leave together: a rank that tears the group down while the other is still in it can make
         # gloo abort the other (seen once: exit -6, "terminate called without an active exception")
@@ -185,36 +186,30 @@ def test_a_command_closes_the_world_when_it_ends_normally_only(fails, monkeypatc
 # ---- end to end: torchrun, 2 ranks, the tiny model -------------------------------------------
 
 
-def _collectives_worker(rank: int, size: int, init_method: str, out: str) -> None:
-    from grpo_cli.commands.train import agreed_stop
-
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size)
-    try:
-        world = World(rank, size, rank)
-        got = {
-            # SIGTERM reached rank 1 only: both ranks stop after this step
-            "stop": agreed_stop(world, "SIGTERM" if rank == 1 else None),
-            "no_stop": agreed_stop(world, None),
-            "cat": world.cat(torch.tensor([rank, 10 + rank])).tolist(),
-            "gather": world.gather({"rank": rank}),
-            "broadcast": world.broadcast(f"from {rank}"),
-            "sum": world.sum(torch.tensor([1.0, rank])).tolist(),
-            "max": world.max(torch.tensor([rank])).tolist(),
-        }
-        Path(out, f"collectives_r{rank}.json").write_text(__import__("json").dumps(got))
-    finally:
-        # both ranks leave together: a rank that tears the group down while the other is still in it can make
-        # gloo abort the other (seen once: exit -6, "terminate called without an active exception")
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
-
-
-def test_collectives_and_agreed_stop_on_two_ranks(tmp_path):
+def _collectives(world: World, out: str) -> None:
+    """Each collective of World and agreed_stop on this rank (the ranks of `steps`, so no 2 more processes)."""
     import json
 
-    two_ranks(_collectives_worker, tmp_path)
-    got = [json.loads((tmp_path / f"collectives_r{r}.json").read_text()) for r in range(2)]
+    from grpo_cli.commands.train import agreed_stop
+
+    rank = world.rank
+    got = {
+        # SIGTERM reached rank 1 only: both ranks stop after this step
+        "stop": agreed_stop(world, "SIGTERM" if rank == 1 else None),
+        "no_stop": agreed_stop(world, None),
+        "cat": world.cat(torch.tensor([rank, 10 + rank])).tolist(),
+        "gather": world.gather({"rank": rank}),
+        "broadcast": world.broadcast(f"from {rank}"),
+        "sum": world.sum(torch.tensor([1.0, rank])).tolist(),
+        "max": world.max(torch.tensor([rank])).tolist(),
+    }
+    Path(out, f"collectives_r{rank}.json").write_text(json.dumps(got))
+
+
+def test_collectives_and_agreed_stop_on_two_ranks(steps):
+    import json
+
+    got = [json.loads((steps / f"collectives_r{r}.json").read_text()) for r in range(2)]
     assert got[0]["stop"] == "a stop request on another rank" and got[1]["stop"] == "SIGTERM"
     assert got[0]["no_stop"] is None and got[1]["no_stop"] is None
     for g in got:

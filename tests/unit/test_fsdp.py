@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file
 
 from grpo_cli import fsdp
-from grpo_cli.distributed import SINGLE, World
-from tests.helpers import ROWS, _name, _policy, _save_step, _step, two_ranks
+from grpo_cli.distributed import SINGLE, World, destroy_groups
+from tests.helpers import ROWS, _name, _policy, _save_step, _step, group_threads, two_ranks
 
 # a subset of test_distributed's cases: plain, μ = 2 (old log-probs), β > 0 (the reference forward, adapter off),
 # a rank with no active row (it runs its spare rows, masked out), the top-entropy mask (one more forward)
@@ -25,15 +25,23 @@ def _worker(rank: int, size: int, init_method: str, out: str) -> None:
     torch.distributed.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size)
     try:
         world = World(rank, size, rank)
-        policy, _ = _policy()
-        line = fsdp.shard(policy, world)
-        held, whole = fsdp.resident_bytes(policy)
-        Path(out, f"memory_r{rank}.json").write_text(json.dumps({"line": line, "held": held, "whole": whole}))
+        _memory(world, out)
         for case in CASES:
             _save_step(out, case, rank, *_step(case, world, fsdp=True))
     finally:
         torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+        destroy_groups()
+        # the threads still running once the group is gone: gloo's and the store's left to the interpreter's exit
+        # can abort this rank after its work is done
+        Path(out, f"threads_r{rank}.json").write_text(json.dumps(group_threads()))
+
+
+def _memory(world: World, out: str) -> None:
+    """What this rank holds of a sharded policy (the policy goes with the call, as a run's does with the run)."""
+    policy, _ = _policy()
+    line = fsdp.shard(policy, world)
+    held, whole = fsdp.resident_bytes(policy)
+    Path(out, f"memory_r{world.rank}.json").write_text(json.dumps({"line": line, "held": held, "whole": whole}))
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +80,12 @@ def test_each_rank_holds_half_the_base(steps):
     for g in got:
         assert 0.45 * whole <= g["held"] <= 0.55 * whole, g
         assert g["line"].startswith("fsdp: base sharded over 2 ranks, ") and g["line"].endswith(" MB per rank")
+
+
+def test_leaving_the_group_ends_its_threads(steps):
+    # FSDP's device mesh still holds the group after it is destroyed; its threads must end with it all the same
+    for r in range(2):
+        assert json.loads((steps / f"threads_r{r}.json").read_text()) == [], r
 
 
 def test_one_process_is_not_sharded():
