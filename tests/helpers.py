@@ -523,3 +523,17 @@ def first_turn_calls(monkeypatch) -> None:
 
     monkeypatch.setattr(HFSampler, "engine", lambda self, policy, tokenizer, *, greedy, generator, temperature=None:
                         FirstTurnCalls(self, policy, tokenizer, greedy, generator, temperature))
+
+
+def is_correction_batch():
+    """π_old / π_sampler per token of 4 sequences for the IS-correction tests, pads NaN on the sampler's side (they
+    must reach nothing): [1.5, 1.2] (product 1.8), [2.5, 1.5] (3.75), [0.5], [0.25]; 6 counted tokens.
+    Returns (old log-probs, sampler log-probs, mask), each [4, 3]."""
+    import math
+
+    import torch
+
+    old = torch.tensor([[0.6, 0.6, 1], [0.5, 0.3, 1], [0.25, 1, 1], [0.1, 1, 1]], dtype=torch.float64).log()
+    sampler = torch.tensor([[0.4, 0.5, 1], [0.2, 0.2, 1], [0.5, 1, 1], [0.4, 1, 1]], dtype=torch.float64).log()
+    mask = torch.tensor([[1, 1, 0], [1, 1, 0], [1, 0, 0], [1, 0, 0]])
+    return old, sampler.masked_fill(mask == 0, math.nan), mask

@@ -27,6 +27,7 @@ from grpo_cli.objective import (
     process_advantages,
     truncated_is_weight,
 )
+from tests.helpers import is_correction_batch as sampler_batch
 
 E = 1e-4  # the default eps added to the std
 CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo")  # the loss types with PPO's clipped term (the others: objective/)
@@ -697,15 +698,6 @@ def test_importance_sampling_level_errors():
 
 
 # --------------------------------------------------------------------------- sequence-level IS correction
-
-
-def sampler_batch():
-    """π_old / π_sampler of 4 sequences (pads: NaN sampler log-probs, must reach nothing):
-    [1.5, 1.2] (product 1.8), [2.5, 1.5] (3.75), [0.5] (0.5), [0.25] (0.25)."""
-    old = torch.tensor([[0.6, 0.6, 1], [0.5, 0.3, 1], [0.25, 1, 1], [0.1, 1, 1]], dtype=torch.float64).log()
-    sampler = torch.tensor([[0.4, 0.5, 1], [0.2, 0.2, 1], [0.5, 1, 1], [0.4, 1, 1]], dtype=torch.float64).log()
-    mask = torch.tensor([[1, 1, 0], [1, 1, 0], [1, 0, 0], [1, 0, 0]])
-    return old, sampler.masked_fill(mask == 0, math.nan), mask
 
 
 def test_sequence_truncate_by_hand():

@@ -3,28 +3,18 @@ bound (algo.is_correction_min) beside the cap; and the algo checks that go with 
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 from grpo_cli.config import compose, validate
 from grpo_cli.errors import ConfigError
 from grpo_cli.objective import GRPOLoss, is_correction_weights
+from tests.helpers import is_correction_batch as batch
 
 
 def close(x, expected, tol=1e-9):
     return torch.allclose(torch.as_tensor(x, dtype=torch.float64),
                           torch.as_tensor(expected, dtype=torch.float64), atol=tol, rtol=0)
-
-
-def batch():
-    """π_old / π_sampler per token of 4 sequences, pads NaN on the sampler's side (must reach nothing):
-    [1.5, 1.2], [2.5, 1.5], [0.5], [0.25]; 6 counted tokens."""
-    old = torch.tensor([[0.6, 0.6, 1], [0.5, 0.3, 1], [0.25, 1, 1], [0.1, 1, 1]], dtype=torch.float64).log()
-    sampler = torch.tensor([[0.4, 0.5, 1], [0.2, 0.2, 1], [0.5, 1, 1], [0.4, 1, 1]], dtype=torch.float64).log()
-    mask = torch.tensor([[1, 1, 0], [1, 1, 0], [1, 0, 0], [1, 0, 0]])
-    return old, sampler.masked_fill(mask == 0, math.nan), mask
 
 
 def test_token_mask_drops_the_tokens_outside_the_band():
