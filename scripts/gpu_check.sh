@@ -11,7 +11,8 @@
 # 4. `grpo eval` of its checkpoint on 8 held-out problems;
 # 5. each step's times and peak memory, from the run's metrics.jsonl;
 # 6. (#25) QLoRA: 2 steps with model.quantization=4bit (bitsandbytes NF4 on the GPU);
-# 7. (#25) vLLM with sleep mode: 2 steps of sampler=vllm sampler.enable_sleep_mode=true (when vLLM is installed);
+# 7. (#25) vLLM with sleep mode: 2 steps of sampler=vllm sampler.enable_sleep_mode=true (when vLLM is installed),
+#    and (#42) a full-parameter policy's push, every weight perturbed (its test, on the GPU's engine);
 # with 2 GPUs or more, (#25) on 2 ranks:
 # 8. torchrun, an engine per rank: 2 steps of sampler=vllm, then the torchrun/two-rank vLLM tests;
 # 9. FSDP2: 3 steps with trainer.fsdp=true and 3 without, same seeds; the adapters must agree to bf16 rounding.
@@ -94,6 +95,9 @@ has_vllm() { "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_
 if has_vllm; then
   phase 07-vllm-sleep 300 "$PY" -m grpo_cli train model.device=cuda model.dtype=bfloat16 sampler=vllm \
     sampler.enable_sleep_mode=true trainer.max_steps=2 "trainer.report_to=[]" "hydra.run.dir=$LOG_DIR/vllm"
+  # model.finetune=full: every weight pushed with model.load_weights (the same test runs on the CPU engine)
+  phase 07-vllm-full-push 300 "$PY" -m pytest -q -m slow -p no:cacheprovider tests/integration/test_vllm_sampler.py \
+    -k full_parameter_policy_pushes_every_weight
 else
   echo "vLLM is not installed (pip install -e '.[vllm]'): 07-vllm-sleep and 08-torchrun-vllm left out"
 fi

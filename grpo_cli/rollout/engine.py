@@ -15,7 +15,6 @@ import inspect
 import os
 from dataclasses import dataclass, fields
 
-import torch
 from omegaconf import DictConfig, OmegaConf
 
 from grpo_cli.instantiate import build
@@ -48,9 +47,6 @@ def run_refusal(cfg: DictConfig, world_size: int) -> str | None:
     trainer = cfg.get("trainer") or {}
     if world_size > 1 and trainer.get("fsdp") is True:
         return "trainer.fsdp=true under torchrun: vLLM's weight push reads whole weights, FSDP holds shards"
-    model = cfg.get("model") or {}
-    if model.get("finetune") == "full" and not torch.cuda.is_available():  # (VLLMSampler refuses it in one line)
-        return "model.finetune=full on a CPU: vLLM's CPU engine does not take pushed embeddings and norms yet"
     iterations = (cfg.get("iterative") or {}).get("iterations")
     if iterations:
         return (f"iterative RL (iterative.iterations={iterations}): each iteration's reward-model sampling would "

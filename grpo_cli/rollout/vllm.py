@@ -11,7 +11,8 @@ adapter switched off for eval's base pass, the reference adapter of iterative RL
 layer that carries a LoRA adapter its merged weight W + ΔW (peft's `get_delta_weight` of each active
 adapter; W alone while adapters are off), then resets the prefix cache, whose prompt KV was computed
 with the old weights. A full-parameter policy (model.finetune=full) pushes every weight under its HF name (on the
-CPU its linear layers as below, its embeddings and norms through `load_weights`):
+CPU its linear layers as below, its embeddings and norms through `load_weights`, after which every layer that
+computes with them is packed again: the tied LM head holds its own packed copy of the embeddings):
   - CPU: after loading, vLLM packs each linear layer's weight for oneDNN and drops the plain weight, so
     `load_weights` has nothing to write into. The layer gets its merged weight back, q/k/v stacked into
     `qkv_proj` and gate/up into `gate_up_proj` (the model's `packed_modules_mapping`; a partner the
@@ -391,16 +392,21 @@ def merged_weights(policy, packed: dict[str, list[str]]) -> dict[str, torch.Tens
 
 def _load_cpu_rest(model, weights: list[tuple[str, torch.Tensor]]) -> None:
     """Inside the engine (CPU): the weights of no linear layer (model.finetune=full: embeddings, norms) through
-    vLLM's own loader; a layer with a linear method is packed again (the embedding keeps a packed copy for the
-    tied LM head, which would go on computing the logits with the old weights)."""
+    vLLM's own loader, which copies them into the engine's parameters in place; then every layer with a linear
+    method that computes with one of those parameters is packed again. The embedding's parameter is also the
+    tied LM head's (SmolLM2: `lm_head.weight` is `embed_tokens.weight`, one Parameter in two modules), and
+    the head's packed copy is what computes the logits: left alone, it kept the loaded embeddings."""
     if not weights:
         return
+    params = dict(model.named_parameters())  # one name for a tied parameter; its modules found by identity below
+    unknown = [key for key, _ in weights if key not in params]
+    if unknown:  # loaded under another name: which layers compute with it is unknown, so none would be repacked
+        raise NotImplementedError(f"the engine names no parameter {unknown[0]} to take the policy's weights")
     model.load_weights(weights)
-    modules = dict(model.named_modules())
-    for key, _ in weights:
-        layer = modules.get(key.removesuffix(".weight"))
-        if layer is not None and hasattr(layer, "quant_method"):
-            layer.quant_method.process_weights_after_loading(layer)
+    loaded = {id(params[key]) for key, _ in weights}
+    for module in model.modules():
+        if hasattr(module, "quant_method") and id(getattr(module, "weight", None)) in loaded:
+            module.quant_method.process_weights_after_loading(module)
 
 
 def _load_cpu(model, weights: dict[str, torch.Tensor], packed: dict[str, list[str]]) -> None:

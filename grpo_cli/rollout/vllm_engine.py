@@ -259,10 +259,6 @@ def check_engine(cfg: DictConfig) -> list[str]:
         errors.append(f"multi-turn episodes (env=tools or class) need an engine per rank: ranks sharing one "
                       f"(sampler.tensor_parallel_size={tp}) would wait on each other's turns; set "
                       f"sampler.tensor_parallel_size=1")
-    if uses_vllm and get(cfg, "model.finetune")[1] == "full" and not torch.cuda.is_available():
-        # the CPU engine's graph keeps the embeddings and norms it loaded: pushed, the log-probs were 0.1 off
-        errors.append("sampler=vllm on a CPU cannot sample a full-parameter policy (model.finetune=full) yet: its "
-                      "engine keeps the embeddings and norms it loaded; set sampler=default (HF generate)")
     cap = get(cfg, "algo.is_correction_cap")[1]
     if cap is not None and env and uses_vllm:
         errors.append(f"algo.is_correction_cap ({cap!r}) reads the sampler's log-probs, which multi-turn episodes "
