@@ -17,7 +17,8 @@ setup_process()
 # is installed; a test of the engine choice or of vLLM says so (sampler=vllm, or this variable removed)
 os.environ.setdefault("GRPO_NO_VLLM", "1")
 
-from tests.helpers import EVAL_TINY, GSM8K, REPO, TINY, copy_run, run_cli  # noqa: E402 (after the process setup)
+# after the process setup
+from tests.helpers import EVAL_TINY, GSM8K, REPO, TINY, copy_run, release_vllm_groups, run_cli  # noqa: E402
 
 __all__ = ["REPO", "GSM8K"]
 
@@ -30,6 +31,14 @@ def tiny():
     model, tokenizer = load_tiny_random()
     model.eval()
     return model, tokenizer
+
+
+@pytest.fixture(scope="module", autouse=True)
+def vllm_groups_released():
+    """A module that starts an in-process vLLM engine (a module fixture's, a test's) leaves no process group to the
+    next: torch.distributed is process state, and a later test that makes its own group would find vLLM's."""
+    yield
+    release_vllm_groups()
 
 
 @pytest.fixture()
