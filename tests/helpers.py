@@ -143,7 +143,8 @@ class CliResult(NamedTuple):
     stderr: str
 
 
-def run_cli(argv: Sequence[str], cwd: Path | str | None = None, env: dict[str, str] | None = None) -> CliResult:
+def run_cli(argv: Sequence[str], cwd: Path | str | None = None, env: dict[str, str] | None = None,
+            threads: int | None = None) -> CliResult:
     """(exit code, stdout, stderr) of `grpo ARGV...` run in this process, as the console script runs it
     (grpo_cli.cli.main: its dispatch, its process setup), from `cwd` (the repo by default).
 
@@ -167,6 +168,8 @@ def run_cli(argv: Sequence[str], cwd: Path | str | None = None, env: dict[str, s
     os.environ.pop("HYDRA_FULL_ERROR", None)
     os.environ.update(env or {})
     os.chdir(cwd)
+    if threads is not None:  # torch's intra-op threads for the call, as OMP_NUM_THREADS sets them in a new process
+        torch.set_num_threads(threads)
     importlib.invalidate_caches()  # a file the test just wrote in cwd is importable
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
