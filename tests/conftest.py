@@ -17,7 +17,8 @@ setup_process()
 # is installed; a test of the engine choice or of vLLM says so (sampler=vllm, or this variable removed)
 os.environ.setdefault("GRPO_NO_VLLM", "1")
 
-from tests.helpers import EVAL_TINY, GSM8K, REPO, TINY, copy_run, run_cli  # noqa: E402 (after the process setup)
+# after the process setup
+from tests.helpers import EVAL_TINY, GSM8K, REPO, TINY, copy_run, release_vllm_groups, run_cli, tiny_cfg  # noqa: E402
 
 __all__ = ["REPO", "GSM8K"]
 
@@ -30,6 +31,14 @@ def tiny():
     model, tokenizer = load_tiny_random()
     model.eval()
     return model, tokenizer
+
+
+@pytest.fixture(scope="module", autouse=True)
+def vllm_groups_released():
+    """A module that starts an in-process vLLM engine (a module fixture's, a test's) leaves no process group to the
+    next: torch.distributed is process state, and a later test that makes its own group would find vLLM's."""
+    yield
+    release_vllm_groups()
 
 
 @pytest.fixture()
@@ -48,6 +57,25 @@ def trained_run(tmp_path_factory) -> Path:
     code, _, err = run_cli(["train", *TINY, "trainer.max_steps=2", "trainer.save_every=1",
                             f"hydra.run.dir={folder}"])
     assert code == 0, err[-3000:]
+    return folder
+
+
+# `four_step_run`'s settings on top of tests.helpers.TINY
+FOUR_STEPS = ["trainer.max_steps=4", "trainer.save_every=1", "trainer.keep_last=null",
+              "trainer.log_completions_every=1", "trainer.num_completions_to_print=0"]
+
+
+@pytest.fixture(scope="session")
+def four_step_run(tmp_path_factory) -> Path:
+    """One finished 4-step tiny run (tests.helpers.TINY) with a checkpoint at every step, none removed, and every
+    step's completions in completions.jsonl, made once per session: the straight run that exact-resume tests
+    compare a split run with (metrics, weights, completions), and the run that resume and guard tests read. Checkpoints
+    and logging change no number of a run, so one run serves them all. Tests that resume or damage it work on a copy
+    (tests.helpers.copy_run)."""
+    from grpo_cli.commands import train
+
+    folder = tmp_path_factory.mktemp("four_steps") / "run"
+    train.run(tiny_cfg(*FOUR_STEPS), folder)
     return folder
 
 

@@ -123,6 +123,16 @@ def copy_run(src: Path, dst: Path) -> Path:
     return dst
 
 
+def release_vllm_groups() -> None:
+    """End the process groups an in-process vLLM engine made (its world, its tensor-parallel group and
+    torch.distributed's default group), as the engine's shutdown does at a process's exit. Left alive in the test
+    process, they outlive the test that started the engine and a later test that makes its own group finds one
+    already there (torch.distributed is process state). Nothing to do when vLLM never made a group here."""
+    parallel_state = sys.modules.get("vllm.distributed.parallel_state")
+    if parallel_state is not None and parallel_state.model_parallel_is_initialized():
+        parallel_state.cleanup_dist_env_and_memory()
+
+
 # ---- the command harness ------------------------------------------------------------------------------------------
 
 class CliResult(NamedTuple):
@@ -133,15 +143,17 @@ class CliResult(NamedTuple):
     stderr: str
 
 
-def run_cli(argv: Sequence[str], cwd: Path | str | None = None, env: dict[str, str] | None = None) -> CliResult:
+def run_cli(argv: Sequence[str], cwd: Path | str | None = None, env: dict[str, str] | None = None,
+            threads: int | None = None) -> CliResult:
     """(exit code, stdout, stderr) of `grpo ARGV...` run in this process, as the console script runs it
     (grpo_cli.cli.main: its dispatch, its process setup), from `cwd` (the repo by default).
 
     An exception that escapes the command ends as the interpreter would end it: its traceback on stderr, exit 1.
     What a command changes in the process is put back: sys.argv, sys.path, the working directory, the environment
     (`env` is added to it for the call; HYDRA_FULL_ERROR is dropped, as for a user), signal handlers, the root
-    logger's handlers and level, torch's thread count, and the modules the command imported from `cwd` (a user's
-    reward file that the next call's folder holds under the same name)."""
+    logger's handlers and level, torch's thread count, the modules the command imported from `cwd` (a user's
+    reward file that the next call's folder holds under the same name), and the process groups of an in-process
+    vLLM engine the command started (`release_vllm_groups`)."""
     cwd = Path(cwd or REPO).resolve()
     saved_argv, saved_path, saved_cwd, saved_env = sys.argv[:], sys.path[:], os.getcwd(), dict(os.environ)
     saved_signals = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -150,10 +162,14 @@ def run_cli(argv: Sequence[str], cwd: Path | str | None = None, env: dict[str, s
     saved_modules = set(sys.modules)
     torch = sys.modules.get("torch")
     saved_threads = torch.get_num_threads() if torch else None
+    parallel_state = sys.modules.get("vllm.distributed.parallel_state")
+    had_groups = parallel_state is not None and parallel_state.model_parallel_is_initialized()
     out, err = io.StringIO(), io.StringIO()
     os.environ.pop("HYDRA_FULL_ERROR", None)
     os.environ.update(env or {})
     os.chdir(cwd)
+    if threads is not None:  # torch's intra-op threads for the call, as OMP_NUM_THREADS sets them in a new process
+        torch.set_num_threads(threads)
     importlib.invalidate_caches()  # a file the test just wrote in cwd is importable
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -181,6 +197,8 @@ def run_cli(argv: Sequence[str], cwd: Path | str | None = None, env: dict[str, s
                 del sys.modules[name]
         if (torch := sys.modules.get("torch")) is not None and saved_threads is not None:
             torch.set_num_threads(saved_threads)
+        if not had_groups:
+            release_vllm_groups()
     return CliResult(code, out.getvalue(), err.getvalue())
 
 

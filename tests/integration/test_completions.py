@@ -87,15 +87,15 @@ def test_process_rewards_log_their_steps(tmp_path, capsys):
     assert " [+" in capsys.readouterr().err or all(r <= 0 for line in lines for _, r in line["steps"])
 
 
-def test_resume_continues_the_file_exactly(tmp_path):
+def test_resume_continues_the_file_exactly(four_step_run, tmp_path):
+    # the straight run: conftest's 4 steps of these TINY settings, every step's completions logged
     every = ["trainer.log_completions_every=1", "trainer.save_every=2"]
-    train.run(compose("train", [*TINY, *every, "trainer.max_steps=4"]), tmp_path / "straight")
     train.run(compose("train", [*TINY, *every, "trainer.max_steps=3"]), tmp_path / "split")
     assert {line["step"] for line in read(tmp_path / "split" / "completions.jsonl")} == {1, 2, 3}
     # resuming from step 2 drops step 3's lines, then writes steps 3 and 4 again
     step2 = tmp_path / "split" / "checkpoints" / "step_000002"
     train.run(compose("train", [*TINY, *every, "trainer.max_steps=4", f"resume={step2}"]), tmp_path / "other")
-    assert read(tmp_path / "split" / "completions.jsonl") == read(tmp_path / "straight" / "completions.jsonl")
+    assert read(tmp_path / "split" / "completions.jsonl") == read(four_step_run / "completions.jsonl")
 
 
 @pytest.mark.parametrize("override, message", [

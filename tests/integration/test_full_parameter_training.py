@@ -14,17 +14,24 @@ from grpo_cli import checkpoint
 from grpo_cli.commands import export, train
 from grpo_cli.config import compose
 from grpo_cli.policy import build_policy, load_tiny_random
-from tests.helpers import EVAL_TINY, TINY, deterministic, metrics, run_cli, stopped, tiny_cfg
+from tests.helpers import EVAL_TINY, TINY, copy_run, deterministic, metrics, run_cli, stopped, tiny_cfg
 
 FULL = ["model.finetune=full", "optimizer.lr=0.01"]
 
 
 @pytest.fixture(scope="module")
-def full_run(tmp_path_factory) -> Path:
-    """A 2-step full-parameter tiny run, a checkpoint at each step."""
+def full(tmp_path_factory) -> tuple[Path, str]:
+    """(folder, console) of a 2-step full-parameter tiny run, a checkpoint at each step, made through the command."""
     folder = tmp_path_factory.mktemp("full") / "run"
-    train.run(tiny_cfg(*FULL, "trainer.max_steps=2", "trainer.save_every=1"), folder)
-    return folder
+    code, _, err = run_cli(["train", *TINY, *FULL, "trainer.max_steps=2", "trainer.save_every=1",
+                            f"hydra.run.dir={folder}"])
+    assert code == 0, err[-2000:]
+    return folder, err
+
+
+@pytest.fixture()
+def full_run(full) -> Path:
+    return full[0]
 
 
 def test_every_weight_trains_and_the_checkpoint_holds_them_all(full_run):
@@ -39,11 +46,11 @@ def test_every_weight_trains_and_the_checkpoint_holds_them_all(full_run):
     assert metrics(full_run)[0]["counts/ref_forward_seqs"] == 8  # β > 0: the frozen copy ran once per row
 
 
-def test_resume_of_a_full_run_is_exact(tmp_path):
-    straight, split = tmp_path / "straight", tmp_path / "split"
+def test_resume_of_a_full_run_is_exact(full_run, tmp_path):
+    # the split run: a copy of the finished 2-step run, resumed to 4 steps
+    straight, split = tmp_path / "straight", copy_run(full_run, tmp_path / "split")
     train.run(tiny_cfg(*FULL, "trainer.max_steps=4", "trainer.save_every=2"), straight)
-    train.run(tiny_cfg(*FULL, "trainer.max_steps=2", "trainer.save_every=2"), split)
-    train.run(tiny_cfg(*FULL, "trainer.max_steps=4", "trainer.save_every=2", f"resume={split}"), split)
+    train.run(tiny_cfg(*FULL, "trainer.max_steps=4", "trainer.save_every=1", f"resume={split}"), split)
 
     a, b = metrics(straight), metrics(split)
     assert [r["step"] for r in b] == [1, 2, 3, 4]
@@ -59,8 +66,11 @@ def test_beta_zero_keeps_no_reference_copy(tmp_path):
     assert code == 0, err[-2000:]
     assert "reference: none (algo.beta=0)" in err
     assert metrics(tmp_path / "b0")[0]["counts/ref_forward_seqs"] == 0
-    code, out, err = run_cli(["train", *TINY, *FULL, "trainer.max_steps=1", f"hydra.run.dir={tmp_path / 'b1'}"])
-    assert code == 0 and "reference: a frozen copy of the initial weights" in err
+
+
+def test_beta_above_zero_says_the_reference_is_a_frozen_copy(full):
+    _, err = full
+    assert "reference: a frozen copy of the initial weights" in err
 
 
 @pytest.mark.parametrize("override,expected", [

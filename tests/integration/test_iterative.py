@@ -360,21 +360,20 @@ def test_a_process_reward_model_iterates_too(tmp_path):
     assert [r["kl"] for r in metrics(tmp_path)][::2] == [0.0, 0.0]
 
 
-def test_eval_of_an_iterative_run_scores_with_its_last_reward_model(tmp_path, capsys):
+def test_eval_of_an_iterative_run_scores_with_its_last_reward_model(straight, tmp_path, capsys):
     """An iterative run's saved reward is a reward model that changed every iteration (null in its config):
     eval scores with the last one the run saved and says so in one line (issue #23); reward= picks another."""
     from grpo_cli.commands import evaluate
 
-    run = tmp_path / "run"
-    train.run(cfg("iterative.iterations=2", "iterative.steps=1", "trainer.max_steps=2"), run)
+    run = copy_run(straight[0], tmp_path / "run")  # 3 iterations: reward models 000, 001 and 002
     capsys.readouterr()
     eval_cfg = compose("eval", ["model=tiny", "sampler.max_new_tokens=8", f"checkpoint={run}", "eval.limit=3"])
     report = evaluate.run(eval_cfg, tmp_path / "eval", [f"checkpoint={run}"])
     assert report["config"]["reward"]["_target_"] == "grpo_cli.rewards.models.outcome_reward_model"
-    assert report["config"]["reward"]["name_or_path"] == str(run / "rm" / "iteration_001")
+    assert report["config"]["reward"]["name_or_path"] == str(run / "rm" / "iteration_002")
     said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("reward:")]
     assert said == [f"reward: {run} retrained its reward model at each iteration; scoring with the last one, "
-                    f"{run / 'rm' / 'iteration_001'} (pass reward=... to choose another)"]
+                    f"{run / 'rm' / 'iteration_002'} (pass reward=... to choose another)"]
     assert report["results"][0]["num_problems"] == 3
     # the command line's reward wins, silently: it was asked for
     ruled = compose("eval", ["model=tiny", "sampler.max_new_tokens=8", f"checkpoint={run}", "eval.limit=3",

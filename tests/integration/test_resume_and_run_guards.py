@@ -26,12 +26,10 @@ from grpo_cli.runs import RunLock
 from tests.helpers import EVAL_TINY, TINY, copy_run, metrics, one_line_error, run_cli, snapshot, tiny_cfg
 
 
-@pytest.fixture(scope="module")
-def run4(tmp_path_factory) -> Path:
-    """A 4-step tiny run with G=4, 2 prompts, 8 tokens and a checkpoint at every step."""
-    path = tmp_path_factory.mktemp("run4")
-    train.run(tiny_cfg("trainer.max_steps=4", "trainer.save_every=1", "trainer.keep_last=null"), path)
-    return path
+@pytest.fixture()
+def run4(four_step_run) -> Path:
+    """A 4-step tiny run with G=4, 2 prompts, 8 tokens and a checkpoint at every step (conftest's session run)."""
+    return four_step_run
 
 
 # ---- 1. resume reads the run's own config -----------------------------------------------------

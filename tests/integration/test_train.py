@@ -56,9 +56,8 @@ def test_two_steps_move_lora_only_and_checkpoint_reloads(tmp_path):
     assert torch.equal(trained(input_ids=ids).logits, reloaded)  # ... and step 2 is step 2
 
 
-def test_resume_is_exact(tmp_path):
-    straight, split = tmp_path / "straight", tmp_path / "split"
-    train.run(tiny_cfg("trainer.max_steps=4", "trainer.save_every=2"), straight)
+def test_resume_is_exact(four_step_run, tmp_path):
+    straight, split = four_step_run, tmp_path / "split"  # the straight run: 4 steps of tiny_cfg, shared (conftest)
     train.run(tiny_cfg("trainer.max_steps=2", "trainer.save_every=2"), split)
     train.run(tiny_cfg("trainer.max_steps=4", "trainer.save_every=2", f"resume={split}"), split)
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import SCRIPTED_TOOLS, SCRIPTED_TOOLS_ARGS, TORCHRUN_TINY, G, needs_vllm, torchrun
+from tests.helpers import SCRIPTED_TOOLS, SCRIPTED_TOOLS_ARGS, TORCHRUN_TINY, G, needs_vllm, run_cli, torchrun
 
 
 @pytest.mark.slow
@@ -42,10 +42,10 @@ def test_torchrun_two_ranks_train_resume_and_eval(tmp_path):
         assert torch.allclose(final[name], again[name], atol=1e-6, rtol=0), name
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 3
 
-    # grpo eval loads the 2-rank checkpoint (one process)
-    done = torchrun(tmp_path, "eval", f"checkpoint={run / 'checkpoints' / 'step_000003'}", "eval.limit=4",
-                 f"hydra.run.dir={tmp_path / 'eval'}", ranks=1)
-    assert (tmp_path / "eval" / "eval.json").exists(), done.stdout
+    # grpo eval loads the 2-rank checkpoint (one process: this one, as run_cli runs a command)
+    code, out, err = run_cli(["eval", f"checkpoint={run / 'checkpoints' / 'step_000003'}", "eval.limit=4",
+                              f"hydra.run.dir={tmp_path / 'eval'}"], cwd=tmp_path)
+    assert code == 0 and (tmp_path / "eval" / "eval.json").exists(), err[-3000:]
 
 
 @pytest.mark.slow
@@ -54,7 +54,9 @@ def test_torchrun_eval_shards_problems_and_gathers_every_row(tmp_path):
 
     args = ["eval", "model=tiny", "eval.limit=6", "eval.batch_size=2", "eval.max_new_tokens=6"]
     torchrun(tmp_path, *args, f"hydra.run.dir={tmp_path / 'two'}")
-    torchrun(tmp_path, *args, f"hydra.run.dir={tmp_path / 'one'}", ranks=1)
+    # one process: this one (run_cli), with the ranks' one thread, so the greedy argmax sees the same sums
+    code, _, err = run_cli([*args, f"hydra.run.dir={tmp_path / 'one'}"], cwd=tmp_path, threads=1)
+    assert code == 0, err[-3000:]
     rows = {}
     for name in ("one", "two"):
         lines = [json.loads(line) for line in (tmp_path / name / "eval_samples.jsonl").read_text().splitlines()]
