@@ -214,8 +214,9 @@ def for_update(policy, cfg, say: Callable[[str], object]) -> CompiledDecoder | N
     if setting is False:
         return None
     if setting == "auto" and next(policy.parameters()).device.type == "cpu":
-        # auto on a CPU: eager, silently. Inductor compiles SmolLM2's whole decoder in minutes on 2 cores, more than
-        # a default run's updates could win back (docs/speed.md); trainer.compile=true compiles it anyway
+        # auto on a CPU: eager, silently. Inductor compiled SmolLM2's whole decoder in minutes on 2 cores, more than a
+        # default run's updates could win back; the regional compile is not measured there yet (docs/speed.md).
+        # trainer.compile=true compiles it anyway
         return None
     reason = why_eager(cfg, setting)
     if reason is not None:
