@@ -16,13 +16,18 @@ as it is scored, so the two are timed together), median over steps 2-4 of the pr
 `--shape gsm8k`: the first `--prompts` GSM8K questions (../shared/data/gsm8k/train.jsonl) and completions of
 ~210 tokens, at most 256 (the bench's GSM8K shape). With --compile the first step's time holds the compile, which
 is printed on its own (dynamo's timers), and one more step runs under torch.profiler: its top-10 operators by
-self time, per mode. Run it on a quiet machine.
+self time, per mode. Run it on a quiet machine. Beside the wall seconds, each step's CPU seconds
+(`time.process_time`: all of the process's threads), the steadier number on a shared machine. The children compile
+in-process (TORCHINDUCTOR_COMPILE_THREADS=1) and cold (TORCHINDUCTOR_FORCE_DISABLE_CACHES=1: a run's first
+compile, not a hit in inductor's disk cache), each unless set, so the compile's CPU seconds are the process's: read
+as the compiled first step's excess over eager's; `graphs` counts what dynamo compiled.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import resource
 import statistics
@@ -79,7 +84,7 @@ def measure(path: str, prompts: int, G: int, new: int, shape: str = "arithmetic"
         profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if step == 4 else None
         if profiler is not None:
             profiler.__enter__()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         with torch.no_grad(), reference(policy):
             ref = logprobs(policy, batch).logp
         t1 = time.perf_counter()
@@ -94,17 +99,19 @@ def measure(path: str, prompts: int, G: int, new: int, shape: str = "arithmetic"
         else:  # as the trainer: each length bucket's backward right after its forward
             for bucket in L.buckets(policy, batch, with_entropy=True, grad=True, decoder=decoder):
                 loss(bucket.rows, bucket.logp, bucket.entropy).backward()
-        t2 = t3 = time.perf_counter()
+        t2 = time.perf_counter()
+        cpu = time.process_time() - c0
         policy.zero_grad()
         if profiler is not None:
             profiler.__exit__(None, None, None)
             profile = profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=10)
         else:
-            times.append((t1 - t0, t2 - t1, t3 - t2))
-    ref_s, policy_s, _ = (statistics.median(x) for x in zip(*times[1:]))
+            times.append((t1 - t0, t2 - t1, cpu))
+    ref_s, policy_s, cpu_s = (statistics.median(x) for x in zip(*times[1:]))
     rss_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     return {"path": path, "ref_s": ref_s, "policy_fwd_bwd_s": policy_s, "update_s": ref_s + policy_s,
-            "first_step_s": sum(times[0]), "compile_s": decoder.compile_seconds if decoder is not None else 0.0,
+            "first_step_s": sum(times[0][:2]), "compile_s": decoder.compile_seconds if decoder is not None else 0.0,
+            "update_cpu_s": cpu_s, "first_step_cpu_s": times[0][2], "graphs": decoder.graphs() if decoder else 0,
             "peak_rss_gb": rss_gb, "prompt_tokens": int(mask.sum()) * G, "completion_tokens": sum(lengths),
             "padded_width": ids.shape[1] + new, "profile": profile}
 
@@ -130,7 +137,9 @@ def main() -> None:
         for path in paths:
             out = subprocess.run([sys.executable, __file__, "--one", path, "--prompts", str(a.prompts), "--G",
                                   str(a.G), "--new", str(new), "--shape", a.shape, *(["--tiny"] if a.tiny else [])],
-                                 capture_output=True, text=True, check=True)
+                                 capture_output=True, text=True, check=True,
+                                 env={"TORCHINDUCTOR_COMPILE_THREADS": "1", "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1",
+                                      **os.environ})
             runs[path].append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(f"round {r + 1} {path}: {runs[path][-1]['update_s']:.2f} s", file=sys.stderr, flush=True)
 
@@ -141,8 +150,8 @@ def main() -> None:
     table = Table(title=f"one update ({a.shape}), {a.prompts} prompts x G={a.G}, {first['completion_tokens']} "
                         f"completion + {first['prompt_tokens']} prompt tokens (padded {a.prompts * a.G} x "
                         f"{first['padded_width']}); median of {a.rounds} rounds")
-    keys = ("ref_s", "policy_fwd_bwd_s", "update_s", "peak_rss_gb") + (("first_step_s", "compile_s") if a.compile
-                                                                      else ())
+    keys = ("ref_s", "policy_fwd_bwd_s", "update_s", "update_cpu_s", "peak_rss_gb") + (
+        ("first_step_s", "first_step_cpu_s", "compile_s", "graphs") if a.compile else ())
     for col in ("path", *keys):
         table.add_column(col, justify="right")
     for path in paths:
@@ -150,7 +159,14 @@ def main() -> None:
     ratio = statistics.median(r["update_s"] for r in runs[paths[1]]) / statistics.median(
         r["update_s"] for r in runs[paths[0]])
     Console().print(table)
-    print(f"{paths[1]} / {paths[0]} update time: {ratio:.2f}")
+    cpu_ratio = statistics.median(r["update_cpu_s"] for r in runs[paths[1]]) / statistics.median(
+        r["update_cpu_s"] for r in runs[paths[0]])
+    print(f"{paths[1]} / {paths[0]} update time: {ratio:.2f} (CPU seconds: {cpu_ratio:.2f})")
+    if a.compile:  # the compile's CPU seconds: the compiled first step's excess over eager's first step
+        extra = statistics.median(r["first_step_cpu_s"] - r["update_cpu_s"] for r in runs["compiled"]) - \
+            statistics.median(r["first_step_cpu_s"] - r["update_cpu_s"] for r in runs["eager"])
+        eager = statistics.median(r["update_cpu_s"] for r in runs["eager"])
+        print(f"compile: {extra:.0f} CPU s = {extra / eager:.1f} eager updates")
     for path in paths if a.compile else ():
         print(f"\n{path}: top-10 operators of one step (last round), torch.profiler\n{runs[path][-1]['profile']}")
 

@@ -1,6 +1,7 @@
-"""grpo_cli.compiled: the update's decoder under torch.compile gives eager's loss, log-probs and LoRA gradients, does
-not recompile as lengths change, falls back to eager in one line when compiling fails, and trainer.compile is
-checked before the model loads."""
+"""grpo_cli.compiled: the update's decoder under torch.compile gives eager's loss, log-probs and LoRA gradients, the
+layer body regionally (once for every layer) or the whole decoder, does not recompile as lengths or depth change,
+falls back to eager in one line when compiling fails (at the first graph or partway through the layers), and
+trainer.compile is checked before the model loads."""
 
 from __future__ import annotations
 
@@ -130,7 +131,68 @@ def test_new_lengths_do_not_recompile(compiled_policy):
     for seed, prompt, width in ((3, 9, 14), (4, 5, 7), (5, 11, 19)):  # other prompt widths, lengths and buckets
         _step(policy, _rollout(seed, prompt, width), decoder)
     assert decoder.graphs() == graphs
-    assert graphs <= compiled.SHAPE_CLASSES
+    assert decoder.regional and graphs <= compiled.REGION_GRAPHS
+
+
+@pytest.mark.slow
+@pytest.mark.ci
+def test_a_deeper_model_compiles_no_new_graph(compiled_policy):
+    policy, decoder, _ = compiled_policy
+    rollout = _rollout(6, 8, 11)
+    _step(policy, rollout, decoder)  # the 2-layer model's graphs for these shapes
+    # 5 layers of the same structure, other weights: its layers run the graphs the 2 layers compiled (a compile per
+    # layer would add graphs here, and past 8 per region fail over to eager)
+    cfg, deeper = _policy("trainer.compile=true", "model.lora.dropout=0.0", "model.loader.num_layers=5")
+    lines = []
+    again = compiled.for_update(deeper, cfg, say=lines.append)
+    eager = _step(deeper, rollout, None)
+    fused = _step(deeper, rollout, again)
+    assert again.graphs() == 0 and not again.failed and lines == []
+    torch.testing.assert_close(fused[1], eager[1], rtol=1e-4, atol=1e-5)
+    for a, b in zip(fused[2], eager[2]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_a_compile_failing_partway_through_the_layers_gives_eager_numbers(monkeypatch):
+    compiles = []
+
+    def second_fails(graph, example_inputs):  # the first graph runs as traced (no inductor), the second fails
+        compiles.append(graph)
+        if len(compiles) > 1:
+            raise RuntimeError("the second graph fails")
+        return graph.forward
+
+    cfg, policy = _policy("trainer.compile=true", "model.loader.hidden_size=24")  # its own graphs: none cached
+    monkeypatch.setattr(compiled, "BACKEND", second_fails)
+    lines = []
+    decoder = compiled.for_update(policy, cfg, say=lines.append)
+    rollout = _rollout(7, 6, 10)
+    eager = _step(policy, rollout, None)
+    fallen = _step(policy, rollout, decoder)
+    # the first layer's first region ran compiled, the rest of the call eager, each layer's keys and values written
+    # to the prompts' cache once (a rerun of the layers already run would append them twice: other log-probs)
+    assert len(compiles) == 2 and decoder.failed and len(lines) == 1 and "the second graph fails" in lines[0]
+    torch.testing.assert_close(fallen[0], eager[0])
+    torch.testing.assert_close(fallen[1], eager[1])
+    for a, b in zip(fallen[2], eager[2]):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.slow
+def test_the_whole_decoder_compiled_matches_eager(monkeypatch):
+    # the mode for layers compiled.regional does not rewrite (other architectures): one graph of every layer
+    monkeypatch.setattr(compiled, "regional", lambda decoder: False)
+    cfg, policy = _policy("trainer.compile=true", "model.lora.dropout=0.0")
+    lines = []
+    decoder = compiled.for_update(policy, cfg, say=lines.append)
+    rollout = _rollout(1, 7, 12)
+    eager = _step(policy, rollout, None)
+    fused = _step(policy, rollout, decoder)
+    assert not decoder.regional and not decoder.failed and lines == []
+    assert 0 < decoder.graphs() <= compiled.SHAPE_CLASSES
+    torch.testing.assert_close(fused[1], eager[1], rtol=1e-4, atol=1e-5)
+    for a, b in zip(fused[2], eager[2]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
 def test_a_resume_may_turn_the_compile_off():
