@@ -16,7 +16,7 @@ import torch
 
 from grpo_cli.env import ClassEnv, choose, prepare, run_episodes
 from grpo_cli.errors import DataError
-from grpo_cli.rollout import Rollout, pad_id
+from grpo_cli.rollout import Rollout, pad_id, template_kwargs
 from grpo_cli.rollout.sizing import Job
 
 
@@ -83,7 +83,7 @@ class EpisodeSampler:
         `temperature` in place of the sampler's (eval's samples). `max_new_tokens` is not read: an episode's
         length is env.max_episode_tokens, which config validation checks in its place."""
         if self._format is None:
-            self._format = choose(self.env.tool_format, tokenizer, self.env.schemas)
+            self._format = choose(self.env.tool_format, tokenizer, self.env.schemas, template_kwargs(tokenizer))
         rows = [{**e, "prompt": e["messages"]} for e in examples for _ in range(n)]
         prompts, boxes = prepare(self.env, rows)
         self._check_prompts(tokenizer, prompts, boxes)
