@@ -1,13 +1,16 @@
 """The calculator example, end to end: train with the calculator, train the same way without it, score both and the
 base model on the held-out products (greedy), and write the table and the tool-call plot.
 
-    python run.py              # the embedded SmolLM2-135M-Instruct, CPU (README: the claim, the endpoint)
-    python run.py --demo       # the same with one demonstrated call in the system turn
-    python run.py --smoke      # the tiny random model, 2 steps, 4 held-out problems: checks the plumbing only
+    python run.py                   # the embedded SmolLM2-135M-Instruct, CPU (README: the claim, the endpoint)
+    python run.py --demo            # the same with one demonstrated call in the system turn (--demo system)
+    python run.py --demo turns      # the same with two demonstrated calls as earlier turns of the conversation
+    python run.py --demo turns --probe   # no training: the base model's calls and answers (README: the probe)
+    python run.py --smoke           # the tiny random model, 2 steps, 4 held-out problems: checks the plumbing only
 
 Resumable: a run whose last checkpoint exists is not trained again, one cut short resumes from its last
 checkpoint, and each score is kept in OUT/scores.json once made. Writes OUT/results.md and OUT/tool_calls.png
-(OUT: runs/, runs_demo/ or runs_smoke/ beside this file).
+(OUT: runs/, runs_demo/, runs_turns/ or runs_smoke/ beside this file). `--demo turns` trains on OUT/data/, the
+products of train.jsonl and heldout.jsonl (as its train and test splits) with the demonstrations in front of each.
 """
 
 from __future__ import annotations
@@ -23,18 +26,53 @@ HERE = Path(__file__).resolve().parent
 # one demonstrated call, for a model that cannot find the call format from the schemas alone (--demo)
 DEMO = ('To multiply, call the calculator, for example: <tool_call>{"name": "calculator", "arguments": '
         '{"expression": "123 * 45"}}</tool_call> Then give its result as the final answer.')
+
+
+def demonstrated(a: int, b: int) -> list[dict]:
+    """One demonstrated call as turns of the conversation: the question, the assistant's call, the tool's result,
+    the assistant's answer (--demo turns)."""
+    call = f'<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{a} * {b}"}}}}\n</tool_call>'
+    return [{"role": "user", "content": f"What is {a} * {b}? Give the final answer as a number."},
+            {"role": "assistant", "content": call}, {"role": "tool", "content": str(a * b)},
+            {"role": "assistant", "content": f"The answer is {a * b}."}]
+
+
+# two demonstrated calls before every question, train and held-out alike (neither product is in the data)
+DEMO_TURNS = [*demonstrated(123, 45), *demonstrated(608, 37)]
 TOOLS = ["env=tools", "env.tools=[calculator.calculator]", "env.max_turns=3", "env.max_episode_tokens=160"]
 NO_TOOLS = ["sampler.max_new_tokens=96"]
+# the tiny model's tokenizer is one token a character: the schemas and --demo turns make a prompt of ~1,200
+SMOKE_PROMPTS = ["sampler.max_prompt_tokens=1600"]
 
 
 def train_args(args) -> list[str]:
     """What both training runs share; they differ only in TOOLS or NO_TOOLS."""
-    common = ["data=hf", "data.path=train.jsonl", "reward=custom", "reward.funcs=[answer_reward.correct]",
+    data = f"data.path={turns_data(args.out)}" if args.demo == "turns" else "data.path=train.jsonl"
+    common = ["data=hf", data, "reward=custom", "reward.funcs=[answer_reward.correct]",
               "sampler=default", f"trainer.max_steps={args.steps}", f"trainer.save_every={max(1, args.steps // 3)}",
               "trainer.prompts_per_step=2", "algo.group_size=8", "trainer.report_to=[]"]
     if args.smoke:
-        common += ["model=tiny", "algo.group_size=2"]
-    return common + ([f"data.system_prompt='{DEMO}'"] if args.demo else [])
+        common += ["model=tiny", "algo.group_size=2", *SMOKE_PROMPTS]
+    return common + ([f"data.system_prompt='{DEMO}'"] if args.demo == "system" else [])
+
+
+def turns_data(out: Path) -> Path:
+    """OUT/data/{train,test}.jsonl: train.jsonl's and heldout.jsonl's rows, each prompt the demonstrations and then
+    the question as messages (written once; data=hf reads the folder's test split as the held-out set)."""
+    folder = out / "data"
+    if not (folder / "test.jsonl").exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        for source, split in (("train.jsonl", "train"), ("heldout.jsonl", "test")):
+            rows = [json.loads(line) for line in (HERE / source).read_text().splitlines()]
+            lines = [json.dumps({**r, "prompt": [*DEMO_TURNS, {"role": "user", "content": r["prompt"]}]})
+                     for r in rows]
+            (folder / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
+    return folder
+
+
+def prefix(args) -> list[dict]:
+    """The messages before each question: the demonstration of --demo, if any."""
+    return {"system": [{"role": "system", "content": DEMO}], "turns": DEMO_TURNS}.get(args.demo, [])
 
 
 def train(run: Path, args, extra: list[str]) -> Path:
@@ -60,15 +98,14 @@ def evaluate(args, checkpoint: Path | None, tools: bool) -> dict:
     sys.path.insert(0, str(HERE))  # calculator and answer_reward, as grpo train finds them
     from answer_reward import correct
 
-    model = ["model=tiny"] if args.smoke else []
+    model = ["model=tiny", *SMOKE_PROMPTS] if args.smoke else []
     cfg = compose("train", [*model, "sampler=default", *(TOOLS if tools else NO_TOOLS)])
     policy, tokenizer, _ = build_policy(cfg.model)
     if checkpoint is not None:
         checkpoints.load_adapter(policy, checkpoint)
     policy.eval()
     rows = [json.loads(line) for line in (HERE / "heldout.jsonl").read_text().splitlines()][:args.heldout]
-    system = [{"role": "system", "content": DEMO}] if args.demo else []
-    examples = [{"messages": [*system, {"role": "user", "content": r["prompt"]}], "question": r["prompt"],
+    examples = [{"messages": [*prefix(args), {"role": "user", "content": r["prompt"]}], "question": r["prompt"],
                  "answer": r["answer"]} for r in rows]
     sampler = build(cfg.sampler)
     if tools:
@@ -108,18 +145,61 @@ def report(out: Path, scores: dict, tools_run: Path, seconds: float) -> None:
     fig.savefig(out / "tool_calls.png", dpi=120)
 
 
+def probe(args) -> None:
+    """The base model with the calculator, no training, as two `grpo eval` commands: greedy on the held-out
+    products, then 2 problems x 8 episodes at temperature 1 (a training step's worth); prints how many episodes
+    call the calculator and how many answers are right, and which groups of 8 have rewards that vary."""
+    if args.demo == "turns":
+        data = ["data=hf", f"data.path={turns_data(out=args.out)}"]
+    else:
+        data = ["data=hf", "data.path=heldout.jsonl", "data.test_split=train", f"data.heldout_size={args.heldout}"]
+        data += [f"data.system_prompt='{DEMO}'"] if args.demo == "system" else []
+    common = [*data, "reward=custom", "reward.funcs=[answer_reward.correct]", "sampler=default", *TOOLS,
+              *(["model=tiny", *SMOKE_PROMPTS] if args.smoke else [])]
+    runs = {"greedy": [f"eval.limit={args.heldout}"],
+            "sampled": ["eval.limit=2", "eval.num_samples=8", "eval.k=[1,8]", "eval.temperature=1.0"]}
+    for name, extra in runs.items():
+        folder = args.out / f"probe_{name}"
+        if not (folder / "eval_samples.jsonl").exists():
+            subprocess.run([sys.executable, "-m", "grpo_cli", "eval", *common, *extra, f"hydra.run.dir={folder}"],
+                           cwd=HERE, check=True)
+    lines = []
+    for name in runs:
+        problems = [json.loads(line) for line in (args.out / f"probe_{name}" / "eval_samples.jsonl").read_text()
+                    .splitlines()]
+        groups = [[p["greedy"]] if name == "greedy" else p["samples"] for p in problems]
+        episodes = [e for g in groups for e in g]
+        calls = sum(1 for e in episodes if e.get("tool_calls", 0) > 0)
+        right = sum(1 for e in episodes if (e["reward"] or 0) > 0)
+        varied = sum(1 for g in groups if len(g) > 1 and len({e["reward"] for e in g}) > 1)
+        lines.append(f"{name}: {len(episodes)} episodes, {calls} call the calculator, {right} answers right"
+                     + (f", {varied} of {len(groups)} groups with rewards that vary" if name == "sampled" else ""))
+    (args.out / "probe.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="the tiny random model, 2 steps: the plumbing only")
-    parser.add_argument("--demo", action="store_true", help="one demonstrated call in the system turn")
+    parser.add_argument("--demo", nargs="?", const="system", choices=["system", "turns"], default=None,
+                        help="system: one demonstrated call in the system turn; turns: two demonstrated calls as "
+                             "earlier turns of the conversation")
+    parser.add_argument("--probe", action="store_true",
+                        help="no training: grpo eval of the base model with the calculator, greedy on the held-out "
+                             "products and 2 x 8 sampled episodes at temperature 1 (tool calls, right answers)")
     parser.add_argument("--steps", type=int, default=None, help="training steps of each run (default 15; smoke 2)")
     parser.add_argument("--heldout", type=int, default=None, help="held-out problems scored (default 50; smoke 4)")
     args = parser.parse_args()
     args.steps = args.steps or (2 if args.smoke else 15)
     args.heldout = args.heldout or (4 if args.smoke else 50)
     start = time.time()
-    out = HERE / ("runs_smoke" if args.smoke else "runs_demo" if args.demo else "runs")
+    folders = {"system": "runs_demo", "turns": "runs_turns"}
+    out = HERE / ("runs_smoke" if args.smoke else folders.get(args.demo, "runs"))
     out.mkdir(exist_ok=True)
+    args.out = out
+    if args.probe:
+        probe(args)
+        return
     with_tools = train(out / "with_tools", args, TOOLS)
     without_tools = train(out / "without_tools", args, NO_TOOLS)
     saved = out / "scores.json"

@@ -26,6 +26,7 @@ from grpo_cli.errors import ConfigError
 from grpo_cli.inference import inference_config, inference_policy
 from grpo_cli.instantiate import build
 from grpo_cli.metrics.console import console
+from grpo_cli.metrics.run_files import turns_text
 from grpo_cli.policy import adapter_enabled
 from grpo_cli.rewards.call import check_columns, score, token_ids
 from grpo_cli.rewards.outcome import answers_match, extract_answer, reference_answer
@@ -119,19 +120,6 @@ def render(record: dict, k: int) -> Panel:
     subtitle = (f"answer {record['answer']!s} · ref {record['reference']!s} · reward {reward} · {verdict}"
                 + (" · truncated" if record["truncated"] else ""))
     return Panel(text, title=title, subtitle=subtitle, title_align="left", subtitle_align="left")
-
-def turns_text(turns: list[dict]) -> Text:
-    """An episode's turns, readable: the assistant's text, each tool's result on a line of its own."""
-    text = Text()
-    for k, message in enumerate(turns):
-        if k:
-            text.append("\n")
-        if message["role"] == "tool":
-            text.append(f"[{message['name']}] -> {message['content']}", style="cyan")
-        else:
-            text.append(message["content"])
-    return text
-
 
 # ---- config checks: this module's settings, collected by config.validate --------------------------------
 

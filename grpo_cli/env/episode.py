@@ -8,7 +8,10 @@ from, even where the tokenizer would encode the same text otherwise (a word samp
 encode as one).
 
 The engine contract: `continue_batch(sequences, max_new) -> new ids per sequence`, each row stopping at its EOS
-(kept as its last id) or after `max_new` ids, and `eos_token_id`. Episodes are batched across the rows still
+(kept as its last id) or after `max_new` ids, and `eos_token_id`. An engine with its own copy of the weights (vLLM)
+also sets `logprobs` at each call: per row, its log-prob of each id it returned (the policy's plain softmax, as
+`Rollout.sampling_logp`); the episode keeps them beside the ids, 0 on the environment's ids (never scored). An
+engine that samples from the policy itself (HF generate) has none. Episodes are batched across the rows still
 running: one engine call per round, every running episode one turn further.
 
 An episode ends when the model answers without a tool call (`answer`), or at a limit:
@@ -46,6 +49,8 @@ class Episode:
     completion_ids: list[int] = field(default_factory=list)
     # [T] 1 where the model sampled the id, 0 where the environment added it (masked out of the loss)
     sampled: list[int] = field(default_factory=list)
+    # [T] the engine's log-prob of each sampled id, 0 on the environment's; None when the engine keeps none
+    sampling_logp: list[float] | None = None
     # index into completion_ids of each assistant turn's last sampled id: where a per-turn reward sits
     turn_ends: list[int] = field(default_factory=list)
     # the assistant and tool messages, as TRL hands a multi-turn completion to reward functions
@@ -64,7 +69,12 @@ class Episode:
         """The `env=class` instance of this episode (reward functions read it, as TRL's `environments`)."""
         return self.toolbox.environment
 
-    def add(self, ids: list[int], sampled: bool) -> None:
+    def add(self, ids: list[int], sampled: bool, logp: list[float] | None = None) -> None:
+        """Append `ids`: sampled (with the engine's `logp` of each, when it keeps them) or the environment's."""
+        if logp is not None and self.sampling_logp is None and not self.completion_ids:
+            self.sampling_logp = []  # the engine keeps log-probs: from the first turn on
+        if self.sampling_logp is not None:
+            self.sampling_logp.extend(logp if sampled and logp is not None else [0.0] * len(ids))
         self.completion_ids.extend(ids)
         self.sampled.extend([int(sampled)] * len(ids))
 
@@ -78,14 +88,17 @@ def run_episodes(engine: Engine, tokenizer: Any, fmt: ToolFormat, prompts: list[
     while running:
         room = [limits.max_episode_tokens - len(episodes[i].completion_ids) for i in running]
         new = engine.continue_batch([episodes[i].prompt_ids + episodes[i].completion_ids for i in running], max(room))
-        running = [i for i, ids, left in zip(running, new, room, strict=True)
-                   if _turn(episodes[i], list(ids)[:left], engine.eos_token_id, tokenizer, fmt, limits)]
+        logps = getattr(engine, "logprobs", None) or [None] * len(new)  # per row, beside its ids
+        running = [i for i, ids, logp, left in zip(running, new, logps, room, strict=True)
+                   if _turn(episodes[i], list(ids)[:left], None if logp is None else list(logp)[:left],
+                            engine.eos_token_id, tokenizer, fmt, limits)]
     return episodes
 
 
-def _turn(ep: Episode, ids: list[int], eos: int, tokenizer: Any, fmt: ToolFormat, limits: Limits) -> bool:
+def _turn(ep: Episode, ids: list[int], logp: list[float] | None, eos: int, tokenizer: Any, fmt: ToolFormat,
+          limits: Limits) -> bool:
     """Record one sampled turn and, when it calls tools, their results; True while the episode goes on."""
-    ep.add(ids, sampled=True)
+    ep.add(ids, sampled=True, logp=logp)
     if ids:
         ep.turn_ends.append(len(ep.completion_ids) - 1)
     ended = bool(ids) and ids[-1] == eos

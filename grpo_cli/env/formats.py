@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from grpo_cli.env.limits import FORMATS
@@ -59,14 +59,18 @@ _MARK = "\x00grpo-cli-turn\x00"
 
 @dataclass(frozen=True)
 class ToolFormat:
-    """`name` is template or chatml; `chat_template` None renders with the tokenizer's own template."""
+    """`name` is template or chatml; `chat_template` None renders with the tokenizer's own template (for a run, the
+    text of data.chat_template when it names one); `variables` are the template's variables, data.chat_template_kwargs,
+    in every render: the prompt and each stand-in conversation the environment's text is cut from."""
 
     name: str
     chat_template: str | None
+    variables: dict = field(default_factory=dict)
 
     def render(self, tokenizer: Any, messages: list[dict], tools: list[dict], generation_prompt: bool) -> str:
         return tokenizer.apply_chat_template(messages, tools=tools or None, chat_template=self.chat_template,
-                                             tokenize=False, add_generation_prompt=generation_prompt)
+                                             tokenize=False, add_generation_prompt=generation_prompt,
+                                             **self.variables)
 
     def parse(self, text: str) -> list[ToolCall]:
         """The calls of one assistant turn's text (EOS removed); [] when it answers without one."""
@@ -114,27 +118,32 @@ def _call(body: str) -> ToolCall:
     return ToolCall(data["name"], arguments)
 
 
-def renders_tools(tokenizer: Any, tools: list[dict]) -> bool:
-    """Whether the tokenizer's own chat template shows `tools` (rendered with and without them, compared)."""
+def renders_tools(tokenizer: Any, tools: list[dict], variables: dict | None = None) -> bool:
+    """Whether the tokenizer's own chat template shows `tools` (rendered with and without them, compared), given
+    the template's `variables`."""
     messages = [{"role": "user", "content": "?"}]
+    variables = variables or {}
     try:
-        plain = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        with_tools = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+        plain = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **variables)
+        with_tools = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,
+                                                   **variables)
     except Exception:  # no chat template at all, or one that cannot take these messages
         return False
     return plain != with_tools
 
 
-def choose(setting: str, tokenizer: Any, tools: list[dict]) -> ToolFormat:
-    """The format `env.tool_format` names for this tokenizer; `auto`: the template when it renders tools."""
+def choose(setting: str, tokenizer: Any, tools: list[dict], variables: dict | None = None) -> ToolFormat:
+    """The format `env.tool_format` names for this tokenizer; `auto`: the template when it renders tools.
+    `variables`: the template's variables (data.chat_template_kwargs), passed to every render of the format."""
     if setting not in FORMATS:
         raise ConfigError(f"env.tool_format ({setting!r}) must be auto, template or chatml; set env.tool_format=auto")
-    own = renders_tools(tokenizer, tools)
+    variables = dict(variables or {})
+    own = renders_tools(tokenizer, tools, variables)
     if setting == "template" and not own:
         raise ConfigError("env.tool_format=template, but the model's chat template ignores tools; set "
                           "env.tool_format=auto or chatml (the built-in format, docs/environments.md)")
-    fmt = ToolFormat("template", None) if setting == "template" or (setting == "auto" and own) else \
-        ToolFormat("chatml", CHATML_TOOLS_TEMPLATE)
+    fmt = ToolFormat("template", None, variables) if setting == "template" or (setting == "auto" and own) else \
+        ToolFormat("chatml", CHATML_TOOLS_TEMPLATE, variables)
     # the template must let the environment's turns be appended: checked once here, before any episode
     fmt.environment_text(tokenizer, tools, [ToolResult("check", "ok", False)], tokenizer.eos_token or "")
     return fmt

@@ -167,7 +167,8 @@ class CompletionsLog:
         return out
 
     def table(self, step: int, lines: list[dict]) -> Table:
-        """`rows` completions spread over the step's prompts: question, completion, rewards, advantage."""
+        """`rows` completions spread over the step's prompts: question, completion (an episode's turns one by one),
+        rewards, advantage."""
         picks = lines[:: max(1, len(lines) // self.rows)][: self.rows]
         table = Table(title=f"step {step}: {len(picks)} of {len(lines)} completions (all in {self.path.name})",
                       show_lines=True)
@@ -180,7 +181,9 @@ class CompletionsLog:
         table.add_column("advantage", justify="right")
         for line in picks:
             prompt = Text(f"#{line['prompt_id']} {line['question']}")  # Text: no rich markup in user data
-            table.add_row(prompt, step_text(line["completion"], line.get("steps")),
+            shown = (turns_text(line["turns"], line.get("turn_rewards")) if "turns" in line
+                     else step_text(line["completion"], line.get("steps")))
+            table.add_row(prompt, shown,
                           *[_number(line["rewards"][name]) for name in names], _number(line["reward"]),
                           f"{line['advantage']:+.3f}")
         return table
@@ -206,6 +209,26 @@ def step_text(completion: str, steps: list | None) -> Text:
         text.append(f" [{reward:+.2f}] ", style=f"bold {style}")
         start = end
     text.append(completion[start:])
+    return text
+
+
+def turns_text(turns: list[dict], rewards: list | None = None) -> Text:
+    """An episode's turns, readable: each assistant turn's text as written (its tool calls in it), with its
+    per-turn reward `[+r]` after it when the turns are scored one by one, and each tool's result on a line of its
+    own, `[name] -> result`; train's table and `grpo sample` show episodes this way."""
+    text = Text()
+    rewards = list(rewards or [])
+    for k, message in enumerate(turns):
+        if k:
+            text.append("\n")
+        if message["role"] == "tool":
+            text.append(f"[{message['name']}] -> {message['content']}", style="cyan")
+            continue
+        text.append(message["content"])
+        reward = rewards.pop(0) if rewards else None
+        if reward is not None:
+            style = "green" if reward > 0 else "red" if reward < 0 else "dim"
+            text.append(f" [{reward:+.2f}]", style=f"bold {style}")
     return text
 
 

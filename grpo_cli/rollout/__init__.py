@@ -247,7 +247,7 @@ def use_chat_template(tokenizer, template: str | None, kwargs: dict | None) -> N
     tokenizer.grpo_chat_template_kwargs = dict(kwargs or {})
 
 
-def _template_kwargs(tokenizer) -> dict:
+def template_kwargs(tokenizer) -> dict:
     # set by use_chat_template; a tokenizer it never saw (a test's, a reward model's) renders with none
     return getattr(tokenizer, "grpo_chat_template_kwargs", {})
 
@@ -261,7 +261,7 @@ def render_prompts(tokenizer, conversations: list[list[dict]]) -> list[str]:
     other prompt is a plain string, tokenized exactly as before.
     """
     specials = [t.content for t in tokenizer.added_tokens_decoder.values() if t.special]
-    extra = _template_kwargs(tokenizer)
+    extra = template_kwargs(tokenizer)
     prompts = []
     for conversation in conversations:
         text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False, **extra)
@@ -276,7 +276,7 @@ def _mark_messages(tokenizer, conversation: list[dict], text: str) -> ChatPrompt
     in place of each message's text shows where the messages go."""
     marked = [{**m, "content": f"\ue000{i}\ue001"} for i, m in enumerate(conversation)]
     skeleton = _MARK.split(tokenizer.apply_chat_template(marked, add_generation_prompt=True, tokenize=False,
-                                                         **_template_kwargs(tokenizer)))
+                                                         **template_kwargs(tokenizer)))
     for shape in (str, str.strip):  # some templates strip message text (Llama 3's does)
         # split() alternates markup and the captured message index
         parts = [(shape(str(conversation[int(piece)]["content"])), True) if k % 2 else (piece, False)

@@ -3,7 +3,9 @@ per completion (grpo_cli.env: tools or an environment class, token in and token 
 
 The step calls `sample` on whichever sampler it holds and never asks whether episodes run. A row's prompt ids are
 the rendered prompt (with the tools' schemas); its completion ids are the episode's ids in the engine's order, the
-environment's ids masked out of the loss by `sampled_mask`; its text is the episode decoded; it is truncated when the
+environment's ids masked out of the loss by `sampled_mask`; on vLLM its `sampling_logp` holds the engine's log-prob of
+each sampled id (0 on the environment's, which the loss mask leaves out of `sampler/logp_gap` and the IS weights,
+`algo.is_correction_cap`); its text is the episode decoded; it is truncated when the
 token budget (`env.max_episode_tokens`) ended it. `Rollout.episodes` keeps each row's record (messages, tool calls
 and failures, turns, the `env=class` instance) for the rewards, the metrics and completions.jsonl.
 """
@@ -16,7 +18,7 @@ import torch
 
 from grpo_cli.env import ClassEnv, choose, prepare, run_episodes
 from grpo_cli.errors import DataError
-from grpo_cli.rollout import Rollout, pad_id
+from grpo_cli.rollout import Rollout, pad_id, template_kwargs
 from grpo_cli.rollout.sizing import Job
 
 
@@ -83,7 +85,7 @@ class EpisodeSampler:
         `temperature` in place of the sampler's (eval's samples). `max_new_tokens` is not read: an episode's
         length is env.max_episode_tokens, which config validation checks in its place."""
         if self._format is None:
-            self._format = choose(self.env.tool_format, tokenizer, self.env.schemas)
+            self._format = choose(self.env.tool_format, tokenizer, self.env.schemas, template_kwargs(tokenizer))
         rows = [{**e, "prompt": e["messages"]} for e in examples for _ in range(n)]
         prompts, boxes = prepare(self.env, rows)
         self._check_prompts(tokenizer, prompts, boxes)
@@ -117,12 +119,18 @@ def as_rollout(episodes: list, tokenizer) -> Rollout:
     completion_ids = torch.full((n, width_t), pad, dtype=torch.long)  # [N, T] right-padded
     completion_mask = torch.zeros_like(completion_ids)
     sampled = torch.zeros_like(completion_ids)  # [N, T] 1 on the ids the model sampled
+    # [N, T] the engine's log-probs (vLLM), 0 on the environment's ids and on pad; None when it keeps none
+    keeps = all(e.sampling_logp is not None for e in episodes)
+    logp = torch.zeros((n, width_t), dtype=torch.float32) if keeps else None
     for i, e in enumerate(episodes):
         p, t = len(e.prompt_ids), len(e.completion_ids)
         prompt_ids[i, width_p - p:], prompt_mask[i, width_p - p:] = torch.tensor(e.prompt_ids), 1
         if t:
             completion_ids[i, :t], completion_mask[i, :t] = torch.tensor(e.completion_ids), 1
             sampled[i, :t] = torch.tensor(e.sampled)
+            if logp is not None:
+                logp[i, :t] = torch.tensor(e.sampling_logp, dtype=torch.float32)
     texts = tokenizer.batch_decode([e.completion_ids for e in episodes], skip_special_tokens=True)
     return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, texts,
-                   [e.stop == "budget" for e in episodes], sampled_mask=sampled, episodes=list(episodes))
+                   [e.stop == "budget" for e in episodes], sampling_logp=logp, sampled_mask=sampled,
+                   episodes=list(episodes))

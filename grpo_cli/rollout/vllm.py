@@ -52,7 +52,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import tempfile
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -289,7 +289,8 @@ class VLLMEngine:
 
     Each call draws one seed per row from `generator` (greedy: none), as `_generate` draws one per prompt, so a
     run and its resume sample the same episodes. A row asks for at most what the engine's longest sequence leaves
-    it; `run_episodes` cuts each row to its own budget.
+    it; `run_episodes` cuts each row to its own budget. `logprobs`: per row of the last call, vLLM's raw log-prob
+    of each id it returned (as `_generate` keeps them for `Rollout.sampling_logp`).
     """
 
     sampler: VLLMSampler
@@ -297,6 +298,7 @@ class VLLMEngine:
     greedy: bool
     generator: torch.Generator | None
     temperature: float
+    logprobs: list[list[float]] | None = field(default=None, init=False)
 
     def continue_batch(self, sequences: list[list[int]], max_new: int) -> list[list[int]]:
         from vllm import SamplingParams
@@ -310,14 +312,18 @@ class VLLMEngine:
                     {"temperature": self.temperature, "top_p": s.top_p, "top_k": s.top_k})
         longest = s.llm.llm_engine.model_config.max_model_len
         # stop at the tokenizer's EOS only (ignore_eos drops the ones vLLM would add from generation_config)
-        params = [SamplingParams(max_tokens=max(1, min(max_new, longest - len(q))), ignore_eos=True,
+        params = [SamplingParams(max_tokens=max(1, min(max_new, longest - len(q))), logprobs=0, ignore_eos=True,
                                  stop_token_ids=[eos], detokenize=False, seed=seed, **sampling)
                   for q, seed in zip(sequences, seeds, strict=True)]
         outputs = s._run([{"prompt_token_ids": list(q)} for q in sequences], params)
-        out = []
+        out, logprobs = [], []
         for o in outputs:
             ids = list(o.outputs[0].token_ids)
-            out.append(ids[:ids.index(eos) + 1] if eos in ids else ids)
+            logp = [lp[tok].logprob for tok, lp in zip(ids, o.outputs[0].logprobs, strict=True)]
+            end = ids.index(eos) + 1 if eos in ids else len(ids)
+            out.append(ids[:end])
+            logprobs.append(logp[:end])
+        self.logprobs = logprobs
         return out
 
 

@@ -260,9 +260,6 @@ def check_engine(cfg: DictConfig) -> list[str]:
                       f"(sampler.tensor_parallel_size={tp}) would wait on each other's turns; set "
                       f"sampler.tensor_parallel_size=1")
     cap = get(cfg, "algo.is_correction_cap")[1]
-    if cap is not None and env and uses_vllm:
-        errors.append(f"algo.is_correction_cap ({cap!r}) reads the sampler's log-probs, which multi-turn episodes "
-                      f"(env=tools or class) do not keep yet; set algo.is_correction_cap=null")
     if cap is not None and target.startswith("grpo_cli.rollout.hf."):
         errors.append(f"algo.is_correction_cap ({cap!r}) corrects for a sampler with its own copy of the weights, "
                       f"but HF generate samples from the policy itself; set algo.is_correction_cap=null or "

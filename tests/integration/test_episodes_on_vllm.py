@@ -84,3 +84,34 @@ def test_vllm_episodes_sample_from_the_callers_generator(engines, tmp_path):
     assert first == draw(1) and first != draw(2)  # a run and its resume draw the same episodes
     assert first[0] != first[1]  # each row its own seed
     assert torch.equal(torch.get_rng_state(), state)  # torch's global generator is left as it was
+
+
+def test_vllm_episodes_keep_the_samplers_log_probs_of_the_sampled_tokens_only(engines):
+    from grpo_cli.logprobs import sequence_logprobs
+    from grpo_cli.objective import GRPOLoss
+
+    policy, tokenizer, _, vllm = engines
+    rollout = vllm.sample(policy, tokenizer, EXAMPLES, 1, greedy=True)
+    assert [e.tool_calls for e in rollout.episodes] == [1, 1]  # each episode holds a tool turn: environment ids
+    with torch.no_grad():
+        trainer = sequence_logprobs(policy, rollout).logp  # [N, T] the trainer's log-probs of the episode's ids
+    sampled = rollout.loss_mask.bool()
+    environment = rollout.completion_mask.bool() & ~sampled
+    assert environment.any() and (rollout.sampling_logp[environment] == 0).all()  # the environment's: none
+    # the sampled ids: vLLM's log-probs within the single-turn test's tolerance (test_vllm_sampler.py)
+    gap = (trainer - rollout.sampling_logp)[sampled].abs()
+    print(f"episodes: mean |vLLM - trainer| log-prob {gap.mean():.2e}, max {gap.max():.2e} over {sampled.sum()} "
+          f"sampled tokens ({environment.sum()} environment tokens left out)")
+    assert gap.mean() < 1e-3 and gap.max() < 1e-2
+    # the loss reads them as the trainer does (algo.is_correction_cap=2): sampler/logp_gap is the sampled tokens'
+    # gap, while the environment's ids, had they counted, would have added their own -log p (the template's
+    # markers and the tool's digits are far from certain for the model)
+    loss = GRPOLoss(beta=0.0, epsilon_low=0.2, epsilon_high=None, kl_estimator="k3", loss_type="grpo",
+                    is_correction_cap=2.0)
+    mask = rollout.loss_mask.float()
+    loss_fn = loss.for_batch(mask.shape[0], mask.sum(), mask.shape[1])
+    _, stats = loss_fn(trainer, trainer, None, torch.zeros(mask.shape[0], 1), mask,
+                       sampling_logp=rollout.sampling_logp)
+    assert float(stats["sampler/logp_gap"]) == pytest.approx(float(gap.mean()), abs=1e-6)
+    assert float(trainer[environment].abs().mean()) > 100 * float(gap.mean())
+    assert abs(float(stats["sampler/is_weight_mean"]) - 1) < 1e-2  # π_old / π_sampler ≈ 1 on every sampled token

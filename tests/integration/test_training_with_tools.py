@@ -33,8 +33,13 @@ def test_a_run_with_tools_logs_turns_and_tool_metrics(tmp_path, monkeypatch):
     code, _, err = run_cli(["train", *TINY[:-2], "trainer.max_steps=2", f"hydra.run.dir={out}", "env=tools",
                             "env.tools=[episode_tools.multiply]", "env.max_episode_tokens=100", "env.max_turns=2",
                             "reward=custom", "reward.funcs=[episode_tools.saw_a_tool_turn]",
-                            "trainer.log_completions_every=1"], cwd=tmp_path)
+                            "trainer.log_completions_every=1", "trainer.num_completions_to_print=2"], cwd=tmp_path)
     assert code == 0, err
+    # the console's table shows each episode turn by turn: the call as the model wrote it, the tool's result on a
+    # line of its own, each assistant turn's reward after it (not the decoded ids' bare "tool"/"assistant" words)
+    assert err.count("[multiply] -> 12") == 2 * 2  # 2 rows shown per step, 2 steps
+    assert err.count("</tool_call> [+0.00]") == err.count("[+1.00]") == 2 * 2
+    assert "\ntool\n" not in err.replace("│", "").replace(" ", "")
     records = metrics(out)
     assert [r["step"] for r in records] == [1, 2]
     for r in records:

@@ -177,3 +177,44 @@ def test_episodes_are_batched_across_the_rows_still_running():
     assert [len(batch) for batch in engine.seen] == [2, 1]
     assert (a.turns, b.turns, a.stop, b.stop) == (2, 1, "answer", "answer")
     assert b.sampled == [1] * len(b.completion_ids)
+
+
+# a Qwen3-like template: renders tools, and with enable_thinking=false opens every assistant turn with an empty
+# thinking block (its generation prompt), as Qwen3's does
+THINKING_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\n<tools>' }}{%- for t in tools %}{{- '\\n' + (t | tojson) }}"
+    "{%- endfor %}{{- '\\n</tools><|im_end|>\\n' }}{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>' + m.content + '</tool_response><|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+
+
+def test_the_chat_template_kwargs_shape_the_prompt_and_the_environments_turns():
+    from grpo_cli.rollout import template_kwargs, use_chat_template
+
+    opening = "<|im_start|>assistant\n<think>\n\n</think>\n\n"  # the kwarg's effect: an empty thinking block
+    runs = {}
+    for kwargs in ({"enable_thinking": False}, {}):
+        tok = char_tokenizer()
+        use_chat_template(tok, THINKING_TEMPLATE, kwargs)  # as a run does with data.chat_template(_kwargs)
+        fmt = choose("auto", tok, box().schemas, template_kwargs(tok))  # as EpisodeSampler picks the format
+        engine = ScriptedEngine(tok, {"alpha": [ids(CALL), ids("56088")]})
+        prompts = [[{"role": "user", "content": "alpha: what is 456 * 123?"}]]
+        runs[bool(kwargs)] = run_episodes(engine, tok, fmt, prompts, [box()], limits())[0]
+    ep, plain = runs[True], runs[False]
+    # the prompt's ids end with the thinking block the kwarg asked for; without it, with the bare opening
+    assert ep.prompt_ids[-len(ids(opening, eos=False)):] == ids(opening, eos=False)
+    assert plain.prompt_ids + ids("<think>\n\n</think>\n\n", eos=False) == ep.prompt_ids
+    # after the call the environment adds "\n", the tool turn and the next opening, thinking block included
+    added = ids("\n<|im_start|>user\n<tool_response>56088</tool_response><|im_end|>\n" + opening, eos=False)
+    assert ep.completion_ids == ids(CALL) + added + ids("56088")
+    assert ep.sampled == [1] * len(ids(CALL)) + [0] * len(added) + [1] * len(ids("56088"))
+    bare = ids("\n<|im_start|>user\n<tool_response>56088</tool_response><|im_end|>\n<|im_start|>assistant\n",
+               eos=False)
+    assert plain.completion_ids == ids(CALL) + bare + ids("56088")

@@ -97,6 +97,37 @@ def test_episode_sampler_returns_grouped_rows_with_the_environment_tokens_masked
     assert sequence_logprobs(model, rollout).logp.shape == rollout.completion_ids.shape
 
 
+class ScriptedWithLogprobs(Scripted):
+    """Scripted, as an engine with its own weights (vLLM) answers: each returned id's log-prob beside it, here
+    -0.01 times its place in the turn (-0.01, -0.02, ...)."""
+
+    def continue_batch(self, sequences, max_new):
+        out = super().continue_batch(sequences, max_new)
+        self.logprobs = [[-0.01 * (k + 1) for k in range(len(ids))] for ids in out]
+        return out
+
+
+def test_episodes_keep_the_engines_log_probs_of_the_sampled_ids_and_none_for_the_environments(policy, tmp_path,
+                                                                                                monkeypatch):
+    model, tokenizer = policy
+    sampler = HFSampler(**sampler_settings(max_new_tokens=12))
+    monkeypatch.setattr(HFSampler, "engine", lambda self, *a, **k: ScriptedWithLogprobs(tokenizer))
+    rollout = EpisodeSampler(sampler, tools_env(tmp_path)).sample(model, tokenizer, EXAMPLES, 2)
+    first = rollout.episodes[0]
+    call_ids = len(tokenizer(CALL, add_special_tokens=False)["input_ids"]) + 1  # the call and its EOS
+    added = first.sampled.count(0)  # the environment's ids between the turns
+    # turn 1: -0.01 .. -0.01 * call_ids; the environment's ids: 0; turn 2 ("12" and EOS): -0.01, -0.02, -0.03
+    expected = [-0.01 * (k + 1) for k in range(call_ids)] + [0.0] * added + [-0.01, -0.02, -0.03]
+    t = len(first.completion_ids)
+    assert rollout.sampling_logp[0, :t].tolist() == pytest.approx(expected)
+    assert rollout.sampling_logp[0, t:].abs().sum() == 0  # pad
+    # where the loss reads them (sampler/logp_gap, the IS weights): the sampled ids only
+    assert rollout.loss_mask[0, :t].tolist() == first.sampled
+    # an engine that samples from the policy itself keeps none
+    monkeypatch.setattr(HFSampler, "engine", lambda self, *a, **k: Scripted(tokenizer))
+    assert EpisodeSampler(sampler, tools_env(tmp_path)).sample(model, tokenizer, EXAMPLES, 2).sampling_logp is None
+
+
 def test_episode_sampler_on_hf_generate_runs_and_stops_at_the_budget(policy, tmp_path):
     model, tokenizer = policy
     sampler = HFSampler(**sampler_settings(max_new_tokens=12))
@@ -119,15 +150,14 @@ def test_episodes_run_on_vllm_as_plain_completions_do(tmp_path, monkeypatch):
     # sampler=auto picks vLLM with an environment where it would without one, and sampler=vllm validates
     assert run_refusal(tiny_cfg(*env), 1) is None
     validate(tiny_cfg(*env, "sampler=vllm"))
-    # what episodes on vLLM cannot do yet, each one line before the model loads: an engine split over ranks (each
-    # rank's episodes take their own number of turns) and the IS correction (episodes keep no engine log-probs)
+    # episodes keep the engine's log-probs, so the IS correction validates with them as without
+    validate(tiny_cfg(*env, "sampler=vllm", "algo.is_correction_cap=2"))
+    # what episodes on vLLM cannot do yet, one line before the model loads: an engine split over ranks (each rank's
+    # episodes take their own number of turns)
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ConfigError, match=r"^multi-turn episodes .* set sampler.tensor_parallel_size=1$"):
         validate(tiny_cfg(*env, "sampler=vllm", "sampler.tensor_parallel_size=2", "trainer.prompts_per_step=4"))
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    with pytest.raises(ConfigError, match=r"^algo.is_correction_cap \(2\) .* set algo.is_correction_cap=null$"):
-        validate(tiny_cfg(*env, "sampler=vllm", "algo.is_correction_cap=2"))
 
 
 def test_the_episode_budget_must_fit_the_context_with_the_prompt(tmp_path):
