@@ -441,3 +441,44 @@ def shape_problem(name: str, value, tensors: set[str]) -> str | None:
                 return (f'"state.{idx}.{slot}" names tensor {v.get("tensor")!r}, which optimizer.safetensors does '
                         f"not hold")
     return None
+
+
+# ---- model.init_adapter: a training run that starts from a saved adapter --------------------------------
+
+def init_adapter_problems(cfg: DictConfig) -> list[str]:
+    """The check of `grpo train` (its CHECKS name it), before the model loads: model.init_adapter names a folder
+    with a LoRA adapter whose shape is model.lora's (another alpha would load without error and scale it wrongly)."""
+    folder = OmegaConf.select(cfg, "model.init_adapter", default=None)
+    if folder is None:
+        return []
+    if not isinstance(folder, str) or not folder:
+        return [f"model.init_adapter ({folder!r}) must be a folder path or null; set model.init_adapter=null"]
+    if OmegaConf.select(cfg, "model.finetune", default="lora") != "lora":
+        return ["model.init_adapter starts a LoRA adapter, but model.finetune is full; set model.finetune=lora, "
+                "or model.init_adapter=null"]
+    path = Path(folder).expanduser()
+    missing = [name for name in (ADAPTER, "adapter_config.json") if not (path / name).is_file()]
+    if missing:
+        return [f"model.init_adapter ({folder}) holds no {' or '.join(missing)}; pass a checkpoint folder "
+                f"(RUN/checkpoints/step_N) or a peft adapter folder"]
+    try:
+        saved = json.loads((path / "adapter_config.json").read_text())
+    except (OSError, ValueError) as err:
+        return [f"model.init_adapter: {path / 'adapter_config.json'} cannot be read ({str(err)[:120]}); "
+                f"pass a checkpoint folder (RUN/checkpoints/step_N) or a peft adapter folder"]
+    lora = cfg.model.lora
+    pairs = {"r": (saved.get("r"), lora.r), "alpha": (saved.get("lora_alpha"), lora.alpha),
+             "target_modules": (sorted(saved.get("target_modules") or []), sorted(lora.target_modules))}
+    return [f"model.init_adapter ({folder}) was trained with {key}={theirs}, model.lora.{key} is {ours}; "
+            f"set model.lora.{key}={theirs}" for key, (theirs, ours) in pairs.items() if theirs != ours]
+
+
+def start_from(policy, folder: str, reference: bool) -> str:
+    """model.init_adapter: the saved adapter's weights into the policy's fresh one, and with `reference` (the loss
+    reads it: β > 0) into the reference adapter too, as the paper's reference is the policy RL starts from (with no
+    such copy it would be the base, adapter off). Returns the line that says which."""
+    load_adapter(policy, Path(folder).expanduser())
+    if reference:
+        set_reference(policy)
+    return (f"model.init_adapter: the policy starts from {folder}; reference: "
+            f"{'the same adapter, frozen' if reference else 'none read (algo.beta=0)'}")

@@ -293,8 +293,8 @@ def reward_code(reward) -> list[str]:
 
 
 # keys that hold a file or folder; a relative one is read against the folder the run started in
-PATH_KEYS = ("data.path", "model.name_or_path", "model.loader.name_or_path", "reward.name_or_path", "rm.init",
-             "rm.labeled", "rm.replay.folder")
+PATH_KEYS = ("data.path", "model.name_or_path", "model.loader.name_or_path", "model.init_adapter",
+             "reward.name_or_path", "rm.init", "rm.labeled", "rm.replay.folder")
 
 
 def anchored(cfg: DictConfig, folder: Path) -> DictConfig:

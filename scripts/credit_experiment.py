@@ -1,15 +1,26 @@
 """Does step credit pay on multi-step arithmetic? Outcome vs outcome + step credit, with the power to tell (issue #44).
 
-    .venv/bin/python scripts/credit_experiment.py calibrate        # base model, 8 samples: pick the task (~15 min)
+    .venv/bin/python scripts/credit_experiment.py calibrate        # warm starts, then 8 samples: pick (~35 min quiet)
     .venv/bin/python scripts/credit_experiment.py run              # 3 arms x 10 seeds, resumable (~3-4 h quiet)
     .venv/bin/python scripts/credit_experiment.py report           # table, interval, verdict -> OUT/report.md
 
 The design, fixed before any run:
-- task: `data=multistep`, the configuration `calibrate` picks from CANDIDATES by the rule: at least 3 steps and a
-  base sampled accuracy (8 samples per problem at temperature 1, pass@1, a truncated completion wrong; 64 held-out
-  problems) in [0.2, 0.4], the one closest to 0.3, so that most outcome groups of 8 carry a gradient
-  (1 - 0.7^8 = 94% at 0.3, against 34% at the last experiment's 0.05). None in range: stop and say so.
-  The choice and the numbers go to OUT/calibration.json before `run` starts; `run` reads them.
+- task and starting policy: `data=multistep`, the candidate `calibrate` picks from CANDIDATES by the rule: at least
+  3 steps and a sampled accuracy of its starting policy (8 samples per problem at the candidate's temperature,
+  pass@1, a truncated completion wrong; 64 held-out problems) in [0.2, 0.4], the one closest to 0.3, so that most
+  outcome groups of 8 carry a gradient (1 - 0.7^8 = 94% at 0.3, against 34% at the last experiment's 0.05). None in
+  range: stop and say so. The choice and the numbers go to OUT/calibration.json before `run` starts; `run` reads
+  them.
+- why not the base model: its first calibration (2026-12-03, docs/process-supervision.md) had every candidate at
+  0.04-0.06 sampled (greedy 0.08-0.16). A candidate now also fixes (a) the temperature both arms sample at in
+  training (`sampler.temperature`; calibrate measures at it; the loss scores the policy's own softmax as at 1, so
+  below 1 the rollouts are sharper than the policy the loss reads, alike in every arm) and (b) the policy both arms
+  start from: the base model, or a warm start (WARM_STARTS): outcome-reward GRPO (`multistep_outcome` + SHAPING, the
+  reward every arm shares, not the step credit under test) on a trainer seed outside SEEDS, so other prompts of the
+  same train split and never a held-out one. Its last adapter is every arm's `model.init_adapter` (β = 0: no
+  reference is read). It is trained once by `calibrate` (OUT/warm/KEY, kept; `run` reuses it), so the 30 runs start
+  from one file: both arms of a seed still start from the same policy, with the same prompts and sampling seeds.
+  The candidates were screened on 32 problems x 8 before this design was committed (the commit's body).
 - arms, differing in the reward alone: O = `+recipe=multistep_outcome` (accuracy, group-normalized);
   P = `+recipe=multistep_process` (A_outcome + 1·A_process, the chain judge's step credit, reward.credit=sum);
   O+ = P with `reward.scorer.at_end=true` (the same step scores, all on the EOS: one sequence-level reward as dense
@@ -23,7 +34,8 @@ The design, fixed before any run:
 - verdict: "pays" if the interval's lower bound > 0, d > 0 in >= 8 of 10 seeds, and P's held-out truncated share
   <= 5% and <= its step-1 share + 5 points; "does not pay" if the upper bound < +0.03; otherwise "inconclusive".
   P's held-out truncated share: the mean over seeds of its step-24 greedy truncated share on the 200 problems; its
-  step-1 share: that of the policy it starts from (the base model, the same 200 problems, evaluated once).
+  step-1 share: that of the policy it starts from (the base model or the warm start, the same 200 problems,
+  evaluated once).
 - detectable difference: with n = 10 and s the sd of the per-seed differences, the interval's half-width is
   t(0.975, 9)·s/√10 ≈ 0.715·s; a true difference of (t(0.975, 9) + t(0.80, 9))·s/√10 ≈ 0.995·s is found (lower
   bound > 0) with 80% power. The report prints both with the observed s.
@@ -56,11 +68,26 @@ STEPS = 24
 HELDOUT = 200
 # the same soft overlong penalty in every arm (the recipes' cap is 48 new tokens)
 SHAPING = ["algo.overlong_buffer=16", "algo.overlong_penalty=1.0"]
-# the multi-step configurations calibrate measures: name -> (data overrides, steps in a solution)
+# the multi-step configurations calibrate measures: name -> its data overrides, the steps of a solution, the
+# temperature both arms sample at in training (calibrate measures at it) and the policy both arms start from
+# ("base": the base model; else a key of WARM_STARTS, whose last adapter both arms load: model.init_adapter)
+ADD3 = ["data.num_operands=4", "data.operators=[+]"]
+# the base model's add3, addsub3_4shot and add4 were measured out of range (0.064, 0.037, 0.047 sampled at
+# temperature 1: docs/process-supervision.md) and are not measured again
 CANDIDATES = {
-    "add3": (["data.num_operands=4", "data.operators=[+]"], 3),
-    "addsub3_4shot": (["data.num_operands=4", "data.few_shot=4"], 3),
-    "add4": (["data.num_operands=5", "data.operators=[+]"], 4),
+    "add3_warm": {"data": ADD3, "steps": 3, "temperature": 1.0, "start": "add3_o40"},
+    # the same start, sampled at 0.7 by both arms: sharper rollouts, a higher sampled accuracy
+    "add3_warm_t07": {"data": ADD3, "steps": 3, "temperature": 0.7, "start": "add3_o40"},
+    # a curriculum: the start learned two-step chains, the arms train on three
+    "add3_from_add2": {"data": ADD3, "steps": 3, "temperature": 1.0, "start": "add2_o40"},
+}
+# warm starts: outcome-reward GRPO (recipes/multistep_outcome.yaml with SHAPING) on `data` at `temperature`, on a
+# trainer seed outside SEEDS (other prompts of the same train split, never a held-out problem), `steps` steps
+WARM_STARTS = {
+    # the task itself; 40 steps as the default job's (which took 2-operand addition from 0.245 to 0.625 greedy)
+    "add3_o40": {"data": ADD3, "temperature": 1.0, "seed": 900, "steps": 40},
+    # two-step chains, where the base model is right more often, so more of its groups carry a gradient
+    "add2_o40": {"data": ["data.num_operands=3", "data.operators=[+]"], "temperature": 1.0, "seed": 901, "steps": 40},
 }
 CALIBRATION = {"problems": 64, "samples": 8, "low": 0.2, "high": 0.4, "target": 0.3, "min_steps": 3}
 # what every eval scores with: the held-out split, accuracy with a truncated completion wrong, the training cap
@@ -102,24 +129,60 @@ def read_eval(folder: Path) -> dict:
     return rows[-1]
 
 
-def calibrate(out: Path, extra: list[str]) -> dict:
-    """Base sampled accuracy of each candidate; the rule above picks one. Writes OUT/calibration.json."""
+def calibrate(out: Path, extra: list[str], names=tuple(CANDIDATES)) -> dict:
+    """Sampled accuracy of each candidate's starting policy at its temperature; the rule above picks one. Writes
+    OUT/calibration.json (a re-run measures again: the choice is made on one set of numbers)."""
     found = {}
-    for name, (data, steps) in CANDIDATES.items():
+    for name in names:
+        candidate = CANDIDATES[name]
+        start = start_policy(out, name, extra)
         folder = out / "calibrate" / name
-        wall = grpo("eval", "data=multistep", *data, *EVAL, f"eval.limit={CALIBRATION['problems']}",
-                    f"eval.num_samples={CALIBRATION['samples']}", f"eval.k=[1,{CALIBRATION['samples']}]",
-                    f"hydra.run.dir={folder}", *extra, log=_log(out, f"calibrate_{name}"))
+        fresh(folder)
+        wall = grpo("eval", *start, "data=multistep", *candidate["data"], *EVAL,
+                    f"eval.limit={CALIBRATION['problems']}", f"eval.num_samples={CALIBRATION['samples']}",
+                    f"eval.k=[1,{CALIBRATION['samples']}]",
+                    f"eval.temperature={candidate['temperature']}", f"hydra.run.dir={folder}", *extra,
+                    log=_log(out, f"calibrate_{name}"))
         row = read_eval(folder)
-        found[name] = {"data": data, "steps": steps, "sampled_accuracy": row["pass@k"]["1"],
-                       "greedy_accuracy": row["accuracy"], "truncated": row["truncation_rate"], "wall_s": wall}
+        found[name] = {**candidate, "sampled_accuracy": row["pass@k"]["1"], "greedy_accuracy": row["accuracy"],
+                       "truncated": row["truncation_rate"], "wall_s": wall}
         print(f"{name}: sampled {found[name]['sampled_accuracy']:.3f}, greedy {found[name]['greedy_accuracy']:.3f}, "
               f"truncated {found[name]['truncated']:.2f} ({wall:.0f} s)", flush=True)
     chosen = choose_task(found)
-    report = {"rule": CALIBRATION, "candidates": found, "chosen": chosen}
+    report = {"rule": CALIBRATION, "warm_starts": WARM_STARTS, "candidates": found, "chosen": chosen}
     write_json(out / "calibration.json", report)
     print(f"chosen: {chosen}" if chosen else "no candidate in range: the experiment does not start", flush=True)
     return report
+
+
+def warm_start(out: Path, key: str, extra: list[str]) -> Path:
+    """Warm start `key` of WARM_STARTS (trained once, kept: OUT/warm/KEY); returns its last checkpoint."""
+    warm, run = WARM_STARTS[key], out / "warm" / key
+    ckpt = last_checkpoint(run) if run.exists() else None
+    if ckpt is not None and ckpt.name == f"step_{warm['steps']:06d}":
+        return ckpt
+    fresh(run)
+    print(f"warm start {key} -> {run}", flush=True)
+    grpo("train", "+recipe=multistep_outcome", *warm["data"], *SHAPING, f"sampler.temperature={warm['temperature']}",
+         f"trainer.seed={warm['seed']}", f"trainer.max_steps={warm['steps']}", f"trainer.save_every={warm['steps']}",
+         "trainer.report_to=[]", "trainer.num_completions_to_print=0", f"hydra.run.dir={run}", *extra,
+         log=_log(out, f"warm_{key}"))
+    return last_checkpoint(run)
+
+
+def start_policy(out: Path, name: str, extra: list[str]) -> list[str]:
+    """The `grpo eval` overrides that load candidate `name`'s starting policy: none for the base model, the warm
+    start's checkpoint otherwise (trained first if missing)."""
+    start = CANDIDATES[name]["start"]
+    return [] if start == "base" else [f"checkpoint={warm_start(out, start, extra)}"]
+
+
+def arm_settings(out: Path, name: str, extra: list[str]) -> list[str]:
+    """What every arm's `grpo train` adds for candidate `name`: its task, its temperature, its starting adapter."""
+    candidate, start = CANDIDATES[name], []
+    if candidate["start"] != "base":
+        start = [f"model.init_adapter={warm_start(out, candidate['start'], extra)}"]
+    return [*candidate["data"], f"sampler.temperature={candidate['temperature']}", *start]
 
 
 def choose_task(found: dict) -> str | None:
@@ -130,15 +193,17 @@ def choose_task(found: dict) -> str | None:
     return min(fits, key=lambda n: abs(found[n]["sampled_accuracy"] - rule["target"])) if fits else None
 
 
-def run_one(out: Path, arm: str, seed: int, data: list[str], extra: list[str], steps: int) -> dict:
-    """Train one (arm, seed) from step 0, evaluate its last checkpoint, and only then write its result."""
+def run_one(out: Path, arm: str, seed: int, task: str, extra: list[str], steps: int) -> dict:
+    """Train one (arm, seed) on candidate `task` from step 0, evaluate its last checkpoint, and only then write its
+    result."""
     name = f"{arm.replace('+', 'plus')}_s{seed}"
     run, folder = out / "train" / name, out / "eval" / name
     fresh(run, folder)
     print(f"{arm} seed {seed} -> {run}", flush=True)
-    train_s = grpo("train", *ARMS[arm], *data, *SHAPING, f"trainer.seed={seed}", f"trainer.max_steps={steps}",
-                   "trainer.report_to=[]", "trainer.num_completions_to_print=0", f"hydra.run.dir={run}", *extra,
-                   log=_log(out, f"train_{arm}_s{seed}"))
+    data = CANDIDATES[task]["data"]
+    train_s = grpo("train", *ARMS[arm], *arm_settings(out, task, extra), *SHAPING, f"trainer.seed={seed}",
+                   f"trainer.max_steps={steps}", "trainer.report_to=[]", "trainer.num_completions_to_print=0",
+                   f"hydra.run.dir={run}", *extra, log=_log(out, f"train_{arm}_s{seed}"))
     ckpt = last_checkpoint(run)
     if ckpt is None:
         sys.exit(f"{arm} seed {seed}: the run saved no checkpoint; see {_log(out, f'train_{arm}_s{seed}')}")
@@ -152,15 +217,17 @@ def run_one(out: Path, arm: str, seed: int, data: list[str], extra: list[str], s
     return result
 
 
-def run_base(out: Path, data: list[str], extra: list[str]) -> dict:
-    """The base model on the same held-out problems: every arm's step-1 policy (its truncated share)."""
+def run_base(out: Path, name: str, extra: list[str]) -> dict:
+    """The policy every arm starts from (the base model or the warm start), on the same held-out problems: its
+    greedy accuracy and its truncated share (the step-1 share of the truncation guard)."""
     path = out / "results" / "base.json"
     if path.exists():
         return json.loads(path.read_text())
     folder = out / "eval" / "base"
     fresh(folder)
-    wall = grpo("eval", "data=multistep", *data, *EVAL, f"eval.limit={HELDOUT}", "eval.num_samples=0",
-                f"hydra.run.dir={folder}", *extra, log=_log(out, "eval_base"))
+    wall = grpo("eval", *start_policy(out, name, extra), "data=multistep", *CANDIDATES[name]["data"], *EVAL,
+                f"eval.limit={HELDOUT}", "eval.num_samples=0", f"hydra.run.dir={folder}", *extra,
+                log=_log(out, "eval_base"))
     row = read_eval(folder)
     base = {"accuracy": row["accuracy"], "truncated": row["truncation_rate"], "eval_s": wall}
     write_json(path, base)
@@ -245,19 +312,19 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=REPO / "outputs" / "credit_experiment")
     parser.add_argument("--seeds", type=int, nargs="*", default=SEEDS, help="a subset, for a check")
     parser.add_argument("--steps", type=int, default=STEPS, help="fewer, for a check only")
+    parser.add_argument("--candidates", nargs="*", choices=tuple(CANDIDATES), help="calibrate: these only")
     args, extra = parser.parse_known_args()
     extra = [e for e in extra if e != "--"]
     if args.command == "calibrate":
-        calibrate(args.out, extra)
+        calibrate(args.out, extra, args.candidates or tuple(CANDIDATES))
     elif args.command == "run":
         calibration = args.out / "calibration.json"
         chosen = json.loads(calibration.read_text())["chosen"] if calibration.exists() else None
         if chosen is None:
             sys.exit(f"no calibrated task in {calibration}: run `calibrate` first (the design picks the task from it)")
-        data = CANDIDATES[chosen][0]
-        run_base(args.out, data, extra)
+        run_base(args.out, chosen, extra)
         for arm, seed in pending(args.out, seeds=args.seeds):
-            run_one(args.out, arm, seed, data, extra, args.steps)
+            run_one(args.out, arm, seed, chosen, extra, args.steps)
         report(args.out)
     else:
         report(args.out)

@@ -228,6 +228,7 @@ CHECKS: list[Check] = [
     lambda cfg: raised(check_logging)(cfg.trainer),
     lambda cfg: check_world(cfg, world_size()),
     trainable_dtype,
+    checkpoint.init_adapter_problems,
     *compiled.CHECKS,
 ]
 

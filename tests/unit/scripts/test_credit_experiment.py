@@ -84,3 +84,29 @@ def test_the_calibration_rule(ce):
     assert ce.choose_task(found) == "b"        # in range, closest to 0.3; c has too few steps, d is too easy
     assert ce.choose_task({"d": found["d"]}) is None
     json.dumps(ce.CANDIDATES)                  # what calibration.json records
+
+
+def test_both_arms_start_from_the_candidates_policy_at_its_temperature(ce, tmp_path, monkeypatch):
+    monkeypatch.setitem(ce.WARM_STARTS, "o2", {"data": ["data.num_operands=3"], "temperature": 1.0, "seed": 900,
+                                               "steps": 2})
+    monkeypatch.setitem(ce.CANDIDATES, "w", {"data": ["data.num_operands=4"], "steps": 3, "temperature": 0.7,
+                                             "start": "o2"})
+    monkeypatch.setitem(ce.CANDIDATES, "b", {"data": ["data.num_operands=4"], "steps": 3, "temperature": 1.0,
+                                             "start": "base"})
+    # a finished warm start is kept: its last checkpoint is its last step, so nothing trains here
+    ckpt = tmp_path / "warm" / "o2" / "checkpoints" / "step_000002"
+    ckpt.mkdir(parents=True)
+    assert ce.arm_settings(tmp_path, "w", []) == ["data.num_operands=4", "sampler.temperature=0.7",
+                                                  f"model.init_adapter={ckpt}"]
+    assert ce.start_policy(tmp_path, "w", []) == [f"checkpoint={ckpt}"]    # what calibrate and the base eval load
+    assert ce.arm_settings(tmp_path, "b", []) == ["data.num_operands=4", "sampler.temperature=1.0"]
+    assert ce.start_policy(tmp_path, "b", []) == []                         # the base model
+
+
+def test_every_candidate_names_its_start(ce):
+    for name, candidate in ce.CANDIDATES.items():
+        assert {"data", "steps", "temperature", "start"} <= candidate.keys(), name
+        assert candidate["start"] == "base" or candidate["start"] in ce.WARM_STARTS, name
+    for key, warm in ce.WARM_STARTS.items():   # the warm starts train on seeds the arms never use
+        assert warm["seed"] not in ce.SEEDS and warm["steps"] >= 1, key
+    json.dumps(ce.WARM_STARTS)                 # what calibration.json records
