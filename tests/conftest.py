@@ -9,7 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from grpo_cli.cli import setup_process
+# a pytest-xdist worker (make test runs 2) gets COLUMNS=80 from xdist; the console would then wrap its lines at 80
+# where a plain pytest process, piped, writes them whole (grpo_cli.metrics.console), and tests read those lines
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    for name in ("COLUMNS", "LINES"):
+        os.environ.pop(name, None)
+
+from grpo_cli.cli import setup_process  # noqa: E402
 
 # the tests run the library as the `grpo` command does: its process set up once (environment, warnings)
 setup_process()
