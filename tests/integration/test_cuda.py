@@ -363,6 +363,25 @@ def test_left_padded_prompts_give_finite_gradients():
     assert _padded_prompt_gradients("cpu") == []
 
 
+def test_forwards_with_a_gradient_do_not_pick_cudnn_attention():
+    # cuDNN's attention backward returns NaN for such prompts on Hopper (policy.no_cudnn_attention); the setting is
+    # read by sdpa as each forward runs, and comes back afterwards
+    model, tokenizer = load_tiny_random(dtype=torch.bfloat16)
+    policy = apply_lora(model, 4, 8, 0.0, ["q_proj", "v_proj"])
+    seen = []
+    hook = policy.get_base_model().model.layers[0].register_forward_pre_hook(
+        lambda module, args: seen.append((torch.is_grad_enabled(), torch.backends.cuda.cudnn_sdp_enabled())))
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    rollout = HFSampler(**sampler_settings(max_new_tokens=3)).generate(
+        policy, tokenizer, render_prompts(tokenizer, CONVERSATIONS), 2)
+    for bucket in buckets(policy, rollout, grad=True):
+        bucket.logp.sum().backward()
+    hook.remove()
+    assert {on for grad, on in seen if grad} == {False}  # the update's prompt pass and buckets
+    assert {on for grad, on in seen if not grad} == {before}  # generation: as the process set it
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
+
+
 # ---- on a GPU (pytest -m cuda; skipped without one) -------------------------------------------------------
 
 @pytest.mark.cuda
