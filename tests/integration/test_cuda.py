@@ -345,14 +345,18 @@ def _padded_prompt_gradients(device: str) -> list[str]:
 
     The prompts are left-padded to one width, so in the shared prompt pass (grpo_cli.logprobs.buckets) each pad
     position is a query that may attend to no key. Width 128 over 2 heads: head_dim 64, as SmolLM2's (the tiny
-    model's is 8). On an H200 (torch 2.11+cu130) a 576-wide, 30-layer random model over left-padded prompts had a
-    NaN gradient norm at every step while same-length prompts trained (the first GPU check, no fix yet)."""
+    model's is 8). On an H200 (torch 2.11+cu130) a 576-wide, 30-layer random model over prompts left-padded to 64
+    tokens had a NaN gradient norm at every step, and same-length prompts trained (policy.no_cudnn_attention)."""
     model, tokenizer = load_tiny_random(128, 2, 2, dtype=torch.bfloat16, device=torch.device(device))
     policy = apply_lora(model, 4, 8, 0.0, ["q_proj", "v_proj"])
     torch.manual_seed(0)
     sampler = HFSampler(**sampler_settings(max_new_tokens=4))
-    rollout = sampler.generate(policy, tokenizer, render_prompts(tokenizer, CONVERSATIONS), 2)
-    assert (rollout.prompt_mask == 0).any()  # some prompt is padded
+    # data=arithmetic's prompts (45 and 43 characters): the longer renders to 64 tokens, so the prompt pass's keys
+    # are 64 long (the NaN of pytorch#196678 needs a length of 64 mod 128) and the shorter has 2 pad positions
+    ask = "What is {}? Answer with just the number."
+    conversations = [[{"role": "user", "content": ask.format(sum_)}] for sum_ in ("37 + 52", "5 + 2")]
+    rollout = sampler.generate(policy, tokenizer, render_prompts(tokenizer, conversations), 2)
+    assert rollout.prompt_ids.shape[1] == 64 and (rollout.prompt_mask == 0).sum() == 2 * 2  # 2 samples each
     policy.train()
     for bucket in buckets(policy, rollout, grad=True):
         (bucket.logp * rollout.completion_mask[bucket.rows]).sum().backward()
