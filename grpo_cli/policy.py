@@ -80,6 +80,24 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 @contextlib.contextmanager
+def no_cudnn_attention(active: bool = True):
+    """Context in which `scaled_dot_product_attention` does not pick cuDNN's kernel (the other fused kernels and
+    the math one stay as the process set them; the setting comes back on exit).
+
+    cuDNN's fused attention backward (the default sdpa kernel on Hopper since torch 2.11) returns NaN query
+    gradients when an explicit mask is passed, the key length is 64 mod 128 and a query row's log-sum-exp is below
+    ln(FLT_MAX) (pytorch/pytorch#196678): a left-padded prompt's pad positions attend to no key at all. On an
+    H200 a 576-wide 30-layer model over prompts padded to 64 tokens had a NaN gradient at every step."""
+    was = torch.backends.cuda.cudnn_sdp_enabled()
+    if active:
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(was)
+
+
+@contextlib.contextmanager
 def autocast(model):
     """Context for a forward pass of `model` (policy, reference or generation) in its weights' precision.
 
@@ -88,12 +106,13 @@ def autocast(model):
     autocast peft casts each adapted layer's input to fp32 to match them: an fp32 copy of every
     adapted activation and fp32 matmuls. Under autocast every matmul runs in bf16 (the fp32 LoRA
     weights are cast for it, their gradients stay fp32), so that input cast is switched off.
-    fp32 weights: autocast stays off and nothing changes.
+    fp32 weights: autocast stays off and nothing changes. A forward that records a gradient does not use cuDNN's
+    attention kernel (`no_cudnn_attention`: its backward can return NaN); forwards without one keep it.
     """
     weights = model.get_input_embeddings().weight  # a base weight, in the precision the model was loaded in
     low = weights.dtype in (torch.bfloat16, torch.float16)
     with torch.autocast(device_type=weights.device.type, dtype=weights.dtype, enabled=low), \
-            disable_input_dtype_casting(model, active=low):
+            disable_input_dtype_casting(model, active=low), no_cudnn_attention(torch.is_grad_enabled()):
         yield
 
 

@@ -107,6 +107,7 @@ def _bf16_forwards(policy, tokenizer):
             hook.remove()
     assert torch.cat(parts).isfinite().all()
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in lora.values())
+    assert [n for n, p in lora.items() if not p.grad.isfinite().all()] == []  # one NaN skips the optimizer step
     # B starts at zero, so A's gradient is zero at the start; B's is not
     assert any(p.grad.abs().sum() > 0 for n, p in lora.items() if "lora_B" in n)
     return rollout, {n: p.grad.clone() for n, p in lora.items()}
@@ -337,7 +338,61 @@ def test_eval_generate_calls_hold_at_most_sampler_batch_size_sequences(tmp_path,
     assert len((tmp_path / "eval_samples.jsonl").read_text().splitlines()) == 3
 
 
+# ---- left-padded prompts: finite gradients through the prompt pass ------------------------------------------
+
+def _padded_prompt_gradients(device: str) -> list[str]:
+    """The LoRA parameters whose gradient is not finite after one bf16 update pass over prompts of two lengths.
+
+    The prompts are left-padded to one width, so in the shared prompt pass (grpo_cli.logprobs.buckets) each pad
+    position is a query that may attend to no key. Width 128 over 2 heads: head_dim 64, as SmolLM2's (the tiny
+    model's is 8). On an H200 (torch 2.11+cu130) a 576-wide, 30-layer random model over prompts left-padded to 64
+    tokens had a NaN gradient norm at every step, and same-length prompts trained (policy.no_cudnn_attention)."""
+    model, tokenizer = load_tiny_random(128, 2, 2, dtype=torch.bfloat16, device=torch.device(device))
+    policy = apply_lora(model, 4, 8, 0.0, ["q_proj", "v_proj"])
+    torch.manual_seed(0)
+    sampler = HFSampler(**sampler_settings(max_new_tokens=4))
+    # data=arithmetic's prompts (45 and 43 characters): the longer renders to 64 tokens, so the prompt pass's keys
+    # are 64 long (the NaN of pytorch#196678 needs a length of 64 mod 128) and the shorter has 2 pad positions
+    ask = "What is {}? Answer with just the number."
+    conversations = [[{"role": "user", "content": ask.format(sum_)}] for sum_ in ("37 + 52", "5 + 2")]
+    rollout = sampler.generate(policy, tokenizer, render_prompts(tokenizer, conversations), 2)
+    assert rollout.prompt_ids.shape[1] == 64 and (rollout.prompt_mask == 0).sum() == 2 * 2  # 2 samples each
+    policy.train()
+    for bucket in buckets(policy, rollout, grad=True):
+        (bucket.logp * rollout.completion_mask[bucket.rows]).sum().backward()
+    return [n for n, p in policy.named_parameters() if p.grad is not None and not p.grad.isfinite().all()]
+
+
+def test_left_padded_prompts_give_finite_gradients():
+    assert _padded_prompt_gradients("cpu") == []
+
+
+def test_forwards_with_a_gradient_do_not_pick_cudnn_attention():
+    # cuDNN's attention backward returns NaN for such prompts on Hopper (policy.no_cudnn_attention); the setting is
+    # read by sdpa as each forward runs, and comes back afterwards
+    model, tokenizer = load_tiny_random(dtype=torch.bfloat16)
+    policy = apply_lora(model, 4, 8, 0.0, ["q_proj", "v_proj"])
+    seen = []
+    hook = policy.get_base_model().model.layers[0].register_forward_pre_hook(
+        lambda module, args: seen.append((torch.is_grad_enabled(), torch.backends.cuda.cudnn_sdp_enabled())))
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    rollout = HFSampler(**sampler_settings(max_new_tokens=3)).generate(
+        policy, tokenizer, render_prompts(tokenizer, CONVERSATIONS), 2)
+    for bucket in buckets(policy, rollout, grad=True):
+        bucket.logp.sum().backward()
+    hook.remove()
+    assert {on for grad, on in seen if grad} == {False}  # the update's prompt pass and buckets
+    assert {on for grad, on in seen if not grad} == {before}  # generation: as the process set it
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
+
+
 # ---- on a GPU (pytest -m cuda; skipped without one) -------------------------------------------------------
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_left_padded_prompts_give_finite_gradients():
+    assert _padded_prompt_gradients("cuda") == []
+
 
 @pytest.mark.cuda
 @needs_cuda

@@ -5,6 +5,7 @@ advantages + prepare + update must not grow with the number of rows. Runs under 
 from __future__ import annotations
 
 import warnings
+from collections import Counter
 
 import pytest
 import torch
@@ -19,8 +20,9 @@ pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-def _syncs(rows: int, process: bool) -> int:
-    """Synchronizing calls torch reports (set_sync_debug_mode 'warn') for one step of `rows` rows."""
+def _syncs(rows: int, process: bool) -> Counter:
+    """Synchronizing calls torch reports (set_sync_debug_mode 'warn') for one step of `rows` rows, by the
+    file:line that made each."""
     device = torch.device("cuda")
     model, tokenizer = load_tiny_random()
     policy = apply_lora(model.to(device), r=4, alpha=8, dropout=0.0, target_modules=["q_proj", "v_proj"])
@@ -46,11 +48,14 @@ def _syncs(rows: int, process: bool) -> int:
             update.update(policy, optimizer, scheduler, batch, loss, 2, 4, 1.0)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
+    return Counter(f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
 
 
 @pytest.mark.parametrize("process", [False, True], ids=["outcome", "process"])
 def test_host_syncs_do_not_grow_with_rows(process):
     # 8 and 32 rows, micro-batches of 4: 2 and 8 micro-batches per pass; the syncs per step stay the same
     # (per optimizer step: the loss and the gradient norm; per step: the counts and the active rows)
-    assert _syncs(32, process) == _syncs(8, process)
+    many, few = _syncs(32, process), _syncs(8, process)
+    # on a failure, the sites whose count grew: where a per-row or per-micro-batch sync is
+    grew = {site: (few[site], n) for site, n in many.items() if n > few[site]}
+    assert many.total() == few.total(), f"syncs {many.total()} vs {few.total()}; grew (8 rows, 32 rows): {grew}"
