@@ -46,6 +46,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from grpo_cli.errors import RunError
 
@@ -120,8 +121,10 @@ class World:
         """Each parameter's gradient <- its sum over ranks: one all_reduce of them all, flattened.
 
         A parameter with no gradient on this rank (no backward yet) counts as zeros, so every rank
-        joins the same reduction whatever it ran.
+        joins the same reduction whatever it ran. A sharded parameter (a DTensor: a full-parameter policy under
+        trainer.fsdp) is left out: FSDP's reduce-scatter in the backward has summed its gradient already.
         """
+        params = [p for p in params if not isinstance(p, DTensor)]
         if self.size == 1 or not params:
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
