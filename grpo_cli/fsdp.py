@@ -73,30 +73,31 @@ def shard(policy, world: World) -> str:
         return (f"fsdp: every weight, its gradient and optimizer state sharded over {world.size} ranks{reference}, "
                 f"{held / 2**20:.3g} MB of {whole_bytes / 2**20:.3g} MB of weights per rank")
     base = policy.get_base_model()  # the causal LM (peft's wrapper stays outside: it holds no base weight)
-    _shard_model(base, mesh, ignored={p for p in policy.parameters() if p.requires_grad})
+    _shard_model(base, mesh, ignored={p for p in policy.parameters() if p.requires_grad}, outer=policy)
     held, whole_bytes = resident_bytes(policy)
     return (f"fsdp: base sharded over {world.size} ranks, {held / 2**20:.3g} MB of {whole_bytes / 2**20:.3g} MB "
             f"per rank")
 
 
-def _shard_model(model, mesh, ignored: set) -> None:
+def _shard_model(model, mesh, ignored: set, outer=None) -> None:
     """`fully_shard` every decoder layer of causal LM `model` and the model around them (the root: embeddings, final
     norm, the tied head), `ignored` left whole; the gradients of what trains are summed over the ranks, as
     grpo_cli.distributed sums them (the loss is already weighted by the whole batch's counts), not averaged."""
     for layer in model.get_decoder().layers:
         fully_shard(layer, mesh=mesh, ignored_params=ignored)
     fully_shard(model, mesh=mesh, ignored_params=ignored)
-    for m in _modules(model):
-        m.set_gradient_divide_factor(1.0)  # a sum: FSDP averages by default
-        m.set_force_sum_reduction_for_comms(True)  # SUM (gloo has no PREMUL_SUM); a factor of 1 divides by nothing
+    if not ignored:  # every weight sharded (model.finetune=full): FSDP reduces their gradients
+        for m in _modules(model):
+            m.set_gradient_divide_factor(1.0)  # a sum: FSDP averages by default
+            m.set_force_sum_reduction_for_comms(True)  # SUM (gloo has no PREMUL_SUM); a factor of 1 divides by nothing
     # the root's weights stay gathered through a `root_gathered` block: logprobs reads the head's weight between
     # backwards, and FSDP would free it after each
     model.set_reshard_after_backward(False, recurse=False)
     # FSDP names its root in the first forward it sees; logprobs calls the decoder directly, so the first
     # forward is the root's: one token, no gradient
     device = next(model.parameters()).device
-    with torch.no_grad():
-        model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device))
+    with torch.no_grad():  # through `outer` (peft's wrapper) when there is one, as a run calls it
+        (outer or model)(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device))
     model.reshard()
 
 
