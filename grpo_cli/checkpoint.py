@@ -31,6 +31,7 @@ from safetensors.torch import load_file, save_file
 
 from grpo_cli import files
 from grpo_cli.errors import CheckpointError, RunError
+from grpo_cli.fsdp import like, shard_optimizer_state
 from grpo_cli.policy import REFERENCE, set_reference, trains_adapter
 
 STEP_DIR = "step_{:06d}"
@@ -159,12 +160,14 @@ def _json_default(value):
 
 
 def save(run_dir: Path, step: int, policy, optimizer, scheduler, trainer_state: dict, config: DictConfig,
-         keep_last: int | None = None) -> Path:
+         keep_last: int | None = None, *, gathered: tuple[dict, dict] | None = None) -> Path:
     """Write checkpoint `step` atomically; delete all but the newest `keep_last`. Returns its path.
 
+    `gathered`: (weights by name, optimizer state dict) of a full-parameter policy sharded over the ranks, gathered
+    whole (`grpo_cli.fsdp.gather_state`), written in place of the policy's and the optimizer's own, in the same files.
     Refuses (RuntimeError) weights that are not finite: a NaN checkpoint would poison every resume.
     """
-    trainable = [p for p in policy.parameters() if p.requires_grad]
+    trainable = list(gathered[0].values()) if gathered else [p for p in policy.parameters() if p.requires_grad]
     if not all(bool(p.isfinite().all()) for p in trainable):
         raise RuntimeError(f"refusing to save step {step}: the trained weights are not finite")
     final = checkpoint_dir(run_dir, step)
@@ -173,9 +176,11 @@ def save(run_dir: Path, step: int, policy, optimizer, scheduler, trainer_state: 
             if trains_adapter(policy):
                 policy.save_pretrained(tmp, safe_serialization=True)
                 (tmp / "README.md").unlink(missing_ok=True)  # peft's model card: not part of the checkpoint
+            elif gathered:
+                write_weights(gathered[0], tmp)
             else:
                 save_weights(policy, tmp)
-            tensors, plain = _optimizer_to_files(optimizer.state_dict())
+            tensors, plain = _optimizer_to_files(gathered[1] if gathered else optimizer.state_dict())
             save_file(tensors, tmp / "optimizer.safetensors")
             (tmp / "optimizer.json").write_text(json.dumps(plain, default=_json_default))
             (tmp / "scheduler.json").write_text(json.dumps(scheduler.state_dict(), default=_json_default))
@@ -206,9 +211,14 @@ def weights_file(path: Path) -> Path:
 def save_weights(model, folder: Path, shard_bytes: int = SHARD_BYTES) -> None:
     """Every parameter of `model` under its name (a tied weight once), in one file or in shards of at most
     `shard_bytes` with HF's index, so the folder's weights also read as a sharded HF checkpoint's."""
+    write_weights(dict(model.named_parameters()), folder, shard_bytes)
+
+
+def write_weights(weights: dict[str, torch.Tensor], folder: Path, shard_bytes: int = SHARD_BYTES) -> None:
+    """`weights` (name -> tensor, in order) as `save_weights` writes a model's."""
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = total = 0
-    for name, p in model.named_parameters():
+    for name, p in weights.items():
         nbytes = p.numel() * p.element_size()
         if shards[-1] and size + nbytes > shard_bytes:
             shards.append({})
@@ -255,7 +265,8 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
 
 
 def load_full_weights(model, path: Path) -> None:
-    """Copy a full-parameter checkpoint's weights into `model`, every parameter; one line when they do not fit."""
+    """Copy a full-parameter checkpoint's weights into `model`, every parameter; one line when they do not fit. A
+    model sharded over the ranks (trainer.fsdp) takes each rank's shard of them (every rank reads the files)."""
     weights = read_weights(path)
     params = dict(model.named_parameters())
     wrong = sorted(weights.keys() ^ params.keys()) or [k for k in params if weights[k].shape != params[k].shape]
@@ -264,7 +275,7 @@ def load_full_weights(model, path: Path) -> None:
                               f"model the checkpoint was trained with")
     with torch.no_grad():
         for name, p in params.items():
-            p.copy_(weights[name])
+            p.copy_(like(weights[name], p))
 
 
 def load_weights(policy, path: Path) -> None:
@@ -327,11 +338,13 @@ def set_aside_after(run_dir: Path, step: int) -> Path | None:
 
 def load_training_state(path: Path, optimizer, scheduler) -> dict:
     """Restore optimizer and scheduler; return trainer_state. Their shapes were checked by `verify`; what only the
-    built optimizer can tell (another number of LoRA tensors) is one line too."""
+    built optimizer can tell (another number of LoRA tensors) is one line too. An optimizer of sharded weights
+    (trainer.fsdp with model.finetune=full) takes each rank's shard of the whole state the files hold."""
     path = Path(path)
     tensors = load_file(path / "optimizer.safetensors")
     try:
-        optimizer.load_state_dict(_optimizer_from_files(tensors, json.loads((path / "optimizer.json").read_text())))
+        state = _optimizer_from_files(tensors, json.loads((path / "optimizer.json").read_text()))
+        optimizer.load_state_dict(shard_optimizer_state(optimizer, state))
     except (ValueError, KeyError, TypeError) as err:
         raise CheckpointError(f"{path / 'optimizer.json'} does not fit this run's optimizer "
                               f"({str(err).splitlines()[0][:200]}); use the run's own settings or an earlier "

@@ -46,6 +46,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from grpo_cli.errors import RunError
 
@@ -120,8 +121,10 @@ class World:
         """Each parameter's gradient <- its sum over ranks: one all_reduce of them all, flattened.
 
         A parameter with no gradient on this rank (no backward yet) counts as zeros, so every rank
-        joins the same reduction whatever it ran.
+        joins the same reduction whatever it ran. A sharded parameter (a DTensor: a full-parameter policy under
+        trainer.fsdp) is left out: FSDP's reduce-scatter in the backward has summed its gradient already.
         """
+        params = [p for p in params if not isinstance(p, DTensor)]
         if self.size == 1 or not params:
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
@@ -246,16 +249,23 @@ def close_world() -> None:
 
 def destroy_groups() -> None:
     """Destroy this process's groups and end their threads now. destroy_process_group alone leaves a group's
-    threads (gloo's loops, rank 0's store) running while anything still holds the group, and FSDP's device mesh
-    holds it past the run (DTensor's caches keep the mesh): threads still running at the interpreter's exit can
-    abort it ("terminate called without an active exception") after the work is done."""
+    threads (gloo's loops, rank 0's store) running while anything still holds the group, and FSDP holds it past the
+    run twice: its device mesh (DTensor's caches keep the mesh) and each sharded module's mesh info (the group
+    itself, kept as long as the module lives, which can be past its last use). Threads still running at the
+    interpreter's exit can abort it ("terminate called without an active exception") after the work is done."""
     dist.destroy_process_group()
     mesh = sys.modules.get("torch.distributed.device_mesh")
     if mesh is None:  # FSDP never ran here: nothing else holds the group
         return
+    fsdp_common = sys.modules.get("torch.distributed.fsdp._fully_shard._fsdp_common")
+    mesh_info = getattr(fsdp_common, "DataParallelMeshInfo", ())
     for obj in gc.get_objects():
         if type(obj) is mesh.DeviceMesh:
             getattr(obj, "_pg_registry", {}).clear()
+        elif issubclass(type(obj), mesh_info):  # its shard_, reduce_scatter_ and replicate_process_group
+            for key, value in list(vars(obj).items()):
+                if isinstance(value, dist.ProcessGroup):
+                    setattr(obj, key, None)
     gc.collect()  # the groups' last holders go now, and with them their threads
 
 

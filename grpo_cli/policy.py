@@ -371,6 +371,11 @@ def keep_reference(policy, needed: bool) -> str | None:
             f"weights ({size / 2**20:.3g} MB)")
 
 
+def frozen_reference(policy):
+    """The frozen copy `keep_reference` made of a full-parameter policy; None when it made none (or a LoRA policy)."""
+    return policy.__dict__.get(_FROZEN)
+
+
 # the peft adapter that holds the reference policy once `set_reference` has run (iterative RL)
 REFERENCE = "reference"
 

@@ -157,7 +157,9 @@ def setup(cfg: DictConfig, run_dir: Path, world: World, why: str) -> Run:
     world.copy_from_main([p for p in policy.parameters() if p.requires_grad])  # one adapter init on every rank
     if trainer.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if trainer.fsdp:  # the frozen base sharded over the ranks; prints how much of it each rank holds
+    # the frozen base sharded over the ranks (model.finetune=full: every weight and the frozen reference); prints how
+    # much each rank holds
+    if trainer.fsdp:
         console.print(fsdp.shard(policy, world))
     decoder = compiled.for_update(policy, cfg, say=console.print)  # compiled at the first update
     # every rank advances the stream alike and keeps its own slice
@@ -316,10 +318,15 @@ def step_seed(seed: int, step: int, rank: int = 0) -> int:
 
 
 def save(run: Run, n: int) -> Path:
-    """Checkpoint step `n` (rank 0 writes; every rank holds the same weights); its folder, on every rank."""
+    """Checkpoint step `n` (rank 0 writes; every rank holds the same weights, or with a sharded full-parameter
+    policy every rank gives its shards and rank 0 writes them whole, as one process would); its folder, on every
+    rank."""
     run.state["rng"] = {"torch": torch.get_rng_state().tolist()}  # dropout's (sampling's is reseeded per step)
+    gathered = None
+    if fsdp.sharded_weights(run.policy.parameters()):  # a collective: every rank, before rank 0 writes
+        gathered = fsdp.gather_state(run.policy, run.optimizer, run.world.main)
     last = None
     if run.world.main:
         last = checkpoint.save(run.run_dir, n, run.policy, run.optimizer, run.scheduler, run.state, run.cfg,
-                               run.cfg.trainer.keep_last)
+                               run.cfg.trainer.keep_last, gathered=gathered)
     return run.world.broadcast(last)

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from grpo_cli.distributed import SINGLE, World
-from grpo_cli.fsdp import lockstep, sharded
+from grpo_cli.fsdp import local, lockstep, sharded, sharded_weights, whole_tensor
 from grpo_cli.logprobs import BUCKET_ROWS, buckets, sequence_logprobs
 from grpo_cli.objective import GRPOLoss, high_entropy_threshold, masked_mean, outcome_advantages, process_advantages
 from grpo_cli.policy import reference
@@ -233,16 +233,20 @@ class UpdateStats:
                 "counts/ref_forward_seqs": self.ref_forward_seqs}
 
 
-def step_or_undo(optimizer, params: list[torch.Tensor]) -> bool:
+def step_or_undo(optimizer, params: list[torch.Tensor], world: World = SINGLE) -> bool:
     """`optimizer.step()`, undone when it leaves a weight non-finite (a finite gradient times the rate
     overflowed): the weights and the optimizer's state (AdamW's step count and moments) are put back, so
-    the skipped step leaves no trace. Returns whether the step stands. Copies the LoRA weights and
-    their state only: a few MB."""
+    the skipped step leaves no trace. Returns whether the step stands. Copies the trained weights and
+    their state: a few MB of LoRA weights, or this rank's shards of a sharded full-parameter policy, whose
+    ranks agree (`world`) so that all of them undo when one rank's shard went non-finite."""
     weights = [p.detach().clone() for p in params]
     state = {p: {k: v.clone() if torch.is_tensor(v) else v for k, v in optimizer.state[p].items()}
              for p in params if p in optimizer.state}
     optimizer.step()
-    if bool(torch.stack([p.isfinite().all() for p in params]).all()):
+    finite = torch.stack([local(p).isfinite().all() for p in params]).all()
+    if sharded_weights(params):  # each rank checked its own shards
+        finite = world.sum(torch.tensor([int(not finite)]))[0] == 0
+    if bool(finite):
         return True
     with torch.no_grad():
         for p, w in zip(params, weights):
@@ -312,12 +316,14 @@ def update(policy, optimizer, scheduler, batch: Batch, loss: GRPOLoss, num_itera
                     totals[key] = totals[key] + value.detach() * share
                 bucket_loss.backward()
         pass_loss = torch.stack(losses).sum() if losses else batch.mask.new_zeros(())
-        # the batch gradient: this rank's micro-batch losses are its share of the batch loss
+        # the batch gradient: this rank's micro-batch losses are its share of the batch loss (a sharded weight's
+        # gradient was summed by FSDP's reduce-scatter in the backwards: sum_gradients leaves it)
         world.sum_gradients(params)
         pass_loss = float(world.sum(pass_loss))  # one transfer per optimizer step
         loss_total += pass_loss / num_iterations
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm else math.inf))
-        if math.isfinite(grad_norm) and math.isfinite(pass_loss) and step_or_undo(optimizer, params):
+        # the global norm: of a sharded policy's gradients over every rank's shards (clip_grad_norm_ on DTensors)
+        grad_norm = float(whole_tensor(torch.nn.utils.clip_grad_norm_(params, max_grad_norm or math.inf)))
+        if math.isfinite(grad_norm) and math.isfinite(pass_loss) and step_or_undo(optimizer, params, world):
             scheduler.step()
         else:
             skipped += 1

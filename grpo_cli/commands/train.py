@@ -10,7 +10,8 @@ are built and resumed, is grpo_cli.recipe (`setup`, `resume`, `step`).
 
 Under torchrun (`torchrun --nproc-per-node N $(which grpo) train ...`) each rank runs this loop on its slice of
 every step's prompts; grpo_cli.distributed says how the work is split and why, and grpo_cli.fsdp how
-`trainer.fsdp=true` shards the frozen base over the ranks.
+`trainer.fsdp=true` shards the frozen base over the ranks (model.finetune=full: every weight, gradient and optimizer
+state).
 """
 
 from __future__ import annotations
@@ -147,10 +148,6 @@ def check_world(cfg: DictConfig, size: int) -> list[str]:
             errors.append(f"trainer.fsdp=true samples with HF generate on the gathered base; sampler {target} pushes "
                           f"whole weights from the policy, which FSDP does not hold: set sampler=default, or "
                           f"trainer.fsdp=false")
-        if cfg.model.get("finetune") == "full":  # grpo_cli.fsdp shards a frozen base around LoRA weights only
-            errors.append("trainer.fsdp=true with model.finetune=full is not supported yet: trainer.fsdp shards the "
-                          "frozen base of a LoRA run; set trainer.fsdp=false (every rank holds the whole model), or "
-                          "model.finetune=lora")
         if cfg.model.get("quantization"):  # FSDP2 would shard bitsandbytes' packed 4-bit weights: never tried
             errors.append(f"trainer.fsdp=true with model.quantization={cfg.model.quantization} is not supported: "
                           f"FSDP sharding of a 4-bit base has not been built or tested; set model.quantization=null "

@@ -127,10 +127,13 @@ def test_fsdp_config_checks_name_the_fix():
         "trainer.fsdp (1) must be true or false; set trainer.fsdp=false"]
 
 
-def test_fsdp_of_a_full_parameter_policy_is_refused_in_one_line():
+def test_fsdp_of_a_full_parameter_policy_passes_the_checks_and_vllm_is_still_refused():
     from grpo_cli.commands import train
     from grpo_cli.config import compose
 
-    full = train.check_world(compose("train", ["model=tiny", "trainer.fsdp=true", "model.finetune=full"]), 2)
-    assert len(full) == 1 and full[0].startswith("trainer.fsdp=true with model.finetune=full is not supported yet")
-    assert train.check_world(compose("train", ["model=tiny", "model.finetune=full"]), 2) == []  # data parallel
+    # every weight sharded (tests/system/test_fsdp_full.py), as data parallel does without trainer.fsdp
+    assert train.check_world(compose("train", ["model=tiny", "trainer.fsdp=true", "model.finetune=full"]), 2) == []
+    assert train.check_world(compose("train", ["model=tiny", "model.finetune=full"]), 2) == []
+    vllm = train.check_world(compose("train", ["model=tiny", "trainer.fsdp=true", "model.finetune=full",
+                                               "sampler=vllm"]), 2)
+    assert len(vllm) == 1 and vllm[0].endswith("set sampler=default, or trainer.fsdp=false")
