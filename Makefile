@@ -66,8 +66,10 @@ FAST := -m "not slow or ci"
 
 # make test's workers: 2 pytest processes of 1 torch thread each keep both cores busy where one process leaves one
 # idle (imports, subprocess starts, the tiny model's Python-bound steps); a module's tests stay in one worker
-# (--dist loadfile), so its module fixtures are built once. TEST_WORKERS=0: one process, as before
-TEST_WORKERS ?= 2
+# (--dist loadfile), so its module fixtures are built once. 0 (the default): one process. Not the default yet: on a
+# clean clone `make test TEST_WORKERS=2` stopped at its first test with xdist's INTERNALERROR (a worker finished
+# mid-item), where the same selection passed from a worktree; the cause is not found
+TEST_WORKERS ?= 0
 XDIST = $(if $(filter 0,$(TEST_WORKERS)),,OMP_NUM_THREADS=1)
 
 test: install ## the fast suite plus the slow tests marked for CI, every tier (budget: 6 min quiet); prints the 15 slowest
