@@ -131,7 +131,7 @@ def test_fsdp_of_a_full_parameter_policy_passes_the_checks_and_vllm_is_still_ref
     from grpo_cli.commands import train
     from grpo_cli.config import compose
 
-    # every weight sharded (tests/system/test_fsdp_full.py), as data parallel does without trainer.fsdp
+    # every weight sharded (tests/unit/test_fsdp_full_sharding.py), as data parallel does without trainer.fsdp
     assert train.check_world(compose("train", ["model=tiny", "trainer.fsdp=true", "model.finetune=full"]), 2) == []
     assert train.check_world(compose("train", ["model=tiny", "model.finetune=full"]), 2) == []
     vllm = train.check_world(compose("train", ["model=tiny", "trainer.fsdp=true", "model.finetune=full",
