@@ -66,9 +66,9 @@ FAST := -m "not slow or ci"
 
 # make test's workers: 2 pytest processes of 1 torch thread each keep both cores busy where one process leaves one
 # idle (imports, subprocess starts, the tiny model's Python-bound steps); a module's tests stay in one worker
-# (--dist loadfile), so its module fixtures are built once. 0 (the default): one process. Not the default yet: on a
-# clean clone `make test TEST_WORKERS=2` stopped at its first test with xdist's INTERNALERROR (a worker finished
-# mid-item), where the same selection passed from a worktree; the cause is not found
+# (--dist loadfile), so its module fixtures are built once. 0 (the default): one process, until 2 workers are timed
+# on a quiet clean clone (a clean-clone try stopped at its first test; most likely conftest's tests/system cap
+# refusing the suite, which a worker reports as xdist's INTERNALERROR, not yet rerun)
 TEST_WORKERS ?= 0
 XDIST = $(if $(filter 0,$(TEST_WORKERS)),,OMP_NUM_THREADS=1)
 
