@@ -110,7 +110,7 @@ def test_vllm_episodes_keep_the_samplers_log_probs_of_the_sampled_tokens_only(en
                     is_correction_cap=2.0)
     mask = rollout.loss_mask.float()
     loss_fn = loss.for_batch(mask.shape[0], mask.sum(), mask.shape[1])
-    _, stats = loss_fn(trainer, trainer, None, torch.zeros(mask.shape[0], 1), mask,
+    _, stats = loss_fn(trainer, trainer, None, torch.zeros(mask.shape[0]), mask,  # advantages [N]
                        sampling_logp=rollout.sampling_logp)
     assert float(stats["sampler/logp_gap"]) == pytest.approx(float(gap.mean()), abs=1e-6)
     assert float(trainer[environment].abs().mean()) > 100 * float(gap.mean())
