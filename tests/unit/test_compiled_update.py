@@ -70,17 +70,22 @@ def test_auto_on_a_cpu_is_eager_and_silent_and_names_why_for_the_tiny_model():
     assert reason and "trainer.compile=true" in reason
 
 
+def _eager_and_fallen(monkeypatch, backend, seed: int, *overrides: str):
+    """One step eager and one through `trainer.compile=true` with `backend` as the compiler, on the same rollout:
+    (cfg, policy, rollout, decoder, the lines it said, eager step, compiled-or-fallen step)."""
+    cfg, policy = _policy("trainer.compile=true", *overrides)
+    monkeypatch.setattr(compiled, "BACKEND", backend)
+    lines = []
+    decoder = compiled.for_update(policy, cfg, say=lines.append)
+    rollout = _rollout(seed, 6, 10)
+    return cfg, policy, rollout, decoder, lines, _step(policy, rollout, None), _step(policy, rollout, decoder)
+
+
 def test_a_failing_compile_falls_back_to_eager_in_one_line(monkeypatch):
     def broken(graph, example_inputs):
         raise RuntimeError("no compiler here\nsecond line")
 
-    cfg, policy = _policy("trainer.compile=true")
-    monkeypatch.setattr(compiled, "BACKEND", broken)
-    lines = []
-    decoder = compiled.for_update(policy, cfg, say=lines.append)
-    rollout = _rollout(0, 6, 10)
-    eager = _step(policy, rollout, None)
-    fallen = _step(policy, rollout, decoder)
+    cfg, policy, rollout, decoder, lines, eager, fallen = _eager_and_fallen(monkeypatch, broken, 0)
     assert len(lines) == 1 and "no compiler here" in lines[0] and "eager" in lines[0] and "\n" not in lines[0]
     # the fallback runs the eager decoder itself: the same numbers, bit for bit
     assert torch.equal(eager[0], fallen[0]) and torch.equal(eager[1], fallen[1])
@@ -162,13 +167,9 @@ def test_a_compile_failing_partway_through_the_layers_gives_eager_numbers(monkey
             raise RuntimeError("the second graph fails")
         return graph.forward
 
-    cfg, policy = _policy("trainer.compile=true", "model.loader.hidden_size=24")  # its own graphs: none cached
-    monkeypatch.setattr(compiled, "BACKEND", second_fails)
-    lines = []
-    decoder = compiled.for_update(policy, cfg, say=lines.append)
-    rollout = _rollout(7, 6, 10)
-    eager = _step(policy, rollout, None)
-    fallen = _step(policy, rollout, decoder)
+    # its own graphs (another width): none cached from the other tests
+    _, _, _, decoder, lines, eager, fallen = _eager_and_fallen(monkeypatch, second_fails, 7,
+                                                                "model.loader.hidden_size=24")
     # the first layer's first region ran compiled, the rest of the call eager, each layer's keys and values written
     # to the prompts' cache once (a rerun of the layers already run would append them twice: other log-probs)
     assert len(compiles) == 2 and decoder.failed and len(lines) == 1 and "the second graph fails" in lines[0]
