@@ -54,6 +54,8 @@ _START: datetime | None = None
 # seconds a rank whose collective broke waits for the rank that broke it to be gone, before it says "another rank"
 _GONE_WAIT_S = 3.0
 _WORLD: World | None = None
+# a lost rank broke _WORLD's group and this process tore it down (_leave_broken_world): no new group is joined
+_BROKEN = False
 
 
 @dataclass(frozen=True)
@@ -155,13 +157,16 @@ class World:
         there, only an error met while a rank is gone is converted; any other goes on as it was raised."""
         try:
             yield
-        except (RuntimeError, ConnectionError) as err:
+        except (RuntimeError, ConnectionError, ValueError) as err:
+            if isinstance(err, ValueError) and not _BROKEN:  # ValueError: a collective on a group torn down here
+                raise
             dead = self._gone() if self.size > 1 else []
             if not dead and not collective:
                 raise
             who = (f"rank {dead[0]} (pid {self.peers[dead[0]][1]})" if len(dead) == 1 else
                    f"ranks {', '.join(map(str, dead))}" if dead else "another rank")
             reason = " ".join(str(err).split())[:120] or type(err).__name__
+            _leave_broken_world()
             raise RunError(f"{who} stopped (killed or crashed), so rank {self.rank} cannot go on ({reason}); every "
                            f"rank stops, the last checkpoint is whole: resume the run with grpo train resume=RUN"
                            ) from None
@@ -215,7 +220,7 @@ def init_world() -> World:
     global _WORLD
     if world_size() == 1:
         return SINGLE
-    if _WORLD is not None and dist.is_initialized():
+    if _WORLD is not None and (dist.is_initialized() or _BROKEN):
         return _WORLD
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -237,14 +242,27 @@ def close_world() -> None:
     gloo's worker threads can outlive it and abort the process ("terminate called without an active exception",
     SIGABRT) after the command's work is done: a rank of a finished run exiting non-zero. Not on an error: a rank
     that fails while others are inside a collective must not wait for them here."""
-    global _WORLD, _START
+    global _WORLD, _START, _BROKEN
     # only the group init_world joined (_WORLD; a 1-process run's in-process vLLM engine makes its own group), and
     # not while vLLM's groups live on it: the engine's shutdown at exit destroys them and the group itself
     parallel_state = sys.modules.get("vllm.distributed.parallel_state")
     vllm_groups = parallel_state is not None and parallel_state.model_parallel_is_initialized()
     if _WORLD is not None and dist.is_initialized() and not vllm_groups:
         destroy_groups()
-    _WORLD, _START = None, None
+    _WORLD, _START, _BROKEN = None, None, False
+
+
+def _leave_broken_world() -> None:
+    """Tear down a group a lost rank broke. No collective can run on it again, and left to the interpreter's exit
+    its gloo threads abort the process (SIGABRT, "terminate called without an active exception") after the
+    error line: a failed rank would end killed by a signal instead of with its exit code. Destroying a gloo group
+    talks to no peer, so it cannot wait on the dead one. `_WORLD` stays: the broken world is still this process's
+    world (init_world must not join a new group), and a collective on it fails as any broken one does."""
+    global _BROKEN
+    _BROKEN = True
+    if dist.is_initialized() and dist.get_backend() == "gloo":  # NCCL's teardown may wait on the lost peer
+        with contextlib.suppress(RuntimeError, ValueError):
+            destroy_groups()
 
 
 def destroy_groups() -> None:

@@ -26,6 +26,7 @@ def _dying_worker(rank: int, port: int, out: str) -> None:
         world.sum(torch.tensor([1.0]))
     except RunError as err:
         Path(out, "rank0.txt").write_text(str(err))
+    assert init_world() is world  # the broken world stays this process's: no new group is joined
 
 
 def test_a_killed_rank_ends_the_others_with_one_line_naming_it(tmp_path):
