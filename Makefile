@@ -66,14 +66,12 @@ FAST := -m "not slow or ci"
 
 # make test's workers: 2 pytest processes of 1 torch thread each keep both cores busy where one process leaves one
 # idle (imports, subprocess starts, the tiny model's Python-bound steps); a module's tests stay in one worker
-# (--dist loadfile), so its module fixtures are built once. 0 (the default): one process, until 2 workers are timed
-# on a quiet clean clone (a clean-clone try stopped at its first test; most likely conftest's tests/system cap
-# refusing the suite, which a worker reports as xdist's INTERNALERROR, not yet rerun)
-TEST_WORKERS ?= 0
+# (--dist loadfile), in conftest's order (the long modules first); 0: one process (docs/development.md, The test suite)
+TEST_WORKERS ?= 2
 XDIST = $(if $(filter 0,$(TEST_WORKERS)),,OMP_NUM_THREADS=1)
 
 test: install ## the fast suite plus the slow tests marked for CI, every tier (budget: 6 min quiet); prints the 15 slowest
-	$(XDIST) $(BIN)/python -m pytest -q $(if $(XDIST),-n $(TEST_WORKERS) --dist loadfile) $(FAST) --durations=15 $(ARGS)
+	$(XDIST) $(BIN)/python -m pytest -q $(if $(XDIST),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) $(FAST) --durations=15 $(ARGS)
 
 test-unit: install ## tests/unit, fast tests only: the library's pieces on the tiny model (under 2 min; make test adds CI's slow ones)
 	$(BIN)/python -m pytest -q -m "not slow" tests/unit $(ARGS)

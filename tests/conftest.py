@@ -153,3 +153,8 @@ def pytest_collection_modifyitems(config, items):
     if len(system) > SYSTEM_LIMIT:
         raise pytest.UsageError(f"tests/system holds {len(system)} cases, more than {SYSTEM_LIMIT}: keep there only "
                                 f"what needs its own process (docs/development.md, The test suite)")
+    # the longest modules first (make test's workers take whole modules in this order, --no-loadscope-reorder):
+    # started last, one of them would keep one worker busy for a minute while the other stands idle
+    long_modules = {item.path for item in items
+                    if item.nodeid.startswith("tests/system/") or item.get_closest_marker("ci")}
+    items.sort(key=lambda item: item.path not in long_modules)
