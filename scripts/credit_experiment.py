@@ -80,6 +80,10 @@ CANDIDATES = {
     "add3_warm_t07": {"data": ADD3, "steps": 3, "temperature": 0.7, "start": "add3_o40"},
     # a curriculum: the start learned two-step chains, the arms train on three
     "add3_from_add2": {"data": ADD3, "steps": 3, "temperature": 1.0, "start": "add2_o40"},
+    # added after the first calibration (2026-12-04: add3_warm 0.633, add3_warm_t07 0.660 sampled, above the band),
+    # before any arm ran: the add3_o40 run's training accuracy crossed 0.3 at its steps 33-36, so the same warm start
+    # stopped at step 34
+    "add3_warm34": {"data": ADD3, "steps": 3, "temperature": 1.0, "start": "add3_o34"},
 }
 # warm starts: outcome-reward GRPO (recipes/multistep_outcome.yaml with SHAPING) on `data` at `temperature`, on a
 # trainer seed outside SEEDS (other prompts of the same train split, never a held-out problem), `steps` steps
@@ -87,7 +91,11 @@ WARM_STARTS = {
     # the task itself; 40 steps as the default job's (which took 2-operand addition from 0.245 to 0.625 greedy)
     "add3_o40": {"data": ADD3, "temperature": 1.0, "seed": 900, "steps": 40},
     # two-step chains, where the base model is right more often, so more of its groups carry a gradient
-    "add2_o40": {"data": ["data.num_operands=3", "data.operators=[+]"], "temperature": 1.0, "seed": 901, "steps": 40},
+    # (its 729 distinct problems hold a held-out split of at most 362: 200 here; the arms never read add2's)
+    "add2_o40": {"data": ["data.num_operands=3", "data.operators=[+]", "data.heldout_size=200"], "temperature": 1.0,
+                 "seed": 901, "steps": 40},
+    # add3_o40's first 34 steps (the same seed, data and settings; the learning rate is constant)
+    "add3_o34": {"data": ADD3, "temperature": 1.0, "seed": 900, "steps": 34},
 }
 CALIBRATION = {"problems": 64, "samples": 8, "low": 0.2, "high": 0.4, "target": 0.3, "min_steps": 3}
 # what every eval scores with: the held-out split, accuracy with a truncated completion wrong, the training cap
