@@ -43,7 +43,10 @@ The design, fixed before any run:
 
 Resumable: each finished (arm, seed) writes OUT/results/ARM_sSEED.json (atomically, after its eval); a re-run runs
 only what is missing, and an (arm, seed) whose run or eval was interrupted starts again from step 0 in an empty
-folder, so the endpoint does not depend on where a session ended. Uses the product's own commands (`grpo train`,
+folder, so the endpoint does not depend on where a session ended. Across sessions (each on a fresh machine): OUT
+defaults to experiments/credit/, whose .gitignore keeps calibration.json, results/ and report.md in git (commit each
+result as it lands); the warm start is trained again there, and `run` stops unless its adapter's sha256 is the one
+calibration.json recorded. Uses the product's own commands (`grpo train`,
 `grpo eval` in subprocesses of this interpreter). Pass `-- OVERRIDES` to add overrides to every command (e.g.
 `-- model=tiny` to check the script on the tiny model).
 """
@@ -51,6 +54,7 @@ folder, so the endpoint does not depend on where a session ended. Uses the produ
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -157,7 +161,10 @@ def calibrate(out: Path, extra: list[str], names=tuple(CANDIDATES)) -> dict:
         print(f"{name}: sampled {found[name]['sampled_accuracy']:.3f}, greedy {found[name]['greedy_accuracy']:.3f}, "
               f"truncated {found[name]['truncated']:.2f} ({wall:.0f} s)", flush=True)
     chosen = choose_task(found)
-    report = {"rule": CALIBRATION, "warm_starts": WARM_STARTS, "candidates": found, "chosen": chosen}
+    starts = {CANDIDATES[n]["start"] for n in names} - {"base"}
+    hashes = {key: adapter_sha256(warm_start(out, key, extra)) for key in sorted(starts)}
+    report = {"rule": CALIBRATION, "warm_starts": WARM_STARTS, "warm_sha256": hashes, "candidates": found,
+              "chosen": chosen}
     write_json(out / "calibration.json", report)
     print(f"chosen: {chosen}" if chosen else "no candidate in range: the experiment does not start", flush=True)
     return report
@@ -176,6 +183,24 @@ def warm_start(out: Path, key: str, extra: list[str]) -> Path:
          "trainer.report_to=[]", "trainer.num_completions_to_print=0", f"hydra.run.dir={run}", *extra,
          log=_log(out, f"warm_{key}"))
     return last_checkpoint(run)
+
+
+def adapter_sha256(ckpt: Path) -> str:
+    """The warm start's adapter, by content: a session on a fresh machine trains it again (OUT/warm is not kept in
+    git), and `run` goes on only if that gives the very adapter calibration measured."""
+    return hashlib.sha256((ckpt / "adapter_model.safetensors").read_bytes()).hexdigest()
+
+
+def check_warm_start(out: Path, name: str, calibration: dict, extra: list[str]) -> None:
+    """Stop unless candidate `name`'s warm start is, byte for byte, the one calibration measured."""
+    start = CANDIDATES[name]["start"]
+    if start == "base":
+        return
+    expected = calibration.get("warm_sha256", {}).get(start)
+    got = adapter_sha256(warm_start(out, start, extra))
+    if expected is not None and got != expected:
+        sys.exit(f"warm start {start}: its adapter (sha256 {got[:12]}) is not the one calibration measured "
+                 f"({expected[:12]}): the seeds already run started from another policy; do not mix them")
 
 
 def start_policy(out: Path, name: str, extra: list[str]) -> list[str]:
@@ -317,7 +342,9 @@ def _log(out: Path, name: str) -> Path:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("command", choices=("calibrate", "run", "report"))
-    parser.add_argument("--out", type=Path, default=REPO / "outputs" / "credit_experiment")
+    # in the repository: git keeps its calibration.json, results/ and report.md (its .gitignore), so the experiment
+    # goes on in a later session on another machine
+    parser.add_argument("--out", type=Path, default=REPO / "experiments" / "credit")
     parser.add_argument("--seeds", type=int, nargs="*", default=SEEDS, help="a subset, for a check")
     parser.add_argument("--steps", type=int, default=STEPS, help="fewer, for a check only")
     parser.add_argument("--candidates", nargs="*", choices=tuple(CANDIDATES), help="calibrate: these only")
@@ -327,9 +354,11 @@ def main() -> None:
         calibrate(args.out, extra, args.candidates or tuple(CANDIDATES))
     elif args.command == "run":
         calibration = args.out / "calibration.json"
-        chosen = json.loads(calibration.read_text())["chosen"] if calibration.exists() else None
+        measured = json.loads(calibration.read_text()) if calibration.exists() else {}
+        chosen = measured.get("chosen")
         if chosen is None:
             sys.exit(f"no calibrated task in {calibration}: run `calibrate` first (the design picks the task from it)")
+        check_warm_start(args.out, chosen, measured, extra)
         run_base(args.out, chosen, extra)
         for arm, seed in pending(args.out, seeds=args.seeds):
             run_one(args.out, arm, seed, chosen, extra, args.steps)
