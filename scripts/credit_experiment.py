@@ -44,11 +44,12 @@ The design, fixed before any run:
 Resumable: each finished (arm, seed) writes OUT/results/ARM_sSEED.json (atomically, after its eval); a re-run runs
 only what is missing, and an (arm, seed) whose run or eval was interrupted starts again from step 0 in an empty
 folder, so the endpoint does not depend on where a session ended. Across sessions (each on a fresh machine): OUT
-defaults to experiments/credit/, whose .gitignore keeps calibration.json, results/ and report.md in git (commit each
-result as it lands); the warm start is trained again there, and `run` stops unless its adapter's sha256 is the one
-calibration.json recorded. Uses the product's own commands (`grpo train`,
-`grpo eval` in subprocesses of this interpreter). Pass `-- OVERRIDES` to add overrides to every command (e.g.
-`-- model=tiny` to check the script on the tiny model).
+defaults to experiments/credit/, whose .gitignore keeps calibration.json, results/, report.md and the chosen warm
+start's adapter in git (commit each result as it lands). The adapter is kept, not trained again: a second training
+of the same warm start gave the same rewards, lengths and loss for 34 steps but gradient norms 1.5e-6 apart, so
+not the same bytes; `run` stops unless the adapter's sha256 is the one calibration.json recorded. Uses the
+product's own commands (`grpo train`, `grpo eval` in subprocesses of this interpreter). Pass `-- OVERRIDES` to
+add overrides to every command (e.g. `-- model=tiny` to check the script on the tiny model).
 """
 
 from __future__ import annotations
@@ -186,8 +187,8 @@ def warm_start(out: Path, key: str, extra: list[str]) -> Path:
 
 
 def adapter_sha256(ckpt: Path) -> str:
-    """The warm start's adapter, by content: a session on a fresh machine trains it again (OUT/warm is not kept in
-    git), and `run` goes on only if that gives the very adapter calibration measured."""
+    """The warm start's adapter, by content: `run` goes on only from the very adapter calibration measured (kept in
+    git under OUT/warm; one trained again would differ in its last bits)."""
     return hashlib.sha256((ckpt / "adapter_model.safetensors").read_bytes()).hexdigest()
 
 
