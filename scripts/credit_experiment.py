@@ -44,10 +44,9 @@ The design, fixed before any run:
 Resumable: each finished (arm, seed) writes OUT/results/ARM_sSEED.json (atomically, after its eval); a re-run runs
 only what is missing, and an (arm, seed) whose run or eval was interrupted starts again from step 0 in an empty
 folder, so the endpoint does not depend on where a session ended. Across sessions (each on a fresh machine): OUT
-defaults to experiments/credit/, whose .gitignore keeps calibration.json, results/, report.md and the chosen warm
-start's adapter in git (commit each result as it lands). The adapter is kept, not trained again: a second training
-of the same warm start gave the same rewards, lengths and loss for 34 steps but gradient norms 1.5e-6 apart, so
-not the same bytes; `run` stops unless the adapter's sha256 is the one calibration.json recorded. Uses the
+defaults to experiments/credit/, whose .gitignore keeps calibration.json, results/ and report.md in git (commit each
+result as it lands); weights stay out, so a later session trains the warm start again, and `run` stops unless that
+run repeats calibration's step by step (rewards, lengths, loss, KL: `warm_trace`). Uses the
 product's own commands (`grpo train`, `grpo eval` in subprocesses of this interpreter). Pass `-- OVERRIDES` to
 add overrides to every command (e.g. `-- model=tiny` to check the script on the tiny model).
 """
@@ -55,7 +54,6 @@ add overrides to every command (e.g. `-- model=tiny` to check the script on the 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import os
@@ -163,8 +161,8 @@ def calibrate(out: Path, extra: list[str], names=tuple(CANDIDATES)) -> dict:
               f"truncated {found[name]['truncated']:.2f} ({wall:.0f} s)", flush=True)
     chosen = choose_task(found)
     starts = {CANDIDATES[n]["start"] for n in names} - {"base"}
-    hashes = {key: adapter_sha256(warm_start(out, key, extra)) for key in sorted(starts)}
-    report = {"rule": CALIBRATION, "warm_starts": WARM_STARTS, "warm_sha256": hashes, "candidates": found,
+    traces = {key: warm_trace(warm_start(out, key, extra)) for key in sorted(starts)}
+    report = {"rule": CALIBRATION, "warm_starts": WARM_STARTS, "warm_trace": traces, "candidates": found,
               "chosen": chosen}
     write_json(out / "calibration.json", report)
     print(f"chosen: {chosen}" if chosen else "no candidate in range: the experiment does not start", flush=True)
@@ -186,22 +184,26 @@ def warm_start(out: Path, key: str, extra: list[str]) -> Path:
     return last_checkpoint(run)
 
 
-def adapter_sha256(ckpt: Path) -> str:
-    """The warm start's adapter, by content: `run` goes on only from the very adapter calibration measured (kept in
-    git under OUT/warm; one trained again would differ in its last bits)."""
-    return hashlib.sha256((ckpt / "adapter_model.safetensors").read_bytes()).hexdigest()
+TRACE = ("reward", "completions/mean_length", "loss", "kl")  # a warm start's per-step numbers that must repeat
+
+
+def warm_trace(ckpt: Path) -> list[list[float]]:
+    """The warm start's run, step by step (TRACE of its metrics.jsonl): what `run` compares in a later session,
+    where the warm start is trained again (weights stay out of git; a second training repeats these numbers exactly
+    but not the adapter's last bits: gradient norms 1.5e-6 apart)."""
+    rows = [json.loads(line) for line in (ckpt.parent.parent / "metrics.jsonl").read_text().splitlines() if line]
+    return [[row[key] for key in TRACE] for row in rows]
 
 
 def check_warm_start(out: Path, name: str, calibration: dict, extra: list[str]) -> None:
-    """Stop unless candidate `name`'s warm start is, byte for byte, the one calibration measured."""
+    """Stop unless candidate `name`'s warm start repeats, step by step, the run calibration measured."""
     start = CANDIDATES[name]["start"]
     if start == "base":
         return
-    expected = calibration.get("warm_sha256", {}).get(start)
-    got = adapter_sha256(warm_start(out, start, extra))
-    if expected is not None and got != expected:
-        sys.exit(f"warm start {start}: its adapter (sha256 {got[:12]}) is not the one calibration measured "
-                 f"({expected[:12]}): the seeds already run started from another policy; do not mix them")
+    expected = calibration.get("warm_trace", {}).get(start)
+    if expected is not None and warm_trace(warm_start(out, start, extra)) != expected:
+        sys.exit(f"warm start {start}: its training run does not repeat the one calibration measured (TRACE of "
+                 f"metrics.jsonl): the seeds already run started from another policy; do not mix them")
 
 
 def start_policy(out: Path, name: str, extra: list[str]) -> list[str]:
