@@ -173,7 +173,8 @@ def warm_start(out: Path, key: str, extra: list[str]) -> Path:
     """Warm start `key` of WARM_STARTS (trained once, kept: OUT/warm/KEY); returns its last checkpoint."""
     warm, run = WARM_STARTS[key], out / "warm" / key
     ckpt = last_checkpoint(run) if run.exists() else None
-    if ckpt is not None and ckpt.name == f"step_{warm['steps']:06d}":
+    # its metrics.jsonl too: check_warm_start compares that run's trace, so a checkpoint alone is trained again
+    if ckpt is not None and ckpt.name == f"step_{warm['steps']:06d}" and (run / "metrics.jsonl").exists():
         return ckpt
     fresh(run)
     print(f"warm start {key} -> {run}", flush=True)
