@@ -15,41 +15,6 @@ from tests.helpers import SCRIPTED_TOOLS, SCRIPTED_TOOLS_ARGS, TORCHRUN_TINY, G,
 
 @pytest.mark.slow
 @pytest.mark.ci
-def test_torchrun_two_ranks_train_resume_and_eval(tmp_path):
-
-    torchrun(tmp_path, "train", *TORCHRUN_TINY)
-    runs = list((tmp_path / "outputs" / "train").glob("*/*"))
-    assert len(runs) == 1, runs  # both ranks wrote into the one folder rank 0's clock named
-    run = runs[0]
-    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics] == [1, 2, 3]
-    # the reward metrics are over both ranks' completions: 4 prompts x G = 16 per step
-    rows = [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
-    for step in (1, 2, 3):
-        mine = [r for r in rows if r["step"] == step]
-        assert len(mine) == 16 and {r["rank"] for r in mine} == {0, 1}
-        prompts = {rank: {r["prompt_id"] for r in mine if r["rank"] == rank} for rank in (0, 1)}
-        assert len(prompts[0]) == len(prompts[1]) == 2 and not prompts[0] & prompts[1]  # no prompt twice
-        texts = {rank: [r["completion"] for r in mine if r["rank"] == rank] for rank in (0, 1)}
-        assert texts[0] != texts[1]  # each rank sampled its own completions
-    final = load_file(str(run / "checkpoints" / "step_000003" / "adapter_model.safetensors"))
-
-    # resume from step 2 on 2 ranks: step 3 again, the same weights as the uninterrupted run
-    torchrun(tmp_path, "train", f"resume={run / 'checkpoints' / 'step_000002'}")
-    again = load_file(str(run / "checkpoints" / "step_000003" / "adapter_model.safetensors"))
-    assert final.keys() == again.keys()
-    for name in final:
-        assert torch.allclose(final[name], again[name], atol=1e-6, rtol=0), name
-    assert len((run / "metrics.jsonl").read_text().splitlines()) == 3
-
-    # grpo eval loads the 2-rank checkpoint (one process: this one, as run_cli runs a command)
-    code, out, err = run_cli(["eval", f"checkpoint={run / 'checkpoints' / 'step_000003'}", "eval.limit=4",
-                              f"hydra.run.dir={tmp_path / 'eval'}"], cwd=tmp_path)
-    assert code == 0 and (tmp_path / "eval" / "eval.json").exists(), err[-3000:]
-
-
-@pytest.mark.slow
-@pytest.mark.ci
 def test_torchrun_eval_shards_problems_and_gathers_every_row(tmp_path):
 
     args = ["eval", "model=tiny", "eval.limit=6", "eval.batch_size=2", "eval.max_new_tokens=6"]
@@ -70,7 +35,9 @@ def test_torchrun_eval_shards_problems_and_gathers_every_row(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.ci
-def test_torchrun_two_ranks_run_episodes_and_resume_them_exactly_after_kill_9(tmp_path):
+def test_torchrun_two_ranks_train_episodes_resume_them_exactly_after_kill_9_and_eval(tmp_path):
+    """One launch of each: a 2-rank run (multi-turn episodes, the scripted tool calls), the same run killed (-9)
+    after its first checkpoint and resumed on 2 ranks, and grpo eval of the 2-rank checkpoint."""
     import os
     import signal
     import subprocess
@@ -79,13 +46,21 @@ def test_torchrun_two_ranks_run_episodes_and_resume_them_exactly_after_kill_9(tm
 
     (tmp_path / "scripted_tools.py").write_text(SCRIPTED_TOOLS)
     args = ["train", *TORCHRUN_TINY, *SCRIPTED_TOOLS_ARGS, "trainer.max_steps=2"]
-    torchrun(tmp_path, *args, f"hydra.run.dir={tmp_path / 'straight'}")
-    rows = [json.loads(line) for line in (tmp_path / "straight" / "completions.jsonl").read_text().splitlines()]
-    metrics = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
+    torchrun(tmp_path, *args)
+    runs = list((tmp_path / "outputs" / "train").glob("*/*"))
+    assert len(runs) == 1, runs  # both ranks wrote into the one folder rank 0's clock named
+    straight = runs[0]
+    rows = [json.loads(line) for line in (straight / "completions.jsonl").read_text().splitlines()]
+    metrics = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2]
     for record in metrics:
         mine = [r for r in rows if r["step"] == record["step"]]
-        # both ranks' episodes, with their turns; the tool metrics are over all 16, not rank 0's 8
+        # both ranks' episodes, with their turns; the metrics are over all 16 (4 prompts x G), not rank 0's 8
         assert len(mine) == 16 and {r["rank"] for r in mine} == {0, 1} and all(r["turns"] for r in mine)
+        prompts = {rank: {r["prompt_id"] for r in mine if r["rank"] == rank} for rank in (0, 1)}
+        assert len(prompts[0]) == len(prompts[1]) == 2 and not prompts[0] & prompts[1]  # no prompt twice
+        texts = {rank: [r["completion"] for r in mine if r["rank"] == rank] for rank in (0, 1)}
+        assert texts[0] != texts[1]  # each rank sampled its own episodes
         assert record["tools/call_frequency"] == pytest.approx(sum(r["tool_calls"] for r in mine) / 16)
         turns = [sum(m["role"] == "assistant" for m in r["turns"]) for r in mine]
         assert record["turns/mean"] == pytest.approx(sum(turns) / 16)
@@ -105,8 +80,19 @@ def test_torchrun_two_ranks_run_episodes_and_resume_them_exactly_after_kill_9(tm
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     torchrun(tmp_path, "train", f"resume={killed}", "trust_run_config=true")
-    # the episodes of every step are the uninterrupted run's, token for token
-    assert (killed / "completions.jsonl").read_text() == (tmp_path / "straight" / "completions.jsonl").read_text()
+    # the episodes of every step are the uninterrupted run's, token for token, and so are the weights
+    assert (killed / "completions.jsonl").read_text() == (straight / "completions.jsonl").read_text()
+    final, again = _adapter(straight, 2), _adapter(killed, 2)
+    assert final.keys() == again.keys()
+    for name in final:
+        assert torch.allclose(final[name], again[name], atol=1e-6, rtol=0), name
+    assert len((killed / "metrics.jsonl").read_text().splitlines()) == 2
+
+    # grpo eval loads the 2-rank checkpoint (one process: this one, as run_cli runs a command); the run's sampler
+    # is the scripted one of this folder, code a run folder does not run unless trusted
+    code, out, err = run_cli(["eval", f"checkpoint={straight / 'checkpoints' / 'step_000002'}", "eval.limit=4",
+                              "trust_run_config=true", f"hydra.run.dir={tmp_path / 'eval'}"], cwd=tmp_path)
+    assert code == 0 and (tmp_path / "eval" / "eval.json").exists(), err[-3000:]
 
 
 def _adapter(run: Path, step: int) -> dict:
