@@ -4,13 +4,15 @@ base model on the held-out products (greedy), and write the table and the tool-c
     python run.py                   # the embedded SmolLM2-135M-Instruct, CPU (README: the claim, the endpoint)
     python run.py --demo            # the same with one demonstrated call in the system turn (--demo system)
     python run.py --demo turns      # the same with two demonstrated calls as earlier turns of the conversation
+    python run.py --demo turn       # one demonstrated call as earlier turns (two put the base model at 1.0)
     python run.py --demo turns --probe   # no training: the base model's calls and answers (README: the probe)
     python run.py --smoke           # the tiny random model, 2 steps, 4 held-out problems: checks the plumbing only
 
 Resumable: a run whose last checkpoint exists is not trained again, one cut short resumes from its last
 checkpoint, and each score is kept in OUT/scores.json once made. Writes OUT/results.md and OUT/tool_calls.png
-(OUT: runs/, runs_demo/, runs_turns/ or runs_smoke/ beside this file). `--demo turns` trains on OUT/data/, the
-products of train.jsonl and heldout.jsonl (as its train and test splits) with the demonstrations in front of each.
+(OUT: runs/, runs_demo/, runs_turn/, runs_turns/ or runs_smoke/ beside this file). `--demo turn|turns` trains on
+OUT/data/, the products of train.jsonl and heldout.jsonl (as its train and test splits) with the demonstrations in
+front of each.
 """
 
 from __future__ import annotations
@@ -37,8 +39,9 @@ def demonstrated(a: int, b: int) -> list[dict]:
             {"role": "assistant", "content": f"The answer is {a * b}."}]
 
 
-# two demonstrated calls before every question, train and held-out alike (neither product is in the data)
-DEMO_TURNS = [*demonstrated(123, 45), *demonstrated(608, 37)]
+# demonstrated calls before every question, train and held-out alike (neither product is in the data): two
+# (--demo turns), or the first one only (--demo turn)
+DEMO_TURNS = {"turns": [*demonstrated(123, 45), *demonstrated(608, 37)], "turn": demonstrated(123, 45)}
 TOOLS = ["env=tools", "env.tools=[calculator.calculator]", "env.max_turns=3", "env.max_episode_tokens=160"]
 NO_TOOLS = ["sampler.max_new_tokens=96"]
 # the tiny model's tokenizer is one token a character: the schemas and --demo turns make a prompt of ~1,200
@@ -47,7 +50,7 @@ SMOKE_PROMPTS = ["sampler.max_prompt_tokens=1600"]
 
 def train_args(args) -> list[str]:
     """What both training runs share; they differ only in TOOLS or NO_TOOLS."""
-    data = f"data.path={turns_data(args.out)}" if args.demo == "turns" else "data.path=train.jsonl"
+    data = f"data.path={turns_data(args.out, args.demo)}" if args.demo in DEMO_TURNS else "data.path=train.jsonl"
     common = ["data=hf", data, "reward=custom", "reward.funcs=[answer_reward.correct]",
               "sampler=default", f"trainer.max_steps={args.steps}", f"trainer.save_every={max(1, args.steps // 3)}",
               "trainer.prompts_per_step=2", "algo.group_size=8", "trainer.report_to=[]"]
@@ -56,7 +59,7 @@ def train_args(args) -> list[str]:
     return common + ([f"data.system_prompt='{DEMO}'"] if args.demo == "system" else [])
 
 
-def turns_data(out: Path) -> Path:
+def turns_data(out: Path, demo: str) -> Path:
     """OUT/data/{train,test}.jsonl: train.jsonl's and heldout.jsonl's rows, each prompt the demonstrations and then
     the question as messages (written once; data=hf reads the folder's test split as the held-out set)."""
     folder = out / "data"
@@ -64,7 +67,7 @@ def turns_data(out: Path) -> Path:
         folder.mkdir(parents=True, exist_ok=True)
         for source, split in (("train.jsonl", "train"), ("heldout.jsonl", "test")):
             rows = [json.loads(line) for line in (HERE / source).read_text().splitlines()]
-            lines = [json.dumps({**r, "prompt": [*DEMO_TURNS, {"role": "user", "content": r["prompt"]}]})
+            lines = [json.dumps({**r, "prompt": [*DEMO_TURNS[demo], {"role": "user", "content": r["prompt"]}]})
                      for r in rows]
             (folder / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
     return folder
@@ -72,7 +75,7 @@ def turns_data(out: Path) -> Path:
 
 def prefix(args) -> list[dict]:
     """The messages before each question: the demonstration of --demo, if any."""
-    return {"system": [{"role": "system", "content": DEMO}], "turns": DEMO_TURNS}.get(args.demo, [])
+    return {"system": [{"role": "system", "content": DEMO}], **DEMO_TURNS}.get(args.demo, [])
 
 
 def train(run: Path, args, extra: list[str]) -> Path:
@@ -149,8 +152,8 @@ def probe(args) -> None:
     """The base model with the calculator, no training, as two `grpo eval` commands: greedy on the held-out
     products, then 2 problems x 8 episodes at temperature 1 (a training step's worth); prints how many episodes
     call the calculator and how many answers are right, and which groups of 8 have rewards that vary."""
-    if args.demo == "turns":
-        data = ["data=hf", f"data.path={turns_data(out=args.out)}"]
+    if args.demo in DEMO_TURNS:
+        data = ["data=hf", f"data.path={turns_data(args.out, args.demo)}"]
     else:
         data = ["data=hf", "data.path=heldout.jsonl", "data.test_split=train", f"data.heldout_size={args.heldout}"]
         data += [f"data.system_prompt='{DEMO}'"] if args.demo == "system" else []
@@ -181,9 +184,9 @@ def probe(args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="the tiny random model, 2 steps: the plumbing only")
-    parser.add_argument("--demo", nargs="?", const="system", choices=["system", "turns"], default=None,
-                        help="system: one demonstrated call in the system turn; turns: two demonstrated calls as "
-                             "earlier turns of the conversation")
+    parser.add_argument("--demo", nargs="?", const="system", choices=["system", "turn", "turns"], default=None,
+                        help="system: one demonstrated call in the system turn; turn, turns: one or two "
+                             "demonstrated calls as earlier turns of the conversation")
     parser.add_argument("--probe", action="store_true",
                         help="no training: grpo eval of the base model with the calculator, greedy on the held-out "
                              "products and 2 x 8 sampled episodes at temperature 1 (tool calls, right answers)")
@@ -193,7 +196,7 @@ def main() -> None:
     args.steps = args.steps or (2 if args.smoke else 15)
     args.heldout = args.heldout or (4 if args.smoke else 50)
     start = time.time()
-    folders = {"system": "runs_demo", "turns": "runs_turns"}
+    folders = {"system": "runs_demo", "turn": "runs_turn", "turns": "runs_turns"}
     out = HERE / ("runs_smoke" if args.smoke else folders.get(args.demo, "runs"))
     out.mkdir(exist_ok=True)
     args.out = out

@@ -7,6 +7,8 @@ from __future__ import annotations
 import importlib.util
 import json
 
+import pytest
+
 from grpo_cli.config import compose
 from grpo_cli.env.formats import CHATML_TOOLS_TEMPLATE, ToolFormat
 from grpo_cli.instantiate import build
@@ -26,7 +28,8 @@ run, calculator, reward = load("run"), load("calculator"), load("answer_reward")
 
 
 def test_the_demonstrated_turns_are_right_calls_with_right_answers():
-    turns = run.DEMO_TURNS
+    turns = run.DEMO_TURNS["turns"]
+    assert run.DEMO_TURNS["turn"] == turns[:4]  # --demo turn: the first of the two
     assert [m["role"] for m in turns] == ["user", "assistant", "tool", "assistant"] * 2
     fmt = ToolFormat("chatml", CHATML_TOOLS_TEMPLATE)
     for k in (0, 4):
@@ -38,15 +41,16 @@ def test_the_demonstrated_turns_are_right_calls_with_right_answers():
     assert [turns[2]["content"], turns[6]["content"]] == ["5535", "22496"]
 
 
-def test_turns_data_puts_the_demonstrations_before_every_question_of_both_splits(tmp_path):
-    folder = run.turns_data(tmp_path)
+@pytest.mark.parametrize("demo", ["turn", "turns"])
+def test_turns_data_puts_the_demonstrations_before_every_question_of_both_splits(tmp_path, demo):
+    folder = run.turns_data(tmp_path, demo)
     for source, split, count in (("train.jsonl", "train", 400), ("heldout.jsonl", "test", 50)):
         plain = [json.loads(line) for line in (HERE / source).read_text().splitlines()]
         rows = [json.loads(line) for line in (folder / f"{split}.jsonl").read_text().splitlines()]
         assert len(rows) == len(plain) == count
-        assert all(r["prompt"] == [*run.DEMO_TURNS, {"role": "user", "content": p["prompt"]}]
+        assert all(r["prompt"] == [*run.DEMO_TURNS[demo], {"role": "user", "content": p["prompt"]}]
                    and r["answer"] == p["answer"] for r, p in zip(rows, plain))
     # grpo train data=hf data.path=FOLDER: the test split is the held-out set, each prompt used as it is
     task = build(compose("train", ["data=hf", f"data.path={folder}"]).data)
-    assert len(task.heldout) == 50 and task.heldout[0]["messages"][:8] == run.DEMO_TURNS
+    assert len(task.heldout) == 50 and task.heldout[0]["messages"][:-1] == run.DEMO_TURNS[demo]
     assert task.heldout[0]["question"].startswith("What is ")  # the real question, not a demonstration's
