@@ -93,14 +93,33 @@ def test_both_arms_start_from_the_candidates_policy_at_its_temperature(ce, tmp_p
                                              "start": "o2"})
     monkeypatch.setitem(ce.CANDIDATES, "b", {"data": ["data.num_operands=4"], "steps": 3, "temperature": 1.0,
                                              "start": "base"})
-    # a finished warm start is kept: its last checkpoint is its last step, so nothing trains here
+    # a finished warm start is kept: its last checkpoint is its last step and its metrics.jsonl (the trace `run`
+    # compares) is there, so nothing trains here
     ckpt = tmp_path / "warm" / "o2" / "checkpoints" / "step_000002"
     ckpt.mkdir(parents=True)
+    (tmp_path / "warm" / "o2" / "metrics.jsonl").write_text("")
     assert ce.arm_settings(tmp_path, "w", []) == ["data.num_operands=4", "sampler.temperature=0.7",
                                                   f"model.init_adapter={ckpt}"]
     assert ce.start_policy(tmp_path, "w", []) == [f"checkpoint={ckpt}"]    # what calibrate and the base eval load
     assert ce.arm_settings(tmp_path, "b", []) == ["data.num_operands=4", "sampler.temperature=1.0"]
     assert ce.start_policy(tmp_path, "b", []) == []                         # the base model
+
+
+def test_a_warm_start_without_its_metrics_is_trained_again(ce, tmp_path, monkeypatch):
+    monkeypatch.setitem(ce.WARM_STARTS, "o2", {"data": [], "temperature": 1.0, "seed": 900, "steps": 2})
+    run = tmp_path / "warm" / "o2"
+    (run / "checkpoints" / "step_000002").mkdir(parents=True)  # a checkpoint alone: its trace cannot be checked
+    trained = []
+
+    def grpo(*args, log):
+        trained.append(args)
+        (run / "checkpoints" / "step_000002").mkdir(parents=True)
+        (run / "metrics.jsonl").write_text("")
+
+    monkeypatch.setattr(ce, "grpo", grpo)
+    assert ce.warm_start(tmp_path, "o2", []) == run / "checkpoints" / "step_000002"
+    assert len(trained) == 1 and "trainer.seed=900" in trained[0]
+    assert ce.warm_start(tmp_path, "o2", []) == run / "checkpoints" / "step_000002" and len(trained) == 1
 
 
 def test_every_candidate_names_its_start(ce):
