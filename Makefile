@@ -69,18 +69,19 @@ FAST := -m "not slow or ci"
 # (--dist loadfile), in conftest's order (the long modules first); 0: one process (docs/development.md, The test suite)
 TEST_WORKERS ?= 2
 XDIST = $(if $(filter 0,$(TEST_WORKERS)),,OMP_NUM_THREADS=1)
+PYTEST = $(XDIST) $(BIN)/python -m pytest -q $(if $(XDIST),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 test: install ## the fast suite plus the slow tests marked for CI, every tier (budget: 6 min quiet); prints the 15 slowest
-	$(XDIST) $(BIN)/python -m pytest -q $(if $(XDIST),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) $(FAST) --durations=15 $(ARGS)
+	$(PYTEST) $(FAST) --durations=15 $(ARGS)
 
 test-unit: install ## tests/unit, fast tests only: the library's pieces on the tiny model (under 2 min; make test adds CI's slow ones)
-	$(BIN)/python -m pytest -q -m "not slow" tests/unit $(ARGS)
+	$(PYTEST) -m "not slow" tests/unit $(ARGS)
 
 test-integration: install ## tests/integration: the commands, run in-process through run_cli (tests/helpers.py)
-	$(BIN)/python -m pytest -q $(FAST) tests/integration $(ARGS)
+	$(PYTEST) $(FAST) tests/integration $(ARGS)
 
 test-system: install ## tests/system: the process itself (console script, torchrun, signals, the wheel)
-	$(BIN)/python -m pytest -q $(FAST) tests/system $(ARGS)
+	$(PYTEST) $(FAST) tests/system $(ARGS)
 
 test-all: install ## every test, slow ones included
 	$(BIN)/python -m pytest -q $(ARGS)
