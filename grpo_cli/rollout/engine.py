@@ -96,8 +96,8 @@ auto.__signature__ = inspect.signature(VLLMSampler)
 
 
 def name(sampler) -> str:
-    """The engine's name on the console."""
-    return "vLLM" if isinstance(sampler, VLLMSampler) else "HF generate"
+    """The engine's name on the console (an episode sampler's: the engine it runs its turns on)."""
+    return "vLLM" if isinstance(getattr(sampler, "wrapped", sampler), VLLMSampler) else "HF generate"
 
 
 def say(sampler, why: str) -> None:

@@ -87,6 +87,14 @@ def test_the_opt_out_variable_picks_hf(vllm_installed, monkeypatch, capsys):
     assert said(capsys) == [f"{HF_LINE} (GRPO_NO_VLLM is set)"]
 
 
+def test_the_line_names_the_engine_an_episode_sampler_runs_its_turns_on(capsys):
+    from grpo_cli.rollout.episodes import EpisodeSampler
+
+    engine.say(EpisodeSampler(VLLMSampler(**sampler_settings("vllm")), env=None), "installed")
+    engine.say(EpisodeSampler(HFSampler(**sampler_settings()), env=None), "as configured")
+    assert said(capsys) == ["sampler: vLLM (installed)", f"{HF_LINE} (as configured)"]
+
+
 @pytest.mark.parametrize("option,target", [("default", engine.HF), ("short", engine.HF), ("vllm", engine.VLLM),
                                            ("vllm_short", engine.VLLM)])
 def test_an_explicit_engine_means_what_it_says(option, target, vllm_installed, monkeypatch):
