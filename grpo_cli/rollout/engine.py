@@ -96,8 +96,8 @@ auto.__signature__ = inspect.signature(VLLMSampler)
 
 
 def name(sampler) -> str:
-    """The engine's name on the console (an episode sampler's: the engine it runs its turns on)."""
-    return "vLLM" if isinstance(getattr(sampler, "wrapped", sampler), VLLMSampler) else "HF generate"
+    """The engine's name on the console: the sampler's `engine_name` (an episode sampler passes on its engine's)."""
+    return getattr(sampler, "engine_name", "HF generate")
 
 
 def say(sampler, why: str) -> None:

@@ -69,11 +69,6 @@ class EpisodeSampler:
             raise AttributeError(name)
         return getattr(self.sampler, name)
 
-    @property
-    def wrapped(self):
-        """The engine's sampler the episodes run on (what the console names)."""
-        return self.sampler
-
     def sync(self, policy) -> None:
         self.sampler.sync(policy)
 

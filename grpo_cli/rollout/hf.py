@@ -31,6 +31,8 @@ from grpo_cli.rollout import (
 class HFSampler(Sampler):
     """The shared sampler settings (conf/sampler/default.yaml) and transformers `generate` on the policy."""
 
+    engine_name = "HF generate"  # the console's name for it (engine.say); a class attribute, not a setting
+
     @torch.no_grad()
     def _generate(self, model, tokenizer, prompts: list[str], n: int, *, greedy: bool, max_new_tokens: int,
                   temperature: float, generator: torch.Generator | None) -> Rollout:

@@ -86,6 +86,8 @@ from grpo_cli.rollout.vllm_engine import (
 class VLLMSampler(Sampler):
     """The `sampler` settings (conf/sampler/vllm.yaml) and a vLLM engine started on first use."""
 
+    engine_name = "vLLM"  # the console's name for it (engine.say); a class attribute, not a setting
+
     # the engine's own settings, beside the shared ones (their values and comments: conf/sampler/vllm.yaml)
     dtype: str
     enforce_eager: bool
