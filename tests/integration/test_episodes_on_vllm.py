@@ -48,7 +48,8 @@ def engines(tmp_path_factory):
     policy.eval()
     hf = EpisodeSampler(HFSampler(**sampler_settings()), build(cfg.env))
     # an eager engine: no model compile at its start (~30 s of the suite's CPU); the compiled engine's greedy
-    # tokens against HF generate's are test_vllm_sampler's (slow tier), its start the default run's (test_engine)
+    # tokens against HF generate's are test_vllm_sampler's (slow tier), its start the default run's
+    # (tests/system/test_process.py)
     vllm = EpisodeSampler(VLLMSampler(**sampler_settings("vllm", enforce_eager=True)), build(cfg.env))
     vllm.start(policy, cfg.sampler, Job(len(EXAMPLES), 2))
     assert vllm.sampler.llm is not None and vllm.sampler.fallback is None
