@@ -64,8 +64,6 @@ def test_a_default_run_with_vllm_prints_our_lines_only(tmp_path):
     model, one tiny step: its console holds no library's warning, log line or progress bar, and the bar is whole."""
     import os
     import re
-    import subprocess
-    import sys
 
     env = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", engine.OPT_OUT, "COLUMNS")}
     env["MPLCONFIGDIR"] = str(tmp_path / "matplotlib")  # matplotlib builds its font cache: its INFO line would print
