@@ -249,9 +249,17 @@ def run_one(out: Path, arm: str, seed: int, task: str, extra: list[str], steps: 
     row = read_eval(folder)
     result = {"arm": arm, "seed": seed, "checkpoint": str(ckpt), "accuracy": row["accuracy"],
               "truncated": row["truncation_rate"], "length": row.get("mean_length"), "train_s": train_s,
-              "eval_s": eval_s}
+              "eval_s": eval_s, "curve": training_curve(run)}
     write_json(result_path(out, arm, seed), result)
     return result
+
+
+def training_curve(run: Path) -> dict:
+    """Per step of a run (metrics.jsonl): the training samples' accuracy and mean completion length, kept in its
+    result so the report can draw the curves where the run folders are gone (another session's machine)."""
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {"accuracy": [r["rewards/accuracy/mean"] for r in rows],
+            "length": [r["completions/mean_length"] for r in rows]}
 
 
 def run_base(out: Path, name: str, extra: list[str]) -> dict:
@@ -329,11 +337,66 @@ def markdown(s: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def report(out: Path) -> str:
+COLORS = {"O": "tab:blue", "P": "tab:orange", "O+": "tab:green"}
+
+
+def plot(results: list[dict], s: dict, base: dict | None, path: Path) -> None:
+    """Three panels: the training samples' accuracy per step (mean over seeds, min-max band; results with a
+    curve), the endpoint per seed with each seed's arms joined, and the paired differences with their intervals."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from paired import save_figure
+
+    fig, (curves, ends, diffs) = plt.subplots(1, 3, figsize=(15, 4))
+    for arm in ARMS:
+        drawn = [r["curve"]["accuracy"] for r in results if r["arm"] == arm and r.get("curve")]
+        if not drawn:
+            continue
+        columns = list(zip(*drawn))  # [steps][seeds]; runs of one arm have the same number of steps
+        steps = range(1, len(columns) + 1)
+        curves.plot(steps, [statistics.mean(c) for c in columns], color=COLORS[arm], label=f"{arm} ({len(drawn)})")
+        curves.fill_between(steps, [min(c) for c in columns], [max(c) for c in columns], color=COLORS[arm],
+                            alpha=0.15)
+    curves.set(title="training samples' accuracy (mean, min-max over seeds)", xlabel="step", ylim=(0, 1))
+    curves.legend()
+    x = range(len(ARMS))
+    for r in s["rows"]:
+        ends.plot(x, [r[a] for a in ARMS], color="grey", alpha=0.5, marker="o", ms=3)
+    if s["rows"]:
+        ends.plot(x, [statistics.mean(r[a] for r in s["rows"]) for a in ARMS], color="k", marker="D", lw=2,
+                  label="mean over seeds")
+    if base:
+        ends.axhline(base["accuracy"], color="tab:red", ls=":", label=f"start {base['accuracy']:.3f}")
+    ends.set(xticks=list(x), xticklabels=list(ARMS), title=f"greedy held-out accuracy, step {STEPS} (per seed)",
+             ylim=(0, 1))
+    ends.legend()
+    for i, (name, (mean, low, high)) in enumerate(s["intervals"].items()):
+        (first, second) = name.split(" - ")
+        values = [r[first] - r[second] for r in s["rows"]]
+        diffs.scatter([i + 0.1 * ((j % 5) - 2) for j in range(len(values))], values, color="grey", s=12)
+        if values and math.isfinite(low):
+            diffs.errorbar([i + 0.35], [mean], yerr=[[mean - low], [high - mean]], color="k", marker="D", capsize=4)
+    diffs.axhline(0, color="grey", lw=0.8)
+    diffs.axhline(0.03, color="tab:red", ls="--", lw=0.8, label="+0.03: 'does not pay' below")
+    diffs.set(xticks=range(len(s["intervals"])), xticklabels=list(s["intervals"]),
+              title="paired differences: per seed, mean and 95% t-interval")
+    diffs.legend()
+    fig.suptitle(f"step credit on multi-step arithmetic (issue #44): {len(s['rows'])} seeds; verdict: "
+                 f"{s['verdict']}", fontsize=10)
+    save_figure(fig, path)
+
+
+def report(out: Path, plot_path: Path | None = None) -> str:
     results = [json.loads(p.read_text()) for p in sorted((out / "results").glob("*_s*.json"))]
     base_path = out / "results" / "base.json"
-    text = markdown(summarize(results, json.loads(base_path.read_text()) if base_path.exists() else None))
+    base = json.loads(base_path.read_text()) if base_path.exists() else None
+    s = summarize(results, base)
+    text = markdown(s)
     (out / "report.md").write_text(text)
+    if plot_path is not None:
+        plot(results, s, base, plot_path)
     print(text)
     return text
 
@@ -350,6 +413,8 @@ def main() -> None:
     # goes on in a later session on another machine
     parser.add_argument("--out", type=Path, default=REPO / "experiments" / "credit")
     parser.add_argument("--seeds", type=int, nargs="*", default=SEEDS, help="a subset, for a check")
+    parser.add_argument("--plot", type=Path, default=REPO / "docs" / "credit_experiment.png",
+                        help="report: the figure (training curves, per-seed endpoints, paired differences)")
     parser.add_argument("--steps", type=int, default=STEPS, help="fewer, for a check only")
     parser.add_argument("--candidates", nargs="*", choices=tuple(CANDIDATES), help="calibrate: these only")
     args, extra = parser.parse_known_args()
@@ -366,9 +431,9 @@ def main() -> None:
         run_base(args.out, chosen, extra)
         for arm, seed in pending(args.out, seeds=args.seeds):
             run_one(args.out, arm, seed, chosen, extra, args.steps)
-        report(args.out)
+        report(args.out, args.plot)
     else:
-        report(args.out)
+        report(args.out, args.plot)
 
 
 if __name__ == "__main__":

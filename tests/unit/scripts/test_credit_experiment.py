@@ -69,13 +69,23 @@ def test_the_verdict_rules(ce):
 def test_the_report_from_fake_results(ce, tmp_path):
     for i, seed in enumerate(ce.SEEDS):
         for arm, acc in (("O", 0.30), ("P", 0.35 + 0.001 * i), ("O+", 0.32)):
+            # results written before the curves were kept have none: the figure draws the curves it has
+            curve = {"accuracy": [acc / 2, acc], "length": [30.0, 28.0]} if seed % 2 else None
             ce.write_json(ce.result_path(tmp_path, arm, seed), {"arm": arm, "seed": seed, "accuracy": acc,
-                                                                "truncated": 0.01})
+                                                                "truncated": 0.01, "curve": curve})
     ce.write_json(tmp_path / "results" / "base.json", {"accuracy": 0.1, "truncated": 0.02})
-    text = ce.report(tmp_path)
+    text = ce.report(tmp_path, tmp_path / "fig" / "credit.png")
     assert "| 100 | 0.300 | 0.350 | 0.320 | +0.050 |" in text
     assert "verdict (rule fixed before the runs): **pays**" in text
     assert (tmp_path / "report.md").read_text() == text
+    assert (tmp_path / "fig" / "credit.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_runs_training_curve_from_its_metrics(ce, tmp_path):
+    rows = [{"step": 1, "rewards/accuracy/mean": 0.25, "completions/mean_length": 31.5},
+            {"step": 2, "rewards/accuracy/mean": 0.5, "completions/mean_length": 29.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert ce.training_curve(tmp_path) == {"accuracy": [0.25, 0.5], "length": [31.5, 29.0]}
 
 
 def test_the_calibration_rule(ce):
