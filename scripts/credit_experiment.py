@@ -62,7 +62,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from paired import REPO, grpo, last_checkpoint
+from paired import REPO, grpo, last_checkpoint, read_jsonl, save_figure
 
 ARMS = {"O": ["+recipe=multistep_outcome"], "P": ["+recipe=multistep_process"],
         "O+": ["+recipe=multistep_process", "reward.scorer.at_end=true"]}
@@ -192,8 +192,7 @@ def warm_trace(ckpt: Path) -> list[list[float]]:
     """The warm start's run, step by step (TRACE of its metrics.jsonl): what `run` compares in a later session,
     where the warm start is trained again (weights stay out of git; a second training repeats these numbers exactly
     but not the adapter's last bits: gradient norms 1.5e-6 apart)."""
-    rows = [json.loads(line) for line in (ckpt.parent.parent / "metrics.jsonl").read_text().splitlines() if line]
-    return [[row[key] for key in TRACE] for row in rows]
+    return [[row[key] for key in TRACE] for row in read_jsonl(ckpt.parent.parent / "metrics.jsonl")]
 
 
 def check_warm_start(out: Path, name: str, calibration: dict, extra: list[str]) -> None:
@@ -257,7 +256,7 @@ def run_one(out: Path, arm: str, seed: int, task: str, extra: list[str], steps: 
 def training_curve(run: Path) -> dict:
     """Per step of a run (metrics.jsonl): the training samples' accuracy and mean completion length, kept in its
     result so the report can draw the curves where the run folders are gone (another session's machine)."""
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = read_jsonl(run / "metrics.jsonl")
     return {"accuracy": [r["rewards/accuracy/mean"] for r in rows],
             "length": [r["completions/mean_length"] for r in rows]}
 
@@ -314,7 +313,7 @@ def summarize(results: list[dict], base: dict | None) -> dict:
     step1 = base["truncated"] if base else math.nan
     intervals = {name: t_interval(d) if d else (math.nan,) * 3 for name, d in diff.items()}
     sd = statistics.stdev(diff["P - O"]) if len(rows) > 1 else math.nan
-    return {"rows": rows, "intervals": intervals, "positive": sum(d > 0 for d in diff["P - O"]),
+    return {"rows": rows, "diffs": diff, "intervals": intervals, "positive": sum(d > 0 for d in diff["P - O"]),
             "p_truncated": p_trunc, "p_truncated_step1": step1, "sd": sd,
             "half_width": T975[8] * sd / math.sqrt(10), "detectable": (T975[8] + T80_9) * sd / math.sqrt(10),
             "verdict": verdict(diff["P - O"], p_trunc, step1)}
@@ -347,7 +346,6 @@ def plot(results: list[dict], s: dict, base: dict | None, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from paired import save_figure
 
     fig, (curves, ends, diffs) = plt.subplots(1, 3, figsize=(15, 4))
     for arm in ARMS:
@@ -373,8 +371,7 @@ def plot(results: list[dict], s: dict, base: dict | None, path: Path) -> None:
              ylim=(0, 1))
     ends.legend()
     for i, (name, (mean, low, high)) in enumerate(s["intervals"].items()):
-        (first, second) = name.split(" - ")
-        values = [r[first] - r[second] for r in s["rows"]]
+        values = s["diffs"][name]
         diffs.scatter([i + 0.1 * ((j % 5) - 2) for j in range(len(values))], values, color="grey", s=12)
         if values and math.isfinite(low):
             diffs.errorbar([i + 0.35], [mean], yerr=[[mean - low], [high - mean]], color="k", marker="D", capsize=4)
