@@ -62,7 +62,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from paired import REPO, grpo, last_checkpoint, read_jsonl, save_figure
+from paired import REPO, T975, grpo, last_checkpoint, read_jsonl, save_figure, t_interval
 
 ARMS = {"O": ["+recipe=multistep_outcome"], "P": ["+recipe=multistep_process"],
         "O+": ["+recipe=multistep_process", "reward.scorer.at_end=true"]}
@@ -104,9 +104,7 @@ CALIBRATION = {"problems": 64, "samples": 8, "low": 0.2, "high": 0.4, "target": 
 # what every eval scores with: the held-out split, accuracy with a truncated completion wrong, the training cap
 EVAL = ["reward=arithmetic", "reward.functions.accuracy.wrong_if_truncated=true", "sampler=short",
         "sampler.max_new_tokens=48"]
-# t(0.975, df) for df = 1..30, the two-sided 95% quantiles
-T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
-        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
+# t(0.975, df): paired.T975
 T80_9 = 0.883   # t(0.80, 9): 80% power at n = 10
 
 
@@ -276,16 +274,6 @@ def run_base(out: Path, name: str, extra: list[str]) -> dict:
     base = {"accuracy": row["accuracy"], "truncated": row["truncation_rate"], "eval_s": wall}
     write_json(path, base)
     return base
-
-
-def t_interval(diffs: list[float]) -> tuple[float, float, float]:
-    """(mean, lower, upper): the 95% t-interval of the mean of per-seed differences."""
-    n = len(diffs)
-    mean = statistics.mean(diffs)
-    if n < 2:
-        return mean, -math.inf, math.inf
-    half = T975[min(n - 1, len(T975)) - 1] * statistics.stdev(diffs) / math.sqrt(n)
-    return mean, mean - half, mean + half
 
 
 def verdict(diffs: list[float], p_truncated: float, p_truncated_step1: float, planned: int = len(SEEDS)) -> str:

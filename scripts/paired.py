@@ -1,10 +1,12 @@
 """What the paired experiment scripts share (process_vs_outcome.py, iterative_vs_fixed.py): running `grpo` in a
-subprocess of this interpreter, a run's last checkpoint, JSONL files, and the two-level bootstrap of a paired mean.
+subprocess of this interpreter, a run's last checkpoint, JSONL files, the two-level bootstrap of a paired mean and
+the t-interval of a mean.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import random
 import statistics
 import subprocess
@@ -13,6 +15,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+# Student's t at 0.975 for 1..30 degrees of freedom (more than 30 use the 30th: a slightly wider interval)
+T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
 
 
 def grpo(*args: str, log: Path) -> float:
@@ -46,6 +51,16 @@ def bootstrap(diffs: dict[int, list[float]], draws: int, seed: int = 0) -> tuple
         means.append(statistics.mean(statistics.mean(rng.choices(d, k=len(d))) for d in picked))
     means.sort()
     return means[int(0.025 * draws)], means[int(0.975 * draws) - 1], statistics.stdev(means)
+
+
+def t_interval(values: list[float]) -> tuple[float, float, float]:
+    """(mean, lower, upper): the 95% t-interval of the mean of `values` (per-seed or per-prompt differences)."""
+    n = len(values)
+    mean = statistics.mean(values)
+    if n < 2:
+        return mean, -math.inf, math.inf
+    half = T975[min(n - 1, len(T975)) - 1] * statistics.stdev(values) / math.sqrt(n)
+    return mean, mean - half, mean + half
 
 
 def save_figure(fig, path: Path) -> None:

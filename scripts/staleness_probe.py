@@ -22,6 +22,10 @@ The design, fixed before any run:
   rows (OUT/rm_last). It is measured on set C, prompts it never saw, beside the fixed model on the same samples.
 - fall = AUC(fixed, base, A) - AUC(fixed, step 40, A); recovery = AUC(retrained, step 40, C) - AUC(fixed, step 40,
   C). The step-20 row is descriptive (where a fall would begin); the rule reads base, step 40 and set C.
+- beside the rule (it reads the point values; added after the first run, which showed how few prompts each AUC
+  rests on): 95% t-intervals over prompts. The recovery is paired (the same samples of set C, each prompt's AUC
+  under both models); the fall compares two sets of samples of the same prompts, whose prompts with both labels
+  differ, so it is unpaired (the two standard errors combined, t at the smaller count's degrees of freedom).
 - the decision rule, verbatim: if the fixed model's AUC does not fall by >= 0.10 while retraining recovers >= 0.10,
   report "staleness does not occur at this scale" and stop. Read: staleness shows only when fall >= 0.10 and
   recovery >= 0.10; otherwise the script reports "staleness does not occur at this scale" (and so iterative RL's
@@ -36,17 +40,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import statistics
 import sys
 import time
 from pathlib import Path
 
-import torch
-from paired import REPO, grpo, read_jsonl
+from paired import REPO, T975, grpo, read_jsonl, t_interval
 
 sys.path.insert(0, str(REPO))  # this checkout's grpo_cli, as the grpo subprocesses run it
 
-from grpo_cli import rm  # noqa: E402
-from grpo_cli.policy import resolve_device  # noqa: E402
+from grpo_cli.cli import setup_process  # noqa: E402
 
 FALL = RECOVERY = 0.10  # the decision rule's bars
 
@@ -76,13 +80,43 @@ def rows_of(samples: list[dict]) -> list[dict]:
 
 
 def measure(folder: Path, rows: list[dict]) -> dict:
-    """The reward model in `folder` on `rows`: within-prompt and pooled AUC, the prompts and right answers counted."""
+    """The reward model in `folder` on `rows`: within-prompt and pooled AUC, the prompts and right answers counted,
+    and each prompt's own AUC (the prompts with both labels) for the intervals."""
+    # imported here, after main's setup_process: the libraries read its quiet settings when they load
+    import torch
+
+    from grpo_cli import rm
+    from grpo_cli.policy import resolve_device
+
     device = resolve_device("auto")
     model, tokenizer = rm.load_classifier(folder, "outcome", device, torch.float32)
     template = json.loads((folder / "rm.json").read_text())["template"]
-    m = rm.evaluate(model, tokenizer, rows, kind="outcome", template=template)
+    scores, labels = rm.predict(model, tokenizer, rows, kind="outcome", template=template)
+    prompts = [r["prompt"] for r in rows]
+    m = rm.classification_metrics(scores, labels, prompts)
+    per_prompt = {}
+    for prompt in dict.fromkeys(prompts):
+        mine = [i for i, p in enumerate(prompts) if p == prompt]
+        auc = rm.binary_auc([scores[i] for i in mine], [labels[i] >= 0.5 for i in mine])
+        if auc is not None:
+            per_prompt[prompt] = auc
     return {"auc": m["auc_within_prompt"], "prompts": m["auc_prompts"], "pooled_auc": m["auc"],
-            "rows": m["labels"], "right": m["positives"], "of_prompts": len({r["prompt"] for r in rows})}
+            "rows": m["labels"], "right": m["positives"], "of_prompts": len(set(prompts)), "per_prompt": per_prompt}
+
+
+def intervals(scores: dict) -> dict:
+    """95% t-intervals (mean, lower, upper) of the fall (unpaired: base and step-40 samples of set A) and the
+    recovery (paired over set C's prompts); None where a side has fewer than 2 prompts with both labels."""
+    base, last = (list(scores[k].get("per_prompt", {}).values()) for k in ("fixed_base_A", "fixed_last_A"))
+    fixed, retrained = scores["fixed_last_C"].get("per_prompt", {}), scores["retrained_C"].get("per_prompt", {})
+    fall = None
+    if len(base) > 1 and len(last) > 1:
+        mean = statistics.mean(base) - statistics.mean(last)
+        se = math.sqrt(statistics.variance(base) / len(base) + statistics.variance(last) / len(last))
+        half = T975[min(min(len(base), len(last)) - 1, len(T975)) - 1] * se
+        fall = (mean, mean - half, mean + half)
+    paired = [retrained[p] - fixed[p] for p in fixed if p in retrained]
+    return {"fall": fall, "recovery": t_interval(paired) if len(paired) > 1 else None}
 
 
 def verdict(scores: dict, last: int = 40) -> tuple[str, dict]:
@@ -123,6 +157,11 @@ def table(scores: dict, line: str, numbers: dict, mid: int = 20, last: int = 40)
     out.append("")
     out.append(f"fall (fixed, base → step {last}, set A): {fmt(numbers['fall'])}; recovery (retrained − fixed, "
                f"step {last}, set C): {fmt(numbers['recovery'])}.")
+    spans = intervals(scores)
+    for name, span in spans.items():
+        if span is not None:
+            out.append(f"{name}: 95% t-interval over prompts {span[1]:+.3f} … {span[2]:+.3f} (beside the rule, which "
+                       f"reads the point values).")
     out.append(f"**{line}**")
     return "\n".join(out) + "\n"
 
@@ -137,6 +176,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=REPO / "outputs" / "staleness_probe")
     parser.add_argument("overrides", nargs="*", help="more overrides for every grpo command (key=value)")
     args = parser.parse_args()
+    setup_process()  # as a grpo command: the libraries' loading bars and notices off the console
     model, train, rm_more = list(args.overrides), [], []
     if args.smoke:
         args.problems, args.prompts, args.samples, args.steps = 4, 4, 2, "1,2"
@@ -179,7 +219,8 @@ def main() -> None:
     line, numbers = verdict(scores, last)
     text = table(scores, line, numbers, mid, last)
     walls = json.loads((out / "wall_s.json").read_text()) if (out / "wall_s.json").exists() else {}
-    (out / "results.json").write_text(json.dumps({"scores": scores, "verdict": line, **numbers, "wall_s": walls,
+    (out / "results.json").write_text(json.dumps({"scores": scores, "verdict": line, **numbers,
+                                                  "intervals": intervals(scores), "wall_s": walls,
                                                   "args": {k: str(v) for k, v in vars(args).items()}}, indent=1))
     (out / "table.md").write_text(text)
     print(text)

@@ -7,6 +7,7 @@ import importlib.util
 import sys
 
 import pytest
+import torch
 
 from grpo_cli import rm
 from tests.helpers import REPO
@@ -78,11 +79,27 @@ def test_measure_reads_a_saved_reward_model_within_each_prompt(tiny, tmp_path):
     rows = [{"prompt": p, "completion": c, "label": y}
             for p, c, y in (("q1", "7", 1.0), ("q1", "8", 0.0), ("q1", "9", 0.0), ("q2", "1", 0.0), ("q2", "2", 0.0))]
     got = probe.measure(folder, rows)
-    scores, _ = rm.predict(*rm.load_classifier(folder, "outcome", probe.resolve_device("cpu"), probe.torch.float32),
+    scores, _ = rm.predict(*rm.load_classifier(folder, "outcome", torch.device("cpu"), torch.float32),
                            rows, kind="outcome", template="{prompt}{completion}")
     # within prompt, q1 alone: its right answer above each of its 2 wrong ones counts 1, a tie 1/2; pooled: all 4
     def pairs(wrong):
         return sum(1.0 if scores[0] > s else 0.5 if scores[0] == s else 0.0 for s in wrong) / len(wrong)
 
     assert got == {"auc": pytest.approx(pairs(scores[1:3])), "prompts": 1,
-                   "pooled_auc": pytest.approx(pairs(scores[1:])), "rows": 5, "right": 1, "of_prompts": 2}
+                   "pooled_auc": pytest.approx(pairs(scores[1:])), "rows": 5, "right": 1, "of_prompts": 2,
+                   "per_prompt": {"q1": pytest.approx(pairs(scores[1:3]))}}
+
+
+def test_intervals_pair_the_recovery_and_not_the_fall():
+    s = scores(0.80, 0.65, 0.62, 0.75)
+    s["fixed_base_A"]["per_prompt"] = {"a": 0.9, "b": 0.7}        # mean 0.8, variance 0.02
+    s["fixed_last_A"]["per_prompt"] = {"c": 0.6, "d": 0.8, "e": 0.7}  # mean 0.7, variance 0.01
+    s["fixed_last_C"]["per_prompt"] = {"f": 0.5, "g": 0.6, "h": 0.9}
+    s["retrained_C"]["per_prompt"] = {"f": 0.7, "g": 0.7, "h": 0.9, "i": 0.2}  # i: no pair
+    got = probe.intervals(s)
+    # fall: 0.8 - 0.7 = 0.1, se = sqrt(0.02 / 2 + 0.01 / 3) = 0.11547, t(0.975, 1 df) = 12.706 -> half 1.4672
+    assert got["fall"] == pytest.approx((0.1, 0.1 - 1.46717, 0.1 + 1.46717), abs=1e-4)
+    # recovery, paired on f, g, h: differences 0.2, 0.1, 0.0 -> mean 0.1, sd 0.1, half 4.303 * 0.1 / sqrt(3) = 0.24844
+    assert got["recovery"] == pytest.approx((0.1, 0.1 - 0.24844, 0.1 + 0.24844), abs=1e-4)
+    assert probe.intervals(scores(0.8, 0.6, 0.6, 0.7)) == {"fall": None, "recovery": None}  # no per-prompt AUCs
+    assert "recovery: 95% t-interval over prompts -0.148 … +0.348" in probe.table(s, *probe.verdict(s))
