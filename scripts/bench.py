@@ -13,7 +13,9 @@ all 7 projections, 4 prompts x G=8, beta 0.04, the `grpo` loss, the whole batch 
     time, at most trainer.bucket_tokens rows x tokens).
 Arms, each a fresh process per round, rounds interleaved: `trl` (in its own scratch venv, --trl-venv, made by
 ../shared/bench/setup_trl_venv.sh when missing; never in this project's), `ours` (`grpo train` with the sampler it
-picks by default), `ours_hf` (sampler=default, HF generate), `ours_vllm` (sampler=vllm).
+picks by default), `ours_hf` (sampler=default, HF generate), `ours_vllm` (sampler=vllm), `ours_compiled` (the
+default sampler, trainer.compile=true: the update's decoder under torch.compile; its compile is in step 1, outside
+s/step, and printed per round beside step 1's seconds).
   - s/step is the median over steps 2..N (step 1 warms up: allocator, vLLM's engine start), then the median over
     rounds; peak RSS is the whole process's (`wait4`), the model load and vLLM's in-process engine included.
   - The floor is measured here, not assumed: a matmul probe times the model's own linear layers at the run's
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -48,9 +51,12 @@ SHAPES = {
     "arithmetic": {"recipe": "bench", "trl": [], "new": 64},
     "gsm8k": {"recipe": "bench_gsm8k", "trl": ["--data", str(GSM8K), "--new", "256", "--gc"], "new": 256},
 }
-ARMS = {"trl": None, "ours": [], "ours_hf": ["sampler=default"], "ours_vllm": ["sampler=vllm"]}
+ARMS = {"trl": None, "ours": [], "ours_hf": ["sampler=default"], "ours_vllm": ["sampler=vllm"],
+        "ours_compiled": ["trainer.compile=true"]}
 NAMES = {"trl": "TRL GRPOTrainer", "ours": "ours (default sampler)", "ours_hf": "ours (HF generate)",
-         "ours_vllm": "ours (vLLM)"}
+         "ours_vllm": "ours (vLLM)", "ours_compiled": "ours (compiled update)"}
+# the line `grpo train` prints once the update is compiled (grpo_cli/compiled.py, CompiledDecoder.report)
+COMPILED = re.compile(r"compiled the update in (\d+) s")
 
 
 def run(cmd: list[str], log: Path, env: dict | None = None) -> tuple[float, float]:
@@ -80,16 +86,20 @@ def ours(a, shape: str, out: Path, tag: str, extra: list[str]) -> dict:
     shutil.rmtree(run_dir, ignore_errors=True)
     _, rss = run([sys.executable, "-m", "grpo_cli", "train", f"+recipe={SHAPES[shape]['recipe']}", *extra,
                   f"trainer.max_steps={a.steps}", f"hydra.run.dir={run_dir}"], out / f"{tag}.log")
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]  # steps 2..N
+    first, *records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    text = (out / f"{tag}.log").read_text()
     # the engine the run's own line names ("sampler: vLLM (...)"; a model vLLM cannot serve says HF generate)
-    engine = "vLLM" if "sampler: vLLM" in (out / f"{tag}.log").read_text() else "HF generate"
+    engine = "vLLM" if "sampler: vLLM" in text else "HF generate"
+    compiled = COMPILED.search(text)
 
     def median(key):
         return statistics.median(r[key] for r in records)
 
     return {"s_per_step": median("time/step_s"), "rollout_s": median("time/rollout_s"),
             "update_s": median("time/update_s"), "peak_rss_gb": rss, "engine": engine,
-            "mean_length": statistics.mean(r["completions/mean_length"] for r in records)}
+            "mean_length": statistics.mean(r["completions/mean_length"] for r in records),
+            # step 1 (outside s/step): the warm-up, and a compiled update's compile, whose seconds the run printed
+            "first_step_s": first["time/step_s"], "compile_s": float(compiled.group(1)) if compiled else None}
 
 
 # ---- the machine's floor: a matmul probe at the run's shapes ------------------------------------------------
@@ -225,7 +235,9 @@ def main() -> None:
                 res = trl(a, shape, a.out, tag) if arm == "trl" else ours(a, shape, a.out, tag, ARMS[arm])
                 results[shape][arm].append(res)
                 print(f"{shape} round {r + 1} {NAMES[arm]} [{res['engine']}]: {res['s_per_step']:.1f} s/step, "
-                      f"{res['peak_rss_gb']:.1f} GB, {res['mean_length']:.0f} tokens a completion", flush=True)
+                      f"{res['peak_rss_gb']:.1f} GB, {res['mean_length']:.0f} tokens a completion"
+                      + (f"; step 1 {res['first_step_s']:.0f} s" if res.get("first_step_s") else "")
+                      + (f", compile {res['compile_s']:.0f} s" if res.get("compile_s") else ""), flush=True)
 
     def med(values):
         values = [v for v in values if v is not None]

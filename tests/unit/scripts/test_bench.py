@@ -68,6 +68,27 @@ def test_ours_twice_in_one_folder(tmp_path, monkeypatch):
     assert second["engine"] == "vLLM" and len(calls) == 2
 
 
+def test_the_compiled_arm_passes_the_setting_and_reads_its_compile(tmp_path, monkeypatch):
+    """`--arms ours_compiled` runs `grpo train` with trainer.compile=true; step 1 (the compile's) stays out of s/step
+    and its seconds, and the compile's from the run's own line, come back beside it."""
+    seen = []
+
+    def fake_run(cmd, log, env=None):
+        seen.append(cmd)
+        run_dir = Path(next(c for c in cmd if c.startswith("hydra.run.dir=")).split("=", 1)[1])
+        run_dir.mkdir(parents=True)
+        (run_dir / "metrics.jsonl").write_text("".join(
+            f'{{"time/step_s": {s}, "time/rollout_s": 1.0, "time/update_s": 2.0, "completions/mean_length": 50}}\n'
+            for s in (90.0, 12.0, 14.0)))
+        log.write_text("sampler: vLLM (installed)\ncompiled the update in 37 s\n")
+        return 1.0, 3.0
+
+    monkeypatch.setattr(bench, "run", fake_run)
+    res = bench.ours(SimpleNamespace(steps=3), "gsm8k", tmp_path, "gsm8k_ours_compiled_r1",
+                     bench.ARMS["ours_compiled"])
+    assert "trainer.compile=true" in seen[0] and "+recipe=bench_gsm8k" in seen[0]
+    assert (res["s_per_step"], res["first_step_s"], res["compile_s"]) == (13.0, 90.0, 37.0)
+
 def test_round_ratios_pair_each_round_with_trls():
     by_arm = {"trl": [{"s_per_step": 50.0}, {"s_per_step": 40.0}],
               "ours": [{"s_per_step": 20.0}, {"s_per_step": 18.0}]}
