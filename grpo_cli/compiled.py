@@ -214,8 +214,8 @@ def for_update(policy, cfg, say: Callable[[str], object]) -> CompiledDecoder | N
     if setting is False:
         return None
     if setting == "auto" and next(policy.parameters()).device.type == "cpu":
-        # auto on a CPU: eager, silently. Inductor compiled SmolLM2's whole decoder in minutes on 2 cores, more than a
-        # default run's updates could win back; the regional compile is not measured there yet (docs/speed.md).
+        # auto on a CPU: eager, silently. There the compiled update is 0.85-0.97x eager's (SmolLM2, 2 cores) for a
+        # 36-69 s cold compile, so the default job's first run would be slower (docs/speed.md, Measured on a CPU);
         # trainer.compile=true compiles it anyway
         return None
     reason = why_eager(cfg, setting)
