@@ -94,12 +94,7 @@ def measure(folder: Path, rows: list[dict]) -> dict:
     scores, labels = rm.predict(model, tokenizer, rows, kind="outcome", template=template)
     prompts = [r["prompt"] for r in rows]
     m = rm.classification_metrics(scores, labels, prompts)
-    per_prompt = {}
-    for prompt in dict.fromkeys(prompts):
-        mine = [i for i, p in enumerate(prompts) if p == prompt]
-        auc = rm.binary_auc([scores[i] for i in mine], [labels[i] >= 0.5 for i in mine])
-        if auc is not None:
-            per_prompt[prompt] = auc
+    per_prompt = rm.within_prompt_auc(scores, [y >= 0.5 for y in labels], prompts).per_prompt
     return {"auc": m["auc_within_prompt"], "prompts": m["auc_prompts"], "pooled_auc": m["auc"],
             "rows": m["labels"], "right": m["positives"], "of_prompts": len(set(prompts)), "per_prompt": per_prompt}
 

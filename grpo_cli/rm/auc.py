@@ -9,7 +9,7 @@ averaged over the prompts whose samples hold both labels.
 from __future__ import annotations
 
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 def binary_auc(scores: list[float], positive: list[bool]) -> float | None:
@@ -40,6 +40,8 @@ class PromptAUC:
     auc: float | None  # the mean over `prompts` of each one's AUC; None when no prompt has both labels
     prompts: int       # prompts whose samples hold both labels
     total: int         # distinct prompts
+    # each of `prompts`' own AUC, by prompt (a paired comparison of two models on the same samples reads these)
+    per_prompt: dict[Hashable, float] = field(default_factory=dict)
 
 
 def within_prompt_auc(scores: list[float], positive: list[bool], prompts: list[Hashable]) -> PromptAUC:
@@ -48,6 +50,7 @@ def within_prompt_auc(scores: list[float], positive: list[bool], prompts: list[H
     groups: dict[Hashable, list[int]] = {}
     for i, key in enumerate(prompts):
         groups.setdefault(key, []).append(i)
-    aucs = [binary_auc([scores[i] for i in idx], [positive[i] for i in idx]) for idx in groups.values()]
-    ranked = [a for a in aucs if a is not None]
-    return PromptAUC(sum(ranked) / len(ranked) if ranked else None, len(ranked), len(groups))
+    aucs = {key: binary_auc([scores[i] for i in idx], [positive[i] for i in idx]) for key, idx in groups.items()}
+    ranked = {key: a for key, a in aucs.items() if a is not None}
+    mean = sum(ranked.values()) / len(ranked) if ranked else None
+    return PromptAUC(mean, len(ranked), len(groups), ranked)

@@ -19,6 +19,7 @@ def test_within_prompt_auc_by_hand():
     # mean over the 2 prompts with both labels: (0.875 + 0.0) / 2 = 0.4375
     got = T.within_prompt_auc(SCORES, RIGHT, PROMPTS)
     assert (got.auc, got.prompts, got.total) == (0.4375, 2, 4)
+    assert got.per_prompt == {"a": 0.875, "b": 0.0}  # each ranked prompt's own, c and d left out
     # pooled, the same scores rank 13.5 of the 20 (right, wrong) pairs: .9 beats all 5 wrong, .7 four, .5 three and
     # a tie, .2 one -> 0.675; b's right answer below its own wrong one is hidden among other prompts' pairs
     assert T.binary_auc(SCORES, RIGHT) == pytest.approx(0.675)

@@ -89,6 +89,7 @@ def test_the_compiled_arm_passes_the_setting_and_reads_its_compile(tmp_path, mon
     assert "trainer.compile=true" in seen[0] and "+recipe=bench_gsm8k" in seen[0]
     assert (res["s_per_step"], res["first_step_s"], res["compile_s"]) == (13.0, 90.0, 37.0)
 
+
 def test_round_ratios_pair_each_round_with_trls():
     by_arm = {"trl": [{"s_per_step": 50.0}, {"s_per_step": 40.0}],
               "ours": [{"s_per_step": 20.0}, {"s_per_step": 18.0}]}
