@@ -44,15 +44,25 @@ print(json.dumps({"rss_before_mb": before, "peak_rss_mb": resource.getrusage(res
 
 
 @pytest.mark.ci
-def test_embedded_model_second_load_is_fast():
-    from grpo_cli.policy import load_embedded_gguf
+def test_embedded_model_second_load_reads_the_cache_not_the_gguf(monkeypatch):
+    import grpo_cli.policy as P
 
-    load_embedded_gguf()  # converts and caches on the first call of a fresh machine (~20 s)
+    P.load_embedded_gguf()  # converts and caches on the first call of a fresh machine (~20 s)
+    reads = []
+    real = P.AutoModelForCausalLM.from_pretrained
+
+    def recorded(*args, **kwargs):
+        reads.append(kwargs.get("gguf_file"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(P.AutoModelForCausalLM, "from_pretrained", recorded)
     t0 = time.perf_counter()
-    model, tokenizer = load_embedded_gguf()
+    model, tokenizer = P.load_embedded_gguf()
     elapsed = time.perf_counter() - t0
+    # the behaviour is what is read: the cached safetensors once, the GGUF (a ~20 s dequantization) never. Its time
+    # is printed, not asserted: ~1 s quiet, 2.3 s under a busy host's load (a 2 s bound failed the suite there)
     print(f"second load of SmolLM2-135M: {elapsed:.2f} s")
-    assert elapsed < 2.0
+    assert reads == [None]
     assert tokenizer.eos_token == "<|im_end|>" and model.config.vocab_size == 49152
 
 
