@@ -56,10 +56,17 @@ def engines(tmp_path_factory):
     return policy, tokenizer, hf, vllm
 
 
-def test_vllm_and_hf_generate_give_the_same_greedy_episodes(engines):
-    policy, tokenizer, hf, vllm = engines
+@pytest.fixture(scope="module")
+def greedy(engines):
+    """vLLM's greedy episodes of EXAMPLES, sampled once for the tests that read them (~8 s of the real model)."""
+    policy, tokenizer, _, vllm = engines
+    return vllm.sample(policy, tokenizer, EXAMPLES, 1, greedy=True)
+
+
+def test_vllm_and_hf_generate_give_the_same_greedy_episodes(engines, greedy):
+    policy, tokenizer, hf, _ = engines
     theirs = hf.sample(policy, tokenizer, EXAMPLES, 1, greedy=True)
-    ours = vllm.sample(policy, tokenizer, EXAMPLES, 1, greedy=True)
+    ours = greedy
     assert [e.tool_calls for e in ours.episodes] == [1, 1]  # the model calls the tool itself
     assert [e.messages for e in ours.episodes] == [e.messages for e in theirs.episodes]  # texts, calls, results
     assert [e.completion_ids for e in ours.episodes] == [e.completion_ids for e in theirs.episodes]
@@ -89,12 +96,12 @@ def test_vllm_episodes_sample_from_the_callers_generator(engines, tmp_path):
     assert torch.equal(torch.get_rng_state(), state)  # torch's global generator is left as it was
 
 
-def test_vllm_episodes_keep_the_samplers_log_probs_of_the_sampled_tokens_only(engines):
+def test_vllm_episodes_keep_the_samplers_log_probs_of_the_sampled_tokens_only(engines, greedy):
     from grpo_cli.logprobs import sequence_logprobs
     from grpo_cli.objective import GRPOLoss
 
-    policy, tokenizer, _, vllm = engines
-    rollout = vllm.sample(policy, tokenizer, EXAMPLES, 1, greedy=True)
+    policy, _, _, _ = engines
+    rollout = greedy
     assert [e.tool_calls for e in rollout.episodes] == [1, 1]  # each episode holds a tool turn: environment ids
     with torch.no_grad():
         trainer = sequence_logprobs(policy, rollout).logp  # [N, T] the trainer's log-probs of the episode's ids

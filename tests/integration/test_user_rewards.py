@@ -65,19 +65,19 @@ def test_a_hung_call_costs_that_call_only(run):
 @pytest.mark.ci
 def test_trls_math_verify_reward_scores_a_right_answer_1_in_a_run(tmp_path):
     """The embedded SmolLM2, near-greedy, on a question it answers right: TRL's accuracy reward gives those
-    completions 1.0 in a 2-step run (the tiny model above never answers right, so it shows scores, not 1.0)."""
+    completions 1.0 in a run (the tiny model above never answers right, so it shows scores, not 1.0)."""
     (tmp_path / "trl_rewards.py").write_text(TRL_ACCURACY)
     rows = [{"prompt": [{"role": "user", "content": f"What is {a} + {a}? Reply with the number only."}],
              "solution": f"${2 * a}$"} for a in (1, 2, 3, 4, 5)]
     (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = run_cli(["train", "sampler=default", "sampler.max_new_tokens=8", "sampler.temperature=0.01",
-                   "algo.group_size=2", "trainer.prompts_per_step=1", "trainer.max_steps=2", "trainer.report_to=[]",
+                   "algo.group_size=2", "trainer.prompts_per_step=1", "trainer.max_steps=1", "trainer.report_to=[]",
                    "trainer.log_completions_every=1", "data=hf", "data.path=data.jsonl", "data.heldout_size=1",
                    "reward=custom", "reward.funcs=[trl_rewards.accuracy_reward]", "hydra.run.dir=run"], cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     completions = [json.loads(line) for line in (tmp_path / "run/completions.jsonl").read_text().splitlines()]
     # right by our own reading (the last word is the sum), and 1.0 by TRL's reward
     right = [c for c in completions if c["completion"].split()[-1] == str(2 * int(c["question"].split()[2]))]
-    assert len(right) == len(completions) == 4, completions
+    assert len(right) == len(completions) == 2, completions
     assert all(c["rewards"]["accuracy_reward"] == 1.0 for c in right)
-    assert [m["rewards/accuracy_reward/mean"] for m in metrics(tmp_path / "run")] == [1.0, 1.0]
+    assert [m["rewards/accuracy_reward/mean"] for m in metrics(tmp_path / "run")] == [1.0]
