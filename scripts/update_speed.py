@@ -16,7 +16,9 @@ as it is scored, so the two are timed together), median over steps 2-4 of the pr
 `--shape gsm8k`: the first `--prompts` GSM8K questions (../shared/data/gsm8k/train.jsonl) and completions of
 ~210 tokens, at most 256 (the bench's GSM8K shape). With --compile the first step's time holds the compile, which
 is printed on its own (dynamo's timers), and one more step runs under torch.profiler: its top-10 operators by
-self time, per mode. Run it on a quiet machine. Beside the wall seconds, each step's CPU seconds
+self time, per mode, and its self time split by class (`classes`: the base projections', the LM head's and LoRA's
+matrix multiplies told apart by their shapes, attention forward and backward, everything else).
+Run it on a quiet machine. Beside the wall seconds, each step's CPU seconds
 (`time.process_time`: all of the process's threads), the steadier number on a shared machine. The children compile
 in-process (TORCHINDUCTOR_COMPILE_THREADS=1) and cold (TORCHINDUCTOR_FORCE_DISABLE_CACHES=1: a run's first
 compile, not a hit in inductor's disk cache), each unless set, so the compile's CPU seconds are the process's: read
@@ -48,6 +50,26 @@ def _questions(shape: str, prompts: int, rng: random.Random) -> list[str]:
             for _ in range(prompts)]
 
 
+MATMULS = ("aten::mm", "aten::addmm", "aten::bmm")
+RANK = 16  # the bench's LoRA rank
+
+
+def classes(events, vocab: int, rank: int) -> dict[str, float]:
+    """Self seconds of profiler `events` (name, input shapes, self µs) by class: a matrix multiply with a dimension of
+    `vocab` is the LM head's, one with a dimension of `rank` LoRA's, any other the base projections'; `attention` is
+    SDPA forward and backward; `other` the rest; `total` all."""
+    out = dict.fromkeys(("base", "head", "lora", "attention", "other", "total"), 0.0)
+    for name, shapes, self_us in events:
+        dims = {d for shape in shapes for d in (shape or ())}
+        if name in MATMULS:
+            kind = "head" if vocab in dims else "lora" if rank in dims else "base"
+        else:
+            kind = "attention" if "scaled_dot_product" in name else "other"
+        out[kind] += self_us / 1e6
+        out["total"] += self_us / 1e6
+    return out
+
+
 def measure(path: str, prompts: int, G: int, new: int, shape: str = "arithmetic", tiny: bool = False) -> dict:
     import torch
 
@@ -60,7 +82,7 @@ def measure(path: str, prompts: int, G: int, new: int, shape: str = "arithmetic"
     setup_process()  # as the CLI does at start-up
     torch.manual_seed(0)
     model, tokenizer = load_tiny_random() if tiny else load_embedded_gguf()
-    policy = apply_lora(model, 16, 32, 0.0, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+    policy = apply_lora(model, RANK, 32, 0.0, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                              "down_proj"])
     decoder = compiled.CompiledDecoder(policy.get_base_model().get_decoder(), say=print) if path == "compiled" \
         else None
@@ -79,9 +101,10 @@ def measure(path: str, prompts: int, G: int, new: int, shape: str = "arithmetic"
     batch = R.Rollout(ids.repeat_interleave(G, 0), mask.repeat_interleave(G, 0), completion, cmask,
                       [""] * n, [False] * n)
     logprobs = L.full_sequence_logprobs if path == "full" else L.sequence_logprobs
-    times, profile = [], None
+    times, profile, split = [], None, None
     for step in range(5 if path in MODES else 4):  # --compile: a 5th step under the profiler
-        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if step == 4 else None
+        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) \
+            if step == 4 else None
         if profiler is not None:
             profiler.__enter__()
         t0, c0 = time.perf_counter(), time.process_time()
@@ -105,6 +128,9 @@ def measure(path: str, prompts: int, G: int, new: int, shape: str = "arithmetic"
         if profiler is not None:
             profiler.__exit__(None, None, None)
             profile = profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=10)
+            split = classes([(e.key, e.input_shapes, e.self_cpu_time_total)
+                             for e in profiler.key_averages(group_by_input_shape=True)],
+                            model.config.vocab_size, RANK)
         else:
             times.append((t1 - t0, t2 - t1, cpu))
     ref_s, policy_s, cpu_s = (statistics.median(x) for x in zip(*times[1:]))
@@ -113,7 +139,7 @@ def measure(path: str, prompts: int, G: int, new: int, shape: str = "arithmetic"
             "first_step_s": sum(times[0][:2]), "compile_s": decoder.compile_seconds if decoder is not None else 0.0,
             "update_cpu_s": cpu_s, "first_step_cpu_s": times[0][2], "graphs": decoder.graphs() if decoder else 0,
             "peak_rss_gb": rss_gb, "prompt_tokens": int(mask.sum()) * G, "completion_tokens": sum(lengths),
-            "padded_width": ids.shape[1] + new, "profile": profile}
+            "padded_width": ids.shape[1] + new, "profile": profile, "classes": split}
 
 
 def main() -> None:
@@ -169,6 +195,10 @@ def main() -> None:
         print(f"compile: {extra:.0f} CPU s = {extra / eager:.1f} eager updates")
     for path in paths if a.compile else ():
         print(f"\n{path}: top-10 operators of one step (last round), torch.profiler\n{runs[path][-1]['profile']}")
+        split = runs[path][-1]["classes"]
+        print(f"{path}: self seconds by class: " + ", ".join(
+            f"{k} {v:.2f} s ({100 * v / split['total']:.0f}%)" for k, v in split.items() if k != "total")
+            + f", total {split['total']:.2f} s")
 
 
 if __name__ == "__main__":
