@@ -3,8 +3,9 @@
 peft computes a LoRA layer as `base(x) + lora_B(lora_A(dropout(x))) * scaling`: the scaling multiplies the
 [rows, out] product, and the sum makes another [rows, out] tensor, in forward and again in backward. Here the
 scaling multiplies the [rows, r] activation instead (B(s·A x) = s·B(A x)), and the low-rank product is added by
-the matmul itself (`torch.addmm`, result + (s·A x) Bᵀ): two elementwise passes over [rows, out] less in
-forward and one in backward, per adapted layer (7 per decoder layer for SmolLM2's LoRA). The numbers are
+the matmul itself, into the base's output in place (`addmm_`, result += (s·A x) Bᵀ: the linear's backward does not
+read its output, and an out-of-place `addmm` first copies its [rows, out] input): three passes over [rows, out]
+less in forward and one in backward, per adapted layer (7 per decoder layer for SmolLM2's LoRA). The numbers are
 peft's up to float rounding.
 
 `lean(policy)` swaps the class of each plain peft `lora.Linear` (the base an `nn.Linear`) for `LeanLinear`, its
@@ -20,7 +21,7 @@ from peft.tuners.lora.layer import Linear as LoraLinear
 
 
 class LeanLinear(LoraLinear):
-    """A peft LoRA `Linear` whose plain case runs `addmm(base(x), s·A(dropout(x)), Bᵀ)`."""
+    """A peft LoRA `Linear` whose plain case runs `base(x).addmm_(s·A(dropout(x)), Bᵀ)`."""
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         names = [name for name in self.active_adapters if name in self.lora_A]
@@ -31,15 +32,17 @@ class LeanLinear(LoraLinear):
         if (args or kwargs or self.disable_adapters or self.merged or self.lora_variant or mixed
                 or any(self.lora_B[name].bias is not None for name in names)):
             return super().forward(x, *args, **kwargs)
-        result = self.base_layer(x)  # [..., out]
+        lead = x.shape[:-1]
+        # [M, in]: 2-D, so that the in-place sum below acts on the base's own output; on a view of it autograd would
+        # route the gradient through a copy of the whole output (CopySlices)
+        x = x.reshape(-1, x.shape[-1])
+        result = self.base_layer(x)  # [M, out]
         for name in names:
             lora_a, lora_b = self.lora_A[name], self.lora_B[name]
             x = self._cast_input_dtype(x, lora_a.weight.dtype)  # as peft (off inside policy.autocast)
-            low = lora_a(self.lora_dropout[name](x)) * self.scaling[name]  # [..., r]
-            # [M, out] + [M, r] @ [r, out]: the sum made by the matmul
-            result = torch.addmm(result.reshape(-1, result.shape[-1]), low.reshape(-1, low.shape[-1]),
-                                 lora_b.weight.T).view(result.shape)
-        return result
+            low = lora_a(self.lora_dropout[name](x)) * self.scaling[name]  # [M, r]
+            result.addmm_(low, lora_b.weight.T)  # [M, out] += [M, r] @ [r, out]: the sum made by the matmul
+        return result.view(*lead, result.shape[-1])
 
 
 def lean(policy):
