@@ -9,7 +9,7 @@ averaged over the prompts whose samples hold both labels.
 from __future__ import annotations
 
 from collections.abc import Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 def binary_auc(scores: list[float], positive: list[bool]) -> float | None:
@@ -37,11 +37,20 @@ def binary_auc(scores: list[float], positive: list[bool]) -> float | None:
 class PromptAUC:
     """The within-prompt AUC and what it rests on."""
 
-    auc: float | None  # the mean over `prompts` of each one's AUC; None when no prompt has both labels
-    prompts: int       # prompts whose samples hold both labels
-    total: int         # distinct prompts
-    # each of `prompts`' own AUC, by prompt (a paired comparison of two models on the same samples reads these)
-    per_prompt: dict[Hashable, float] = field(default_factory=dict)
+    # each ranked prompt's own AUC (its samples hold both labels), by prompt: a paired comparison of two models on
+    # the same samples reads these
+    per_prompt: dict[Hashable, float]
+    total: int  # distinct prompts
+
+    @property
+    def prompts(self) -> int:
+        """Prompts whose samples hold both labels."""
+        return len(self.per_prompt)
+
+    @property
+    def auc(self) -> float | None:
+        """The mean over the ranked prompts of each one's AUC; None when no prompt has both labels."""
+        return sum(self.per_prompt.values()) / len(self.per_prompt) if self.per_prompt else None
 
 
 def within_prompt_auc(scores: list[float], positive: list[bool], prompts: list[Hashable]) -> PromptAUC:
@@ -51,6 +60,4 @@ def within_prompt_auc(scores: list[float], positive: list[bool], prompts: list[H
     for i, key in enumerate(prompts):
         groups.setdefault(key, []).append(i)
     aucs = {key: binary_auc([scores[i] for i in idx], [positive[i] for i in idx]) for key, idx in groups.items()}
-    ranked = {key: a for key, a in aucs.items() if a is not None}
-    mean = sum(ranked.values()) / len(ranked) if ranked else None
-    return PromptAUC(mean, len(ranked), len(groups), ranked)
+    return PromptAUC({key: a for key, a in aucs.items() if a is not None}, len(groups))
