@@ -4,8 +4,7 @@ peft computes a LoRA layer as `base(x) + lora_B(lora_A(dropout(x))) * scaling`: 
 [rows, out] product, and the sum makes another [rows, out] tensor, in forward and again in backward. Here the
 scaling multiplies the [rows, r] activation instead (B(s·A x) = s·B(A x)), and the low-rank product is added by
 the matmul itself, into the base's output in place (`addmm_`, result += (s·A x) Bᵀ: the linear's backward does not
-read its output, and an out-of-place `addmm` first copies its [rows, out] input; under autocast, which casts only
-the out-of-place one's operands, `addmm`): three passes over [rows, out]
+read its output, and an out-of-place `addmm` first copies its [rows, out] input): three passes over [rows, out]
 less in forward and one in backward, per adapted layer (7 per decoder layer for SmolLM2's LoRA). The numbers are
 peft's up to float rounding.
 
@@ -42,11 +41,10 @@ class LeanLinear(LoraLinear):
             lora_a, lora_b = self.lora_A[name], self.lora_B[name]
             x = self._cast_input_dtype(x, lora_a.weight.dtype)  # as peft (off inside policy.autocast)
             low = lora_a(self.lora_dropout[name](x)) * self.scaling[name]  # [M, r]
-            if torch.is_autocast_enabled(x.device.type):
-                # autocast casts an out-of-place addmm's three operands to its dtype, not an in-place one's
-                result = torch.addmm(result, low, lora_b.weight.T)
-            else:
-                result.addmm_(low, lora_b.weight.T)  # [M, out] += [M, r] @ [r, out]: the sum made by the matmul
+            # [M, out] += [M, r] @ [r, out]: the sum made by the matmul. Autocast casts an out-of-place addmm's
+            # operands to its dtype, not an in-place one's: the casts to the output's dtype (that dtype under
+            # autocast, a no-op outside it) give the same operands
+            result.addmm_(low.to(result.dtype), lora_b.weight.T.to(result.dtype))
         return result.view(*lead, result.shape[-1])
 
 
