@@ -236,7 +236,7 @@ def grpo_process(*args: str, cwd: Path | None = None, env: dict | None = None, t
                           text=True, timeout=timeout)
 
 
-# ---- two ranks: spawned gloo processes, and torchrun ----------------------------------------------------------------
+# ---- two ranks: gloo processes from a fork server, and torchrun -----------------------------------------------------
 
 def rendezvous() -> str:
     """A TCP rendezvous on a free local port (a FileStore rendezvous aborted a rank at exit once in CI)."""
@@ -246,8 +246,13 @@ def rendezvous() -> str:
 
 
 def two_ranks(target, out: Path) -> None:
-    """Run target(rank, 2, rendezvous, out) in 2 spawned processes; both must exit 0."""
-    ctx = multiprocessing.get_context("spawn")
+    """Run target(rank, 2, rendezvous, out) in 2 fresh processes; both must exit 0.
+
+    Forked from a fork server that imported torch, transformers, peft and the train command once per test process
+    (spawn imported them in each rank: ~6 s of CPU a rank, each time): a rank starts as a fresh interpreter does,
+    no thread, CUDA context or process group of the test process in it; its target's module is imported in it."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "transformers", "peft", "grpo_cli.commands.train", "tests.helpers"])
     where = rendezvous()
     procs = [ctx.Process(target=target, args=(r, 2, where, str(out))) for r in range(2)]
     for p in procs:

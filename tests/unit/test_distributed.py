@@ -53,7 +53,7 @@ def _worker(rank: int, size: int, init_method: str, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def steps(tmp_path_factory):
-    """Run every case on 2 gloo ranks (spawned processes); the folder of their results."""
+    """Run every case on 2 gloo ranks (fresh processes, tests.helpers.two_ranks); the folder of their results."""
     out = tmp_path_factory.mktemp("dp")
     two_ranks(_worker, out)
     return out

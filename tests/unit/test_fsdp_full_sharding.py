@@ -1,4 +1,4 @@
-"""trainer.fsdp=true with model.finetune=full on 2 spawned gloo ranks (grpo_cli.fsdp): every weight, its gradient and
+"""trainer.fsdp=true with model.finetune=full on 2 gloo ranks (grpo_cli.fsdp): every weight, its gradient and
 AdamW state sharded; the same steps as one process on the same batch, checkpoints written whole by rank 0 and resumed
 sharded. The end-to-end torchrun case is in tests/system/test_fsdp_full.py."""
 
