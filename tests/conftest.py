@@ -24,7 +24,20 @@ setup_process()
 os.environ.setdefault("GRPO_NO_VLLM", "1")
 
 # after the process setup
-from tests.helpers import EVAL_TINY, GSM8K, REPO, TINY, copy_run, release_vllm_groups, run_cli, tiny_cfg  # noqa: E402
+from tests.helpers import (  # noqa: E402
+    EVAL_TINY,
+    GSM8K,
+    REPO,
+    TINY,
+    copy_run,
+    parse_each_yaml_text_once,
+    release_vllm_groups,
+    run_cli,
+    tiny_cfg,
+)
+
+# the suite composes ~770 configs: each YAML text parsed once (tests.helpers.parse_each_yaml_text_once)
+parse_each_yaml_text_once()
 
 __all__ = ["REPO", "GSM8K"]
 

@@ -26,6 +26,6 @@ def test_packed_and_one_by_one_give_the_same_outputs_and_gradients():
     (y1, g1), (y2, g2) = outs["one_by_one"], outs["packed"]
     assert [y.shape[1] for y in y2] == [576, 192, 192, 1536, 1536]
     for a, b in zip(y1 + list(g1), y2 + list(g2)):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)  # fp32 sums in another order
     # the low-rank part is not negligible here: the check would see a missing one
     assert p["b"]["v"].abs().sum() > 0 and (y1[2] - x.detach() @ p["w"]["v"].T).abs().max() > 1e-4
