@@ -48,20 +48,6 @@ def register_recipes() -> None:
         store.store(group="recipe", name=path.stem, node=OmegaConf.load(path), package="_global_")
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 def compose(config_name: str, overrides: list[str] | None = None) -> DictConfig:
     """The config Hydra would build for `grpo CONFIG_NAME OVERRIDES...`, without running a job."""
     register_recipes()
