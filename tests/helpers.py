@@ -284,17 +284,27 @@ def two_ranks(target, out: Path) -> None:
 
     Forked from a fork server that imported torch, transformers, peft and the train command once per test process
     (spawn imported them in each rank: ~6 s of CPU a rank, each time): a rank starts as a fresh interpreter does,
-    no thread, CUDA context or process group of the test process in it; its target's module is imported in it."""
+    no thread, CUDA context or process group of the test process in it; its target's module is imported in it, and
+    its environment is the test process's at this call (as spawn's), though the modules the fork server imported
+    read theirs at its start (conftest's setup_process sets it before any two_ranks call)."""
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "transformers", "peft", "grpo_cli.commands.train", "tests.helpers"])
     where = rendezvous()
-    procs = [ctx.Process(target=target, args=(r, 2, where, str(out))) for r in range(2)]
+    procs = [ctx.Process(target=_in_environment, args=(dict(os.environ), target, r, 2, where, str(out)))
+             for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:
         p.join(timeout=300)
     # exit codes: -6 is an abort (SIGABRT), None a rank still running after 300 s
     assert [p.exitcode for p in procs] == [0, 0], f"a rank failed or hung: exit codes {[p.exitcode for p in procs]}"
+
+
+def _in_environment(environ: dict[str, str], target, *args) -> None:
+    """A rank of `two_ranks`: `target(*args)` under the environment the test process had at the call."""
+    os.environ.clear()
+    os.environ.update(environ)
+    target(*args)
 
 
 def group_threads() -> list[str]:

@@ -301,3 +301,18 @@ def test_fsdp_a_dead_rank_is_one_line_naming_it(tmp_path):
     line = (tmp_path / "rank0.txt").read_text()
     assert "\n" not in line and re.match(r"rank 1 \(pid \d+\) stopped \(killed or crashed\), so rank 0 cannot go on "
                                          r"\(.*\); every rank stops", line), line
+
+
+def _environment_worker(rank: int, size: int, init_method: str, out: str) -> None:
+    import os
+
+    threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
+    Path(out, f"rank{rank}.txt").write_text(f"{os.environ.get('GRPO_TWO_RANKS_MARK')} {threads}")
+
+
+def test_two_ranks_run_fresh_under_the_callers_environment_of_the_call(tmp_path, monkeypatch):
+    # a variable set after the fork server may have started (an earlier two_ranks call) still reaches the ranks
+    monkeypatch.setenv("GRPO_TWO_RANKS_MARK", f"set-{tmp_path.name}")
+    two_ranks(_environment_worker, tmp_path)
+    # and each rank holds one thread: nothing of the test process's thread pools was forked into it
+    assert [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)] == [f"set-{tmp_path.name} 1"] * 2
