@@ -76,11 +76,11 @@ def main() -> None:
     for rows in a.rows:
         x = torch.randn(rows, HIDDEN, requires_grad=True)
         grads = [torch.randn(rows, WIDTH[n]) for n in WIDTH]
+        flop = 2 * 2 * rows * HIDDEN * sum(WIDTH.values())  # forward + the input's gradient, base weights only
         ratios = []
         for r in range(a.rounds):
             apart, together = step_seconds(one_by_one, x, p, grads, a.reps), step_seconds(packed, x, p, grads, a.reps)
             ratios.append(together / apart)
-            flop = 2 * 2 * rows * HIDDEN * sum(WIDTH.values())  # forward + the input's gradient, base weights only
             print(f"rows {rows} round {r + 1}: one by one {apart * 1e3:.1f} ms ({flop / apart / 1e9:.0f} GFLOP/s), "
                   f"packed {together * 1e3:.1f} ms, ratio {ratios[-1]:.3f}")
         print(f"rows {rows}: median ratio packed / one by one {statistics.median(ratios):.3f}")
