@@ -8,9 +8,9 @@ the completions it fails on lose theirs. A ConfigError (a bad option fails every
 and KeyboardInterrupt (Ctrl-C) passes through. Each function gets its own copy of the inputs: one that changes
 them changes nothing the next one sees.
 
-Where the function runs (`reward.worker`): `process`, a worker process of its own (`worker.py` says why: math_verify's
-timeouts work there, and a hung call is killed, so it costs that call only); `thread`, a thread of this process,
-for a function given objects that do not pickle or that must share this process's (the reward models). With
+Where the function runs (`reward.worker`): `process`, a worker process of its own (grpo_cli.workers says why:
+math_verify's timeouts work there, and a hung call is killed, so it costs that call only); `thread`, a thread of this
+process, for a function given objects that do not pickle or that must share this process's (the reward models). With
 `timeout_s` null a thread-mode function runs inline, on the caller's thread.
 
 Not in the paper (DeepSeekMath scores with a reward model it trained itself): a robustness layer for
@@ -28,8 +28,8 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout  # TimeoutError itself from Python 3.11 on
 from typing import Any
 
+from grpo_cli import workers
 from grpo_cli.errors import ConfigError
-from grpo_cli.rewards import worker as workers
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +133,12 @@ class Guarded:
         args = (prompts, completions, columns)
         try:
             if self._process is not None:
-                out, why = self._process.call(args, self.timeout_s)  # the worker gets pickled copies
+                try:
+                    out, why = self._process.call(args, self.timeout_s)  # the worker gets pickled copies
+                except workers.NotSendable as err:
+                    raise ConfigError(f"reward function {self.name!r} is given objects that cannot be sent to its "
+                                      f"worker process ({err}); set reward.worker=thread to run it in this process"
+                                      ) from None
             else:
                 out, why = self._in_thread(lambda: attempt(self.fn, self.convert, *_fresh(args)))
         except (TimeoutError, FutureTimeout):

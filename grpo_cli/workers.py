@@ -1,21 +1,22 @@
-"""A reward function's own worker process: forked at its first call, called over a pipe, killed and forked again
-when a call passes the timeout (`reward.worker=process`).
+"""A worker process of its own for user code: forked at its first call (or at `start()`), called over a pipe, killed
+and forked again when a call passes its timeout. Reward functions run in one each (`reward.worker=process`,
+grpo_cli.rewards.guard), and the tools of `env=tools` in one per environment (grpo_cli.env.tools).
 
 Why a process rather than a thread of this one:
 - math_verify (the parse/verify of TRL's and open-r1's rewards) times itself with signal.alarm, which works only
   on a process's main thread; the worker runs the function on its own main thread, so such a reward runs unchanged;
 - a hung call is ended with its process: the next call gets a fresh worker, and nothing abandoned keeps holding
   the CPU or the GIL (a thread cannot be killed, and one looping forever slows every later step);
+- a function that ends its process (os._exit, a crash of the interpreter) ends its worker, not the run;
 - the worker gets copies of the inputs (pickled), so a function that changes them changes nothing another sees.
 
 Forked, not spawned: the function itself is never pickled (a lambda, a module run from a file, a partial of
 grpo_cli's), and a start costs a fork of this process, not a new interpreter. A call costs one pickled round trip
-of the batch's prompts, completions and columns. (Pickle only on this pipe, between the trainer and
-the child it forked itself, running code the user chose: nothing pickled is written to a file or read from one,
-so the project's "no pickle" promise about saved files holds.) What a worker cannot take: arguments that do not
-pickle (an environment object) or this process's own objects (a reward model on the GPU); `reward.worker=thread`
-keeps such a function in this process, and the reward models do so always. Where the platform cannot fork,
-functions run in threads.
+of its arguments and its answer. (Pickle only on this pipe, between the trainer and the child it forked itself,
+running code the user chose: nothing pickled is written to a file or read from one, so the project's "no pickle"
+promise about saved files holds.) What a worker cannot take: arguments that do not pickle (an environment object)
+or this process's own objects (a reward model on the GPU); those stay in this process (`reward.worker=thread`, the
+reward models, the methods of `env=class`). Where the platform cannot fork, they run in threads.
 """
 
 from __future__ import annotations
@@ -32,8 +33,6 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from grpo_cli.errors import ConfigError
-
 
 def available() -> bool:
     """Whether this platform can fork a worker (not on Windows)."""
@@ -44,11 +43,16 @@ class WorkerDied(Exception):
     """The worker process ended during a call (the function called os._exit, or crashed the interpreter)."""
 
 
-class Worker:
-    """`work(*args)` run in a child process of its own; one call at a time."""
+class NotSendable(Exception):
+    """A call's arguments do not pickle, so they cannot reach the worker (nothing was sent)."""
 
-    def __init__(self, name: str, work: Callable[..., Any]):
-        self.name, self.work = name, work
+
+class Worker:
+    """`work(*args)` run in a child process of its own; one call at a time. `kind` names its process (`ps`, `top`):
+    `{kind}-{name}`."""
+
+    def __init__(self, name: str, work: Callable[..., Any], kind: str = "reward"):
+        self.name, self.work, self.kind = name, work, kind
         self._process: Any = None
         self._conn: Any = None
         self._stop: weakref.finalize | None = None
@@ -63,7 +67,7 @@ class Worker:
         context = multiprocessing.get_context("fork")
         ours, theirs = context.Pipe()
         process = context.Process(target=_serve, args=(self.work, theirs, ours, os.getpid()), daemon=True,
-                                  name=f"reward-{self.name}")
+                                  name=f"{self.kind}-{self.name}")
         with warnings.catch_warnings():
             # Python 3.12+ warns at every fork of a process with threads (torch's, the trainer's): on the console at
             # every start, about a child that runs the reward function alone (torch held to one thread there)
@@ -81,14 +85,13 @@ class Worker:
 
     def call(self, args: tuple, timeout_s: float | None) -> Any:
         """`work(*args)` in the worker. TimeoutError after `timeout_s` seconds (None: no bound): the worker is killed
-        and the next call starts another. WorkerDied when it ended during the call. An exception `work` raised is
-        raised here."""
+        and the next call starts another. WorkerDied when it ended during the call; NotSendable when `args` do not
+        pickle. An exception `work` raised is raised here."""
         self.start()
         try:
             self._conn.send(args)  # pickled whole before anything is written: a failure leaves the pipe clean
         except (pickle.PicklingError, TypeError, AttributeError) as err:
-            raise ConfigError(f"reward function {self.name!r} is given objects that cannot be sent to its worker "
-                              f"process ({err}); set reward.worker=thread to run it in this process") from None
+            raise NotSendable(str(err)) from None
         try:
             if not self._conn.poll(timeout_s):
                 self.stop()
