@@ -3,8 +3,9 @@ completion.
 
 `judge(prompts, completions, answer=None, ...)` renders the user's template with {prompt}, {completion} and
 {answer} for each completion, POSTs it to `{base_url}/chat/completions` (one user message), and reads the score
-from the reply (`parse_score`): the last number in it, where a number written N/M counts as N; a score in
-[min_score, max_score] is mapped linearly to [0, 1], anything else (no number, out of range) is no score.
+from the reply (`parse_score`): the last number in it, read whole (1e1 is 10), where a number written N/M counts as
+N; a score in [min_score, max_score] is mapped linearly to [0, 1], anything else (no number, out of range) is no
+score.
 Requests run on `max_concurrency` threads, each with a timeout; a transport error, a timeout, a 429 or a 5xx is
 retried `retries` times with a doubling pause, and a request that still fails, or whose reply is not the JSON of a
 chat completion, gives None ("no score", counted as `rewards/<name>/no_score`), never an error of the step.
@@ -32,8 +33,11 @@ log = logging.getLogger(__name__)
 
 TARGET = "grpo_cli.rewards.judge.judge"
 PLACEHOLDERS = ("prompt", "completion", "answer")
-# a number, and the "/M" of a score written "N/M" (N counts)
-_SCORE = re.compile(r"(-?\d+(?:\.\d+)?)(?:\s*/\s*\d+(?:\.\d+)?)?")
+# a number as written: digits with an optional fraction (or a bare fraction, .5), an optional exponent (1e1, 2E-3)
+_NUMBER = r"(?:\d+(?:\.\d+)?|\.\d+)(?:[eE][+-]?\d+)?"
+# a score: a number, signed when its minus follows no letter, digit or point (so the dash of 6-7 is no sign), and
+# the "/M" of a score written "N/M" (N counts)
+_SCORE = re.compile(rf"((?:(?<![\w.])-)?{_NUMBER})(?:\s*/\s*{_NUMBER})?")
 # the first retry's pause; each next one doubles it
 _BACKOFF_S = 0.5
 
@@ -43,7 +47,12 @@ class _Retry(Exception):
 
 
 def parse_score(text: str, min_score: float, max_score: float) -> float | None:
-    """The last number of the judge's reply mapped from [min_score, max_score] to [0, 1]; None without one in range."""
+    """The last number of the judge's reply mapped from [min_score, max_score] to [0, 1]; None without one in range.
+
+    A number is read whole, as Python's float reads it: "1e1" is 10 (1.0 on a 0-10 scale, never the 1 before the
+    e), "1.5e-3" is 0.0015, ".5" is 0.5 and "8." is 8 (the point ends the sentence). A minus is a sign only where
+    no letter, digit or point comes right before it: "-2" is -2 (no score on a 0-10 scale), while "6-7" reads 6 and
+    then 7. In "7/10" the 7 counts. A number too large for a float ("1e999") is out of range: no score."""
     found = _SCORE.findall(text or "")
     if not found:
         return None

@@ -10,6 +10,7 @@ from grpo_cli.config import compose, validate
 from grpo_cli.errors import ConfigError
 from grpo_cli.instantiate import build
 from grpo_cli.resources import CONF_DIR
+from grpo_cli.rewards.judge import parse_score
 from tests.helpers import JudgeServer, chat_reply
 
 PROMPTS = ["2+2?", "3+3?", "4+4?"]
@@ -53,6 +54,24 @@ def test_a_number_outside_the_range_or_none_at_all_gives_no_score():
     with JudgeServer(lambda n, body: (200, chat_reply(next(replies)), 0.0)) as server:
         scores = judge(server, max_concurrency=1)
     assert scores == [None, None, None]
+
+
+@pytest.mark.parametrize("reply, low, high, expected", [
+    ("Score: 1e1", 0, 10, 1.0),             # 1e1 is ten: (10 - 0) / 10 = 1.0, never the "1" before the e (0.1)
+    ("Score: 1.5e-3", 0, 10, 0.00015),      # 0.0015 / 10
+    ("Score: 2E+0", 0, 10, 0.2),            # 2 / 10
+    ("Score: 1e3", 0, 10, None),            # 1000, outside the scale
+    ("Score: -2", -5, 5, 0.3),              # (-2 - -5) / (5 - -5) = 3 / 10
+    ("Score: -2", 0, 10, None),             # below the scale
+    ("Score: 7/10", 0, 10, 0.7),            # N/M counts N
+    ("Score: 8.", 0, 10, 0.8),              # the full stop ends the sentence: 8
+    ("Score: .5", 0, 10, 0.05),             # .5 is a half: 0.5 / 10, never 5
+    ("Score: 6-7", 0, 10, 0.7),             # a dash between two numbers is no minus sign: the last is 7
+    ("Score: 3e", 0, 10, 0.3),              # an e with no digits after it is a letter: 3
+])
+def test_a_score_is_the_whole_last_number(reply, low, high, expected):
+    score = parse_score(reply, low, high)
+    assert score == (None if expected is None else pytest.approx(expected))
 
 
 def test_a_timeout_gives_no_score_after_its_retries():
