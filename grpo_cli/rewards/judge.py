@@ -11,7 +11,9 @@ retried `retries` times with a doubling pause, and a request that still fails, o
 chat completion, gives None ("no score", counted as `rewards/<name>/no_score`), never an error of the step.
 
 The key, when the endpoint needs one, is read from the environment variable `api_key_env` names, at each call: the
-config and the run folder hold only the variable's name. Standard library only (urllib): no client dependency.
+config and the run folder hold only the variable's name. A redirect is never followed (`_NoRedirect`), so the key
+goes to base_url's host only: a 3xx reply is no score, with a line naming where it points. Standard library only
+(urllib): no client dependency.
 """
 
 from __future__ import annotations
@@ -46,6 +48,15 @@ class _Retry(Exception):
     """A failure worth another try: the server was slow, busy or broken, not the request or its reply."""
 
 
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """Redirects are not followed: urllib would send the request's headers, the key among them, to wherever the
+    reply points, another host included. Following one never scored anyway: a 301/302/303 turns the POST into a GET,
+    which no chat endpoint answers, and urllib refuses a POST's 307/308. A 3xx is an HTTPError, then no score."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        return None
+
+
 def parse_score(text: str, min_score: float, max_score: float) -> float | None:
     """The last number of the judge's reply mapped from [min_score, max_score] to [0, 1]; None without one in range.
 
@@ -73,11 +84,14 @@ def _post(url: str, body: bytes, headers: dict, timeout_s: float) -> str:
     """The reply's message content; `_Retry` for what another try may fix, ValueError for a malformed reply."""
     request = urllib.request.Request(url, data=body, headers=headers, method="POST")
     try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        with urllib.request.build_opener(_NoRedirect).open(request, timeout=timeout_s) as response:
             raw = response.read()
     except urllib.error.HTTPError as err:
         if err.code == 429 or err.code >= 500:
             raise _Retry(f"HTTP {err.code}") from err
+        if 300 <= err.code < 400:
+            raise ValueError(f"HTTP {err.code}: the endpoint redirects to {err.headers.get('Location')}, which is not "
+                             f"followed (the key would go along); set base_url to the endpoint itself") from err
         raise ValueError(f"HTTP {err.code}") from err
     except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as err:
         raise _Retry(str(err)) from err

@@ -1,7 +1,12 @@
 """The judge reward (grpo_cli/rewards/judge.py) against a real HTTP server on localhost: scores, a timeout, a 500,
-malformed JSON, a slow server, the concurrency bound and the key's header; its config checks."""
+malformed JSON, a slow server, the concurrency bound and the key's header; a redirect (the key stays on its
+host); its config checks."""
 
 from __future__ import annotations
+
+import logging
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from omegaconf import OmegaConf
@@ -10,6 +15,7 @@ from grpo_cli.config import compose, validate
 from grpo_cli.errors import ConfigError
 from grpo_cli.instantiate import build
 from grpo_cli.resources import CONF_DIR
+from grpo_cli.rewards.judge import judge as judge_fn
 from grpo_cli.rewards.judge import parse_score
 from tests.helpers import JudgeServer, chat_reply
 
@@ -122,6 +128,77 @@ def test_the_key_comes_from_the_environment_in_the_authorization_header(monkeypa
     with JudgeServer(lambda n, body: (200, chat_reply("10"), 0.0)) as server:
         judge(server)                                   # api_key_env null: a local server, no header
     assert {r["authorization"] for r in server.requests} == {None}
+
+
+class RawServer:
+    """An HTTP server on 127.0.0.1 (http.server in a thread) whose `handle(handler, server)` writes each reply itself:
+    a redirect, a trickle, a flood. Every request's method and headers are kept in `seen`; `stop` is set on exit so
+    a reply still being written ends with the test."""
+
+    def __init__(self, handle):
+        server = self
+        self.seen: list[dict] = []
+        self.stop = threading.Event()
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 (http.server's name)
+                server.seen.append({"method": self.command, "headers": dict(self.headers)})
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                try:
+                    handle(self, server)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client hung up: what the tests below want of it
+
+            do_GET = do_POST  # noqa: N815 (a 301/302/303 turns urllib's POST into a GET)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def answer(handler, status: int, text: str, **headers: str) -> None:
+    handler.send_response(status)
+    for name, value in {"Content-Type": "application/json", "Content-Length": str(len(text)), **headers}.items():
+        handler.send_header(name, value)
+    handler.end_headers()
+    handler.wfile.write(text.encode())
+
+
+# the judge function itself, one completion, on the 0-10 scale (no reward guard around it: the timings are its own)
+OPTIONS = dict(model="m", template="{completion}", api_key_env=None, max_concurrency=1, timeout_s=30, retries=0,
+               min_score=0, max_score=10, temperature=0.0, max_tokens=8)
+
+
+def ask(url: str, **options) -> float | None:
+    return judge_fn(["q"], ["c"], base_url=url, **{**OPTIONS, **options})[0]
+
+
+@pytest.mark.parametrize("code", [301, 302, 303, 307, 308])
+def test_a_redirect_is_not_followed_so_the_key_never_reaches_another_host(code, monkeypatch, caplog):
+    monkeypatch.setenv("JUDGE_TEST_KEY", "sk-local-123")
+    with RawServer(lambda handler, server: answer(handler, 200, chat_reply("10"))) as other:
+        target = other.url + "/chat/completions"                    # another port on 127.0.0.1: another origin
+        with RawServer(lambda handler, server: answer(handler, code, "", Location=target)) as endpoint, \
+                caplog.at_level(logging.WARNING, logger="grpo_cli.rewards.judge"):
+            score = ask(endpoint.url, api_key_env="JUDGE_TEST_KEY", retries=2)
+    assert [seen["headers"].get("Authorization") for seen in other.seen] == [None] * len(other.seen)
+    assert other.seen == [] and score is None                      # not followed at all: no score
+    assert [seen["headers"]["Authorization"] for seen in endpoint.seen] == ["Bearer sk-local-123"]   # no retry
+    lines = [record.getMessage() for record in caplog.records]
+    assert len(lines) == 1 and f"HTTP {code}" in lines[0] and target in lines[0], lines
 
 
 def errors(*overrides: str) -> list[str]:
