@@ -11,6 +11,7 @@ problem at once, one line each.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +26,8 @@ def is_int(v: Any) -> bool:
 
 
 def is_num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    """A finite number: YAML and the command line read `inf` and `nan` as floats, and `inf > 0` holds."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def one_of(values: Iterable[str]) -> str:

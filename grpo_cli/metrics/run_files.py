@@ -13,6 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from grpo_cli import files
+from grpo_cli.checks import is_num
 from grpo_cli.errors import ConfigError
 from grpo_cli.metrics.console import console
 from grpo_cli.metrics.trackers import TRACKERS, resolve_report_to, run_name
@@ -98,7 +99,7 @@ def check_logging(trainer) -> list[str]:
     if not (isinstance(rows, int) and not isinstance(rows, bool) and rows >= 0):
         raise ConfigError(f"trainer.num_completions_to_print ({rows!r}) must be an integer >= 0; "
                           f"set trainer.num_completions_to_print=4")
-    if not (isinstance(max_mb, (int, float)) and not isinstance(max_mb, bool) and max_mb > 0):
+    if not (is_num(max_mb) and max_mb > 0):
         raise ConfigError(f"trainer.completions_max_mb ({max_mb!r}) must be > 0; set trainer.completions_max_mb=100")
     return resolve_report_to(trainer.report_to)
 

@@ -252,7 +252,8 @@ CHECKS: list[Check] = [
     Rule("reward.worker", lambda v: v in WORKERS,
          f"must be {' or '.join(WORKERS)}; set reward.worker=process (reward.worker=thread for functions given "
          f"objects that cannot be pickled)"),
-    Rule("reward.process_weight", lambda v: v is None or (is_num(v) and v >= 0),
+    # inf is ProcessReward's other spelling of null (λ so large the outcome half does not count)
+    Rule("reward.process_weight", lambda v: v is None or v == math.inf or (is_num(v) and v >= 0),
          "must be a number >= 0 (λ of A_outcome + λ·A_process) or null (step rewards alone); "
          "set reward.process_weight=1.0"),
     Rule("reward.credit", lambda v: v in CREDITS,

@@ -27,6 +27,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoTokenizer
 
 from grpo_cli import files
+from grpo_cli.checks import is_num
 from grpo_cli.errors import ConfigError
 from grpo_cli.instantiate import build
 from grpo_cli.rewards.models import check_classifier
@@ -55,7 +56,7 @@ def check_settings(R) -> None:
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction < 1:
         raise ConfigError(f"rm.heldout_fraction ({fraction!r}) must be in [0, 1): the share of prompts whose rows "
                           f"measure the model instead of training it; set rm.heldout_fraction=0.2")
-    if isinstance(R.lr, bool) or not isinstance(R.lr, (int, float)) or R.lr <= 0:
+    if not is_num(R.lr) or R.lr <= 0:
         raise ConfigError(f"rm.lr ({R.lr!r}) must be > 0; set rm.lr=1e-4")
     if not isinstance(R.template, str) or R.template.count("{completion}") != 1 or "{prompt}" not in R.template:
         raise ConfigError(f"rm.template ({R.template!r}) must hold {{prompt}} and {{completion}} once each, as "
