@@ -28,6 +28,7 @@ import os
 import pickle
 import signal
 import sys
+import time
 import warnings
 import weakref
 from collections.abc import Callable
@@ -56,6 +57,7 @@ class Worker:
         self._process: Any = None
         self._conn: Any = None
         self._stop: weakref.finalize | None = None
+        self._calls = 0  # each call's number, which its answer carries back
 
     def start(self) -> None:
         """Fork the worker now, if it is not running (a call starts it otherwise)."""
@@ -85,28 +87,56 @@ class Worker:
 
     def call(self, args: tuple, timeout_s: float | None) -> Any:
         """`work(*args)` in the worker. TimeoutError after `timeout_s` seconds (None: no bound): the worker is killed
-        and the next call starts another. WorkerDied when it ended during the call; NotSendable when `args` do not
-        pickle. An exception `work` raised is raised here."""
+        and the next call starts another. WorkerDied when it ended during the call, saying how ("exit code 3",
+        "killed by signal SIGSEGV"); NotSendable when `args` do not pickle. An exception `work` raised is raised
+        here."""
         self.start()
+        self._calls += 1
         try:
-            self._conn.send(args)  # pickled whole before anything is written: a failure leaves the pipe clean
+            # pickled whole before anything is written: a failure leaves the pipe clean
+            self._conn.send((self._calls, args))
         except (pickle.PicklingError, TypeError, AttributeError) as err:
             raise NotSendable(str(err)) from None
         try:
-            if not self._conn.poll(timeout_s):
-                self.stop()
-                raise TimeoutError(f"no answer within {timeout_s} s")
-            status, value = self._conn.recv()
+            reply = self._answer(self._calls, None if timeout_s is None else time.monotonic() + timeout_s)
         except (EOFError, OSError):
-            code = self._process.exitcode if self._process is not None else None
+            how = self._ended()
             self.stop()
-            raise WorkerDied(f"exit code {code}") from None
+            raise WorkerDied(how) from None
         except KeyboardInterrupt:  # Ctrl-C while waiting: the call is abandoned with its worker
             self.stop()
             raise
+        if reply is None:
+            self.stop()
+            raise TimeoutError(f"no answer within {timeout_s} s")
+        status, value = reply
         if status == "raise":
             raise value
         return value
+
+    def _answer(self, number: int, deadline: float | None) -> tuple[str, Any] | None:
+        """(status, value) of call `number`, or None at `deadline`. An answer carrying another number is not this
+        call's (the worker answers only the call it was given, so none should come): it is dropped, never taken for
+        this one."""
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not self._conn.poll(left):
+                return None
+            answered, status, value = self._conn.recv()
+            if answered == number:
+                return status, value
+
+    def _ended(self) -> str:
+        """How the worker ended: its exit code, or the signal that killed it."""
+        code = _reap(self._process, 1.0)
+        if code is None:  # still running, its end of the pipe closed (the function closed the descriptor)
+            return "it closed its end of the pipe and was stopped"
+        if code < 0:
+            try:
+                return f"killed by signal {signal.Signals(-code).name}"
+            except ValueError:
+                return f"killed by signal {-code}"
+        return f"exit code {code}"
 
 
 def _kill(process, conn, owner: int) -> None:
@@ -115,7 +145,17 @@ def _kill(process, conn, owner: int) -> None:
     conn.close()
     if process.is_alive():
         process.kill()  # SIGKILL: the function may ignore or catch anything milder
-    process.join(5)
+    _reap(process, 5.0)
+
+
+def _reap(process, seconds: float) -> int | None:
+    """The exit code of a worker that ended (negative: the signal that killed it), once it is reaped (until then it
+    reads None), waiting up to `seconds`. By waitpid, not join(): join waits on a pipe that a child the function
+    forked may still hold open."""
+    deadline = time.monotonic() + seconds
+    while process.exitcode is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return process.exitcode
 
 
 def _die_with_parent(parent: int) -> None:
@@ -131,8 +171,13 @@ def _die_with_parent(parent: int) -> None:
 
 
 def _serve(work: Callable[..., Any], conn, parent_end, parent: int) -> None:
-    """The worker's loop: receive arguments, answer ("ok", result) or ("raise", exception); end at EOF."""
+    """The worker's loop: receive (number, arguments), answer (number, "ok", result) or (number, "raise", exception);
+    end at EOF."""
     parent_end.close()
+    worker = os.getpid()
+    # a process the function forks gets no copy of the pipe: it cannot answer on it, nor hold it open once the worker
+    # has died (the caller would then wait out the timeout for an end of file that never comes)
+    os.register_at_fork(after_in_child=conn.close)
     # Ctrl-C is the trainer's to handle (it ends this worker); SIGTERM, whose handler the trainer installed before
     # the fork, ends the worker at once
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -143,14 +188,16 @@ def _serve(work: Callable[..., Any], conn, parent_end, parent: int) -> None:
         torch.set_num_threads(1)
     while True:
         try:
-            args = conn.recv()
+            number, args = conn.recv()
         except (EOFError, OSError):
             return
         try:
-            reply = ("ok", work(*args))
+            reply = (number, "ok", work(*args))
         except BaseException as err:  # handed to the caller
-            reply = ("raise", err)
+            reply = (number, "raise", err)
+        if os.getpid() != worker:  # a child the function forked, returning from it: only the worker answers
+            os._exit(0)
         try:
             conn.send(reply)
         except Exception as err:  # an exception or result that does not pickle
-            conn.send(("raise", RuntimeError(f"{type(err).__name__} sending the result back: {err}")))
+            conn.send((number, "raise", RuntimeError(f"{type(err).__name__} sending the result back: {err}")))
