@@ -6,9 +6,11 @@ completion.
 from the reply (`parse_score`): the last number in it, read whole (1e1 is 10), where a number written N/M counts as
 N; a score in [min_score, max_score] is mapped linearly to [0, 1], anything else (no number, out of range) is no
 score.
-Requests run on `max_concurrency` threads, each with a timeout; a transport error, a timeout, a 429 or a 5xx is
-retried `retries` times with a doubling pause, and a request that still fails, or whose reply is not the JSON of a
-chat completion, gives None ("no score", counted as `rewards/<name>/no_score`), never an error of the step.
+Requests run on `max_concurrency` threads, each within `timeout_s` in all (connect and every read together,
+`_Deadline`: a server that trickles its reply is cut there), and read at most MAX_REPLY_BYTES (1 MiB) of the reply.
+A transport error, a timeout, a 429 or a 5xx is retried `retries` times with a doubling pause, and a request that
+still fails, or whose reply is not the JSON of a chat completion or passes the cap, gives None ("no score", counted
+as `rewards/<name>/no_score`, with one line), never an error of the step.
 
 The key, when the endpoint needs one, is read from the environment variable `api_key_env` names, at each call: the
 config and the run folder hold only the variable's name. A redirect is never followed (`_NoRedirect`), so the key
@@ -18,12 +20,15 @@ goes to base_url's host only: a 3xx reply is no score, with a line naming where 
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import math
 import os
 import re
+import socket
 import string
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -42,6 +47,11 @@ _NUMBER = r"(?:\d+(?:\.\d+)?|\.\d+)(?:[eE][+-]?\d+)?"
 _SCORE = re.compile(rf"((?:(?<![\w.])-)?{_NUMBER})(?:\s*/\s*{_NUMBER})?")
 # the first retry's pause; each next one doubles it
 _BACKOFF_S = 0.5
+# the most bytes of a reply that are read: a chat completion of max_tokens tokens is a few KiB, so a longer reply is
+# cut here and gets no score, and a judge that floods cannot grow the trainer's memory
+MAX_REPLY_BYTES = 2**20
+# the reply is read this much at a time, so the cap holds before the bytes past it are read
+_CHUNK_BYTES = 2**16
 
 
 class _Retry(Exception):
@@ -55,6 +65,83 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
 
     def redirect_request(self, req, fp, code, msg, headers, newurl):
         return None
+
+
+class _Deadline:
+    """One request's end, connect and every read together: urllib's timeout bounds each read alone, so a server
+    that sends a byte a second would hold a request for as long as it kept sending. When the time is up the
+    request's sockets are shut, which wakes a read blocked on one (its headers, its body, a TLS handshake); each
+    socket is watched through a duplicate of it, since a TLS wrap takes the original's descriptor away. The name
+    lookup before the connect is the one step it cannot cut (the resolver takes no timeout)."""
+
+    def __init__(self, seconds: float):
+        self.end = time.monotonic() + seconds
+        self.passed = False
+        self._sockets: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._timer = threading.Timer(seconds, self._shut)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def left(self) -> float:
+        return max(self.end - time.monotonic(), 0.0)
+
+    def connect(self, address, timeout, source_address=None) -> socket.socket:
+        """socket.create_connection with at most the time left, its socket watched (http.client's hook)."""
+        sock = socket.create_connection(address, min(timeout, self.left()), source_address)
+        with self._lock:
+            self._sockets.append(sock.dup())
+            if self.passed:
+                self._sockets[-1].shutdown(socket.SHUT_RDWR)
+        return sock
+
+    def _shut(self) -> None:
+        with self._lock:
+            self.passed = True
+            for sock in self._sockets:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass  # already closed by its end
+
+    def close(self) -> None:
+        self._timer.cancel()
+        with self._lock:
+            for sock in self._sockets:
+                sock.close()
+            self._sockets.clear()
+
+
+def _connections(deadline: _Deadline) -> list[urllib.request.BaseHandler]:
+    """urllib's HTTP and HTTPS handlers, whose connections open their sockets through `deadline`."""
+
+    def watched(connection_class):
+        def make(*args, **kwargs):
+            connection = connection_class(*args, **kwargs)
+            connection._create_connection = deadline.connect  # http.client's hook for tests and the like
+            return connection
+        return make
+
+    class HTTP(urllib.request.HTTPHandler):
+        def http_open(self, req):
+            return self.do_open(watched(http.client.HTTPConnection), req)
+
+    class HTTPS(urllib.request.HTTPSHandler):
+        def https_open(self, req):
+            return self.do_open(watched(http.client.HTTPSConnection), req, context=self._context)
+
+    return [HTTP(), HTTPS()]
+
+
+def _read(response) -> bytes:
+    """The reply's body, read a chunk at a time; ValueError once it passes MAX_REPLY_BYTES."""
+    chunks, size = [], 0
+    while chunk := response.read(min(_CHUNK_BYTES, MAX_REPLY_BYTES + 1 - size)):
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > MAX_REPLY_BYTES:
+            raise ValueError(f"the reply passed {MAX_REPLY_BYTES // 2**20} MiB: cut there, no score")
+    return b"".join(chunks)
 
 
 def parse_score(text: str, min_score: float, max_score: float) -> float | None:
@@ -83,18 +170,26 @@ def _text(prompt) -> str:
 def _post(url: str, body: bytes, headers: dict, timeout_s: float) -> str:
     """The reply's message content; `_Retry` for what another try may fix, ValueError for a malformed reply."""
     request = urllib.request.Request(url, data=body, headers=headers, method="POST")
+    deadline = _Deadline(timeout_s)
+    late = f"no whole reply within timeout_s={timeout_s:g} s"
     try:
-        with urllib.request.build_opener(_NoRedirect).open(request, timeout=timeout_s) as response:
-            raw = response.read()
+        with urllib.request.build_opener(_NoRedirect, *_connections(deadline)).open(request, timeout=timeout_s) \
+                as response:
+            raw = _read(response)
     except urllib.error.HTTPError as err:
+        err.close()
         if err.code == 429 or err.code >= 500:
             raise _Retry(f"HTTP {err.code}") from err
         if 300 <= err.code < 400:
             raise ValueError(f"HTTP {err.code}: the endpoint redirects to {err.headers.get('Location')}, which is not "
                              f"followed (the key would go along); set base_url to the endpoint itself") from err
         raise ValueError(f"HTTP {err.code}") from err
-    except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as err:
-        raise _Retry(str(err)) from err
+    except (urllib.error.URLError, TimeoutError, ConnectionError, OSError, http.client.HTTPException) as err:
+        raise _Retry(late if deadline.passed else str(err)) from err
+    finally:
+        deadline.close()
+    if deadline.passed:
+        raise _Retry(late)  # the shut socket read as the end of a body sent without its length
     try:
         return json.loads(raw)["choices"][0]["message"]["content"]
     except (ValueError, KeyError, IndexError, TypeError) as err:

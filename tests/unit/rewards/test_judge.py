@@ -1,11 +1,15 @@
 """The judge reward (grpo_cli/rewards/judge.py) against a real HTTP server on localhost: scores, a timeout, a 500,
-malformed JSON, a slow server, the concurrency bound and the key's header; a redirect (the key stays on its
-host); its config checks."""
+malformed JSON, a slow server, the concurrency bound and the key's header; a redirect, a trickle and a flood (the
+key stays on its host, the deadline and the size cap hold); its config checks."""
 
 from __future__ import annotations
 
+import json
 import logging
+import subprocess
+import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -17,7 +21,7 @@ from grpo_cli.instantiate import build
 from grpo_cli.resources import CONF_DIR
 from grpo_cli.rewards.judge import judge as judge_fn
 from grpo_cli.rewards.judge import parse_score
-from tests.helpers import JudgeServer, chat_reply
+from tests.helpers import REPO, JudgeServer, chat_reply
 
 PROMPTS = ["2+2?", "3+3?", "4+4?"]
 COMPLETIONS = ["4", "7", "8"]
@@ -199,6 +203,67 @@ def test_a_redirect_is_not_followed_so_the_key_never_reaches_another_host(code, 
     assert [seen["headers"]["Authorization"] for seen in endpoint.seen] == ["Bearer sk-local-123"]   # no retry
     lines = [record.getMessage() for record in caplog.records]
     assert len(lines) == 1 and f"HTTP {code}" in lines[0] and target in lines[0], lines
+
+
+@pytest.mark.parametrize("part", ["head", "body"])
+def test_a_reply_of_one_byte_a_second_is_cut_at_the_deadline(part):
+    # each byte comes within the 2 s between two reads, so only a deadline on the whole request cuts it; the server
+    # gives up after 12 bytes (12 s) so that a client without one still ends
+    text = chat_reply("10").encode()
+    head = f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {len(text)}\r\n\r\n".encode()
+
+    def trickle(handler, server):
+        if part == "body":
+            handler.wfile.write(head)
+        for byte in (text if part == "body" else head + text)[:12]:
+            handler.wfile.write(bytes([byte]))
+            if server.stop.wait(1.0):
+                return
+
+    with RawServer(trickle) as server:
+        start = time.monotonic()
+        score = ask(server.url, timeout_s=2)
+        took = time.monotonic() - start
+    assert score is None and took < 2 + 1.5, took
+
+
+# the judge asked in a fresh process: its peak RSS (ru_maxrss, KiB on Linux) before the call is its own, not the
+# test process's high-water mark from earlier tests; judge.py is loaded alone (its package imports torch: seconds)
+MEASURE = """
+import importlib.util, json, resource, sys
+spec = importlib.util.spec_from_file_location("judge", "grpo_cli/rewards/judge.py")
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+judge = module.judge
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+score = judge(["q"], ["c"], base_url=sys.argv[1], **json.loads(sys.argv[2]))[0]
+grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+print(json.dumps({"score": score, "grew_mb": grew / 1024}))
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="ru_maxrss is KiB on Linux")
+def test_a_600_mb_reply_is_cut_at_the_cap_and_never_held(tmp_path):
+    size, chunk = 600 * 2**20, b" " * 2**16
+
+    def flood(handler, server):                                   # 600 MB announced and streamed, 64 KiB at a time
+        handler.send_response(200)
+        handler.send_header("Content-Type", "application/json")
+        handler.send_header("Content-Length", str(size))
+        handler.end_headers()
+        for _ in range(size // len(chunk)):
+            if server.stop.is_set():
+                return
+            handler.wfile.write(chunk)
+
+    with RawServer(flood) as server:
+        done = subprocess.run([sys.executable, "-c", MEASURE, server.url, json.dumps(OPTIONS)], cwd=REPO,
+                              capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout)
+    assert result["score"] is None and result["grew_mb"] < 50, result
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and "1 MiB" in lines[0], lines          # one line says the reply was cut
 
 
 def errors(*overrides: str) -> list[str]:
