@@ -1,7 +1,8 @@
 """Multi-turn episodes with tools and environments (the `env` config group; docs/environments.md).
 
-`tools.py`: the user's functions, their schemas and a call under a timeout (`env=tools`); `environments.py`: TRL's
-`environment_factory` contract (`env=class`); `formats.py`: how tools are shown and calls read (`env.tool_format`);
+`tools.py`: the user's functions, their schemas and a call under a timeout (`env=tools`, in a worker process);
+`environments.py`: TRL's `environment_factory` contract (`env=class`); `formats.py`: how tools are shown and calls
+read (`env.tool_format`);
 `episode.py`: the episodes themselves, token in and token out, over any engine that continues token ids;
 `limits.py`: the limits and their checks. Nothing here knows the trainer, a sampler or the loss: the recipe builds
 the `env` node, picks the format (`choose(env.tool_format, tokenizer, env.schemas)`), prepares each row's prompt
@@ -31,7 +32,12 @@ def from_config(cfg: DictConfig) -> ToolsEnv | ClassEnv | None:
     """The run's environment, built from its `env` node; None for env=none (and for a run saved before the group
     existed, whose config has no `env`)."""
     present, node = get(cfg, "env")
-    return build(node) if present and isinstance(node, DictConfig) and node.get("_target_") else None
+    env = build(node) if present and isinstance(node, DictConfig) and node.get("_target_") else None
+    if isinstance(env, ToolsEnv) and env.worker is not None:
+        # the tools' worker forked now, while the command is small, as a reward's is (grpo_cli.rewards.guard says
+        # why): one forked once the model has loaded would cost every training step its copy-on-write pages
+        env.worker.start()
+    return env
 
 
 def resolves(cfg: DictConfig) -> None:

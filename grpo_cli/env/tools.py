@@ -12,14 +12,29 @@ with the working directory first on sys.path, or `path/to/file.py:fn`.
 During an episode a call goes as it goes in TRL's GRPOTrainer (its tool loop, trl/trainer/grpo_trainer.py): a
 function that raises, or a name that is no tool, gets `{'error': '...'}` back as its result and counts as a
 failure; a result that is not a string is converted with `str()` (a dict reads as its repr, None as "None"), not
-refused. Two limits TRL does not set: a call still running after `env.tool_timeout_s` gets an error result (its
-thread is left to finish on its own: Python cannot stop a thread), and a result longer than `env.max_result_chars`
-is cut, with a note saying how much the model sees; both count as failures.
+refused. Two limits TRL does not set: a call still running after `env.tool_timeout_s` gets an error result, and a
+result longer than `env.max_result_chars` is cut, with a note saying how much the model sees; both count as failures.
+The result's text is made (`str()`) and cut inside the bounded call, where the tool runs: a result whose `__str__`
+hangs is a call that timed out.
+
+Where a call runs:
+- `env=tools`: in the environment's worker process (grpo_cli.workers), one per environment, forked with it before
+  the model loads, calls one at a time. A call past the timeout is killed with its worker and the next call gets a
+  new one, so nothing hung piles up or holds a CPU; a tool that ends its process (`os._exit`, a crash) costs its
+  call only; an `async def` tool runs on an event loop of the worker. Only the cut text comes back over the pipe.
+  Where the platform cannot fork, calls run in threads, as below.
+- `env=class`: in a thread of this process (`Toolbox.worker` None). The methods share the state of their instance,
+  which the next call and the reward functions read (`environments`), so the instance has to live where they run:
+  in this process. A worker's copy of it would not be the instance the rewards read, and need not pickle. A thread
+  cannot be killed, so a call past the timeout runs on; while it does, that method (of any instance: one per
+  episode) is not called again, and its calls get an error at once, so hung calls hold at most one thread per
+  method. A method that ends its process (`os._exit`) ends the run.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import json
 import threading
@@ -29,6 +44,7 @@ from typing import Any
 
 from transformers.utils import get_json_schema
 
+from grpo_cli import workers
 from grpo_cli.env.limits import Limits
 from grpo_cli.errors import ConfigError
 from grpo_cli.rewards.user import BUILTINS, load_function
@@ -108,6 +124,8 @@ class Toolbox:
     tools: dict[str, Tool]
     # the environment instance of `env=class` (reward functions read it); None for plain tools
     environment: Any = None
+    # env=tools: the environment's worker process, where the calls run; None: threads of this process (env=class)
+    worker: ToolWorker | None = None
     schemas: list[dict] = field(init=False)
 
     def __post_init__(self):
@@ -124,16 +142,13 @@ class Toolbox:
         if not isinstance(call.arguments, dict):
             return ToolResult(call.name, _error(f"the arguments of {call.name} must be a JSON object, got "
                                                 f"{json.dumps(call.arguments)}"), True)
-        value, error = run_with_timeout(tool.fn, call.arguments, timeout_s)
+        where = self.worker.call if self.worker is not None else run_in_thread
+        text, length, error = where(tool, call.arguments, timeout_s, max_chars)
         if error is not None:
             return ToolResult(call.name, _error(error), True)
-        try:
-            text = value if isinstance(value, str) else str(value)
-        except Exception as err:
-            return ToolResult(call.name, _error(f"its result could not be turned into text: {err}"), True)
-        if len(text) > max_chars:
-            note = f"\n[cut: the first {max_chars} of {len(text)} characters]"
-            return ToolResult(call.name, text[:max_chars] + note, True)
+        if length > max_chars:
+            note = f"\n[cut: the first {max_chars} of {length} characters]"
+            return ToolResult(call.name, text + note, True)
         return ToolResult(call.name, text, False)
 
 
@@ -142,24 +157,88 @@ def _error(message: str) -> str:
     return str({"error": message})
 
 
-def run_with_timeout(fn: Callable, arguments: dict, timeout_s: float) -> tuple[Any, str | None]:
-    """(the value `fn(**arguments)` returns, None) or (None, the error as text); an `async def` tool's coroutine
-    runs on its own event loop in the same worker thread."""
-    box: dict[str, Any] = {}
+# what a call gives back: (the result's text, cut to max_chars; its full length; None) or (None, 0, the error)
+Outcome = tuple[str | None, int, str | None]
 
-    def work() -> None:
-        try:
-            out = fn(**arguments)
-            box["value"] = asyncio.run(out) if inspect.iscoroutine(out) else out
-        except BaseException as err:  # a library's sys.exit() is a failed call too, not the end of the run
-            box["error"] = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
 
-    worker = threading.Thread(target=work, name=f"tool-{getattr(fn, '__name__', 'fn')}", daemon=True)
-    worker.start()
-    worker.join(timeout_s)
-    if worker.is_alive():
-        return None, f"{getattr(fn, '__name__', 'the tool')} did not return within {timeout_s} s"
-    return box.get("value"), box.get("error")
+def call_tool(fn: Callable, arguments: dict, max_chars: int) -> Outcome:
+    """`fn(**arguments)` and its result's text, where the call runs (a worker process or a thread): an `async def`
+    tool's coroutine runs on an event loop of its own there."""
+    try:
+        out = fn(**arguments)
+        value = asyncio.run(out) if inspect.iscoroutine(out) else out
+    except BaseException as err:  # a library's sys.exit() is a failed call too, not the end of the run
+        return None, 0, f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+    try:
+        text = value if isinstance(value, str) else str(value)
+    except BaseException as err:
+        return None, 0, f"its result could not be turned into text: {err}"
+    return text[:max_chars], len(text), None
+
+
+def _late(tool: Tool, timeout_s: float) -> Outcome:
+    return None, 0, f"{tool.name} did not return within {timeout_s} s"
+
+
+def _run_named(fns: dict[str, Callable], name: str, arguments: dict, max_chars: int) -> Outcome:
+    return call_tool(fns[name], arguments, max_chars)
+
+
+class ToolWorker:
+    """The tools of one `env=tools` environment, called in a worker process of their own (the module docstring)."""
+
+    def __init__(self, tools: list[Tool]):
+        work = functools.partial(_run_named, {t.name: t.fn for t in tools})
+        self._worker = workers.Worker("tools", work, kind="tool")
+        self._lock = threading.Lock()  # one call at a time on its pipe
+
+    def start(self) -> None:
+        """Fork the worker now (a call forks it otherwise)."""
+        self._worker.start()
+
+    def stop(self) -> None:
+        self._worker.stop()
+
+    def call(self, tool: Tool, arguments: dict, timeout_s: float, max_chars: int) -> Outcome:
+        with self._lock:
+            try:
+                return self._worker.call((tool.name, arguments, max_chars), timeout_s)
+            except TimeoutError:  # its worker was killed with the call
+                return _late(tool, timeout_s)
+            except workers.WorkerDied as err:
+                return None, 0, f"{tool.name} ended its worker process ({err}); the next call gets a new one"
+            except workers.NotSendable as err:
+                return None, 0, f"its arguments could not be sent to the tools' worker process: {err}"
+            except Exception as err:  # the worker's own failure (call_tool catches the tool's): still the call's only
+                return None, 0, f"{type(err).__name__}: {err}"
+
+
+# per function (a method: its class's function, shared by every instance), the thread of a call that passed its
+# timeout and runs on
+_running_on: dict[Any, threading.Thread] = {}
+_running_on_lock = threading.Lock()
+
+
+def run_in_thread(tool: Tool, arguments: dict, timeout_s: float, max_chars: int) -> Outcome:
+    """One call in a thread of this process, waited for `timeout_s` seconds; not started while an earlier call of
+    the same function runs on past its timeout (the module docstring)."""
+    key = getattr(tool.fn, "__func__", tool.fn)
+    with _running_on_lock:
+        earlier = _running_on.get(key)
+        if earlier is not None and earlier.is_alive():
+            return None, 0, (f"{tool.name} is still running from an earlier call that passed the timeout "
+                             f"({timeout_s} s); this call was not run")
+        _running_on.pop(key, None)
+    box: dict[str, Outcome] = {}
+    thread = threading.Thread(target=lambda: box.update(out=call_tool(tool.fn, arguments, max_chars)), daemon=True,
+                              name=f"tool-{tool.name}")
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        with _running_on_lock:
+            _running_on[key] = thread
+        return _late(tool, timeout_s)
+    return box["out"]
 
 
 class ToolsEnv:
@@ -171,6 +250,9 @@ class ToolsEnv:
         self.limits = Limits(max_turns, max_tool_calls, max_episode_tokens, tool_timeout_s, max_result_chars)
         self.tools = load_tools(tools)
         self.schemas = [t.schema for t in self.tools]
+        # where every episode's calls run: forked by grpo_cli.env.from_config before the model loads, or at the
+        # first call (None where the platform cannot fork: threads)
+        self.worker = ToolWorker(self.tools) if workers.available() else None
 
     def start(self, row: dict) -> tuple[Toolbox, str | None]:
-        return Toolbox({t.name: t for t in self.tools}), None
+        return Toolbox({t.name: t for t in self.tools}, worker=self.worker), None

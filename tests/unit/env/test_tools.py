@@ -3,17 +3,20 @@ raises, hangs, returns a non-string or a megabyte is an answer to the model, nev
 
 from __future__ import annotations
 
+import multiprocessing
 import sys
+import threading
 import time
 
 import pytest
 
-from grpo_cli.env.tools import Toolbox, ToolCall, ToolsEnv, load_tools, tool_from
+from grpo_cli.env.tools import Toolbox, ToolCall, ToolResult, ToolsEnv, load_tools, tool_from
 from grpo_cli.errors import ConfigError
 from tests.helpers import MULTIPLY_TOOL
 
 TOOLS_PY = '''
 import asyncio
+import os
 import time
 
 
@@ -58,6 +61,30 @@ def huge(n: int) -> str:
     return "x" * n
 
 
+class SlowText:
+    def __str__(self):
+        time.sleep(3)
+        return "late"
+
+
+def slow_text(tag: str):
+    """A result whose text takes 3 s to make.
+
+    Args:
+        tag: unused
+    """
+    return SlowText()
+
+
+def exits(code: int) -> str:
+    """End the process.
+
+    Args:
+        code: the exit code
+    """
+    os._exit(code)
+
+
 def no_hints(a, b):
     """Multiply.
 
@@ -83,7 +110,13 @@ def tools_py(tmp_path, monkeypatch):
 
 
 def toolbox(*names: str) -> Toolbox:
+    """The tools called in threads of this process, as an environment class's methods are."""
     return Toolbox({t.name: t for t in load_tools([f"my_tools.py:{n}" for n in names])})
+
+
+def env_toolbox(*names: str) -> Toolbox:
+    """The toolbox of an `env=tools` episode: its calls run in the environment's worker process."""
+    return ToolsEnv([f"my_tools.py:{n}" for n in names], "auto", 4, 8, 512, 10, 4000).start({"prompt": "p"})[0]
 
 
 def test_a_tool_resolves_as_module_fn_or_file_fn_with_transformers_schema(tools_py):
@@ -133,9 +166,11 @@ def test_an_async_tool_runs_to_its_result(tools_py):
 
 @pytest.mark.parametrize("name, arguments", [("hang", {"seconds": 30}), ("slow_echo", {"text": "x", "seconds": 30})],
                          ids=["sync", "async"])
-def test_a_hanging_tool_times_out_as_a_failure(tools_py, name, arguments):
+@pytest.mark.parametrize("where", ["worker process", "thread"])
+def test_a_hanging_tool_times_out_as_a_failure(tools_py, name, arguments, where):
+    box = env_toolbox(name) if where == "worker process" else toolbox(name)
     begin = time.monotonic()
-    result = toolbox(name).call(ToolCall(name, arguments), 0.2, 4000)
+    result = box.call(ToolCall(name, arguments), 0.2, 4000)
     assert time.monotonic() - begin < 5
     assert result.failed and result.text == str({"error": f"{name} did not return within 0.2 s"})
 
@@ -145,8 +180,11 @@ def test_a_non_string_result_is_converted_with_str_as_trl_does(tools_py):
     assert (result.text, result.failed) == ("{'k': 1}", False)
 
 
-def test_a_megabyte_result_is_cut_with_a_note(tools_py):
-    result = toolbox("huge").call(ToolCall("huge", {"n": 1_000_000}), 5.0, 100)
+@pytest.mark.parametrize("where", ["worker process", "thread"])
+def test_a_megabyte_result_is_cut_with_a_note(tools_py, where):
+    # in a worker process the text is cut there: 100 characters come back over its pipe, not a megabyte
+    box = env_toolbox("huge") if where == "worker process" else toolbox("huge")
+    result = box.call(ToolCall("huge", {"n": 1_000_000}), 5.0, 100)
     assert result.failed and result.text == "x" * 100 + "\n[cut: the first 100 of 1000000 characters]"
 
 
@@ -175,3 +213,71 @@ def test_env_tools_node_builds_from_its_settings(tools_py):
     env = ToolsEnv(["my_tools.multiply"], "auto", 4, 8, 512, 10, 4000)
     box, observation = env.start({"prompt": "p"})
     assert observation is None and list(box.tools) == ["multiply"] and env.limits.max_turns == 4
+
+
+def test_calls_to_a_tool_that_never_returns_leave_no_thread_or_process_behind(tools_py):
+    box = env_toolbox("hang")
+    threads, processes = threading.active_count(), len(multiprocessing.active_children())
+    for _ in range(4):  # one call per episode
+        result = box.call(ToolCall("hang", {"seconds": 3600}), 0.2, 4000)
+        assert result.failed and result.text == str({"error": "hang did not return within 0.2 s"})
+    # each timed-out call's worker was killed with its call: no thread is left running, and at most one worker lives
+    assert threading.active_count() <= threads
+    assert len(multiprocessing.active_children()) <= processes + 1
+
+
+@pytest.mark.parametrize("where", ["worker process", "thread"])
+def test_str_of_a_result_runs_inside_the_timeout(tools_py, where):
+    box = env_toolbox("slow_text") if where == "worker process" else toolbox("slow_text")
+    begin = time.monotonic()
+    result = box.call(ToolCall("slow_text", {"tag": "t"}), 0.2, 4000)
+    # the result's __str__ takes 3 s: the call is bounded by the timeout all the same
+    assert time.monotonic() - begin < 2
+    assert result.failed and result.text == str({"error": "slow_text did not return within 0.2 s"})
+
+
+def test_a_tool_that_ends_its_process_costs_its_call_only(tools_py):
+    box = env_toolbox("exits", "multiply")
+    result = box.call(ToolCall("exits", {"code": 3}), 5.0, 4000)
+    assert result.failed and result.text == str({"error": "exits ended its worker process (exit code 3); the next "
+                                                          "call gets a new one"})
+    # the run goes on: the next call is answered by a new worker
+    assert box.call(ToolCall("multiply", {"a": 6, "b": 7}), 5.0, 4000) == ToolResult("multiply", "42", False)
+
+
+def test_a_hung_environment_method_does_not_pile_up_threads():
+    class Stuck:
+        def wait(self, seconds: float) -> str:
+            """Wait.
+
+            Args:
+                seconds: how long
+            """
+            time.sleep(seconds)
+            return "done"
+
+    threads = threading.active_count()
+    results = []
+    for _ in range(4):  # env=class: one instance per episode, its methods called in threads of this process
+        instance = Stuck()
+        box = Toolbox({"wait": tool_from(instance.wait, "test")}, environment=instance)
+        results.append(box.call(ToolCall("wait", {"seconds": 2.0}), 0.1, 4000))
+    assert all(r.failed for r in results)
+    assert results[0].text == str({"error": "wait did not return within 0.1 s"})
+    # the first call's thread still runs; the method is not called again until it ends
+    assert results[1].text == str({"error": "wait is still running from an earlier call that passed the timeout "
+                                            "(0.1 s); this call was not run"})
+    assert threading.active_count() <= threads + 1
+
+
+def test_the_tools_worker_is_forked_when_the_run_builds_its_environment(tools_py):
+    from grpo_cli.env import from_config
+    from tests.helpers import tiny_cfg
+
+    # forked while the command is small, before the model loads (a reward's worker is, for the same reason:
+    # grpo_cli.rewards.guard), not at the first call of step 1
+    env = from_config(tiny_cfg("env=tools", "env.tools=[my_tools.multiply]"))
+    try:
+        assert env.worker._worker._process.is_alive()
+    finally:
+        env.worker.stop()
