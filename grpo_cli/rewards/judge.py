@@ -91,8 +91,8 @@ class _Deadline:
         sock = socket.create_connection(address, min(timeout, self.left()), source_address)
         with self._lock:
             self._sockets.append(sock.dup())
-            if self.passed:
-                self._sockets[-1].shutdown(socket.SHUT_RDWR)
+        if self.passed:
+            self._shut()  # the time ran out while it connected
         return sock
 
     def _shut(self) -> None:
@@ -118,7 +118,7 @@ def _connections(deadline: _Deadline) -> list[urllib.request.BaseHandler]:
     def watched(connection_class):
         def make(*args, **kwargs):
             connection = connection_class(*args, **kwargs)
-            connection._create_connection = deadline.connect  # http.client's hook for tests and the like
+            connection._create_connection = deadline.connect  # where http.client opens its socket
             return connection
         return make
 
