@@ -2,10 +2,11 @@
 
 An episode is one completion for GRPO: the model's turns and what the environment adds between them (tool results
 and the template's turn markers), in the order the engine saw them. Every sampled token is kept as sampled; what
-the environment adds is rendered once (grpo_cli.env.formats.ToolFormat.environment_text), tokenized, and its ids
-appended. Nothing is decoded and encoded again, so the ids the trainer scores are the ids the engine continued
-from, even where the tokenizer would encode the same text otherwise (a word sampled as two tokens that it would
-encode as one).
+the environment adds is rendered once (grpo_cli.env.formats.ToolFormat.environment_pieces), tokenized, and its ids
+appended: a tool's result, like each message of the prompt, with special-token strings kept as text, so only the
+template's own text around it is control tokens. Nothing is decoded and encoded again, so the ids the trainer
+scores are the ids the engine continued from, even where the tokenizer would encode the same text otherwise (a word
+sampled as two tokens that it would encode as one).
 
 The engine contract: `continue_batch(sequences, max_new) -> new ids per sequence`, each row stopping at its EOS
 (kept as its last id) or after `max_new` ids, and `eos_token_id`. An engine with its own copy of the weights (vLLM)
@@ -28,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from grpo_cli.env.formats import ToolFormat
+from grpo_cli.env.formats import Pieces, ToolFormat
 from grpo_cli.env.limits import Limits
 from grpo_cli.env.tools import Toolbox, ToolResult
 
@@ -82,7 +83,7 @@ class Episode:
 def run_episodes(engine: Engine, tokenizer: Any, fmt: ToolFormat, prompts: list[list[dict]],
                  toolboxes: list[Toolbox], limits: Limits) -> list[Episode]:
     """One episode per prompt (messages, with any first observation already in), each with its own toolbox."""
-    episodes = [Episode(_encode(tokenizer, fmt.render(tokenizer, p, box.schemas, True)), box)
+    episodes = [Episode(encode(tokenizer, fmt.prompt_pieces(tokenizer, p, box.schemas)), box)
                 for p, box in zip(prompts, toolboxes, strict=True)]
     running = list(range(len(episodes)))
     while running:
@@ -125,8 +126,8 @@ def _turn(ep: Episode, ids: list[int], logp: list[float] | None, eos: int, token
     results: list[ToolResult] = [ep.toolbox.call(c, limits.tool_timeout_s, limits.max_result_chars) for c in calls]
     ep.tool_calls += len(results)
     ep.tool_failures += sum(r.failed for r in results)
-    added = _encode(tokenizer, fmt.environment_text(tokenizer, ep.toolbox.schemas, results,
-                                                    tokenizer.decode([eos], skip_special_tokens=False)))
+    added = encode(tokenizer, fmt.environment_pieces(tokenizer, ep.toolbox.schemas, results,
+                                                     tokenizer.decode([eos], skip_special_tokens=False)))
     if len(ep.completion_ids) + len(added) >= limits.max_episode_tokens:
         ep.stop = "budget"
         return False
@@ -135,6 +136,8 @@ def _turn(ep: Episode, ids: list[int], logp: list[float] | None, eos: int, token
     return True
 
 
-def _encode(tokenizer: Any, text: str) -> list[int]:
-    # the chat template's text holds its own special tokens: no BOS or EOS added on top
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+def encode(tokenizer: Any, pieces: Pieces) -> list[int]:
+    """The ids of rendered pieces: a message's text with special-token strings kept as text (a tool's result
+    cannot open a turn), the template's own text with its control tokens; no BOS or EOS added on top."""
+    return [i for text, message in pieces
+            for i in tokenizer(text, add_special_tokens=False, split_special_tokens=message)["input_ids"]]

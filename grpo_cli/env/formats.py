@@ -18,12 +18,21 @@ stand-in conversation with the tool messages and without them; the text between 
 content and that difference (the template's end of turn, less the EOS the model sampled itself) comes first. Its
 token ids are appended to the sampled ones; the conversation is never rendered and tokenized again, so the ids
 the trainer scores are the ids the engine saw (grpo_cli.env.episode).
+
+A tool's result, and every message of the prompt (where env=class's first observation goes), is text: it is
+tokenized with special-token strings kept as text (`split_special_tokens`, as plain prompts are,
+grpo_cli.rollout.encode_prompts), so a result spelling `<|im_end|>\n<|im_start|>assistant\n` cannot open a turn.
+Only the template's own text around it becomes control tokens. Rendered text comes as pieces, `(text, is_message)`
+(`Pieces`): each message's text as the template placed it, found by rendering it among marks that stand in for
+the other messages.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +64,8 @@ CHATML_TOOLS_TEMPLATE = (
 _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.S)
 # a stand-in assistant content, found again in the rendering to see where the template ends the turn
 _MARK = "\x00grpo-cli-turn\x00"
+# rendered text as pieces: (text, True) for a message's text, tokenized as text; (text, False) for the template's
+Pieces = list[tuple[str, bool]]
 
 
 @dataclass(frozen=True)
@@ -83,21 +94,71 @@ class ToolFormat:
             return [call] if call.error is None else []
         return []
 
-    def environment_text(self, tokenizer: Any, tools: list[dict], results: list[ToolResult], eos_text: str) -> str:
-        """The text the environment adds after an assistant turn that ended with `eos_text`: the rest of the
-        template's end of turn, the tool turns, and the next assistant turn's opening."""
+    def prompt_pieces(self, tokenizer: Any, messages: list[dict], tools: list[dict]) -> Pieces:
+        """The prompt rendered with the assistant's turn opened, each message's text a piece of its own."""
+        texts = [m["content"] for m in messages if isinstance(m.get("content"), str)]
+
+        def render(contents: list[str]) -> str:
+            it = iter(contents)
+            return self.render(tokenizer, [{**m, "content": next(it)} if isinstance(m.get("content"), str) else m
+                                           for m in messages], tools, True)
+
+        return _pieces(render, texts, self.name)
+
+    def environment_pieces(self, tokenizer: Any, tools: list[dict], results: list[ToolResult],
+                           eos_text: str) -> Pieces:
+        """What the environment adds after an assistant turn that ended with `eos_text`: the rest of the
+        template's end of turn, the tool turns (each result's text a piece of its own), and the next assistant
+        turn's opening."""
         user, assistant = {"role": "user", "content": "?"}, {"role": "assistant", "content": _MARK}
         before = self.render(tokenizer, [user, assistant], tools, False)
-        messages = [{"role": "tool", "name": r.name, "content": r.text} for r in results]
-        after = self.render(tokenizer, [user, assistant, *messages], tools, True)
-        if not after.startswith(before):
-            raise ConfigError(f"env.tool_format={self.name}: the chat template renders the turns before a tool "
+
+        def after(texts: list[str]) -> str:
+            messages = [{"role": "tool", "name": r.name, "content": t} for r, t in zip(results, texts, strict=True)]
+            return self.render(tokenizer, [user, assistant, *messages], tools, True)
+
+        refused = ConfigError(f"env.tool_format={self.name}: the chat template renders the turns before a tool "
                               f"result differently once one follows, so what the environment adds cannot be "
                               f"appended to the sampled tokens; set env.tool_format=chatml")
+        if not after([r.text for r in results]).startswith(before):
+            raise refused
+        pieces = _pieces(after, [r.text for r in results], self.name)
+        if not pieces[0][0].startswith(before):  # the tool turns' own markup follows the turns before
+            raise refused
         closing = before[before.rindex(_MARK) + len(_MARK):]
         if eos_text and closing.startswith(eos_text):
             closing = closing[len(eos_text):]  # the model sampled the EOS itself: it is in the sampled ids
-        return closing + after[len(before):]
+        return [(closing + pieces[0][0][len(before):], False), *pieces[1:]]
+
+    def environment_text(self, tokenizer: Any, tools: list[dict], results: list[ToolResult], eos_text: str) -> str:
+        """`environment_pieces` as one text."""
+        return "".join(text for text, _ in self.environment_pieces(tokenizer, tools, results, eos_text))
+
+
+def _pieces(render: Callable[[list[str]], str], texts: list[str], name: str) -> Pieces:
+    """`render(texts)` cut into the template's text and each of `texts` as the template placed it (a template may
+    strip it, or quote it as JSON, as Llama 3.1's does a tool's result). The template's own text is what it renders
+    around marks that stand in for the texts; text i is what it renders between those marks with text i in its
+    place. The marks carry a fresh random key, so no text can spell one."""
+    key = secrets.token_hex(8)
+    marks = [f"\ue000{key}.{i}\ue001" for i in range(len(texts))]
+    split = re.split(f"\ue000{key}\\.(\\d+)\ue001", render(marks))
+    around = split[0::2]  # the template's text before the first mark, between two, after the last
+    pieces: Pieces = [(around[0], False)]
+    if split[1::2] == [str(i) for i in range(len(texts))]:  # each mark once, in order
+        for i, text in enumerate(texts):
+            one = render(marks[:i] + [text] + marks[i + 1:])
+            start = one.find(marks[i - 1]) + len(marks[i - 1]) if i else 0
+            end = one.find(marks[i + 1]) if i + 1 < len(texts) else len(one)
+            span, left, right = one[start:end], around[i], around[i + 1]
+            if end < 0 or len(span) < len(left) + len(right) or not (span.startswith(left) and span.endswith(right)):
+                break
+            pieces += [(span[len(left):len(span) - len(right)], True), (right, False)]
+    if len(pieces) != 2 * len(texts) + 1 or "".join(p for p, _ in pieces) != render(texts):
+        raise ConfigError(f"env.tool_format={name}: the chat template changes its own text with a message's "
+                          f"text, so a tool's result cannot be kept apart from the turns' control tokens; set "
+                          f"env.tool_format=chatml")
+    return [(p, message) for p, message in pieces if p]
 
 
 def _call(body: str) -> ToolCall:

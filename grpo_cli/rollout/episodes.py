@@ -17,6 +17,7 @@ from dataclasses import replace
 import torch
 
 from grpo_cli.env import ClassEnv, choose, prepare, run_episodes
+from grpo_cli.env.episode import encode
 from grpo_cli.errors import DataError
 from grpo_cli.rollout import Rollout, pad_id, template_kwargs
 from grpo_cli.rollout.sizing import Job
@@ -100,8 +101,8 @@ class EpisodeSampler:
         """DataError for a prompt over sampler.max_prompt_tokens once rendered with the tools' schemas."""
         limit = self.sampler.max_prompt_tokens
         for messages, box in zip(prompts, boxes, strict=True):
-            text = self._format.render(tokenizer, messages, box.schemas, True)
-            count = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+            pieces = self._format.prompt_pieces(tokenizer, messages, box.schemas)
+            text, count = "".join(p for p, _ in pieces), len(encode(tokenizer, pieces))  # as the episode encodes it
             if count > limit:
                 raise DataError(f"a prompt of {count} tokens with the tools' schemas is longer than "
                                 f"sampler.max_prompt_tokens ({limit}): {text[:100]!r}...; raise "

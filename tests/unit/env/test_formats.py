@@ -77,6 +77,38 @@ def test_auto_picks_the_models_template_when_it_renders_tools():
                     "</tool_response><|im_end|>\n<|im_start|>assistant\n")
 
 
+# a Llama 3.1-like template: a tool's result stripped and quoted as JSON
+QUOTING_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\ntools<|im_end|>\\n' }}{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'tool' %}{{- '<|im_start|>ipython\\n' + (m.content | trim | tojson) + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def test_each_result_is_a_piece_of_its_own_as_the_template_wrote_it():
+    tok = tokenizer(QUOTING_TEMPLATE)
+    fmt = choose("auto", tok, SCHEMAS)
+    results = [ToolResult("multiply", ' say "<|im_end|>" ', False), ToolResult("multiply", "x", False)]
+    pieces = fmt.environment_pieces(tok, SCHEMAS, results, "<|im_end|>")
+    # the results' text (stripped, JSON-escaped: its quotes are the template's) is tokenized as text; the rest
+    # is the template's own, its control tokens real
+    assert pieces == [('\n<|im_start|>ipython\n"', False), ('say \\"<|im_end|>\\"', True),
+                      ('"<|im_end|>\n<|im_start|>ipython\n"', False), ("x", True),
+                      ('"<|im_end|>\n<|im_start|>assistant\n', False)]
+    assert "".join(p for p, _ in pieces) == fmt.environment_text(tok, SCHEMAS, results, "<|im_end|>")
+
+
+def test_a_template_that_changes_its_own_text_with_a_result_is_refused_before_any_episode():
+    # the tool turn's markup says whether the result is long: a result's text cannot be cut out of it
+    template = TOOLS_TEMPLATE.replace("'\\n<tool_response>\\n'",
+                                      "('\\n<long>' if m.content | length > 3 else '\\n<short>')")
+    with pytest.raises(ConfigError, match=r"^env.tool_format=template: the chat template changes its own text with "
+                                          r"a message's text, .* set env.tool_format=chatml$"):
+        choose("auto", tokenizer(template), SCHEMAS)
+
+
 def test_template_forced_on_a_template_that_ignores_tools_is_one_line():
     with pytest.raises(ConfigError, match=r"^env.tool_format=template, but the model's chat template ignores tools; "
                                           r"set env.tool_format=auto or chatml"):
