@@ -17,8 +17,9 @@ environment_factory works") and in GRPOTrainer's source (trl/trainer/grpo_traine
   does the episode record here (`Episode.environment`) for the lead's wiring of rewards.
 
 What is checked before the model loads: the name resolves, the factory builds an instance (one is built for the
-check), the instance has `reset`, and every public method has a schema. A `reset` that raises on some row stops
-the run with one line naming the environment, the row's columns and the error.
+check), the instance has `reset`, and every public method has a schema. The methods are found on the class
+without reading any other attribute, so a property that needs `reset()` first is never evaluated. A `reset` that
+raises on some row stops the run with one line naming the environment, the row's columns and the error.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def build(factory: Callable[[], Any], spec: str) -> Any:
 
 def methods(instance: Any, spec: str) -> list[Tool]:
     """The instance's public methods as tools; ConfigError when `reset` is missing or a method lacks a schema."""
-    members = dict(inspect.getmembers(instance, predicate=inspect.ismethod))
+    members = bound_methods(instance)
     if "reset" not in members:
         raise ConfigError(f"env.factory ({spec}): {type(instance).__name__} has no reset method; give it "
                           f"def reset(self, **row) (it receives the dataset row, and may return the first "
@@ -65,6 +66,23 @@ def methods(instance: Any, spec: str) -> list[Tool]:
         raise ConfigError(f"env.factory ({spec}): {type(instance).__name__} has no public method besides reset; "
                           f"its public methods are the model's tools, so give it at least one")
     return [tool_from(members[n], f"env.factory ({spec}): method {n}") for n in names]
+
+
+def bound_methods(instance: Any) -> dict[str, Callable]:
+    """The instance's bound methods by name, sorted (what `inspect.getmembers(instance, inspect.ismethod)` finds),
+    found without reading any other attribute: getmembers evaluates every property, and an environment's
+    property may need reset() first."""
+    own = getattr(instance, "__dict__", {})
+    found = {}
+    for name in sorted(set(dir(type(instance))) | set(own)):
+        static = inspect.getattr_static(instance, name, None)
+        if name in own and static is own[name]:  # set on the instance: a method only when already bound
+            bound = inspect.ismethod(static)
+        else:  # the class's: a function or a classmethod binds to a method (a staticmethod stays a function)
+            bound = inspect.isfunction(static) or isinstance(static, classmethod)
+        if bound:
+            found[name] = getattr(instance, name)  # binding runs none of the user's code
+    return found
 
 
 def start(factory: Callable[[], Any], spec: str, row: dict) -> tuple[Toolbox, str | None]:

@@ -66,6 +66,29 @@ class Broken:
 class PickyReset(Counter):
     def reset(self, target):
         return None
+
+
+class Board(Counter):
+    """A property that needs reset() first, as many TRL environments have: reading it before raises."""
+
+    @property
+    def target(self) -> int:
+        if self.row is None:
+            raise RuntimeError("call reset() first")
+        return self.row["target"]
+
+    @classmethod
+    def rules(cls, k: int) -> str:
+        """The rules.
+
+        Args:
+            k: which rule
+        """
+        return str(k)
+
+    @staticmethod
+    def helper(k: int) -> int:
+        return k
 '''
 
 
@@ -126,3 +149,11 @@ def test_a_reset_that_cannot_take_the_row_names_the_fix(game_py):
         prepare(env("game.PickyReset"), [{"prompt": "Count.", "target": 3}])
     assert str(err.value).startswith("env.factory (game.PickyReset): reset(**row) raised TypeError")
     assert "def reset(self, **row)" in str(err.value)
+
+
+def test_the_contract_check_reads_no_property(game_py):
+    # Board.target raises before reset(): the check before the model loads must not read it, nor take it for a tool
+    board = env("game.Board")
+    assert [t["function"]["name"] for t in board.schemas] == ["add", "rules"]  # the methods, as getmembers' order
+    prompts, boxes = prepare(board, [{"prompt": "Count.", "target": 3}])
+    assert list(boxes[0].tools) == ["add", "rules"] and boxes[0].environment.target == 3
