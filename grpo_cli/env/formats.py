@@ -3,11 +3,14 @@ environment adds after a turn (`env.tool_format`).
 
 - `template`: the model's own chat template, for one that renders `tools` (Qwen2.5/3, Llama 3.x and most current
   models). `auto` picks it when rendering a conversation with the tools differs from rendering it without them.
-- `chatml`: the built-in format, for a template that ignores tools (the embedded SmolLM2's). The system turn
-  lists the tools' JSON schemas between `<tools>` and `</tools>` and says how to call one; the model calls with
-  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (one block per call); each result comes back in its
-  own `tool` turn (`<|im_start|>tool\\n...<|im_end|>`), followed by the next `<|im_start|>assistant\\n`. A system
-  message of the prompt comes first in that system turn, the tools after it.
+- `chatml`: the built-in format, for a ChatML template that ignores tools (the embedded SmolLM2's). `auto` picks it
+  only for a template that writes ChatML turns itself; on any other template that ignores tools (Gemma's
+  `<start_of_turn>`) no format fits, and `auto` is one line naming the fixes rather than train on turns the
+  model's template never writes. The system turn lists the tools' JSON schemas between `<tools>` and `</tools>`
+  and says how to call one; the model calls with `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (one
+  block per call); each result comes back in its own `tool` turn (`<|im_start|>tool\\n...<|im_end|>`), followed by
+  the next `<|im_start|>assistant\\n`. A system message of the prompt comes first in that system turn, the tools
+  after it.
 
 Calls are read from `<tool_call>` blocks in both formats; under `template` a turn that is one bare JSON object with
 a `name` and `arguments` (or `parameters`, Llama 3.x's key) is a call too. A block whose JSON does not parse, or
@@ -193,16 +196,35 @@ def renders_tools(tokenizer: Any, tools: list[dict], variables: dict | None = No
     return plain != with_tools
 
 
+def writes_chatml(tokenizer: Any, variables: dict | None = None) -> bool:
+    """Whether the tokenizer's own chat template writes ChatML turns (`<|im_start|>user\\n...<|im_end|>`, then the
+    assistant's opened with `<|im_start|>assistant\\n`), given the template's `variables`."""
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "?"}], tokenize=False,
+                                             add_generation_prompt=True, **(variables or {}))
+    except Exception:  # no chat template at all, or one that cannot take this message
+        return False
+    user = "<|im_start|>user\n?<|im_end|>"
+    return user in text and "<|im_start|>assistant\n" in text[text.index(user):]
+
+
 def choose(setting: str, tokenizer: Any, tools: list[dict], variables: dict | None = None) -> ToolFormat:
-    """The format `env.tool_format` names for this tokenizer; `auto`: the template when it renders tools.
-    `variables`: the template's variables (data.chat_template_kwargs), passed to every render of the format."""
+    """The format `env.tool_format` names for this tokenizer; `auto`: the template when it renders tools, chatml
+    when the template is ChatML itself, else ConfigError. `variables`: the template's variables
+    (data.chat_template_kwargs), passed to every render of the format."""
     if setting not in FORMATS:
         raise ConfigError(f"env.tool_format ({setting!r}) must be auto, template or chatml; set env.tool_format=auto")
     variables = dict(variables or {})
     own = renders_tools(tokenizer, tools, variables)
     if setting == "template" and not own:
         raise ConfigError("env.tool_format=template, but the model's chat template ignores tools; set "
-                          "env.tool_format=auto or chatml (the built-in format, docs/environments.md)")
+                          "env.tool_format=auto or chatml (the built-in format, docs/environments.md), or "
+                          "data.chat_template=a template file that renders tools")
+    if setting == "auto" and not own and not writes_chatml(tokenizer, variables):
+        raise ConfigError("env.tool_format=auto: the chat template ignores tools and is not ChatML, so no format "
+                          "fits it (the built-in chatml would train on turns this template never writes); set "
+                          "data.chat_template=a template file that renders tools, or env.tool_format=chatml to "
+                          "use ChatML turns anyway (docs/environments.md)")
     fmt = ToolFormat("template", None, variables) if setting == "template" or (setting == "auto" and own) else \
         ToolFormat("chatml", CHATML_TOOLS_TEMPLATE, variables)
     # the template must let the environment's turns be appended: checked once here, before any episode

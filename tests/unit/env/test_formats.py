@@ -109,6 +109,26 @@ def test_a_template_that_changes_its_own_text_with_a_result_is_refused_before_an
         choose("auto", tokenizer(template), SCHEMAS)
 
 
+# a Gemma-like template: its own turn markers, tools ignored
+GEMMA_TEMPLATE = (
+    "{%- for m in messages %}{{- '<start_of_turn>' + ('model' if m.role == 'assistant' else m.role) + '\\n' "
+    "+ m.content + '<end_of_turn>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<start_of_turn>model\\n' }}{%- endif %}"
+)
+
+
+def test_auto_refuses_a_template_that_ignores_tools_and_is_not_chatml():
+    # chatml would train on <|im_start|> turns that this template never writes
+    with pytest.raises(ConfigError) as err:
+        choose("auto", tokenizer(GEMMA_TEMPLATE), SCHEMAS)
+    line = str(err.value)
+    assert "\n" not in line and line.startswith("env.tool_format=auto: the chat template ignores tools and is not "
+                                                "ChatML"), line
+    assert "data.chat_template=" in line and "env.tool_format=chatml" in line
+    # chatml named by the user is the user's choice
+    assert choose("chatml", tokenizer(GEMMA_TEMPLATE), SCHEMAS).name == "chatml"
+
+
 def test_template_forced_on_a_template_that_ignores_tools_is_one_line():
     with pytest.raises(ConfigError, match=r"^env.tool_format=template, but the model's chat template ignores tools; "
                                           r"set env.tool_format=auto or chatml"):
