@@ -53,7 +53,7 @@ from grpo_cli.rewards.call import score, token_ids
 from grpo_cli.rewards.shaping import shape
 from grpo_cli.rollout import pad_id, use_chat_template
 from grpo_cli.rollout.engine import say
-from grpo_cli.rollout.episodes import reward_column_names, reward_columns, with_env
+from grpo_cli.rollout.episodes import early_format, reward_column_names, reward_columns, with_env
 from grpo_cli.rollout.sizing import Job
 from grpo_cli.runs import keep_chat_template
 from grpo_cli.update import advantages, prepare, update
@@ -132,6 +132,7 @@ def setup(cfg: DictConfig, run_dir: Path, world: World, why: str) -> Run:
     report_to = check_logging(trainer)  # a missing tracker package stops here, before the model loads
     data = build(cfg.data)
     env = from_config(cfg)  # env=tools or class: multi-turn episodes (the tools resolve here, before the model)
+    tool_format = early_format(env, cfg.model, data)  # and the tool format fits the chat template
     rewards = reward_schedule(cfg, run_dir, data)
     keep = GroupFilter(algo.dynamic_sampling, algo.filter_metric, algo.max_generation_batches)
     # the columns a reward may read: the data's, and the episodes' (env=tools or class)
@@ -164,7 +165,7 @@ def setup(cfg: DictConfig, run_dir: Path, world: World, why: str) -> Run:
     decoder = compiled.for_update(policy, cfg, say=console.print)  # compiled at the first update
     # every rank advances the stream alike and keeps its own slice
     prompts = PromptStream(data.train, trainer.seed).shard(world.rank, world.size)
-    sampler = with_env(build(cfg.sampler), env)  # samples episodes when the run has an environment
+    sampler = with_env(build(cfg.sampler), env, tool_format)  # samples episodes when the run has an environment
     optimizer = build(cfg.optimizer)(params=[p for p in policy.parameters() if p.requires_grad])
     optimizer.zero_grad(set_to_none=False)  # zero (not absent) grads: a step with every row skipped is still a step
     scheduler = get_scheduler(trainer.lr_scheduler, optimizer, num_warmup_steps=trainer.warmup_steps,

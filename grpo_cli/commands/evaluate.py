@@ -55,7 +55,7 @@ from grpo_cli.rewards.call import check_columns, score, token_ids
 from grpo_cli.rewards.outcome import answers_match, extract_answer, reference_answer
 from grpo_cli.rollout import render_prompts, use_chat_template
 from grpo_cli.rollout.engine import choose, say
-from grpo_cli.rollout.episodes import episode_fields, reward_column_names, reward_columns, with_env
+from grpo_cli.rollout.episodes import early_format, episode_fields, reward_column_names, reward_columns, with_env
 from grpo_cli.rollout.sizing import Job
 
 
@@ -148,12 +148,13 @@ def _evaluate(cfg: DictConfig, out_dir: Path, overrides: list[str], world: World
     data = build(cfg.data)  # the data and the reward before the model: a bad path, column or function stops here
     reward_fn = build(cfg.reward)
     env = from_config(cfg)  # env=tools or class (or the run's own): episodes, as train runs them
+    tool_format = early_format(env, cfg.model, data)  # the tool format fits the chat template, before the model
     check_columns(reward_fn, {**data.heldout[0], **dict.fromkeys(reward_column_names(env))})
     chosen = choose(cfg.sampler)  # sampler=auto: vLLM when installed and usable (a checkpoint's own sampler as it is)
     cfg.sampler = chosen.section
     policy, tokenizer = inference_policy(cfg)
     use_chat_template(tokenizer, data.chat_template, data.chat_template_kwargs)
-    sampler = with_env(build(cfg.sampler), env)
+    sampler = with_env(build(cfg.sampler), env, tool_format)
     # eval.json and the rows' digests say what sampled; an engine is sized for one scoring batch
     job = Job(eval_cfg.batch_size, max(1, eval_cfg.num_samples), eval_cfg.max_new_tokens)
     cfg.sampler = sampler.start(policy, cfg.sampler, job)

@@ -32,7 +32,7 @@ from grpo_cli.rewards.call import check_columns, score, token_ids
 from grpo_cli.rewards.outcome import answers_match, extract_answer, reference_answer
 from grpo_cli.rollout import use_chat_template
 from grpo_cli.rollout.engine import choose, say
-from grpo_cli.rollout.episodes import episode_fields, reward_column_names, reward_columns, with_env
+from grpo_cli.rollout.episodes import early_format, episode_fields, reward_column_names, reward_columns, with_env
 from grpo_cli.rollout.sizing import Job
 
 
@@ -54,6 +54,7 @@ def run(cfg: DictConfig, overrides: list[str] = ()) -> list[dict]:
     reward_fn = build(cfg.reward)
     data = build(cfg.data)  # its prompts, and its chat template for a prompt of the command line too
     env = from_config(cfg)  # env=tools or class (or the run's own): episodes, as train runs them
+    tool_format = early_format(env, cfg.model, data)  # the tool format fits the chat template, before the model
     if prompt is not None:
         problems = [{"messages": [{"role": "user", "content": prompt}], "question": prompt}]
     else:
@@ -64,7 +65,7 @@ def run(cfg: DictConfig, overrides: list[str] = ()) -> list[dict]:
     use_chat_template(tokenizer, data.chat_template, data.chat_template_kwargs)
     if ckpt is not None:
         checkpoint.load_weights(policy, ckpt)
-    sampler = with_env(build(chosen.section), env)
+    sampler = with_env(build(chosen.section), env, tool_format)
     # before the first prompt (a model vLLM cannot serve says so here), sized for this one call
     sampler.start(policy, chosen.section, Job(len(problems), sample_cfg.n))
     say(sampler, chosen.why)

@@ -16,16 +16,32 @@ from dataclasses import replace
 
 import torch
 
-from grpo_cli.env import ClassEnv, choose, prepare, run_episodes
+from grpo_cli.env import ClassEnv, ToolFormat, choose, prepare, run_episodes
 from grpo_cli.env.episode import encode
 from grpo_cli.errors import DataError
-from grpo_cli.rollout import Rollout, pad_id, template_kwargs
+from grpo_cli.policy import load_tokenizer
+from grpo_cli.rollout import Rollout, pad_id, template_kwargs, use_chat_template
 from grpo_cli.rollout.sizing import Job
 
 
-def with_env(sampler, env):
-    """The sampler a step calls: `sampler` itself without an environment (env=none), else its EpisodeSampler."""
-    return sampler if env is None else EpisodeSampler(sampler, env)
+def with_env(sampler, env, tool_format: ToolFormat | None = None):
+    """The sampler a step calls: `sampler` itself without an environment (env=none), else its EpisodeSampler, with
+    the tool format `early_format` chose (None: chosen at the first episode)."""
+    return sampler if env is None else EpisodeSampler(sampler, env, tool_format)
+
+
+def early_format(env, model_cfg, data) -> ToolFormat | None:
+    """`env.tool_format` chosen before the model loads, on the model's tokenizer loaded without it and the data's
+    chat template (and its variables): a format that does not fit the template is one line here, not after the
+    model and the engine loaded. None without an environment, or when the tokenizer comes only with the model
+    (a hub model not downloaded yet): then the first episode chooses, with the same checks."""
+    if env is None:
+        return None
+    tokenizer = load_tokenizer(model_cfg)
+    if tokenizer is None:
+        return None
+    use_chat_template(tokenizer, data.chat_template, data.chat_template_kwargs)
+    return choose(env.tool_format, tokenizer, env.schemas, template_kwargs(tokenizer))
 
 
 def reward_column_names(env) -> list[str]:
@@ -61,9 +77,9 @@ def episode_fields(rollout: Rollout) -> list[dict]:
 class EpisodeSampler:
     """The run's sampler with an `env` (a built `grpo_cli.env.ToolsEnv` or `ClassEnv`) between its turns."""
 
-    def __init__(self, sampler, env):
+    def __init__(self, sampler, env, tool_format: ToolFormat | None = None):
         self.sampler, self.env = sampler, env
-        self._format = None  # the tool format, chosen once the tokenizer is known
+        self._format = tool_format  # the tool format: chosen before the model loaded, or once the tokenizer is known
 
     def __getattr__(self, name):  # the wrapped sampler's settings (max_new_tokens, ...) and its other calls
         if name in ("sampler", "env", "_format"):

@@ -11,7 +11,11 @@ from __future__ import annotations
 
 import json
 
-from tests.helpers import MULTIPLY_TOOL, TINY, first_turn_calls, metrics, run_cli
+import pytest
+
+from grpo_cli import recipe
+from grpo_cli.commands import evaluate, sample
+from tests.helpers import EVAL_TINY, MULTIPLY_TOOL, TINY, first_turn_calls, metrics, one_line_error, run_cli
 
 MY_TOOLS = MULTIPLY_TOOL + '''
 
@@ -56,3 +60,28 @@ def test_a_run_with_tools_logs_turns_and_tool_metrics(tmp_path, monkeypatch):
     # the per-turn rewards, one per assistant turn, and their sum as the episode's reward
     assert all(len(line["turn_rewards"]) == len([m for m in line["turns"] if m["role"] == "assistant"])
                and line["turn_rewards"][-1] == line["reward"] == 1.0 for line in lines)
+
+
+# a Gemma-like chat template: its own turn markers, tools ignored
+GEMMA_TEMPLATE = ("{%- for m in messages %}{{- '<start_of_turn>' + m.role + '\\n' + m.content + '<end_of_turn>\\n' }}"
+                  "{%- endfor %}{%- if add_generation_prompt %}{{- '<start_of_turn>model\\n' }}{%- endif %}")
+
+
+@pytest.mark.parametrize("command", ["train", "eval", "sample"])
+@pytest.mark.parametrize("setting, expected", [
+    # the tiny model's ChatML template ignores tools
+    ("env.tool_format=template", "env.tool_format=template, but the model's chat template ignores tools"),
+    # auto on a template that is neither: no format fits it (ChatML turns the template never writes)
+    ("data.chat_template=gemma.jinja", "env.tool_format=auto: the chat template ignores tools and is not ChatML"),
+], ids=["template-ignores-tools", "auto-on-gemma"])
+def test_a_tool_format_that_does_not_fit_the_template_stops_before_the_model_loads(tmp_path, monkeypatch, command,
+                                                                                   setting, expected):
+    (tmp_path / "episode_tools.py").write_text(MY_TOOLS)
+    (tmp_path / "gemma.jinja").write_text(GEMMA_TEMPLATE)
+    for module, name in ((recipe, "build_policy"), (evaluate, "inference_policy"), (sample, "inference_policy")):
+        monkeypatch.setattr(module, name, lambda *_: pytest.fail("the model loaded"))
+    base = [*TINY[:-2], "trainer.max_steps=1"] if command == "train" else [*EVAL_TINY, "eval.limit=1"] \
+        if command == "eval" else [*EVAL_TINY, "sample.num_prompts=1"]
+    line = one_line_error(run_cli([command, *base, "env=tools", "env.tools=[episode_tools.multiply]", setting,
+                                   f"hydra.run.dir={tmp_path / 'out'}"], cwd=tmp_path))
+    assert expected in line, line
