@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from grpo_cli.data.hf import load_hub
-from grpo_cli.data.task import _check_int, _Task
+from grpo_cli.data.task import _check_int, _Task, check_regular
 from grpo_cli.errors import ConfigError, DataError
 
 
@@ -98,6 +98,7 @@ def read_local(path: str, split: str) -> tuple[list[Record], list[Record] | None
     if not root.exists():
         raise DataError(f"{root} does not exist; set data.path=... to a .jsonl or .parquet file "
                         f"or a folder holding {split}.jsonl")
+    check_regular(root)
     if root.is_file():
         return _read([root]), None, str(root)
     train_files = _split_files(root, split)

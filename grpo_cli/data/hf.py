@@ -5,7 +5,9 @@
 
 `data.path` is a hub name, a .jsonl/.json/.csv/.parquet file, a folder of such files (`train.jsonl`,
 `test.jsonl`, hub-style `data/train-*.parquet`) or a folder written by `Dataset.save_to_disk`; it is
-loaded once. The prompt column (`data.prompt_field`) holds, as in TRL's GRPOTrainer, either
+loaded once (a local path holding anything but regular files and folders, links followed, is refused before it is
+opened: a FIFO blocks its reader forever, /dev/zero never ends). The prompt column (`data.prompt_field`) holds, as in
+TRL's GRPOTrainer, either
 
   - a string ("standard"): the user turn, after a `data.system_prompt` turn when one is set, or
   - a list of `{"role", "content"}` messages ("conversational"): used as they are.
@@ -38,7 +40,7 @@ from urllib.parse import urlparse
 
 from huggingface_hub import constants
 
-from grpo_cli.data.task import Example, _check_int, _Generated, _Task
+from grpo_cli.data.task import Example, _check_int, _Generated, _Task, check_regular
 from grpo_cli.errors import ConfigError, DataError
 
 # file suffix -> the `datasets` builder that reads it
@@ -111,6 +113,7 @@ def _load(path: str, name: str | None) -> tuple[dict, str]:
                             f".jsonl/.json/.csv/.parquet file, a folder of them, a save_to_disk folder or a hub name")
         loaded = load_hub(path, name)
         return dict(loaded), path + ("" if name is None else f" ({name})")
+    check_regular(local)
     try:
         if local.is_file():
             if local.suffix not in BUILDERS:

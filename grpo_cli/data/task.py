@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+import stat
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,51 @@ def _check_int(name: str, value: Any, minimum: int, fix: Any, *, nullable: bool 
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         null = " or null" if nullable else ""
         raise ConfigError(f"data.{name} ({value!r}) must be an integer >= {minimum}{null}; set data.{name}={fix}")
+
+
+_KINDS = ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def _special(mode: int) -> str | None:
+    """What a file that is neither a regular file nor a folder is, for an error line; None for those two."""
+    return next((kind for test, kind in _KINDS if test(mode)), None if stat.S_ISREG(mode) or stat.S_ISDIR(mode)
+                else "not a regular file")
+
+
+def _named(path: Path) -> str:
+    return f"{path} (a link to {path.resolve()})" if path.is_symlink() else str(path)
+
+
+def check_regular(root: Path) -> None:
+    """A ConfigError unless `root` (data.path, existing) is a regular file or a folder whose files are all regular,
+    links followed: before anything is opened, since a FIFO with no writer blocks its reader forever and a device
+    such as /dev/zero never ends."""
+    why = "not a regular file: reading one can block forever or never end"
+    kind = _special(root.stat().st_mode)
+    if kind is not None:
+        link = f"a link to {root.resolve()}, " if root.is_symlink() else ""
+        raise ConfigError(f"data.path ({root}) is {link}{kind}, {why}; set data.path=... to a .jsonl/.parquet file or "
+                          f"a folder of them")
+    if not root.is_dir():
+        return
+    seen, folders = set(), [root]  # each folder once by (device, inode): a link back up is no endless walk
+    while folders:
+        folder = folders.pop()
+        key = (folder.stat().st_dev, folder.stat().st_ino)
+        if key in seen:
+            continue
+        seen.add(key)
+        for entry in sorted(folder.iterdir()):
+            try:
+                mode = entry.stat().st_mode
+            except OSError:  # a link to nothing: no reader can block on it, and `datasets` names it if it matters
+                continue
+            if stat.S_ISDIR(mode):
+                folders.append(entry)
+            elif (kind := _special(mode)) is not None:
+                raise ConfigError(f"data.path ({root}) holds {_named(entry)}, {kind}, {why}; remove it, or set "
+                                  f"data.path=... to a folder of regular files")
 
 
 def _read_template(path: str | None) -> str | None:
