@@ -56,11 +56,15 @@ def check_regular(root: Path) -> None:
     seen, folders = set(), [root]  # each folder once by (device, inode): a link back up is no endless walk
     while folders:
         folder = folders.pop()
-        key = (folder.stat().st_dev, folder.stat().st_ino)
-        if key in seen:
+        try:
+            info = folder.stat()
+            entries = sorted(folder.iterdir())
+        except OSError:  # a folder that cannot be listed: the reader says so when it gets there
             continue
-        seen.add(key)
-        for entry in sorted(folder.iterdir()):
+        if (info.st_dev, info.st_ino) in seen:
+            continue
+        seen.add((info.st_dev, info.st_ino))
+        for entry in entries:
             try:
                 mode = entry.stat().st_mode
             except OSError:  # a link to nothing: no reader can block on it, and `datasets` names it if it matters
