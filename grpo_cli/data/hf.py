@@ -29,6 +29,7 @@ A hub name needs the network: without it, one line says so and how to pass a loc
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import random
@@ -128,8 +129,9 @@ def _load(path: str, name: str | None) -> tuple[dict, str]:
             loaded = datasets.load_dataset(str(local))
     except DataError:
         raise
-    except Exception as err:  # unreadable JSON, mixed column types, an empty folder, ...
-        raise DataError(f"could not read {path}: {_root_cause(err)}") from None
+    except Exception as err:  # unreadable JSON, mixed column types, an empty folder, bytes that are not UTF-8, ...
+        bad = _csv_not_utf8(local) if local.is_file() and local.suffix == ".csv" else None
+        raise DataError(bad or f"could not read {path}: {_root_cause(err)}") from None
     return (dict(loaded) if isinstance(loaded, datasets.DatasetDict) else {None: loaded}), path
 
 
@@ -138,20 +140,51 @@ def _is_messages(value: Any) -> bool:
             and all(isinstance(m, dict) and "role" in m and "content" in m for m in value))
 
 
+def _not_utf8(dataset, field: str, source: str) -> None:
+    """A DataError naming the first row whose `field` holds bytes that are not UTF-8 (the error path: each row made
+    into Python objects until one fails)."""
+    for n, value in enumerate(dataset.data.column(field), 1):
+        try:
+            value.as_py()
+        except UnicodeDecodeError as err:
+            raise DataError(f"{source} row {n}: {field!r} is not UTF-8 text (byte 0x{err.object[err.start]:02x}); "
+                            f"save the file as UTF-8") from None
+
+
 def _decoded(dataset, field: str, source: str) -> list:
     """Every row's `field`, read once; a DataError naming the first row whose bytes are not UTF-8 (Arrow's JSON
     reader keeps them; they fail only when read)."""
     try:
         return list(dataset[field])
     except UnicodeDecodeError:
-        pass
-    for n, value in enumerate(dataset.data.column(field), 1):  # the error path only: find the row
-        try:
-            value.as_py()
-        except UnicodeDecodeError as err:
-            raise DataError(f"{source} row {n}: {field!r} is not UTF-8 text (byte 0x{err.object[err.start]:02x}); "
-                            f"save the file as UTF-8") from None
+        _not_utf8(dataset, field, source)
     raise DataError(f"{source}: column {field!r} is not UTF-8 text; save the file as UTF-8")
+
+
+def _check_utf8(dataset, field: str, source: str) -> None:
+    """A DataError naming the first row whose `field` (any type: a string, or strings in a list or a struct) holds
+    bytes that are not UTF-8. Every column reaches the reward functions, and such a row failed only when a step drew
+    it; Arrow's full validation reads the bytes without making Python objects of them."""
+    try:
+        dataset.data.column(field).validate(full=True)
+    except Exception:  # pyarrow.ArrowInvalid: find the row (another invalidity is no decoding error: left alone)
+        _not_utf8(dataset, field, source)
+
+
+def _csv_not_utf8(path: Path) -> str | None:
+    """"FILE row N: 'COLUMN' is not UTF-8 text (byte 0xNN) ..." for a CSV file's first field whose bytes are not
+    UTF-8 (Arrow's CSV reader names only an offset in a block), or None."""
+    with path.open(newline="", encoding="utf-8", errors="surrogateescape") as lines:
+        rows = csv.reader(lines)
+        header = next(rows, [])
+        for n, row in enumerate(rows, 1):
+            for j, value in enumerate(row):
+                try:
+                    value.encode("utf-8")
+                except UnicodeEncodeError as err:  # a byte that did not decode is kept as U+DC80..U+DCFF
+                    column, byte = header[j] if j < len(header) else f"column {j + 1}", ord(value[err.start]) - 0xDC00
+                    return f"{path} row {n}: {column!r} is not UTF-8 text (byte 0x{byte:02x}); save the file as UTF-8"
+    return None
 
 
 def _blank(path: Path) -> bool:
@@ -256,6 +289,9 @@ class HFTask(_Task):
         if missing:
             raise DataError(f"{source}: {missing} rows have no {field!r} (null); remove them or fill them in")
         prompts = _decoded(dataset, field, source)
+        for column in columns:  # every other column reaches the reward functions
+            if column != field:
+                _check_utf8(dataset, column, source)
         first = prompts[0]
         if not isinstance(first, str) and not _is_messages(first):
             raise DataError(f"{source}: column {field!r} holds {type(first).__name__} values ({str(first)[:80]!r}), "

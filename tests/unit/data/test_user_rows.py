@@ -1,6 +1,6 @@
 """A user's `data=hf` rows, every one checked when the task is built (before the model loads): a prompt of the
-wrong type or not UTF-8 on any row is one DataError naming that row; an empty file and a file whose prompts are all
-the same are named for what they are, with a fix that works."""
+wrong type, or bytes that are not UTF-8 in any column, on any row is one DataError naming that row; an empty file and
+a file whose prompts are all the same are named for what they are, with a fix that works."""
 
 from __future__ import annotations
 
@@ -47,6 +47,29 @@ def test_bytes_that_are_not_utf8_on_the_first_row_are_one_line(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_bytes(b'{"prompt": "caf\xe9", "answer": "1"}\n' + write(tmp_path / "rest.jsonl", ROWS).read_bytes())
     assert re.search(r"row 1: 'prompt' is not UTF-8 text \(byte 0xe9\)", refusal(path))
+
+
+# 49 good rows, then row 50 with "caf" + 0xe9 (Latin-1 e-acute) in a column other than the prompt: every column reaches
+# the reward functions, so a row read at step 3 must not end the run with a UnicodeDecodeError traceback
+LATE = [{"prompt": f"Say w{i}.", "answer": str(i), "tags": ["t"]} for i in range(49)]
+
+
+@pytest.mark.parametrize("row50, column", [
+    (b'{"prompt": "Say w49.", "answer": "caf\xe9", "tags": ["t"]}\n', "answer"),
+    (b'{"prompt": "Say w49.", "answer": "49", "tags": ["t", "caf\xe9"]}\n', "tags"),  # inside a list
+], ids=["answer", "in-a-list"])
+def test_bytes_that_are_not_utf8_in_any_column_are_named_by_row_and_column(tmp_path, row50, column):
+    line = refusal(write(tmp_path / "d.jsonl", LATE, row50))
+    assert re.search(rf"row 50: {column!r} is not UTF-8 text \(byte 0xe9\); save the file as UTF-8$", line), line
+
+
+def test_a_csv_with_bytes_that_are_not_utf8_is_one_line(tmp_path):
+    path = tmp_path / "d.csv"
+    rows = b"".join(b"Say w%d.,%d\n" % (i, i) for i in range(49))
+    path.write_bytes(b"prompt,answer\n" + rows + b"Say w49.,caf\xe9\n")
+    line = refusal(path)
+    # the row and the column, as for JSON (Arrow's CSV reader says only "Invalid UTF8 sequence at string index 49")
+    assert line == f"{path} row 50: 'answer' is not UTF-8 text (byte 0xe9); save the file as UTF-8", line
 
 
 def test_messages_then_a_string_is_named_by_its_row(tmp_path):
