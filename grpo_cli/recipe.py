@@ -50,7 +50,7 @@ from grpo_cli.metrics.stats import rollout_metrics
 from grpo_cli.policy import build_policy, context_length, keep_reference, load_tokenizer
 from grpo_cli.reward_schedule import FixedReward, RewardSchedule
 from grpo_cli.rewards.call import score, token_ids
-from grpo_cli.rewards.shaping import shape
+from grpo_cli.rewards.shaping import overlong_lengths, shape
 from grpo_cli.rollout import pad_id, use_chat_template
 from grpo_cli.rollout.engine import say
 from grpo_cli.rollout.episodes import early_format, reward_column_names, reward_columns, with_env
@@ -271,8 +271,10 @@ def _explore(run: Run, n: int, reward) -> tuple[Kept, list[Draw], float]:
         owners = [i for i in range(len(examples)) for _ in range(algo.group_size)]
         result = score(reward, examples, owners, rollout.texts, rollout.lengths, rollout.truncated,
                        token_ids(rollout), reward_columns(rollout))
-        result = shape(result, lengths=rollout.lengths, truncated=rollout.truncated, completions=rollout.texts,
-                       max_length=run.cfg.sampler.max_new_tokens, overlong_buffer=algo.overlong_buffer,
+        lengths, cap = overlong_lengths(rollout, run.cfg.sampler.max_new_tokens,
+                                        OmegaConf.select(run.cfg, "env.max_episode_tokens"))  # an episode's budget
+        result = shape(result, lengths=lengths, truncated=rollout.truncated, completions=rollout.texts,
+                       max_length=cap, overlong_buffer=algo.overlong_buffer,
                        overlong_penalty=algo.overlong_penalty, truncated_reward=run.rewards.truncated_reward)
         draws.append(Draw(examples, run.prompts.positions, rollout, result))
     kept = run.keep.select(draws, trainer.prompts_per_step, algo.group_size, pad_id(run.tokenizer), world)

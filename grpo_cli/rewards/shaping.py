@@ -9,7 +9,9 @@ Two shapings, each a pure function of a result and the rollout's facts, sharing 
     A process result's truncated completion becomes one step of that reward; a per-turn one's, its last turn.
   - `overlong_shaping` (algo.overlong_buffer, algo.overlong_penalty): DAPO's soft overlong punishment
     (arXiv 2503.14476 eq. 13), 0 down to -penalty over the last `buffer` tokens before the cap, added to
-    an outcome reward or to a process result's last step (a per-turn one's last turn).
+    an outcome reward or to a process result's last step (a per-turn one's last turn). The cap is the budget
+    that cuts the row (`overlong_lengths`): sampler.max_new_tokens for a completion, env.max_episode_tokens
+    for an episode, whose every token after the prompt counts against it.
 
 `shape` applies both in the trainer's order: the floor first, then the overlong penalty on top of it.
 Neither is in DeepSeekMath's GRPO, which scores every completion by its reward alone.
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from grpo_cli.checks import Check, Rule, is_int, is_num
+from grpo_cli.checks import Check, Rule, get, is_int, is_num
 from grpo_cli.rewards.outcome import length_penalty
 from grpo_cli.rewards.result import RewardResult
 
@@ -82,6 +84,16 @@ def overlong_shaping(result: RewardResult, lengths: list[int], max_length: int, 
     return _with_steps(result, steps, per_function=per_function)
 
 
+def overlong_lengths(rollout, max_new_tokens: int, max_episode_tokens: int | None) -> tuple[list[int], int]:
+    """(each row's length L, the cap L_max) the overlong ramp runs against: the budget that cuts the row. A completion:
+    its sampled tokens against sampler.max_new_tokens. An episode (`rollout.episodes`): every token after the
+    prompt, sampled or added by its environment, against env.max_episode_tokens, which ends it there (an episode
+    does not read sampler.max_new_tokens)."""
+    if rollout.episodes is None:
+        return rollout.lengths, max_new_tokens
+    return rollout.completion_mask.sum(1).tolist(), max_episode_tokens
+
+
 def shape(result: RewardResult, *, lengths: list[int], truncated: list[bool], completions: list[str],
           max_length: int, overlong_buffer: int | None, overlong_penalty: float,
           truncated_reward: float | None) -> RewardResult:
@@ -92,12 +104,14 @@ def shape(result: RewardResult, *, lengths: list[int], truncated: list[bool], co
 # ---- config checks: this module's settings, collected by config.validate --------------------------------
 
 def _check_overlong(cfg) -> list[str]:
-    """The buffer lies inside the completion budget (eq. 13 needs L_cache <= L_max)."""
-    buffer, budget = cfg.get("algo", {}).get("overlong_buffer"), cfg.get("sampler", {}).get("max_new_tokens")
+    """The buffer lies inside the budget the ramp runs against (eq. 13 needs L_cache <= L_max): an episode's
+    env.max_episode_tokens, else sampler.max_new_tokens (`overlong_lengths`)."""
+    key = "env.max_episode_tokens" if get(cfg, "env._target_")[1] else "sampler.max_new_tokens"
+    buffer, budget = get(cfg, "algo.overlong_buffer")[1], get(cfg, key)[1]
     if is_int(buffer) and is_int(budget) and buffer > budget >= 1:  # buffer < 1 has its own line
         fit = max(1, budget // 4)
-        return [f"algo.overlong_buffer ({buffer}) must be at most sampler.max_new_tokens ({budget}): the penalty "
-                f"ramps over the last overlong_buffer tokens before the cap; set algo.overlong_buffer={fit}"]
+        return [f"algo.overlong_buffer ({buffer}) must be at most {key} ({budget}): the penalty ramps over the last "
+                f"overlong_buffer tokens before the cap; set algo.overlong_buffer={fit}"]
     return []
 
 

@@ -16,7 +16,17 @@ from grpo_cli.commands import train
 from grpo_cli.config import compose
 from grpo_cli.instantiate import build
 from grpo_cli.policy import build_policy
-from tests.helpers import DIGIT_REWARD, TINY, deterministic, metrics, tiny_cfg, tiny_run  # noqa: F401 (shared)
+from tests.helpers import (  # noqa: F401 (shared)
+    DIGIT_REWARD,
+    MULTIPLY_TOOL,
+    TINY,
+    TOOL_CALL,
+    deterministic,
+    first_turn_calls,
+    metrics,
+    tiny_cfg,
+    tiny_run,
+)
 
 
 def test_two_steps_move_lora_only_and_checkpoint_reloads(tmp_path):
@@ -205,6 +215,24 @@ def test_the_overlong_penalty_shapes_the_trained_reward(tmp_path):
         assert row["rewards"]["overlong"] == -max(0, row["length"] - 4) / 4
         assert row["reward"] == pytest.approx(sum(row["rewards"].values()))
     assert metrics(tmp_path)[0]["rewards/overlong/mean"] < 0  # random text of the tiny model runs to the cap
+
+
+def test_an_episodes_overlong_penalty_ramps_against_its_token_budget(tmp_path, monkeypatch):
+    """env=tools: the ramp runs against env.max_episode_tokens, the budget that cuts an episode, not against
+    sampler.max_new_tokens, which an episode does not read."""
+    tools = tmp_path / "budget_tools.py"
+    tools.write_text(MULTIPLY_TOOL + "\n\ndef zero(prompts, completions, **kwargs):\n"
+                                     "    return [0.0] * len(completions)\n")
+    first_turn_calls(monkeypatch)  # each episode's one turn: the scripted call and EOS (max_turns 1: not run)
+    run = tiny_run(tmp_path / "run", *TINY[:-2], "sampler.max_new_tokens=32", "env=tools", "env.max_turns=1",
+                   f"env.tools=[{tools}:multiply]", "env.max_episode_tokens=100", "reward=custom",
+                   f"reward.funcs=[{tools}:zero]", "algo.overlong_buffer=30")
+    record = recipe.step(run, 1)
+    tokens = record.kept.rollout.completion_mask.sum(1).tolist()
+    assert tokens == [len(TOOL_CALL) + 1] * 8  # the call's 74 characters (one token each) and EOS: 75
+    # L_max 100, buffer 30: free up to 70 tokens, then -1/30 a token: 75 -> -(75 - 70) / 30 = -0.167
+    # (against sampler.max_new_tokens 32 it was -1: past the cap of a budget the episode never had)
+    assert record.kept.result.per_function["overlong"] == pytest.approx([-(75 - 70) / 30] * 8)
 
 
 def test_process_rewards_give_per_token_advantages(tmp_path, monkeypatch):

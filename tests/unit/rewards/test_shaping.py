@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import torch
+from omegaconf import OmegaConf
+
 from grpo_cli.rewards import RewardResult
-from grpo_cli.rewards.shaping import floor_truncated, overlong_shaping, shape
+from grpo_cli.rewards.shaping import CHECKS, floor_truncated, overlong_lengths, overlong_shaping, shape
+from grpo_cli.rollout import Rollout
 
 
 def test_truncated_completions_score_lowest_by_hand():
@@ -64,3 +68,45 @@ def test_per_turn_rewards_are_floored_and_penalized_on_the_last_turn():
     # DAPO's penalty (L_max 10, buffer 4): lengths 8 -> -(8 - 6) / 4 = -0.5 and 10 -> -1, on the last turn
     shaped = overlong_shaping(turns, [8, 3, 10], 10, 4)
     assert shaped.turns == [[1.0, 0.0], [2.0], [None, 0.0]] and shaped.rewards == [1.0, 2.0, 0.0]
+
+
+def test_an_episodes_ramp_counts_every_token_after_the_prompt_against_its_budget():
+    # two episodes, env.max_episode_tokens 40, sampler.max_new_tokens 8 (which episodes do not read):
+    #   row 0: 6 sampled, 30 added by the environment (a tool result), 2 sampled = 38 tokens, 8 of them sampled
+    #   row 1: 4 sampled = 4 tokens
+    sampled = torch.tensor([[1] * 6 + [0] * 30 + [1] * 2, [1] * 4 + [0] * 34])
+    mask = torch.tensor([[1] * 38, [1] * 4 + [0] * 34])
+    episodes = Rollout(torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.long),
+                       torch.zeros(2, 38, dtype=torch.long), mask, ["a", "b"], [False, False],
+                       sampled_mask=sampled, episodes=[object(), object()])
+    assert episodes.lengths == [8, 4]  # what the loss counts: the sampled tokens
+    lengths, cap = overlong_lengths(episodes, max_new_tokens=8, max_episode_tokens=40)
+    assert (lengths, cap) == ([38, 4], 40)
+    # buffer 4: free up to 40 - 4 = 36 tokens; 38 -> -(38 - 36) / 4 = -0.5; 4 -> 0
+    # (against max_new_tokens 8 with the sampled 8 it was -(8 - 4) / 4 = -1: a cut-off without the cut)
+    shaped = overlong_shaping(RewardResult(rewards=[1.0, 1.0], per_function={}), lengths, cap, buffer=4)
+    assert shaped.rewards == [0.5, 1.0]
+    # plain completions: the sampled tokens against sampler.max_new_tokens, the budget that cuts them
+    plain = Rollout(torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.long),
+                    torch.zeros(2, 8, dtype=torch.long), torch.tensor([[1] * 8, [1] * 3 + [0] * 5]), ["a", "b"],
+                    [True, False])
+    assert overlong_lengths(plain, max_new_tokens=8, max_episode_tokens=40) == ([8, 3], 8)
+
+
+def shaping_problems(**sections) -> list[str]:
+    cfg = OmegaConf.create(sections)
+    return [line for check in CHECKS for line in (check(cfg) if callable(check) else [])]
+
+
+def test_the_buffer_must_fit_the_budget_the_ramp_runs_against():
+    algo = {"overlong_buffer": 20, "overlong_penalty": 1.0}
+    tools = {"_target_": "grpo_cli.env.ToolsEnv", "max_episode_tokens": 40}
+    # an episode's budget is env.max_episode_tokens: a buffer of 20 fits 40, whatever sampler.max_new_tokens says
+    assert shaping_problems(algo=algo, sampler={"max_new_tokens": 8}, env=tools) == []
+    assert shaping_problems(algo={**algo, "overlong_buffer": 50}, sampler={"max_new_tokens": 64}, env=tools) == [
+        "algo.overlong_buffer (50) must be at most env.max_episode_tokens (40): the penalty ramps over the last "
+        "overlong_buffer tokens before the cap; set algo.overlong_buffer=10"]
+    # no environment (env=none): sampler.max_new_tokens, as before
+    assert shaping_problems(algo=algo, sampler={"max_new_tokens": 8}, env={"_target_": None}) == [
+        "algo.overlong_buffer (20) must be at most sampler.max_new_tokens (8): the penalty ramps over the last "
+        "overlong_buffer tokens before the cap; set algo.overlong_buffer=2"]
