@@ -53,7 +53,7 @@ from grpo_cli.rewards.call import score, token_ids
 from grpo_cli.rewards.shaping import overlong_lengths, shape
 from grpo_cli.rollout import pad_id, use_chat_template
 from grpo_cli.rollout.engine import say
-from grpo_cli.rollout.episodes import early_format, reward_column_names, reward_columns, with_env
+from grpo_cli.rollout.episodes import early_format, reward_column_example, reward_columns, with_env
 from grpo_cli.rollout.sizing import Job
 from grpo_cli.runs import keep_chat_template
 from grpo_cli.update import advantages, prepare, update
@@ -135,8 +135,9 @@ def setup(cfg: DictConfig, run_dir: Path, world: World, why: str) -> Run:
     tool_format = early_format(env, cfg.model, data)  # and the tool format fits the chat template
     rewards = reward_schedule(cfg, run_dir, data)
     keep = GroupFilter(algo.dynamic_sampling, algo.filter_metric, algo.max_generation_batches)
-    # the columns a reward may read: the data's, and the episodes' (env=tools or class)
-    rewards.check({**data.train[0], **dict.fromkeys(reward_column_names(env))}, keep)
+    # the columns a reward may read: the data's, and the episodes' (env=tools or class; for class, an environment
+    # built and reset on the first row, which must reach a reward function in a worker process)
+    rewards.check({**data.train[0], **reward_column_example(env, data.train[0])}, keep)
     # a user's data: every prompt measured before the model loads, where its tokenizer loads without it
     early = load_tokenizer(cfg.model) if data.prompt_rows() else None
     if early is not None:

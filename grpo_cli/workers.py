@@ -32,6 +32,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 
@@ -137,6 +138,15 @@ class Worker:
             except ValueError:
                 return f"killed by signal {-code}"
         return f"exit code {code}"
+
+
+def unsendable(value: Any) -> str | None:
+    """Why `value` cannot be sent to a worker (pickled as the pipe pickles it), or None when it can."""
+    try:
+        ForkingPickler.dumps(value)
+    except Exception as err:  # TypeError ("cannot pickle '_io.TextIOWrapper' object"), PicklingError, a __reduce__'s
+        return f"{type(err).__name__}: {err}"
+    return None
 
 
 def _kill(process, conn, owner: int) -> None:

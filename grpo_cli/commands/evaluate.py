@@ -55,7 +55,7 @@ from grpo_cli.rewards.call import check_columns, score, token_ids
 from grpo_cli.rewards.outcome import answers_match, extract_answer, reference_answer
 from grpo_cli.rollout import render_prompts, use_chat_template
 from grpo_cli.rollout.engine import choose, say
-from grpo_cli.rollout.episodes import early_format, episode_fields, reward_column_names, reward_columns, with_env
+from grpo_cli.rollout.episodes import early_format, episode_fields, reward_column_example, reward_columns, with_env
 from grpo_cli.rollout.sizing import Job
 
 
@@ -149,7 +149,7 @@ def _evaluate(cfg: DictConfig, out_dir: Path, overrides: list[str], world: World
     reward_fn = build(cfg.reward)
     env = from_config(cfg)  # env=tools or class (or the run's own): episodes, as train runs them
     tool_format = early_format(env, cfg.model, data)  # the tool format fits the chat template, before the model
-    check_columns(reward_fn, {**data.heldout[0], **dict.fromkeys(reward_column_names(env))})
+    check_columns(reward_fn, {**data.heldout[0], **reward_column_example(env, data.heldout[0])})
     chosen = choose(cfg.sampler)  # sampler=auto: vLLM when installed and usable (a checkpoint's own sampler as it is)
     cfg.sampler = chosen.section
     policy, tokenizer = inference_policy(cfg)

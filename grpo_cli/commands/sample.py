@@ -32,7 +32,7 @@ from grpo_cli.rewards.call import check_columns, score, token_ids
 from grpo_cli.rewards.outcome import answers_match, extract_answer, reference_answer
 from grpo_cli.rollout import use_chat_template
 from grpo_cli.rollout.engine import choose, say
-from grpo_cli.rollout.episodes import early_format, episode_fields, reward_column_names, reward_columns, with_env
+from grpo_cli.rollout.episodes import early_format, episode_fields, reward_column_example, reward_columns, with_env
 from grpo_cli.rollout.sizing import Job
 
 
@@ -59,7 +59,7 @@ def run(cfg: DictConfig, overrides: list[str] = ()) -> list[dict]:
         problems = [{"messages": [{"role": "user", "content": prompt}], "question": prompt}]
     else:
         problems = list(data.heldout[: sample_cfg.num_prompts])
-        check_columns(reward_fn, {**problems[0], **dict.fromkeys(reward_column_names(env))})
+        check_columns(reward_fn, {**problems[0], **reward_column_example(env, problems[0])})
     chosen = choose(cfg.sampler)  # sampler=auto: vLLM when installed and usable (a checkpoint's own sampler as it is)
     policy, tokenizer = inference_policy(cfg)
     use_chat_template(tokenizer, data.chat_template, data.chat_template_kwargs)

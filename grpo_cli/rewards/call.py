@@ -11,6 +11,7 @@ the reward contract (`grpo_cli.rewards`).
 
 from __future__ import annotations
 
+from grpo_cli import workers
 from grpo_cli.errors import ConfigError
 from grpo_cli.rewards.result import RewardResult
 
@@ -54,8 +55,11 @@ def function_names(reward_fn) -> list[str] | None:
 
 def check_columns(reward_fn, example: dict) -> None:
     """ConfigError, before any model loads, when a reward function needs a column the data's examples lack
-    (the accuracy reward's `answer` on a dataset without one): its run would score nothing. A reward without
-    `needs()` is not checked."""
+    (the accuracy reward's `answer` on a dataset without one): its run would score nothing; or when a function runs
+    in a worker process and a column of `example` (its values as one completion's, an `env=class` environment
+    among them) cannot be sent to it: its first call would fail at step 1. A reward without `needs()` is not
+    checked."""
+    _check_sendable(reward_fn, example)
     needs = getattr(reward_fn, "needs", None)
     if not callable(needs):
         return
@@ -72,3 +76,18 @@ def check_columns(reward_fn, example: dict) -> None:
             raise ConfigError(f"reward function {name!r} needs column {missing[0]!r}, which the data does not have "
                               f"(it has: {', '.join(have)}); add that column to the data, or choose a reward whose "
                               f"functions need none (reward=custom reward.funcs=[...])")
+
+
+def _check_sendable(reward_fn, example: dict) -> None:
+    """Every column a worker process is sent (the chat messages are not: the prompts are) pickles, or one line
+    naming the fix."""
+    in_workers = getattr(reward_fn, "in_workers", None)
+    names = in_workers() if callable(in_workers) else []
+    if not names:
+        return
+    for column, value in example.items():
+        why = None if column == "messages" else workers.unsendable(value)
+        if why is not None:
+            raise ConfigError(f"reward function {names[0]!r} runs in a worker process (reward.worker=process) and is "
+                              f"given column {column!r} (a {type(value).__name__}), which cannot be sent to it ({why})"
+                              f"; set reward.worker=thread to run the reward functions in this process")

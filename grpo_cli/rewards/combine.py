@@ -92,6 +92,10 @@ class OutcomeReward:
         """Per function, the columns it cannot do without (`_needs`)."""
         return {name: _needs(call.fn) for name, call in self._calls.items()}
 
+    def in_workers(self) -> list[str]:
+        """The functions that run in worker processes (`reward.worker=process`): every column must pickle for them."""
+        return [name for name, call in self._calls.items() if call.in_process]
+
     def __call__(self, prompts: list[str], completions: list[str],
                  columns: dict[str, list] | None = None) -> RewardResult:
         columns = _columns(columns)
@@ -190,6 +194,11 @@ class ProcessReward:
     def needs(self) -> dict[str, list[str]]:
         """The columns the step scorer (as `scorer`) and each outcome function cannot do without."""
         return {"scorer": _needs(self._scorer.fn), **(self._outcome.needs() if self._outcome is not None else {})}
+
+    def in_workers(self) -> list[str]:
+        """The step scorer (as `steps`) and the outcome functions that run in worker processes."""
+        return [*(["steps"] if self._scorer.in_process else []),
+                *(self._outcome.in_workers() if self._outcome is not None else [])]
 
     def __call__(self, prompts: list[str], completions: list[str],
                  columns: dict[str, list] | None = None) -> RewardResult:

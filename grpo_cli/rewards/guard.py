@@ -102,6 +102,11 @@ class Guarded:
         self._thread: threading.Thread | None = None
         self._warned = False
 
+    @property
+    def in_process(self) -> bool:
+        """Whether the function runs in a worker process, whose arguments must pickle."""
+        return self._process is not None
+
     def _in_thread(self, work: Callable[[], Any]) -> Any:
         if not self.timeout_s:
             return work()

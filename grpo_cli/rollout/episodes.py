@@ -13,6 +13,7 @@ and failures, turns, the `env=class` instance) for the rewards, the metrics and 
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import torch
 
@@ -44,12 +45,24 @@ def early_format(env, model_cfg, data) -> ToolFormat | None:
     return choose(env.tool_format, tokenizer, env.schemas, template_kwargs(tokenizer))
 
 
-def reward_column_names(env) -> list[str]:
-    """The columns `reward_columns` adds for a run with `env` (a reward function's needs are checked against them
-    before the model loads)."""
+def reward_column_example(env, example: dict) -> dict[str, Any]:
+    """The columns `reward_columns` adds for a run with `env`, with one completion's values, for the checks made
+    before the model loads (grpo_cli.rewards.call.check_columns): a reward function's needs are checked against
+    their names, and a function in a worker process must be able to receive their values. For env=class the
+    environment is one built and reset on `example`'s row, as its first episode's will be (an instance that opens
+    a file in reset() does not pickle from then on)."""
     if env is None:
-        return []
-    return ["completion_messages", "tool_call_count", *(["environments"] if isinstance(env, ClassEnv) else [])]
+        return {}
+    columns: dict[str, Any] = {"completion_messages": [], "tool_call_count": 0}
+    if isinstance(env, ClassEnv):
+        columns["environments"] = env.start(episode_row(example))[0].environment
+    return columns
+
+
+def episode_row(example: dict) -> dict:
+    """The row an episode starts from (an environment's `reset(**row)`): the example's columns, its messages as
+    `prompt`."""
+    return {**example, "prompt": example["messages"]}
 
 
 def reward_columns(rollout: Rollout) -> dict[str, list]:
@@ -103,7 +116,7 @@ class EpisodeSampler:
         length is env.max_episode_tokens, which config validation checks in its place."""
         if self._format is None:
             self._format = choose(self.env.tool_format, tokenizer, self.env.schemas, template_kwargs(tokenizer))
-        rows = [{**e, "prompt": e["messages"]} for e in examples for _ in range(n)]
+        rows = [episode_row(e) for e in examples for _ in range(n)]
         prompts, boxes = prepare(self.env, rows)
         self._check_prompts(tokenizer, prompts, boxes)
         engine = self.sampler.engine(policy, tokenizer, greedy=greedy, generator=generator, temperature=temperature)

@@ -66,3 +66,21 @@ def test_a_function_that_takes_trainer_state_is_told_it_is_not_passed(tmp_path):
     line = str(err.value)
     assert "takes trainer_state, TRL's TrainerState (global_step, max_steps, ...), which grpo does not" in line
     assert "trainer_state=None" in line and "add that column" not in line and "\n" not in line
+
+
+@pytest.mark.parametrize("worker", ["process", "thread"])
+def test_a_column_that_cannot_reach_a_worker_process_is_refused_before_the_model_loads(tmp_path, worker):
+    (tmp_path / "rewards.py").write_text("def any_score(prompts, completions, **kwargs):\n"
+                                         "    return [1.0] * len(completions)\n")
+    reward = custom(tmp_path, "any_score", worker=worker)
+    with open(tmp_path / "rewards.py") as log:  # an open file does not pickle
+        example = {"question": "q", "prompt": "q", "environments": log}
+        if worker == "thread":  # the function runs in this process and is handed the object itself
+            check_columns(reward, example)
+            return
+        with pytest.raises(ConfigError) as err:
+            check_columns(reward, example)
+    line = str(err.value)
+    assert line.startswith("reward function 'any_score' runs in a worker process (reward.worker=process) and is "
+                           "given column 'environments' (a TextIOWrapper), which cannot be sent to it ("), line
+    assert line.endswith("; set reward.worker=thread to run the reward functions in this process") and "\n" not in line
