@@ -95,7 +95,7 @@ def verify(path: Path) -> None:
                     raise CheckpointError(f"{file} has the wrong shape: {problem}; grpo train did not write it so "
                                           f"(edited or damaged): use an earlier checkpoint")
             else:
-                OmegaConf.load(file)
+                OmegaConf.create(files.checked_yaml(file))  # no alias expanded, bounded: data from anyone
         except CheckpointError:
             raise
         except Exception as err:  # safetensors, JSON and YAML each raise their own kinds
@@ -354,7 +354,14 @@ def load_training_state(path: Path, optimizer, scheduler) -> dict:
 
 
 def load_config(path: Path) -> DictConfig:
-    return OmegaConf.load(Path(path) / "config.yaml")
+    """A checkpoint's config.yaml, read as data: refused before it is built when it holds an alias or is too large
+    (files.checked_yaml)."""
+    file = Path(path) / "config.yaml"
+    try:
+        return OmegaConf.create(files.checked_yaml(file))
+    except Exception as err:  # the check's ValueError, or YAML's own
+        raise CheckpointError(f"{file} cannot be read ({str(err).splitlines()[0][:200]}); "
+                              f"use an earlier checkpoint") from None
 
 
 # ---- the shape of a checkpoint's JSON files ------------------------------------------------------------------------

@@ -16,6 +16,8 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+import yaml  # OmegaConf's YAML library, a dependency already: checked_yaml's event stream
+
 
 def io_error(err: BaseException) -> bool:
     """An error of the file system (a full disk, a read-only folder): an OSError, or one that a library
@@ -102,3 +104,33 @@ def lock(path: str | Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+# ---- a YAML file read back from a run folder: data someone else may have written ------------------------------------
+
+# the most bytes and YAML nodes (scalars, lists, maps) a run's config.yaml may hold: a saved config has about a
+# thousand nodes; the bound stops a file that would take minutes and gigabytes to build
+YAML_MAX_BYTES = 8 * 2**20
+YAML_MAX_NODES = 100_000
+
+
+def checked_yaml(path: str | Path) -> str:
+    """The text of the YAML file `path`, refused (ValueError, one line) before any of it is built when it is not a
+    regular file, is over YAML_MAX_BYTES, has over YAML_MAX_NODES nodes or holds an alias (`*name`): OmegaConf
+    expands every alias into a copy, so ten nested lists of ten aliases are 10^10 nodes from a few hundred bytes.
+    grpo train writes no aliases (OmegaConf.save writes each node out), so an alias was written by someone else."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError("it is not a regular file")
+    if path.stat().st_size > YAML_MAX_BYTES:
+        raise ValueError(f"it is {path.stat().st_size:,} bytes, over the {YAML_MAX_BYTES:,} a saved config may be")
+    text = path.read_text(errors="replace")
+    nodes = 0
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):  # events stream: nothing is built or expanded
+        if isinstance(event, yaml.AliasEvent):
+            raise ValueError(f"it holds a YAML alias (*{event.anchor}), which grpo train never writes; each one "
+                             f"would be expanded into a copy")
+        nodes += isinstance(event, (yaml.ScalarEvent, yaml.SequenceStartEvent, yaml.MappingStartEvent))
+        if nodes > YAML_MAX_NODES:
+            raise ValueError(f"it holds over {YAML_MAX_NODES:,} YAML nodes, far more than a saved config")
+    return text

@@ -29,9 +29,12 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from antlr4 import ParserRuleContext  # the runtime of OmegaConf's parser: its interpolation grammar's trees
 from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.grammar.gen.OmegaConfGrammarParser import OmegaConfGrammarParser as Grammar
+from omegaconf.grammar_parser import parse
 
-from grpo_cli import files
+from grpo_cli import checkpoint, files, user_code
 from grpo_cli.errors import ConfigError
 from grpo_cli.metrics.console import console
 from grpo_cli.resources import CONF_DIR, RECIPES_DIR
@@ -191,23 +194,73 @@ def shipped_targets() -> frozenset[str]:
     return frozenset(found)
 
 
+# shipped components whose keys name the user's code (a file `path/to/file.py:fn` or a module `module.fn`), which
+# the component imports when it is built: reward functions at any depth, an environment's tools and its class
+CODE_KEYS = {"grpo_cli.rewards.user.CustomReward": "funcs", "grpo_cli.env.ToolsEnv": "tools",
+             "grpo_cli.env.ClassEnv": "factory"}
+# the judge reward (rewards/judge.py): where it sends completions, and the environment variable whose value it sends
+JUDGE = "grpo_cli.rewards.judge.judge"
+
+
+def _nodes(node, path: str) -> Iterator[tuple[str, dict]]:
+    """(dotted key, node) of every dict under `node` (a plain container), itself included, at any depth."""
+    if isinstance(node, dict):
+        yield path, node
+        for key, value in node.items():
+            yield from _nodes(value, f"{path}.{key}")
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from _nodes(value, f"{path}.{i}")
+
+
 def _code(node, path: str) -> Iterator[tuple[str, str]]:
-    """(dotted key, what it would run) of every node under `node` that names code grpo_cli does not ship: a
-    `_target_` outside shipped_targets(), nested in lists and dicts at any depth, or trust_remote_code=true."""
-    if isinstance(node, DictConfig):
-        target = node._get_node("_target_")._value() if "_target_" in node else None
+    """(dotted key, what it would run) of every node under `node` (a plain container) that names code grpo_cli
+    does not ship: a `_target_` outside shipped_targets(), nested in lists and dicts at any depth, or
+    trust_remote_code=true."""
+    if isinstance(node, dict):
+        target = node.get("_target_")
         if target is not None and (not isinstance(target, str) or target not in shipped_targets()):
             yield path, f"{path}._target_ ({target}) is not a grpo_cli component"
             return  # what it holds is refused with it
-        for key in node:
-            value = node._get_node(key)
-            if key == "trust_remote_code" and value._value() not in (False, None):  # a truthy string turns it on too
-                yield f"{path}.{key}", f"{path}.{key} is {value._value()!r} (the model repo's own code would run)"
-            elif isinstance(value, (DictConfig, ListConfig)):
+        for key, value in node.items():
+            if key == "trust_remote_code" and value not in (False, None):  # a truthy string turns it on too
+                yield f"{path}.{key}", f"{path}.{key} is {value!r} (the model repo's own code would run)"
+            else:
                 yield from _code(value, f"{path}.{key}")
-    elif isinstance(node, ListConfig):
-        for i in range(len(node)):
-            yield from _code(node._get_node(i), f"{path}.{i}")
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from _code(value, f"{path}.{i}")
+
+
+def _specs(value) -> list[str]:
+    """The code names of a CODE_KEYS value: one string or a list of them."""
+    return [value] if isinstance(value, str) else [str(s) for s in value] if isinstance(value, list) else []
+
+
+def code_names(node, path: str) -> Iterator[tuple[str, str]]:
+    """(dotted key, name) of every user file or module that a shipped component under `node` would import: the
+    `path/to/file.py` of `path/to/file.py:fn`, or the module of `module.fn` (a built-in reward's name has no dot)."""
+    for where, found in _nodes(node, path):
+        target = found.get("_target_")
+        key = CODE_KEYS.get(target) if isinstance(target, str) else None
+        for spec in _specs(found.get(key)) if key else []:
+            name = spec.rpartition(":")[0] if ":" in spec else spec.rpartition(".")[0]
+            if name:
+                yield f"{where}.{key}", name
+
+
+def _inside(name: str, run_dir: Path) -> bool:
+    """Whether the file or module `name` (as code_names gives it) would be read from inside `run_dir`: a file
+    there, or a module of the working folder (searched for the user's own modules, user_code) that lies there."""
+    if name.endswith(".py") or "/" in name:
+        return Path(name).expanduser().resolve().is_relative_to(run_dir)
+    local = user_code.local_module(name.partition(".")[0])
+    return local is not None and local.resolve().is_relative_to(run_dir)
+
+
+def judges(node, path: str) -> Iterator[tuple[str, dict]]:
+    """(dotted key, node) of every judge reward under `node`."""
+    return ((where, found) for where, found in _nodes(node, path) if found.get("_target_") == JUDGE)
 
 
 def _given(path: str, overrides: list[str]) -> bool:
@@ -216,32 +269,62 @@ def _given(path: str, overrides: list[str]) -> bool:
     return any(path == k or path.startswith(k + ".") or k == path + "._target_" for k in keys)
 
 
+def _doors(plain: dict, sections, overrides: list[str], run_dir: Path) -> list[tuple[str, str]]:
+    """(key to give, what it would do) of each thing `plain`'s `sections` would run, read or send that the user
+    did not choose: code grpo_cli does not ship, a user file inside the run folder, a judge's endpoint or key."""
+    found = []
+    for section in (s for s in sections if s in plain):
+        found += [(path, what) for path, what in _code(plain[section], section) if not _given(path, overrides)]
+        # grpo train writes no code into a run folder: a file (or module) there came with the run, not from the user
+        found += [(path, f"{path} ({name}) lies inside the run folder, where grpo train writes no code")
+                  for path, name in code_names(plain[section], section)
+                  if not _given(path, overrides) and _inside(name, run_dir)]
+        for path, judge in judges(plain[section], section):
+            if not _given(f"{path}.base_url", overrides):
+                found.append((f"{path}.base_url", f"{path}.base_url ({judge.get('base_url')}) is the run's: the "
+                                                  f"judge would send completions there"))
+            if judge.get("api_key_env") and not _given(f"{path}.api_key_env", overrides):
+                found.append((f"{path}.api_key_env", f"{path}.api_key_env ({judge.get('api_key_env')}) is the "
+                                                     f"run's: the judge would send that variable's value"))
+    return found
+
+
 def check_saved(saved: DictConfig, sections, overrides: list[str], trusted, source: Path) -> None:
-    """Refuse (one line) a node of `saved`'s `sections` that would run code grpo_cli does not ship, unless
-    `trusted` (trust_run_config=true) or the command line gives that node; then name on the console the reward
-    files of the saved config that will run. `source`: the checkpoint folder the config came from."""
+    """Refuse (one line) what `saved`'s `sections` would run, read or send that the user did not choose (`_doors`),
+    unless `trusted` (trust_run_config=true) or the command line gives that node; then name on the console the
+    user files and the judge endpoints of the saved config that will be used. `source`: the checkpoint folder the
+    config came from."""
     if not isinstance(trusted, bool):
         raise ConfigError(f"trust_run_config ({trusted!r}) must be true or false; set trust_run_config=false")
-    found = [] if trusted else [(path, what) for section in sections if section in saved
-                                for path, what in _code(saved._get_node(section), section)
-                                if not _given(path, overrides)]
-    if not trusted and "reward" in sections and "reward" in saved and not _given("reward.funcs", overrides):
-        # grpo train writes no code into a run folder: a reward file inside it came with the run, not from the user
-        source = Path(source).absolute()
-        run_dir = (source.parent.parent if source.parent.name == "checkpoints" else source).resolve()
-        found += [("reward.funcs", f"reward.funcs ({file}) lies inside the run folder, where grpo train writes no "
-                                   f"code") for file in reward_files(saved.reward)
-                  if Path(file).expanduser().resolve().is_relative_to(run_dir)]
+    plain = OmegaConf.to_container(saved, resolve=False)
+    source = Path(source).absolute()
+    run_dir = (source.parent.parent if source.parent.name == "checkpoints" else source).resolve()
+    found = [] if trusted else _doors(plain, sections, overrides, run_dir)
     if found:
         path, what = found[0]
         more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
         raise ConfigError(f"{source}/config.yaml would run code that is not grpo_cli's: {what}{more}; a run folder's "
-                          f"config is data and builds only grpo_cli's own components (conf/, recipes/). If you "
-                          f"trust this run, pass trust_run_config=true, or give the node yourself: {path}=...")
-    if "reward" in sections and "reward" in saved and not _given("reward.funcs", overrides):
-        for where in reward_code(saved.reward):
-            console.print(f"reward functions from {where} (saved with the run)", markup=False, highlight=False,
-                          soft_wrap=True)
+                          f"config is data: it builds only grpo_cli's own components (conf/, recipes/) and runs, "
+                          f"reads or sends nothing you did not choose. If you trust this run, pass "
+                          f"trust_run_config=true, or give it yourself: {path}=...")
+    for section in (s for s in sections if s in plain):
+        named = {}
+        for path, name in code_names(plain[section], section):
+            if not _given(path, overrides):
+                named.setdefault(name, path)
+        for name, path in named.items():
+            what = "reward functions" if path.startswith("reward") else "tools" if path.endswith("tools") else \
+                "the environment" if path.endswith("factory") else "code"
+            shown = name if name.endswith(".py") or "/" in name else f"module {name}"
+            _say(f"{what} from {shown} (saved with the run)")
+        for path, judge in judges(plain[section], section):
+            key = judge.get("api_key_env")
+            _say(f"judge {path}: completions go to {judge.get('base_url')}"
+                 + (f" with the key in ${key}" if key else "") + " (saved with the run)")
+
+
+def _say(line: str) -> None:
+    console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
 # the run's copy of data.chat_template's text, in its folder: its resume and its eval render the prompts it trained on
@@ -261,11 +344,77 @@ def keep_chat_template(cfg: DictConfig, run_dir: Path, text: str | None, writes:
     return cfg
 
 
+def _interpolations(text: str) -> tuple[list[str], bool]:
+    """(the resolvers an OmegaConf string calls, whether it interpolates at all), from OmegaConf's own grammar: what
+    OmegaConf would run when the value is read."""
+    resolvers, interpolates = [], False
+
+    def walk(tree) -> None:
+        nonlocal interpolates
+        if isinstance(tree, Grammar.InterpolationResolverContext):
+            resolvers.append(tree.resolverName().getText())
+        interpolates |= isinstance(tree, (Grammar.InterpolationResolverContext, Grammar.InterpolationNodeContext))
+        for i in range(tree.getChildCount() if isinstance(tree, ParserRuleContext) else 0):
+            walk(tree.getChild(i))
+
+    walk(parse(text))
+    return resolvers, interpolates
+
+
+def _strings(node, path: str) -> Iterator[tuple[str, str]]:
+    """(dotted key, text) of every string under `node` (a plain container), its dict keys included."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if isinstance(key, str):
+                yield f"{path}.{key}".lstrip("."), key
+            yield from _strings(value, f"{path}.{key}".lstrip("."))
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from _strings(value, f"{path}.{i}".lstrip("."))
+    elif isinstance(node, str):
+        yield path, node
+
+
+def _refuse_interpolation(file: Path, path: str, what: str) -> ConfigError:
+    return ConfigError(f"{file} would run code that is not grpo_cli's: {path} {what}, which grpo train never "
+                       f"saves (it saves its config resolved); a run folder's config is data. If you trust this "
+                       f"run, pass trust_run_config=true, or give it yourself: {path}=...")
+
+
+def resolved(saved: DictConfig, file: Path) -> DictConfig:
+    """`saved` with its interpolations resolved before any check reads it, so the checks see what would be built.
+
+    A plain reference (`${model.name}`) is resolved. A resolver (`${oc.create:...}` builds a node with any
+    `_target_` from text, `${oc.env:VAR}` reads a secret into a value the run may send, and any other is code) is
+    refused, and so is a value that still interpolates once resolved (an escaped one, revived)."""
+    for path, text in _strings(OmegaConf.to_container(saved, resolve=False), ""):
+        if "${" not in text:
+            continue
+        try:
+            resolvers, _ = _interpolations(text)
+        except Exception:  # OmegaConf's GrammarParseError: the value would fail when read anyway
+            raise _refuse_interpolation(file, path, f"({text[:80]!r}) is not a value OmegaConf can read") from None
+        if resolvers:
+            raise _refuse_interpolation(file, path, f"calls the resolver {resolvers[0]}")
+    try:
+        plain = OmegaConf.to_container(saved, resolve=True)
+    except Exception as err:  # a reference to a missing key, or a loop
+        raise ConfigError(f"{file} cannot be read ({str(err).splitlines()[0][:200]}); "
+                          f"use an earlier checkpoint") from None
+    for path, text in _strings(plain, ""):
+        if "${" in text and _interpolations(text)[1]:
+            raise _refuse_interpolation(file, path, "resolves to another interpolation")
+    return OmegaConf.create(plain)
+
+
 def read_saved(ckpt: Path, sections, overrides: list[str] | None, trusted) -> DictConfig:
-    """Checkpoint `ckpt`'s config.yaml read as data: its relative paths anchored in the folder the run started in
+    """Checkpoint `ckpt`'s config.yaml read as data: no alias expanded (checkpoint.load_config), its interpolations
+    resolved without resolvers (`resolved`), its relative paths anchored in the folder the run started in
     (trainer_state.json's `started_in`), its `sections` (None: all) checked by check_saved."""
     ckpt = Path(ckpt)
-    saved = OmegaConf.load(ckpt / "config.yaml")
+    saved = checkpoint.load_config(ckpt)
+    if trusted is not True:  # before anything reads a value: reading one resolves it
+        saved = resolved(saved, ckpt / "config.yaml")
     if OmegaConf.select(saved, "data.chat_template", default=None) == TEMPLATE_FILE:  # the run's own copy
         OmegaConf.update(saved, "data.chat_template", str((ckpt.parent.parent / TEMPLATE_FILE).resolve()))
     state = json.loads((ckpt / "trainer_state.json").read_text())
@@ -273,23 +422,6 @@ def read_saved(ckpt: Path, sections, overrides: list[str] | None, trusted) -> Di
         saved = anchored(saved, Path(state["started_in"]))
     check_saved(saved, list(saved) if sections is None else sections, overrides or [], trusted, ckpt)
     return saved
-
-
-def _reward_specs(reward) -> list[str]:
-    """A reward section's `funcs` (reward=custom): `path/file.py:fn`, `module.fn` or a built-in's name."""
-    funcs = reward.get("funcs") if isinstance(reward, DictConfig) else None
-    return [funcs] if isinstance(funcs, str) else [str(s) for s in funcs] if isinstance(funcs, ListConfig) else []
-
-
-def reward_files(reward) -> list[str]:
-    """The user files a reward section's `funcs` import, as given."""
-    return list(dict.fromkeys(s.rpartition(":")[0] for s in _reward_specs(reward) if ":" in s))
-
-
-def reward_code(reward) -> list[str]:
-    """The user files and modules a reward section's `funcs` import, as given (a built-in's short name has no dot)."""
-    modules = [f"module {s.rpartition('.')[0]}" for s in _reward_specs(reward) if ":" not in s and "." in s]
-    return reward_files(reward) + list(dict.fromkeys(modules))
 
 
 # keys that hold a file or folder; a relative one is read against the folder the run started in

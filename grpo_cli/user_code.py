@@ -56,6 +56,12 @@ def _local(folder: Path, top: str) -> Path | None:
     return None
 
 
+def local_module(top: str) -> Path | None:
+    """The working folder's own module `top` (top.py or top/__init__.py), where `import_module` would look for the
+    user's module of that name; None when the folder has none."""
+    return _local(Path.cwd().resolve(), top)
+
+
 def _installed(top: str, folder: Path) -> str | None:
     """Where module `top` comes from without the working folder (a file, or "built-in"); None: nowhere."""
     if top in sys.builtin_module_names:

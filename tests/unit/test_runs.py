@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
+from grpo_cli import files
 from grpo_cli.errors import ConfigError
-from grpo_cli.runs import check_saved, shipped_targets
+from grpo_cli.runs import check_saved, resolved, shipped_targets
 
 
 def test_the_shipped_targets_are_those_conf_and_recipes_name():
@@ -30,3 +32,44 @@ def test_code_a_saved_config_names_is_refused_naming_the_node(model, named):
         check_saved(saved, ["model"], [], False, Path("RUN/checkpoints/step_000001"))
     assert named in str(err.value) and "\n" not in str(err.value)
     check_saved(saved, ["model"], [], True, Path("RUN/checkpoints/step_000001"))  # trusted: built as it is
+
+
+# ---- a saved config's interpolations and its YAML: resolved and bounded before any check reads it -------------------
+
+def test_a_saved_reference_is_resolved_before_the_checks_read_it():
+    saved = OmegaConf.create({"a": {"_target_": "os.getcwd"}, "model": {"loader": "${a}"}, "n": "x${b}", "b": 3})
+    plain = resolved(saved, Path("config.yaml"))
+    # model.loader is the os.getcwd node itself now, where the check finds it; "x${b}" -> "x3"
+    assert plain.model.loader == {"_target_": "os.getcwd"} and plain.n == "x3"
+
+
+@pytest.mark.parametrize("value, named", [
+    ("${oc.env:HOME}", "calls the resolver oc.env"),
+    ("pre ${ oc.create : {_target_: os.getcwd} } post", "calls the resolver oc.create"),
+    ("${oc.select:a, ${oc.decode:'1'}}", "calls the resolver oc.select"),
+    # an escaped interpolation is text, until a reference copies it into a value that OmegaConf reads again
+    ("${b}", "resolves to another interpolation"),
+])
+def test_a_resolver_in_a_saved_config_is_refused(value, named):
+    saved = OmegaConf.create({"model": {"name_or_path": value}, "b": "\\${oc.env:HOME}"})
+    with pytest.raises(ConfigError, match="trust_run_config=true") as err:
+        resolved(saved, Path("config.yaml"))
+    assert f"model.name_or_path {named}" in str(err.value)
+
+
+def test_a_yaml_file_is_refused_before_it_is_built(tmp_path):
+    many = tmp_path / "many.yaml"
+    many.write_text("a: [" + ", ".join(["1"] * (files.YAML_MAX_NODES + 1)) + "]\n")  # one list, 100,001 scalars
+    with pytest.raises(ValueError, match="over 100,000 YAML nodes"):
+        files.checked_yaml(many)
+    aliased = tmp_path / "aliased.yaml"
+    aliased.write_text("a: &x [1]\nb: *x\n")
+    with pytest.raises(ValueError, match=r"a YAML alias \(\*x\)"):
+        files.checked_yaml(aliased)
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)  # reading it would block: refused from its stat alone
+    with pytest.raises(ValueError, match="not a regular file"):
+        files.checked_yaml(fifo)
+    plain = tmp_path / "plain.yaml"
+    plain.write_text("a: [1, 2]\nb: {c: d}\n")
+    assert files.checked_yaml(plain) == plain.read_text()
