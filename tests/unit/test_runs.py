@@ -34,6 +34,39 @@ def test_code_a_saved_config_names_is_refused_naming_the_node(model, named):
     check_saved(saved, ["model"], [], True, Path("RUN/checkpoints/step_000001"))  # trusted: built as it is
 
 
+def _env_and_judge(tools: str) -> OmegaConf:
+    return OmegaConf.create({
+        "env": {"_target_": "grpo_cli.env.ToolsEnv", "tools": [f"{tools}:calc", "my_tools.search"]},
+        "reward": {"_target_": "grpo_cli.rewards.OutcomeReward", "functions": {"judge": {
+            "_target_": "grpo_cli.rewards.judge.judge", "_partial_": True, "base_url": "http://judge:9/v1",
+            "api_key_env": "JUDGE_KEY"}}}})
+
+
+def test_the_user_code_and_the_judge_a_saved_config_uses_are_named(tmp_path, capsys):
+    """Outside the run folder, tools run as saved, each file and module named first; a judge's endpoint and key
+    are used only when the command line gives them (or the run is trusted), and then named too."""
+    saved = _env_and_judge("/home/me/tools.py")
+    given = ["reward.functions.judge.base_url=http://judge:9/v1", "reward.functions.judge.api_key_env=JUDGE_KEY"]
+    check_saved(saved, ["env", "reward"], given, False, tmp_path / "RUN/checkpoints/step_000001")
+    err = capsys.readouterr().err
+    assert "tools from /home/me/tools.py (saved with the run)" in err and "tools from module my_tools" in err
+    assert "judge reward.functions.judge: completions go to http://judge:9/v1 with the key in $JUDGE_KEY" in err
+    with pytest.raises(ConfigError, match=r"reward.functions.judge.base_url \(http://judge:9/v1\) is the run's"):
+        check_saved(saved, ["env", "reward"], given[1:], False, tmp_path / "RUN/checkpoints/step_000001")
+    with pytest.raises(ConfigError, match=r"reward.functions.judge.api_key_env \(JUDGE_KEY\) is the run's"):
+        check_saved(saved, ["env", "reward"], given[:1], False, tmp_path / "RUN/checkpoints/step_000001")
+
+
+def test_a_module_of_the_working_folder_inside_the_run_folder_is_refused(tmp_path, monkeypatch):
+    """`grpo eval checkpoint=.` from inside a run folder: the saved `my_tools.search` would import RUN/my_tools.py."""
+    run = tmp_path / "RUN"
+    (run / "checkpoints/step_000001").mkdir(parents=True)
+    (run / "my_tools.py").write_text("raise SystemExit('ran')\n")
+    monkeypatch.chdir(run)
+    with pytest.raises(ConfigError, match=r"env.tools \(my_tools\) lies inside the run folder"):
+        check_saved(_env_and_judge("/home/me/tools.py"), ["env"], [], False, run / "checkpoints/step_000001")
+
+
 # ---- a saved config's interpolations and its YAML: resolved and bounded before any check reads it -------------------
 
 def test_a_saved_reference_is_resolved_before_the_checks_read_it():
