@@ -19,8 +19,11 @@ to its newest checkpoint that passes, and an error names the file at fault.
 from __future__ import annotations
 
 import json
+import math
+import os
 import re
 import shutil
+import stat
 import time
 from pathlib import Path
 
@@ -127,6 +130,111 @@ def resolve(path: str | Path, *, warn=None) -> Path:
             continue
         return candidate
     raise CheckpointError(f"no usable checkpoint in {path}: {problems[0]}")
+
+
+# ---- the best checkpoint: RUN/best.json, written after each held-out eval during training ---------------------------
+
+BEST = "best.json"
+# the largest best.json read back: grpo train writes ~100 bytes
+BEST_BYTES = 4096
+
+
+def read_best(run_dir: Path) -> dict | None:
+    """RUN/best.json as recorded ({"step", "checkpoint", "metric", "score"}), or None when the run has none.
+
+    A run folder is data (docs/runs.md): anything but a small regular file holding that object, its checkpoint the
+    `checkpoints/step_NNNNNN` of its step (no other folder, nothing out of the run), is one CheckpointError line.
+    The file is opened without following a link and without waiting on a FIFO, and checked once open.
+    """
+    file = Path(run_dir) / BEST
+    fix = "grpo train did not write it so (edited or damaged): delete it, or pass RUN/last"
+    try:
+        fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as err:  # ELOOP: a link
+        raise CheckpointError(f"{file} cannot be read ({err.strerror}; a link is not followed); {fix}") from None
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(f.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise CheckpointError(f"{file} is not a regular file; {fix}")
+        data = f.read(BEST_BYTES + 1)
+    if len(data) > BEST_BYTES:
+        raise CheckpointError(f"{file} is larger than {BEST_BYTES} bytes; {fix}")
+    try:
+        record = json.loads(data)
+    except ValueError as err:
+        raise CheckpointError(f"{file} is not JSON ({str(err).splitlines()[0][:120]}); {fix}") from None
+    problem = _best_problem(record)
+    if problem:
+        raise CheckpointError(f"{file} {problem}; {fix}")
+    return record
+
+
+def _best_problem(record) -> str | None:
+    if not isinstance(record, dict):
+        return f"must be an object ({{...}}), got {type(record).__name__}"
+    step, score = record.get("step"), record.get("score")
+    if not _int()(step):
+        return f'has a "step" that is not an integer >= 0 ({repr(step)[:40]})'
+    if record.get("checkpoint") != f"checkpoints/{STEP_DIR.format(step)}":
+        return f'names "checkpoint" {repr(record.get("checkpoint"))[:60]}, not its step\'s checkpoints/' \
+               f"{STEP_DIR.format(step)}"
+    if not isinstance(record.get("metric"), str):
+        return f'has a "metric" that is not a string ({repr(record.get("metric"))[:40]})'
+    if not _number(score) or not math.isfinite(score):
+        return f'has a "score" that is not a finite number ({repr(score)[:40]})'
+    return None
+
+
+def record_best(run_dir: Path, step: int, metric: str, score: float, *, warn=None) -> bool:
+    """After a held-out eval of checkpoint `step`: record it in RUN/best.json (atomically) when `score` is higher than
+    the recorded best, or none is recorded. Returns whether it wrote.
+
+    An equal score keeps the record: a tie is no evidence that the later checkpoint is better, and the earlier one
+    has moved less from where RL started. A score that is not finite is never recorded. A best.json that does not
+    read (`read_best`) is replaced, with one `warn(line)`: a damaged record must not stop the run. A record of
+    another metric cannot be compared with this one and is replaced too.
+    """
+    if not math.isfinite(score):
+        return False
+    try:
+        recorded = read_best(run_dir)
+    except CheckpointError as err:
+        recorded = None
+        if warn is not None:
+            warn(f"{err} (replacing it)")
+    if recorded is not None and recorded["metric"] == metric and score <= recorded["score"]:
+        return False
+    record = {"step": int(step), "checkpoint": f"checkpoints/{STEP_DIR.format(step)}", "metric": metric,
+              "score": float(score)}
+    files.write_text(Path(run_dir) / BEST, json.dumps(record) + "\n")
+    return True
+
+
+def best_checkpoint(run_dir: Path, *, warn=None) -> Path | None:
+    """The folder of the run's recorded best checkpoint (verified), or None: no best.json, one that does not read,
+    or a checkpoint that is gone or damaged (each of those with one `warn(line)`)."""
+    try:
+        record = read_best(run_dir)
+    except CheckpointError as err:
+        if warn is not None:
+            warn(str(err))
+        return None
+    if record is None:
+        return None
+    path = checkpoint_dir(run_dir, record["step"])
+    if not path.is_dir():
+        if warn is not None:
+            warn(f"{Path(run_dir) / BEST} names {path.name}, which is gone from {path.parent}")
+        return None
+    try:
+        verify(path)
+    except CheckpointError as err:
+        if warn is not None:
+            warn(f"the best checkpoint {path.name} does not read: {err}")
+        return None
+    return path
 
 
 def _optimizer_to_files(state: dict) -> tuple[dict[str, torch.Tensor], dict]:
