@@ -514,7 +514,26 @@ class Sampler(HFSampler):
 SCRIPTED_TOOLS_ARGS = ["sampler=short", "sampler._target_=scripted_tools.Sampler", "env=tools",
                        "env.tools=[scripted_tools.multiply]", "env.max_episode_tokens=100", "env.max_turns=2"]
 
-class JudgeServer:
+class LocalServer:
+    """An HTTP server on 127.0.0.1 (a free port; `url` is its /v1 base) that serves `handler`, a
+    BaseHTTPRequestHandler class, in a daemon thread while the `with` block runs: loopback only."""
+
+    def __init__(self, handler):
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+class JudgeServer(LocalServer):
     """A real OpenAI-compatible chat endpoint on localhost (http.server in a thread) for the judge reward's tests.
 
     `reply(n, body) -> (status, text, delay_s)` answers the n-th request (0-based); every request's JSON body and
@@ -551,18 +570,7 @@ class JudgeServer:
             def log_message(self, *args):
                 pass
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        super().__init__(Handler)
 
 
 def chat_reply(content: str) -> str:

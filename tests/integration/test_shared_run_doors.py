@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import http.server
 import os
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
-from tests.helpers import one_line_error, run_cli
+from tests.helpers import LocalServer, one_line_error, run_cli
 
 SECRET = "GRPO_TEST_DOOR_SECRET"
 # the sections each command reads back from a run (inference.INHERITED, export's model, rm's model/data/sampler)
@@ -44,12 +43,8 @@ class Recorder(http.server.BaseHTTPRequestHandler):
 @pytest.fixture()
 def endpoint():
     Recorder.seen = []
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/v1"
-    server.shutdown()
-    server.server_close()
+    with LocalServer(Recorder) as server:
+        yield server.url
 
 
 def _code(marker: Path, body: str) -> str:

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 from omegaconf import OmegaConf
@@ -21,7 +21,7 @@ from grpo_cli.instantiate import build
 from grpo_cli.resources import CONF_DIR
 from grpo_cli.rewards.judge import judge as judge_fn
 from grpo_cli.rewards.judge import parse_score
-from tests.helpers import REPO, JudgeServer, chat_reply
+from tests.helpers import REPO, JudgeServer, LocalServer, chat_reply
 
 PROMPTS = ["2+2?", "3+3?", "4+4?"]
 COMPLETIONS = ["4", "7", "8"]
@@ -134,7 +134,7 @@ def test_the_key_comes_from_the_environment_in_the_authorization_header(monkeypa
     assert {r["authorization"] for r in server.requests} == {None}
 
 
-class RawServer:
+class RawServer(LocalServer):
     """An HTTP server on 127.0.0.1 (http.server in a thread) whose `handle(handler, server)` writes each reply itself:
     a redirect, a trickle, a flood. Every request's method and headers are kept in `seen`; `stop` is set on exit so
     a reply still being written ends with the test."""
@@ -158,19 +158,11 @@ class RawServer:
             def log_message(self, *args):
                 pass
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        return self
+        super().__init__(Handler)
 
     def __exit__(self, *exc):
         self.stop.set()
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        super().__exit__(*exc)
 
 
 def answer(handler, status: int, text: str, **headers: str) -> None:
