@@ -212,6 +212,15 @@ def record_best(run_dir: Path, step: int, metric: str, score: float, *, warn=Non
     return True
 
 
+def _best_step(run_dir: Path) -> int | None:
+    """The recorded best's step, or None (no best.json, or one that does not read: it protects nothing)."""
+    try:
+        record = read_best(run_dir)
+    except CheckpointError:
+        return None
+    return record["step"] if record else None
+
+
 def best_checkpoint(run_dir: Path, *, warn=None) -> Path | None:
     """The folder of the run's recorded best checkpoint (verified), or None: no best.json, one that does not read,
     or a checkpoint that is gone or damaged (each of those with one `warn(line)`)."""
@@ -298,8 +307,10 @@ def save(run_dir: Path, step: int, policy, optimizer, scheduler, trainer_state: 
         raise RunError(f"cannot write checkpoint {final} ({str(err).splitlines()[0][:200]}); the earlier "
                        f"checkpoints are intact: free space and resume with: grpo train resume={run_dir}") from None
     if keep_last:
+        best = _best_step(run_dir)  # kept beside the newest keep_last: it is what export and sample take
         for old in list_checkpoints(run_dir)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+            if step_of(old) != best:
+                shutil.rmtree(old, ignore_errors=True)
     return final
 
 
@@ -432,7 +443,8 @@ def set_aside_after(run_dir: Path, step: int) -> Path | None:
     """Move the checkpoints newer than `step` (an abandoned branch) to checkpoints/abandoned-TIME/.
 
     Resuming from an older checkpoint starts a new branch; its newer siblings would otherwise be
-    picked by `resolve`, eval and `keep_last`. Returns the folder they went to (None: nothing newer).
+    picked by `resolve`, eval and `keep_last`. A best.json naming one of them goes with them. Returns the folder
+    they went to (None: nothing newer).
     """
     newer = [p for p in list_checkpoints(run_dir) if step_of(p) > step]
     if not newer:
@@ -441,6 +453,9 @@ def set_aside_after(run_dir: Path, step: int) -> Path | None:
     aside.mkdir(parents=True, exist_ok=True)
     for folder in newer:
         folder.rename(aside / folder.name)
+    best = _best_step(run_dir)
+    if best is not None and best > step:  # the abandoned branch's: the new branch's evals start their own
+        (Path(run_dir) / BEST).rename(aside / BEST)
     return aside
 
 

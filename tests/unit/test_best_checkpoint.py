@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from grpo_cli import checkpoint
 from grpo_cli.errors import CheckpointError
@@ -94,3 +95,33 @@ def test_a_best_json_that_grpo_train_did_not_write_names_no_checkpoint(run, case
     # the next eval replaces it as if none were recorded (with its one line): training goes on
     assert checkpoint.record_best(run, 2, "eval/accuracy", 0.25, warn=lines.append) is True
     assert len(lines) == 2 and checkpoint.best_checkpoint(run) == checkpoint.checkpoint_dir(run, 2)
+
+
+def test_keep_last_never_deletes_the_best_checkpoint(tmp_path):
+    from grpo_cli.config import compose
+    from grpo_cli.policy import build_policy
+    from tests.helpers import TINY
+
+    cfg = compose("train", TINY)
+    policy, _, _ = build_policy(cfg.model)
+    optimizer = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    for step in (1, 2, 3):
+        state = {"step": step, "history": [], "data": {"position": 0}}  # what a trainer_state holds (SHAPES)
+        checkpoint.save(tmp_path, step, policy, optimizer, scheduler, state, cfg, keep_last=1)
+        if step == 1:
+            checkpoint.record_best(tmp_path, 1, "eval/accuracy", 0.655)
+    # keep_last=1 keeps step 3, the newest, and step 1, the best; step 2 goes
+    assert [checkpoint.step_of(p) for p in checkpoint.list_checkpoints(tmp_path)] == [1, 3]
+
+
+def test_a_branch_that_sets_the_best_aside_takes_its_record_with_it(tmp_path):
+    for step in (1, 2, 3):
+        checkpoint.checkpoint_dir(tmp_path, step).mkdir(parents=True)
+        (checkpoint.checkpoint_dir(tmp_path, step) / "trainer_state.json").write_text("{}")
+    checkpoint.record_best(tmp_path, 2, "eval/accuracy", 0.655)
+    # resume=RUN/checkpoints/step_000001: steps 2 and 3 are an abandoned branch, and so is their best
+    aside = checkpoint.set_aside_after(tmp_path, 1)
+    assert not (tmp_path / "best.json").exists() and _best(aside)["step"] == 2
+    # the new branch's first eval is its best, however it compares with the abandoned one's 0.655
+    assert checkpoint.record_best(tmp_path, 2, "eval/accuracy", 0.5) is True
