@@ -1,5 +1,6 @@
 """A step's reward and completion statistics (`reward`, `reward_std`, `rewards/NAME/mean`,
-`completions/mean_length` ...), named as TRL names them, and the mean that leaves missing scores out."""
+`completions/mean_length` ...), named as TRL names them, the mean that leaves missing scores out, and the Wilson
+interval of an accuracy."""
 
 from __future__ import annotations
 
@@ -12,6 +13,17 @@ def mean(values) -> float:
     """Mean of the numbers that are present (None/NaN left out); NaN when none are."""
     kept = [float(v) for v in values if v is not None and not math.isnan(float(v))]
     return sum(kept) / len(kept) if kept else float("nan")
+
+
+def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval of `successes` of `n` (z = 1.96: 95%); (NaN, NaN) when n = 0. Unlike p ± z·SE it
+    stays within [0, 1] and is not empty at 0 or n successes."""
+    if n == 0:
+        return math.nan, math.nan
+    p, z2 = successes / n, z * z
+    centre = (p + z2 / (2 * n)) / (1 + z2 / n)
+    half = z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def rollout_metrics(result, rollout, group_size: int) -> dict:
