@@ -29,10 +29,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import time
-from collections import Counter
 from pathlib import Path
 
 import torch
@@ -46,37 +44,22 @@ from grpo_cli.checks import Check, Rule, is_int, is_num
 from grpo_cli.distributed import World, init_world
 from grpo_cli.env import from_config
 from grpo_cli.errors import ConfigError
+from grpo_cli.evaluation import score_batch, summarize
 from grpo_cli.inference import inference_config, inference_policy
 from grpo_cli.instantiate import build
 from grpo_cli.metrics.console import console, progress, quiet
 from grpo_cli.metrics.stats import mean
 from grpo_cli.policy import adapter_enabled
-from grpo_cli.rewards.call import check_columns, score, token_ids
-from grpo_cli.rewards.outcome import answers_match, extract_answer, reference_answer
-from grpo_cli.rollout import render_prompts, use_chat_template
+from grpo_cli.rewards.call import check_columns
+from grpo_cli.rollout import use_chat_template
 from grpo_cli.rollout.engine import choose, say
-from grpo_cli.rollout.episodes import early_format, episode_fields, reward_column_example, reward_columns, with_env
+from grpo_cli.rollout.episodes import early_format, reward_column_example, with_env
 from grpo_cli.rollout.sizing import Job
 
 
 @hydra_app("eval")
 def main(cfg: DictConfig) -> None:
     run(cfg, Path(HydraConfig.get().runtime.output_dir), command_line_overrides())
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k = 1 - C(n-c, k) / C(n, k), as a product so it never overflows."""
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
-
-
-def majority_correct(answers: list[str | None], reference: str) -> bool:
-    """Is the most common extracted answer (ties: the first seen) correct? No answer never wins."""
-    votes = Counter(a for a in answers if a is not None)
-    if not votes:
-        return False
-    return answers_match(votes.most_common(1)[0][0], reference)
 
 
 def expand_checkpoints(spec) -> list[Path | None]:
@@ -188,7 +171,9 @@ def _evaluate(cfg: DictConfig, out_dir: Path, overrides: list[str], world: World
                 # deterministic for a fixed seed, whatever was skipped
                 generator = torch.Generator().manual_seed(eval_cfg.seed + todo[start])
                 with adapter_enabled(policy, ckpt is not None):
-                    new = score_batch(policy, tokenizer, sampler, reward_fn, batch, eval_cfg, generator)
+                    new = score_batch(policy, tokenizer, sampler, reward_fn, batch,
+                                      max_new_tokens=eval_cfg.max_new_tokens, num_samples=eval_cfg.num_samples,
+                                      temperature=eval_cfg.temperature, generator=generator)
                 for i, row in zip(todo[start:start + eval_cfg.batch_size], new):
                     row.update(checkpoint=name, index=i, digest=wanted[(name, i)])
                     out.write(json.dumps(row) + "\n")
@@ -203,7 +188,7 @@ def _evaluate(cfg: DictConfig, out_dir: Path, overrides: list[str], world: World
                 for row in others:
                     out.write(json.dumps(row) + "\n")
                 rows += others
-        results.append(summarize(name, steps.get(ckpt), rows, eval_cfg))
+        results.append(summarize(name, steps.get(ckpt), rows, eval_cfg.num_samples, list(eval_cfg.k)))
     report = {"results": results, "config": OmegaConf.to_container(cfg, resolve=True)}
     if not world.main:
         return report
@@ -214,59 +199,6 @@ def _evaluate(cfg: DictConfig, out_dir: Path, overrides: list[str], world: World
         console.print(f"plot: {out_dir / 'accuracy.png'}")
     console.print(f"results: {out_dir / 'eval.json'}")
     return report
-
-
-def score_batch(policy, tokenizer, sampler, reward_fn, batch: list[dict], eval_cfg: DictConfig,
-                generator: torch.Generator | None = None) -> list[dict]:
-    """Greedy (and sampled) completions for a batch of problems, with answers, correctness and rewards."""
-    prompts = render_prompts(tokenizer, [p["messages"] for p in batch])
-    greedy = sampler.sample(policy, tokenizer, batch, 1, greedy=True, max_new_tokens=eval_cfg.max_new_tokens,
-                            generator=generator)
-    sampled = (sampler.sample(policy, tokenizer, batch, eval_cfg.num_samples, max_new_tokens=eval_cfg.max_new_tokens,
-                              temperature=eval_cfg.temperature, generator=generator) if eval_cfg.num_samples else None)
-    texts = greedy.texts + (sampled.texts if sampled else [])
-    # episodes (env=tools or class): each completion's turns for the file, its messages and calls for the reward
-    turns = episode_fields(greedy) + (episode_fields(sampled) if sampled else [])
-    columns = reward_columns(greedy)
-    if sampled:
-        columns = {k: v + reward_columns(sampled)[k] for k, v in columns.items()}
-    n = eval_cfg.num_samples
-    # rewards for every completion: greedy ones first, then n samples per problem
-    owners = list(range(len(batch))) + [i for i in range(len(batch)) for _ in range(n)]
-    lengths = greedy.lengths + (sampled.lengths if sampled else [])
-    truncated = greedy.truncated + (sampled.truncated if sampled else [])
-    ids = token_ids(greedy) + (token_ids(sampled) if sampled else [])
-    rewards = score(reward_fn, batch, owners, texts, lengths, truncated, ids, columns).rewards
-    rows = []
-    for i, problem in enumerate(batch):
-        ref = reference_answer(problem.get("answer"))  # None: a prompt without a reference answer
-        picks = [i] + [len(batch) + i * n + j for j in range(n)]  # greedy, then this problem's samples
-        completions = [{"text": texts[j], "answer": extract_answer(texts[j]), "reward": rewards[j],
-                        "length": lengths[j], "truncated": truncated[j], **turns[j]} for j in picks]
-        for c in completions:
-            c["correct"] = None if ref is None else c["answer"] is not None and answers_match(c["answer"], ref)
-        rows.append({"prompt": prompts[i], "question": problem["question"], "reference": ref,
-                     "correct": completions[0]["correct"], "greedy": completions[0], "samples": completions[1:]})
-    return rows
-
-
-def summarize(name: str | None, step: int | None, rows: list[dict], eval_cfg: DictConfig) -> dict:
-    """One checkpoint's numbers; accuracy, pass@k and maj@k over the problems with a reference answer (None when
-    none has one: a dataset of open prompts is scored by its mean reward alone)."""
-    rows = sorted(rows, key=lambda r: r["index"])
-    every = [r["greedy"] for r in rows] + [s for r in rows for s in r["samples"]]
-    graded = [r for r in rows if r["reference"] is not None]
-    out = {"checkpoint": name, "step": step, "num_problems": len(rows),
-           "accuracy": mean(r["correct"] for r in graded) if graded else None,
-           "mean_reward": mean(c["reward"] for c in every),
-           "mean_length": mean(c["length"] for c in every),
-           "truncation_rate": mean(c["truncated"] for c in every)}
-    if eval_cfg.num_samples and graded:
-        out["pass@k"] = {str(k): mean(pass_at_k(len(r["samples"]), sum(s["correct"] for s in r["samples"]), k)
-                                      for r in graded) for k in eval_cfg.k}
-        out["maj@k"] = {str(k): mean(majority_correct([s["answer"] for s in r["samples"][:k]], r["reference"])
-                                     for r in graded) for k in eval_cfg.k}
-    return out
 
 
 def results_table(results: list[dict]) -> Table:

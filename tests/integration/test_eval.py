@@ -1,10 +1,8 @@
-"""grpo eval and grpo sample on the tiny model; pass@k and maj@k against hand-made cases."""
+"""grpo eval and grpo sample on the tiny model (pass@k and maj@k: tests/unit/test_evaluation.py)."""
 
 from __future__ import annotations
 
-import itertools
 import json
-import math
 
 import pytest
 
@@ -12,33 +10,6 @@ from grpo_cli.commands import evaluate, sample
 from grpo_cli.config import compose
 from grpo_cli.errors import ConfigError
 from tests.helpers import EVAL_TINY
-
-
-def brute_pass_at_k(n: int, c: int, k: int) -> float:
-    """Fraction of all k-subsets of n samples (c correct) that hold at least one correct one."""
-    samples = [True] * c + [False] * (n - c)
-    subsets = list(itertools.combinations(range(n), k))
-    return sum(any(samples[i] for i in s) for s in subsets) / len(subsets)
-
-
-@pytest.mark.parametrize("n,c,k", [(n, c, k) for n in range(1, 7) for c in range(n + 1) for k in range(1, n + 1)])
-def test_pass_at_k_equals_enumeration(n, c, k):
-    assert evaluate.pass_at_k(n, c, k) == pytest.approx(brute_pass_at_k(n, c, k), abs=1e-12)
-
-
-def test_pass_at_k_large_n_is_finite():
-    # C(1000, 500) overflows a float; the product form does not: 1 - C(900,10)/C(1000,10)
-    expected = 1 - math.comb(900, 10) / math.comb(1000, 10)
-    assert evaluate.pass_at_k(1000, 100, 10) == pytest.approx(expected, rel=1e-9)
-
-
-def test_majority_vote():
-    # "7" twice beats "5" once; None votes are ignored
-    assert evaluate.majority_correct(["7", "5", "7", None], "7")
-    assert not evaluate.majority_correct(["5", "5", "7"], "7")
-    # "7.0" and "7" are different strings, so 2 votes each; ties go to the first seen ("7.0" = 7: correct)
-    assert evaluate.majority_correct(["7.0", "3", "3", "7.0"], "7")
-    assert not evaluate.majority_correct([None, None], "7")
 
 
 def test_eval_of_a_run_writes_consistent_files(eval_run, tmp_path):

@@ -1,0 +1,152 @@
+"""Scoring held-out problems: what `grpo eval` and `grpo train`'s in-run eval (trainer.eval_every) share.
+
+    rows = score_batch(policy, tokenizer, sampler, reward_fn, problems)   # greedy: one row per problem
+    result = summarize(name, step, rows)                                   # accuracy, mean reward, length, ...
+    rows = greedy_rows(policy, tokenizer, sampler, reward_fn, problems, world, batch_size)   # every rank's share
+
+A row holds a problem's greedy completion (temperature 0), its extracted answer, whether that matches the
+reference `answer` (None for a prompt without one), its reward and length, and any sampled completions
+(pass@k, maj@k). Accuracy counts the problems with a reference answer; the mean reward counts every completion,
+so a dataset of open prompts is reported by its mean reward alone. The same rows and the same summary make the
+in-run numbers `grpo eval`'s on the same checkpoint, problems and engine.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+
+import torch
+
+from grpo_cli.distributed import World
+from grpo_cli.errors import ConfigError
+from grpo_cli.metrics.stats import mean, wilson_interval
+from grpo_cli.rewards.call import score, token_ids
+from grpo_cli.rewards.outcome import answers_match, extract_answer, reference_answer
+from grpo_cli.rollout import render_prompts
+from grpo_cli.rollout.episodes import episode_fields, reward_columns
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k = 1 - C(n-c, k) / C(n, k), as a product so it never overflows."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def majority_correct(answers: list[str | None], reference: str) -> bool:
+    """Is the most common extracted answer (ties: the first seen) correct? No answer never wins."""
+    votes = Counter(a for a in answers if a is not None)
+    if not votes:
+        return False
+    return answers_match(votes.most_common(1)[0][0], reference)
+
+
+def score_batch(policy, tokenizer, sampler, reward_fn, batch: list[dict], *, max_new_tokens: int | None = None,
+                num_samples: int = 0, temperature: float = 1.0,
+                generator: torch.Generator | None = None) -> list[dict]:
+    """Greedy (and `num_samples` sampled) completions for a batch of problems, with answers, correctness and
+    rewards; `max_new_tokens` None: the sampler's own."""
+    prompts = render_prompts(tokenizer, [p["messages"] for p in batch])
+    greedy = sampler.sample(policy, tokenizer, batch, 1, greedy=True, max_new_tokens=max_new_tokens,
+                            generator=generator)
+    sampled = (sampler.sample(policy, tokenizer, batch, num_samples, max_new_tokens=max_new_tokens,
+                              temperature=temperature, generator=generator) if num_samples else None)
+    texts = greedy.texts + (sampled.texts if sampled else [])
+    # episodes (env=tools or class): each completion's turns for the file, its messages and calls for the reward
+    turns = episode_fields(greedy) + (episode_fields(sampled) if sampled else [])
+    columns = reward_columns(greedy)
+    if sampled:
+        columns = {k: v + reward_columns(sampled)[k] for k, v in columns.items()}
+    n = num_samples
+    # rewards for every completion: greedy ones first, then n samples per problem
+    owners = list(range(len(batch))) + [i for i in range(len(batch)) for _ in range(n)]
+    lengths = greedy.lengths + (sampled.lengths if sampled else [])
+    truncated = greedy.truncated + (sampled.truncated if sampled else [])
+    ids = token_ids(greedy) + (token_ids(sampled) if sampled else [])
+    rewards = score(reward_fn, batch, owners, texts, lengths, truncated, ids, columns).rewards
+    rows = []
+    for i, problem in enumerate(batch):
+        ref = reference_answer(problem.get("answer"))  # None: a prompt without a reference answer
+        picks = [i] + [len(batch) + i * n + j for j in range(n)]  # greedy, then this problem's samples
+        completions = [{"text": texts[j], "answer": extract_answer(texts[j]), "reward": rewards[j],
+                        "length": lengths[j], "truncated": truncated[j], **turns[j]} for j in picks]
+        for c in completions:
+            c["correct"] = None if ref is None else c["answer"] is not None and answers_match(c["answer"], ref)
+        rows.append({"prompt": prompts[i], "question": problem["question"], "reference": ref,
+                     "correct": completions[0]["correct"], "greedy": completions[0], "samples": completions[1:]})
+    return rows
+
+
+def summarize(name: str | None, step: int | None, rows: list[dict], num_samples: int = 0,
+              k: Sequence[int] = ()) -> dict:
+    """One checkpoint's numbers; accuracy, pass@k and maj@k over the problems with a reference answer (None when
+    none has one: a dataset of open prompts is scored by its mean reward alone)."""
+    rows = sorted(rows, key=lambda r: r["index"])
+    every = [r["greedy"] for r in rows] + [s for r in rows for s in r["samples"]]
+    graded = [r for r in rows if r["reference"] is not None]
+    out = {"checkpoint": name, "step": step, "num_problems": len(rows),
+           "accuracy": mean(r["correct"] for r in graded) if graded else None,
+           "mean_reward": mean(c["reward"] for c in every),
+           "mean_length": mean(c["length"] for c in every),
+           "truncation_rate": mean(c["truncated"] for c in every)}
+    if num_samples and graded:
+        out["pass@k"] = {str(j): mean(pass_at_k(len(r["samples"]), sum(s["correct"] for s in r["samples"]), j)
+                                      for r in graded) for j in k}
+        out["maj@k"] = {str(j): mean(majority_correct([s["answer"] for s in r["samples"][:j]], r["reference"])
+                                     for r in graded) for j in k}
+    return out
+
+
+# ---- the in-run eval of `grpo train` (trainer.eval_every, trainer.eval_size) ----------------------------------------
+
+def eval_problems(data, every: int | None, size: int) -> list[dict]:
+    """The first `size` problems of the data's held-out split that an in-run eval scores ([] with eval off); a
+    ConfigError, before the model loads, when the split is missing or smaller than `size`."""
+    if every is None:
+        return []
+    heldout = getattr(data, "heldout", None)
+    if not heldout:
+        raise ConfigError(f"trainer.eval_every ({every}) scores held-out problems and the data "
+                          f"({type(data).__name__}) has none; set trainer.eval_every=null, or give the data a "
+                          f"held-out split (data.heldout_size)")
+    if size > len(heldout):
+        raise ConfigError(f"trainer.eval_size ({size}) is larger than the data's held-out split ({len(heldout)} "
+                          f"problems); set trainer.eval_size={len(heldout)}, or hold out more (data.heldout_size)")
+    return list(heldout[:size])
+
+
+def greedy_rows(policy, tokenizer, sampler, reward_fn, problems: list[dict], world: World,
+                batch_size: int) -> list[dict]:
+    """Every problem's greedy row, on every rank: each rank scores every N-th problem in batches of `batch_size`
+    (as `grpo eval` splits them), and the rows are gathered. `index` is the problem's place in `problems`."""
+    mine = list(range(len(problems)))[world.rank::world.size]
+    rows = []
+    for start in range(0, len(mine), batch_size):
+        picked = mine[start:start + batch_size]
+        new = score_batch(policy, tokenizer, sampler, reward_fn, [problems[i] for i in picked])
+        rows += [{**row, "index": i} for i, row in zip(picked, new)]
+    return [row for part in world.gather(rows) for row in part]
+
+
+def eval_metrics(rows: list[dict]) -> dict:
+    """An in-run eval's record: eval/accuracy and its Wilson 95% interval (only where the problems have reference
+    answers), eval/reward and eval/mean_length (tokens of the greedy completions)."""
+    result = summarize(None, None, rows)
+    out = {}
+    if result["accuracy"] is not None:
+        graded = [r["correct"] for r in rows if r["reference"] is not None]
+        low, high = wilson_interval(sum(graded), len(graded))
+        out.update({"eval/accuracy": result["accuracy"], "eval/accuracy_low": low, "eval/accuracy_high": high})
+    out.update({"eval/reward": result["mean_reward"], "eval/mean_length": result["mean_length"]})
+    return out
+
+
+def eval_line(step: int, metrics: dict, problems: int) -> str:
+    """The console's line for an in-run eval."""
+    tail = f"reward {metrics['eval/reward']:.2f}, length {metrics['eval/mean_length']:.0f}"
+    if "eval/accuracy" not in metrics:
+        return f"step {step}: held-out {tail} ({problems} problems, no reference answers)"
+    return (f"step {step}: held-out accuracy {metrics['eval/accuracy']:.3f} ({metrics['eval/accuracy_low']:.2f}-"
+            f"{metrics['eval/accuracy_high']:.2f}, {problems} problems), {tail}")
