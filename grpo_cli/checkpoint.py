@@ -246,6 +246,58 @@ def best_checkpoint(run_dir: Path, *, warn=None) -> Path | None:
     return path
 
 
+# `checkpoint=RUN/best` and `checkpoint=RUN/last`: names after a run folder, not folders in it
+PICKS = ("best", "last")
+
+
+def named_pick(path: str | Path) -> tuple[Path, str] | None:
+    """(RUN, "best" or "last") when `path` is RUN/best or RUN/last (and no such folder exists), else None."""
+    path = Path(path)
+    return (path.parent, path.name) if path.name in PICKS and not os.path.lexists(path) else None
+
+
+def pick(path: str | Path, *, warn=None) -> tuple[Path, str | None]:
+    """The checkpoint that a command reading one (export, sample, rm) takes for `checkpoint=PATH`, and why in words
+    (None: a checkpoint folder, taken as given):
+
+        RUN/best   the best recorded by the run's evals (best.json); a run without one is an error naming RUN/last
+        RUN/last   the newest checkpoint whose files read (`resolve`)
+        RUN        the best when the run recorded one that reads, else the newest: a run that evaluated itself
+                   during training has said which checkpoint generalizes best, and the newest may have drifted past it
+
+    `warn(line)`: a damaged newer checkpoint passed over, or a best.json that RUN cannot use.
+    """
+    named = named_pick(path)
+    if named is None:
+        if (Path(path) / "trainer_state.json").exists():
+            return resolve(path), None
+        run_dir, which = Path(path), None
+    else:
+        run_dir, which = named
+    if which == "last":
+        return resolve(run_dir, warn=warn), "the newest, as RUN/last asks"
+    if which == "best":
+        record = read_best(run_dir)
+        if record is None:
+            resolve(run_dir)  # not a run folder, or none of its checkpoints reads: that error first
+            raise CheckpointError(f"{path}: the run has no evals (no {BEST}: it trained without trainer.eval_every), "
+                                  f"so no best checkpoint; pass {run_dir}/last or {run_dir} for its newest")
+        ckpt = checkpoint_dir(run_dir, record["step"])
+        if not ckpt.is_dir():
+            raise CheckpointError(f"{path}: {run_dir / BEST} names {ckpt.name}, which is gone from {ckpt.parent}; "
+                                  f"pass {run_dir}/last for the newest")
+        verify(ckpt)
+        return ckpt, f"the best by {record['metric']} {record['score']:.4g}"
+    best = best_checkpoint(run_dir, warn=warn)
+    if best is None:
+        why = "no best.json it can use" if os.path.lexists(run_dir / BEST) else "no evals to pick a best by"
+        return resolve(run_dir, warn=warn), f"the newest; the run has {why}"
+    record = read_best(run_dir)
+    newest = list_checkpoints(run_dir)[-1] == best
+    return best, (f"the best by {record['metric']} {record['score']:.4g}"
+                  f"{', and the newest' if newest else '; RUN/last takes the newest'}")
+
+
 def _optimizer_to_files(state: dict) -> tuple[dict[str, torch.Tensor], dict]:
     """Split optimizer.state_dict() into tensors (safetensors) and plain values (JSON)."""
     tensors, plain = {}, {"param_groups": state["param_groups"], "state": {}}

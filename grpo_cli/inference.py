@@ -79,6 +79,20 @@ def _say(line: str) -> None:
     console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
+def _warn(line: str) -> None:
+    console.print(f"warning: {line}", style="yellow", markup=False, highlight=False, soft_wrap=True)
+
+
+def take_checkpoint(spec) -> Path:
+    """The checkpoint that export, sample and rm read for `checkpoint=SPEC` (checkpoint.pick: RUN/best, RUN/last, or
+    a run folder's best, else its newest), said in one console line when it was a choice. A damaged newer checkpoint
+    passed over, or a best.json the run cannot use, is one warning line."""
+    ckpt, why = checkpoint.pick(str(spec), warn=_warn)
+    if why:
+        _say(f"checkpoint: {ckpt} ({why})")
+    return ckpt
+
+
 # loader options that say where files are cached, not which weights load
 _NOT_IDENTITY = ("cache_dir",)
 

@@ -3,6 +3,7 @@
     grpo export checkpoint=outputs/train/DATE/TIME output=smollm2-arith         # merged, as it trained
     grpo export checkpoint=RUN output=DIR export.dtype=bfloat16                   # half the size, for GPUs
     grpo export checkpoint=RUN/checkpoints/step_000020 output=DIR export.merge=false
+    grpo export checkpoint=RUN/last output=DIR       # the newest checkpoint; RUN (and RUN/best) takes the best
 
 Merged (default): the LoRA update B·A·(alpha/r) is added into the base weights (peft's
 `merge_and_unload`) and the result is a plain Hugging Face folder: `model.safetensors`,
@@ -47,7 +48,7 @@ from grpo_cli import __version__, checkpoint, files, quantize
 from grpo_cli.app import command_line_overrides, hydra_app
 from grpo_cli.config import validate
 from grpo_cli.errors import ConfigError, RunError
-from grpo_cli.inference import inherit
+from grpo_cli.inference import inherit, take_checkpoint
 from grpo_cli.metrics.console import console, progress
 from grpo_cli.policy import build_policy, finetune, resolve_device, resolve_dtype, trains_adapter
 from grpo_cli.runs import read_saved
@@ -75,8 +76,8 @@ def check(cfg: DictConfig) -> tuple[Path, Path]:
     for key in ("merge", "overwrite"):
         if not isinstance(export_cfg[key], bool):
             raise ConfigError(f"export.{key} ({export_cfg[key]!r}) must be true or false; set export.{key}=true")
-    # a run folder's newest checkpoint whose files read; a damaged newer one is skipped with one warning line
-    ckpt = checkpoint.resolve(cfg.checkpoint, warn=_warn)
+    # a run folder's best checkpoint (its evals recorded one), else its newest whose files read; RUN/best, RUN/last
+    ckpt = take_checkpoint(cfg.checkpoint)
     out = Path(str(cfg.output)).expanduser().resolve()
     if out.exists() and not out.is_dir():
         raise ConfigError(f"output={out} is a file; pass a folder to create")
@@ -99,10 +100,6 @@ def trained_dtype(ckpt: Path) -> str:
     model = checkpoint.load_config(ckpt).model
     dtype = resolve_dtype(model.dtype, resolve_device(model.device))  # keys every saved model section holds
     return str(dtype).removeprefix("torch.")
-
-
-def _warn(line: str) -> None:
-    console.print(f"warning: {line}", style="yellow", markup=False, highlight=False, soft_wrap=True)
 
 
 def base_identity(model_cfg: DictConfig, base_model) -> dict:

@@ -38,7 +38,7 @@ from grpo_cli.app import command_line_overrides, hydra_app
 from grpo_cli.checks import Check, raised
 from grpo_cli.config import validate
 from grpo_cli.errors import ConfigError
-from grpo_cli.inference import inherit, load_inference
+from grpo_cli.inference import inherit, load_inference, take_checkpoint
 from grpo_cli.instantiate import build
 from grpo_cli.metrics.console import console, progress
 from grpo_cli.policy import adapter_enabled, resolve_device, resolve_dtype, trainable_dtype
@@ -76,7 +76,8 @@ def run(cfg: DictConfig, out_dir: Path, overrides: list[str] = ()) -> dict:
             raise ConfigError(f"rm.init={rm_cfg.init} is not a folder; "
                               f"pass the RUN/model folder of an earlier `grpo rm`")
         check_classifier(str(rm_cfg.init), training.AUTO_CLASS[kind])
-    ckpt = checkpoint.resolve(cfg.checkpoint) if cfg.checkpoint and not rm_cfg.labeled else None
+    # a run folder's best checkpoint (its evals recorded one), else its newest; RUN/best, RUN/last
+    ckpt = take_checkpoint(cfg.checkpoint) if cfg.checkpoint and not rm_cfg.labeled else None
     if ckpt is not None:  # sample from a trained policy: its model, data and sampler unless overridden
 
         sections = ["model", "data", "sampler"]  # data, not code: runs.check_saved

@@ -23,7 +23,7 @@ from grpo_cli.app import command_line_overrides, hydra_app
 from grpo_cli.checks import Check, Rule, is_int
 from grpo_cli.env import from_config
 from grpo_cli.errors import ConfigError
-from grpo_cli.inference import inference_config, inference_policy
+from grpo_cli.inference import inference_config, inference_policy, take_checkpoint
 from grpo_cli.instantiate import build
 from grpo_cli.metrics.console import console
 from grpo_cli.metrics.run_files import turns_text
@@ -47,8 +47,8 @@ def run(cfg: DictConfig, overrides: list[str] = ()) -> list[dict]:
     if prompt is not None and not prompt.strip():
         raise ConfigError(f"sample.prompt ({sample_cfg.prompt!r}) is empty; give the question, "
                           f"sample.prompt=\"What is 17 + 25?\", or drop it to sample held-out problems")
-    # a run folder's newest checkpoint whose files read; a corrupt newer one is skipped with a warning line
-    ckpt = checkpoint.resolve(cfg.checkpoint, warn=_warn) if cfg.checkpoint else None
+    # a run folder's best checkpoint (its evals recorded one), else its newest whose files read; RUN/best, RUN/last
+    ckpt = take_checkpoint(cfg.checkpoint) if cfg.checkpoint else None
     cfg = inference_config(cfg, list(overrides), [ckpt], CHECKS)
     # the reward and the data before the model: a bad path, column or reward function stops here in seconds
     reward_fn = build(cfg.reward)
@@ -97,10 +97,6 @@ def run(cfg: DictConfig, overrides: list[str] = ()) -> list[dict]:
                 f.write(json.dumps(r) + "\n")
         console.print(f"wrote {len(records)} completions to {sample_cfg.output}")
     return records
-
-
-def _warn(line: str) -> None:
-    console.print(f"warning: {line}", style="yellow", markup=False, highlight=False, soft_wrap=True)
 
 
 def render(record: dict, k: int) -> Panel:

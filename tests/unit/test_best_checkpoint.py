@@ -125,3 +125,18 @@ def test_a_branch_that_sets_the_best_aside_takes_its_record_with_it(tmp_path):
     assert not (tmp_path / "best.json").exists() and _best(aside)["step"] == 2
     # the new branch's first eval is its best, however it compares with the abandoned one's 0.655
     assert checkpoint.record_best(tmp_path, 2, "eval/accuracy", 0.5) is True
+
+
+def test_run_best_and_run_last_pick_and_a_run_folder_takes_the_best(trained_run_copy):
+    run, step = trained_run_copy, lambda pair: checkpoint.step_of(pair[0])
+    # no evals: a run folder takes its newest, and RUN/best is one line naming the other two
+    assert step(checkpoint.pick(run)) == 2 and "no evals" in checkpoint.pick(run)[1]
+    with pytest.raises(CheckpointError, match=rf"^{run}/best: the run has no evals .* pass {run}/last or {run} "):
+        checkpoint.pick(run / "best")
+    checkpoint.record_best(run, 1, "eval/accuracy", 0.655)
+    assert checkpoint.pick(run) == (checkpoint.checkpoint_dir(run, 1),
+                                    "the best by eval/accuracy 0.655; RUN/last takes the newest")
+    assert step(checkpoint.pick(run / "best")) == 1
+    assert checkpoint.pick(run / "last") == (checkpoint.checkpoint_dir(run, 2), "the newest, as RUN/last asks")
+    # a checkpoint folder is taken as given, with nothing to say
+    assert checkpoint.pick(checkpoint.checkpoint_dir(run, 2)) == (checkpoint.checkpoint_dir(run, 2), None)
