@@ -79,7 +79,7 @@ def _say(line: str) -> None:
     console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
-def _warn(line: str) -> None:
+def warn(line: str) -> None:
     console.print(f"warning: {line}", style="yellow", markup=False, highlight=False, soft_wrap=True)
 
 
@@ -87,10 +87,15 @@ def take_checkpoint(spec) -> Path:
     """The checkpoint that export, sample and rm read for `checkpoint=SPEC` (checkpoint.pick: RUN/best, RUN/last, or
     a run folder's best, else its newest), said in one console line when it was a choice. A damaged newer checkpoint
     passed over, or a best.json the run cannot use, is one warning line."""
-    ckpt, why = checkpoint.pick(str(spec), warn=_warn)
+    ckpt, why = checkpoint.pick(str(spec), warn=warn)
+    say_checkpoint(ckpt, why)
+    return ckpt
+
+
+def say_checkpoint(ckpt: Path, why: str | None) -> None:
+    """The line naming the checkpoint a command took and why (checkpoint.pick); none for one given as a folder."""
     if why:
         _say(f"checkpoint: {ckpt} ({why})")
-    return ckpt
 
 
 # loader options that say where files are cached, not which weights load
