@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Sequence
 
 import torch
+from omegaconf import DictConfig
 
 from grpo_cli.distributed import World
 from grpo_cli.errors import ConfigError
@@ -43,23 +43,23 @@ def majority_correct(answers: list[str | None], reference: str) -> bool:
     return answers_match(votes.most_common(1)[0][0], reference)
 
 
-def score_batch(policy, tokenizer, sampler, reward_fn, batch: list[dict], *, max_new_tokens: int | None = None,
-                num_samples: int = 0, temperature: float = 1.0,
+def score_batch(policy, tokenizer, sampler, reward_fn, batch: list[dict], settings: DictConfig | None = None,
                 generator: torch.Generator | None = None) -> list[dict]:
-    """Greedy (and `num_samples` sampled) completions for a batch of problems, with answers, correctness and
-    rewards; `max_new_tokens` None: the sampler's own."""
+    """Greedy (and sampled) completions for a batch of problems, with answers, correctness and rewards. `settings`:
+    `grpo eval`'s section (eval.max_new_tokens, num_samples, temperature); None: greedy only, as long as the
+    sampler's max_new_tokens (an in-run eval)."""
+    max_new_tokens, n = (settings.max_new_tokens, settings.num_samples) if settings is not None else (None, 0)
     prompts = render_prompts(tokenizer, [p["messages"] for p in batch])
     greedy = sampler.sample(policy, tokenizer, batch, 1, greedy=True, max_new_tokens=max_new_tokens,
                             generator=generator)
-    sampled = (sampler.sample(policy, tokenizer, batch, num_samples, max_new_tokens=max_new_tokens,
-                              temperature=temperature, generator=generator) if num_samples else None)
+    sampled = (sampler.sample(policy, tokenizer, batch, n, max_new_tokens=max_new_tokens,
+                              temperature=settings.temperature, generator=generator) if n else None)
     texts = greedy.texts + (sampled.texts if sampled else [])
     # episodes (env=tools or class): each completion's turns for the file, its messages and calls for the reward
     turns = episode_fields(greedy) + (episode_fields(sampled) if sampled else [])
     columns = reward_columns(greedy)
     if sampled:
         columns = {k: v + reward_columns(sampled)[k] for k, v in columns.items()}
-    n = num_samples
     # rewards for every completion: greedy ones first, then n samples per problem
     owners = list(range(len(batch))) + [i for i in range(len(batch)) for _ in range(n)]
     lengths = greedy.lengths + (sampled.lengths if sampled else [])
@@ -79,10 +79,10 @@ def score_batch(policy, tokenizer, sampler, reward_fn, batch: list[dict], *, max
     return rows
 
 
-def summarize(name: str | None, step: int | None, rows: list[dict], num_samples: int = 0,
-              k: Sequence[int] = ()) -> dict:
-    """One checkpoint's numbers; accuracy, pass@k and maj@k over the problems with a reference answer (None when
-    none has one: a dataset of open prompts is scored by its mean reward alone)."""
+def summarize(name: str | None, step: int | None, rows: list[dict], settings: DictConfig | None = None) -> dict:
+    """One checkpoint's numbers; accuracy, pass@k and maj@k (`grpo eval`'s eval.num_samples > 0, its eval.k) over
+    the problems with a reference answer (None when none has one: a dataset of open prompts is scored by its mean
+    reward alone)."""
     rows = sorted(rows, key=lambda r: r["index"])
     every = [r["greedy"] for r in rows] + [s for r in rows for s in r["samples"]]
     graded = [r for r in rows if r["reference"] is not None]
@@ -91,11 +91,11 @@ def summarize(name: str | None, step: int | None, rows: list[dict], num_samples:
            "mean_reward": mean(c["reward"] for c in every),
            "mean_length": mean(c["length"] for c in every),
            "truncation_rate": mean(c["truncated"] for c in every)}
-    if num_samples and graded:
-        out["pass@k"] = {str(j): mean(pass_at_k(len(r["samples"]), sum(s["correct"] for s in r["samples"]), j)
-                                      for r in graded) for j in k}
-        out["maj@k"] = {str(j): mean(majority_correct([s["answer"] for s in r["samples"][:j]], r["reference"])
-                                     for r in graded) for j in k}
+    if settings is not None and settings.num_samples and graded:
+        out["pass@k"] = {str(k): mean(pass_at_k(len(r["samples"]), sum(s["correct"] for s in r["samples"]), k)
+                                      for r in graded) for k in settings.k}
+        out["maj@k"] = {str(k): mean(majority_correct([s["answer"] for s in r["samples"][:k]], r["reference"])
+                                     for r in graded) for k in settings.k}
     return out
 
 

@@ -176,9 +176,7 @@ def _evaluate(cfg: DictConfig, out_dir: Path, overrides: list[str], world: World
                 # deterministic for a fixed seed, whatever was skipped
                 generator = torch.Generator().manual_seed(eval_cfg.seed + todo[start])
                 with adapter_enabled(policy, ckpt is not None):
-                    new = score_batch(policy, tokenizer, sampler, reward_fn, batch,
-                                      max_new_tokens=eval_cfg.max_new_tokens, num_samples=eval_cfg.num_samples,
-                                      temperature=eval_cfg.temperature, generator=generator)
+                    new = score_batch(policy, tokenizer, sampler, reward_fn, batch, eval_cfg, generator)
                 for i, row in zip(todo[start:start + eval_cfg.batch_size], new):
                     row.update(checkpoint=name, index=i, digest=wanted[(name, i)])
                     out.write(json.dumps(row) + "\n")
@@ -193,7 +191,7 @@ def _evaluate(cfg: DictConfig, out_dir: Path, overrides: list[str], world: World
                 for row in others:
                     out.write(json.dumps(row) + "\n")
                 rows += others
-        results.append(summarize(name, steps.get(ckpt), rows, eval_cfg.num_samples, list(eval_cfg.k)))
+        results.append(summarize(name, steps.get(ckpt), rows, eval_cfg))
     bests = mark_best(results)
     report = {"results": results, "config": OmegaConf.to_container(cfg, resolve=True)}
     if not world.main:
