@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -40,6 +40,7 @@ from grpo_cli.data.lengths import check_prompt_lengths
 from grpo_cli.distributed import World
 from grpo_cli.env import from_config
 from grpo_cli.errors import RunError
+from grpo_cli.evaluation import eval_line, eval_metrics, eval_problems, greedy_rows
 from grpo_cli.groups import Draw, GroupFilter, Kept
 from grpo_cli.instantiate import build
 from grpo_cli.iterative import IterativeRL, RewardModelTrainer
@@ -81,17 +82,20 @@ class Run:
     samples: CompletionsLog     # RUN/completions.jsonl and the console's tables
     state: dict                 # trainer_state.json: step, history, prompt-stream position, rng, ...
     decoder: Any = None         # the update's compiled decoder (trainer.compile, grpo_cli.compiled); None: eager
+    heldout: list = field(default_factory=list)  # the problems each in-run eval scores (trainer.eval_size); []: off
 
 
 @dataclass(frozen=True)
 class StepRecord:
-    """One step: its metrics.jsonl record, the groups it trained on and their advantages."""
+    """One step: its metrics.jsonl record, the groups it trained on and their advantages, and the reward that scored
+    them (an in-run eval scores with it too)."""
 
     step: int
     metrics: dict[str, Any]
     kept: Kept
     advantages: torch.Tensor    # [N] outcome or [N, T] process, this rank's rows
     nonfinite_skipped: bool     # a non-finite loss or gradient: no optimizer step was taken
+    reward: Any = None
 
 
 def with_section(cfg: DictConfig, key: str, section: DictConfig) -> DictConfig:
@@ -131,6 +135,7 @@ def setup(cfg: DictConfig, run_dir: Path, world: World, why: str) -> Run:
     trainer, algo = cfg.trainer, cfg.algo
     report_to = check_logging(trainer)  # a missing tracker package stops here, before the model loads
     data = build(cfg.data)
+    heldout = eval_problems(data, trainer.eval_every, trainer.eval_size)  # a split too small for eval_size stops here
     env = from_config(cfg)  # env=tools or class: multi-turn episodes (the tools resolve here, before the model)
     tool_format = early_format(env, cfg.model, data)  # and the tool format fits the chat template
     rewards = reward_schedule(cfg, run_dir, data)
@@ -183,7 +188,8 @@ def setup(cfg: DictConfig, run_dir: Path, world: World, why: str) -> Run:
     samples = CompletionsLog(run_dir, trainer.log_completions_every, trainer.num_completions_to_print,
                              trainer.completions_max_mb)  # every rank gives its completions, rank 0 writes
     return Run(cfg, Path(run_dir), world, policy, tokenizer, device, sampler, rewards, prompts, keep, loss, optimizer,
-               scheduler, torch.Generator(), log, samples, {"step": 0, "history": [], "dtype": dtype}, decoder)
+               scheduler, torch.Generator(), log, samples, {"step": 0, "history": [], "dtype": dtype}, decoder,
+               heldout)
 
 
 def resume(run: Run, ckpt: Path) -> None:
@@ -247,7 +253,33 @@ def step(run: Run, n: int) -> StepRecord:
     metrics.update(run.rewards.after(metrics, run.state["history"]))
     run.state.update(step=n, world_size=world.size, data=run.prompts.state_dict())
     run.state["history"].append({k: v for k, v in metrics.items() if not k.startswith("time/")})
-    return StepRecord(n, metrics, kept, adv, bool(stats.nonfinite_skipped))
+    return StepRecord(n, metrics, kept, adv, bool(stats.nonfinite_skipped), reward)
+
+
+def held_out(run: Run, record: StepRecord) -> dict:
+    """The in-run eval after step `record.step`'s update (trainer.eval_every): greedy completions of `run.heldout`
+    from the run's own engine, the update's weights pushed first, scored by the step's reward as `grpo eval` scores
+    them; returns its numbers (eval/*, time/eval_s), added to the step's record, and prints one line.
+
+    Every rank takes every N-th problem, in batches of one step's rollout (what the engine was sized for), and the
+    rows are gathered. Neither the run's generator nor torch's global one moves, nor the prompt stream, so the run
+    trains on as it would have without the eval (dropout off while it decodes, as in `grpo eval`)."""
+    t, policy, world = time.perf_counter(), run.policy, run.world
+    batch = max(1, run.cfg.trainer.prompts_per_step // world.size) * run.cfg.algo.group_size
+    was_training = policy.training
+    cuda = [run.device.index or 0] if run.device.type == "cuda" else []
+    run.sampler.sync(policy)
+    with torch.random.fork_rng(devices=cuda), fsdp.whole(policy):
+        policy.eval()
+        try:
+            rows = greedy_rows(policy, run.tokenizer, run.sampler, record.reward, run.heldout, world, batch)
+        finally:
+            policy.train(was_training)
+    scores = eval_metrics(rows)
+    console.print(eval_line(record.step, scores, len(rows)), highlight=False)
+    scores["time/eval_s"] = time.perf_counter() - t
+    record.metrics.update(scores)
+    return scores
 
 
 def _explore(run: Run, n: int, reward) -> tuple[Kept, list[Draw], float]:

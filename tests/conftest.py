@@ -103,7 +103,8 @@ def _eval_run(folder: Path, *overrides: str) -> Path:
     from grpo_cli.config import compose
 
     train.run(compose("train", [*EVAL_TINY, "trainer.max_steps=2", "trainer.save_every=1", "algo.group_size=2",
-                                "trainer.prompts_per_step=1", "trainer.report_to=[]", *overrides]), folder)
+                                "trainer.prompts_per_step=1", "trainer.report_to=[]", "trainer.eval_every=null",
+                                *overrides]), folder)
     return folder
 
 

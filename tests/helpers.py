@@ -65,9 +65,10 @@ def sampler_settings(option: str = "default", **overrides) -> dict:
 
 DIGIT_REWARD = ("+reward.functions.digit={_target_:grpo_cli.rewards.outcome.format_reward,_partial_:true,"
                 "pattern:'[0-9]'}")
+# held-out eval off (trainer.eval_every): a test about it turns it on
 TINY = ["model=tiny", "sampler.max_new_tokens=8", "algo.group_size=4", "trainer.prompts_per_step=2",
         "trainer.micro_batch_size=4", "optimizer.lr=0.05", "trainer.warmup_steps=0", "trainer.report_to=[]",
-        DIGIT_REWARD, "+reward.weights.digit=1.0"]
+        "trainer.eval_every=null", DIGIT_REWARD, "+reward.weights.digit=1.0"]
 
 
 # the tiny model, 6 tokens, 20 held-out problems: what the eval, sample and rm tests run with (conftest's `eval_run`)
@@ -317,7 +318,8 @@ def group_threads() -> list[str]:
 TORCHRUN_TINY = ["model=tiny", "sampler.max_new_tokens=8", "algo.group_size=4", "trainer.prompts_per_step=4",
                  "trainer.micro_batch_size=4", "optimizer.lr=0.05", "trainer.warmup_steps=0", "trainer.report_to=[]",
                  "trainer.max_steps=3", "trainer.save_every=1", "trainer.log_completions_every=1",
-                 "trainer.num_completions_to_print=0", DIGIT_REWARD, "+reward.weights.digit=1.0"]
+                 "trainer.num_completions_to_print=0", "trainer.eval_every=null", DIGIT_REWARD,
+                 "+reward.weights.digit=1.0"]
 
 
 def torchrun(cwd: Path, *args: str, ranks: int = 2) -> subprocess.CompletedProcess:

@@ -35,7 +35,7 @@ from grpo_cli.metrics.console import console, progress, quiet
 from grpo_cli.metrics.plots import plot_training
 from grpo_cli.metrics.run_files import check_logging
 from grpo_cli.policy import trainable_dtype
-from grpo_cli.recipe import Run, resume, save, setup, step, with_section
+from grpo_cli.recipe import Run, held_out, resume, save, setup, step, with_section
 from grpo_cli.rollout.engine import AUTO, Choice, choose, run_refusal
 from grpo_cli.runs import anchored, claim, read_saved, resume_config
 
@@ -101,6 +101,7 @@ def train(run: Run) -> Path:
         task = bar.add_task("train", total=trainer.max_steps, completed=run.state["step"], info="")
         for n in range(run.state["step"] + 1, trainer.max_steps + 1):
             record = step(run, n)
+            scores = held_out(run, record) if evaluates(trainer, n) else {}  # held-out eval, after the update
             nonfinite = nonfinite + 1 if record.nonfinite_skipped else 0
             if record.nonfinite_skipped:
                 console.print(f"[yellow]step {n}: non-finite loss or gradient, optimizer step skipped ({nonfinite} "
@@ -112,8 +113,9 @@ def train(run: Run) -> Path:
             if state := run.keep.state(record.metrics):  # dynamic sampling short of a full batch: a line that stays
                 console.print(f"[yellow]step {n}: {state}", highlight=False)
             stop.requested = agreed_stop(world, stop.requested)  # a stop asked of any rank stops them all here
-            if n % trainer.save_every == 0 or n == trainer.max_steps or stop.requested:
-                last = save(run, n)
+            if n % trainer.save_every == 0 or n == trainer.max_steps or stop.requested or scores:
+                last = save(run, n)  # an eval's step too: its score belongs to a checkpoint on disk
+                keep_best(run, n, scores)
             if stop.requested:
                 console.print(f"stopped by {stop.requested} after step {n}; checkpoint: {last}\n"
                               f"resume with: grpo train resume={run.run_dir}")
@@ -125,6 +127,20 @@ def train(run: Run) -> Path:
     last = last or checkpoint.resolve(run.run_dir)  # resumed at or past max_steps: nothing was done
     console.print(f"checkpoint: {last}\ncurves: {plot_training(run.run_dir) if world.main else None}")
     return last
+
+
+def evaluates(trainer: DictConfig, n: int) -> bool:
+    """Is step n followed by a held-out eval: every trainer.eval_every steps, and the last step whatever its number."""
+    return trainer.eval_every is not None and (n % trainer.eval_every == 0 or n == trainer.max_steps)
+
+
+def keep_best(run: Run, n: int, scores: dict) -> None:
+    """After the checkpoint of an evaluated step is written: RUN/best.json names it if it scored best so far (held-out
+    accuracy; the mean reward where the problems have no reference answers). Rank 0 writes."""
+    if not scores or not run.world.main:
+        return
+    metric = "eval/accuracy" if "eval/accuracy" in scores else "eval/reward"
+    checkpoint.record_best(run.run_dir, n, metric, scores[metric], warn=lambda line: console.print(f"[yellow]{line}"))
 
 
 def summary(metrics: dict) -> str:
@@ -218,6 +234,9 @@ CHECKS: list[Check] = [
     Rule("trainer.bucket_tokens", lambda v: v is None or (is_int(v) and v >= 1),
          "must be an integer >= 1 or null (8 rows a bucket); set trainer.bucket_tokens=1024"),
     Rule("trainer.save_every", lambda v: is_int(v) and v >= 1, "must be an integer >= 1; set trainer.save_every=20"),
+    Rule("trainer.eval_every", lambda v: v is None or (is_int(v) and v >= 1),
+         "must be an integer >= 1 or null (no held-out eval); set trainer.eval_every=10"),
+    Rule("trainer.eval_size", lambda v: is_int(v) and v >= 1, "must be an integer >= 1; set trainer.eval_size=200"),
     Rule("trainer.keep_last", lambda v: v is None or (is_int(v) and v >= 1),
          "must be an integer >= 1 or null (keep all); set trainer.keep_last=3"),
     Rule("trainer.max_grad_norm", lambda v: v is None or (is_num(v) and v > 0),

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import itertools
 import math
+from types import SimpleNamespace
 
 import pytest
 
 from grpo_cli import evaluation
+from grpo_cli.errors import ConfigError
 
 
 def brute_pass_at_k(n: int, c: int, k: int) -> float:
@@ -35,3 +37,43 @@ def test_majority_vote():
     # "7.0" and "7" are different strings, so 2 votes each; ties go to the first seen ("7.0" = 7: correct)
     assert evaluation.majority_correct(["7.0", "3", "3", "7.0"], "7")
     assert not evaluation.majority_correct([None, None], "7")
+
+
+def test_an_in_run_eval_scores_the_first_eval_size_held_out_problems():
+    data = SimpleNamespace(heldout=[{"question": str(i)} for i in range(20)])
+    assert [p["question"] for p in evaluation.eval_problems(data, 10, 3)] == ["0", "1", "2"]
+    assert evaluation.eval_problems(data, None, 30) == []  # eval off: nothing to check, nothing to score
+
+
+@pytest.mark.parametrize("data, line", [
+    (SimpleNamespace(heldout=[{}] * 20),
+     "trainer.eval_size (30) is larger than the data's held-out split (20 problems); set trainer.eval_size=20, "
+     "or hold out more (data.heldout_size)"),
+    (SimpleNamespace(heldout=[]),
+     "trainer.eval_every (10) scores held-out problems and the data (SimpleNamespace) has none; set "
+     "trainer.eval_every=null, or give the data a held-out split (data.heldout_size)"),
+    (SimpleNamespace(),  # a task of the user's own without a held-out split
+     "trainer.eval_every (10) scores held-out problems and the data (SimpleNamespace) has none; set "
+     "trainer.eval_every=null, or give the data a held-out split (data.heldout_size)"),
+])
+def test_held_out_problems_an_in_run_eval_cannot_have_are_one_line(data, line):
+    with pytest.raises(ConfigError) as err:
+        evaluation.eval_problems(data, 10, 30)
+    assert str(err.value).splitlines() == [line]
+
+
+def test_an_in_run_evals_record_and_line():
+    rows = [{"reference": "7", "correct": c, "greedy": {"reward": r, "length": n, "truncated": False},
+             "samples": [], "index": i} for i, (c, r, n) in enumerate([(True, 1.0, 10), (False, 0.5, 20)] * 2)]
+    metrics = evaluation.eval_metrics(rows)
+    # 2 of 4 right: Wilson (z = 1.96) 0.15-0.85; rewards (1 + 0.5) / 2; lengths (10 + 20) / 2
+    assert metrics == {"eval/accuracy": 0.5, "eval/accuracy_low": pytest.approx(0.15004, abs=1e-5),
+                       "eval/accuracy_high": pytest.approx(0.84996, abs=1e-5), "eval/reward": 0.75,
+                       "eval/mean_length": 15.0}
+    assert evaluation.eval_line(10, metrics, 4) == ("step 10: held-out accuracy 0.500 (0.15-0.85, 4 problems), "
+                                                    "reward 0.75, length 15")
+    # open prompts (no reference answers): no accuracy to give, the mean reward alone
+    open_rows = [{**r, "reference": None, "correct": None} for r in rows]
+    assert evaluation.eval_metrics(open_rows) == {"eval/reward": 0.75, "eval/mean_length": 15.0}
+    assert evaluation.eval_line(10, evaluation.eval_metrics(open_rows), 4) == (
+        "step 10: held-out reward 0.75, length 15 (4 problems, no reference answers)")
