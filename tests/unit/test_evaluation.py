@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from grpo_cli import evaluation
+from grpo_cli.distributed import World
 from grpo_cli.errors import ConfigError
 
 
@@ -77,3 +78,21 @@ def test_an_in_run_evals_record_and_line():
     assert evaluation.eval_metrics(open_rows) == {"eval/reward": 0.75, "eval/mean_length": 15.0}
     assert evaluation.eval_line(10, evaluation.eval_metrics(open_rows), 4) == (
         "step 10: held-out reward 0.75, length 15 (4 problems, no reference answers)")
+
+
+def test_each_rank_scores_every_nth_problem_in_batches_and_every_rank_gets_all_rows(monkeypatch):
+    batches = []
+
+    def score_batch(policy, tokenizer, sampler, reward_fn, batch):
+        batches.append([p["question"] for p in batch])
+        return [{"question": p["question"]} for p in batch]
+
+    class SecondOfTwo(World):  # rank 1 of 2; the other rank's rows as its gather would bring them
+        def gather(self, obj):
+            return [[{"question": "0", "index": 0}, {"question": "2", "index": 2}, {"question": "4", "index": 4}], obj]
+
+    monkeypatch.setattr(evaluation, "score_batch", score_batch)
+    problems = [{"question": str(i)} for i in range(7)]
+    rows = evaluation.greedy_rows(None, None, None, None, problems, SecondOfTwo(rank=1, size=2), batch_size=2)
+    assert batches == [["1", "3"], ["5"]]  # problems 1, 3, 5 (every 2nd from 1), 2 a batch
+    assert [(r["question"], r["index"]) for r in rows] == [(q, int(q)) for q in "024135"]  # rank 0's, then rank 1's
