@@ -12,8 +12,11 @@ A checkpoint folder `checkpoints/step_NNNNNN/` holds:
   reference/adapter_model.safetensors, ...          iterative RL only: the reference policy's adapter
 It is written to `step_NNNNNN.tmp`, flushed to disk (fsync) and renamed into place, so a crash never
 leaves half a checkpoint. Weights that are not finite are never written. Every file is checked when
-read (`verify`: the JSON that resume reads by its types and keys too, `SHAPES`); a run folder resolves
+read (`verify`: the JSON that resume reads by its types and keys too, `json_shapes`); a run folder resolves
 to its newest checkpoint that passes, and an error names the file at fault.
+
+A run that evaluates itself during training records its best checkpoint in `RUN/best.json` (`record_best`), read
+back as data (`read_best`); `keep_last` never deletes that checkpoint.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from safetensors.torch import load_file, save_file
 from grpo_cli import files
 from grpo_cli.errors import CheckpointError, RunError
 from grpo_cli.fsdp import like, shard_optimizer_state
+from grpo_cli.json_shapes import shape_problem
 from grpo_cli.policy import REFERENCE, set_reference, trains_adapter
 
 STEP_DIR = "step_{:06d}"
@@ -165,26 +169,13 @@ def read_best(run_dir: Path) -> dict | None:
         record = json.loads(data)
     except ValueError as err:
         raise CheckpointError(f"{file} is not JSON ({str(err).splitlines()[0][:120]}); {fix}") from None
-    problem = _best_problem(record)
+    problem = shape_problem(BEST, record, set())
+    if not problem and record["checkpoint"] != f"checkpoints/{STEP_DIR.format(record['step'])}":
+        problem = (f'names "checkpoint" {repr(record["checkpoint"])[:60]}, not its step\'s '
+                   f"checkpoints/{STEP_DIR.format(record['step'])}")
     if problem:
         raise CheckpointError(f"{file} {problem}; {fix}")
     return record
-
-
-def _best_problem(record) -> str | None:
-    if not isinstance(record, dict):
-        return f"must be an object ({{...}}), got {type(record).__name__}"
-    step, score = record.get("step"), record.get("score")
-    if not _int()(step):
-        return f'has a "step" that is not an integer >= 0 ({repr(step)[:40]})'
-    if record.get("checkpoint") != f"checkpoints/{STEP_DIR.format(step)}":
-        return f'names "checkpoint" {repr(record.get("checkpoint"))[:60]}, not its step\'s checkpoints/' \
-               f"{STEP_DIR.format(step)}"
-    if not isinstance(record.get("metric"), str):
-        return f'has a "metric" that is not a string ({repr(record.get("metric"))[:40]})'
-    if not _number(score) or not math.isfinite(score):
-        return f'has a "score" that is not a finite number ({repr(score)[:40]})'
-    return None
 
 
 def record_best(run_dir: Path, step: int, metric: str, score: float, *, warn=None) -> bool:
@@ -244,58 +235,6 @@ def best_checkpoint(run_dir: Path, *, warn=None) -> Path | None:
             warn(f"the best checkpoint {path.name} does not read: {err}")
         return None
     return path
-
-
-# `checkpoint=RUN/best` and `checkpoint=RUN/last`: names after a run folder, not folders in it
-PICKS = ("best", "last")
-
-
-def named_pick(path: str | Path) -> tuple[Path, str] | None:
-    """(RUN, "best" or "last") when `path` is RUN/best or RUN/last (and no such folder exists), else None."""
-    path = Path(path)
-    return (path.parent, path.name) if path.name in PICKS and not os.path.lexists(path) else None
-
-
-def pick(path: str | Path, *, warn=None) -> tuple[Path, str | None]:
-    """The checkpoint that a command reading one (export, sample, rm) takes for `checkpoint=PATH`, and why in words
-    (None: a checkpoint folder, taken as given):
-
-        RUN/best   the best recorded by the run's evals (best.json); a run without one is an error naming RUN/last
-        RUN/last   the newest checkpoint whose files read (`resolve`)
-        RUN        the best when the run recorded one that reads, else the newest: a run that evaluated itself
-                   during training has said which checkpoint generalizes best, and the newest may have drifted past it
-
-    `warn(line)`: a damaged newer checkpoint passed over, or a best.json that RUN cannot use.
-    """
-    named = named_pick(path)
-    if named is None:
-        if (Path(path) / "trainer_state.json").exists():
-            return resolve(path), None
-        run_dir, which = Path(path), None
-    else:
-        run_dir, which = named
-    if which == "last":
-        return resolve(run_dir, warn=warn), "the newest, as RUN/last asks"
-    if which == "best":
-        record = read_best(run_dir)
-        if record is None:
-            resolve(run_dir)  # not a run folder, or none of its checkpoints reads: that error first
-            raise CheckpointError(f"{path}: the run has no evals (no {BEST}: it trained without trainer.eval_every), "
-                                  f"so no best checkpoint; pass {run_dir}/last or {run_dir} for its newest")
-        ckpt = checkpoint_dir(run_dir, record["step"])
-        if not ckpt.is_dir():
-            raise CheckpointError(f"{path}: {run_dir / BEST} names {ckpt.name}, which is gone from {ckpt.parent}; "
-                                  f"pass {run_dir}/last for the newest")
-        verify(ckpt)
-        return ckpt, f"the best by {record['metric']} {record['score']:.4g}"
-    best = best_checkpoint(run_dir, warn=warn)
-    if best is None:
-        why = "no best.json it can use" if os.path.lexists(run_dir / BEST) else "no evals to pick a best by"
-        return resolve(run_dir, warn=warn), f"the newest; the run has {why}"
-    record = read_best(run_dir)
-    newest = list_checkpoints(run_dir)[-1] == best
-    return best, (f"the best by {record['metric']} {record['score']:.4g}"
-                  f"{', and the newest' if newest else '; RUN/last takes the newest'}")
 
 
 def _optimizer_to_files(state: dict) -> tuple[dict[str, torch.Tensor], dict]:
@@ -537,105 +476,6 @@ def load_config(path: Path) -> DictConfig:
     except Exception as err:  # the check's ValueError, or YAML's own
         raise CheckpointError(f"{file} cannot be read ({str(err).splitlines()[0][:200]}); "
                               f"use an earlier checkpoint") from None
-
-
-# ---- the shape of a checkpoint's JSON files ------------------------------------------------------------------------
-
-def _int(low: int = 0):
-    return lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= low
-
-
-def _number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _list_of(check, length: int | None = None):
-    return lambda v: isinstance(v, list) and all(check(x) for x in v) and (length is None or len(v) == length)
-
-
-def _is(kind):
-    return lambda v: isinstance(v, kind)
-
-
-# (dotted key, required, check, what it must be) of each JSON file grpo train writes; a key that a checkpoint older
-# than it lacks is optional. A key under another is checked only when that one holds an object.
-SHAPES = {
-    "trainer_state.json": [
-        ("step", True, _int(), "an integer >= 0"),
-        ("history", True, _list_of(_is(dict)), "a list of objects"),
-        ("data", True, _is(dict), "an object"),
-        ("data.position", True, _int(), "an integer >= 0"),
-        ("data.seed", False, _int(), "an integer >= 0"),
-        ("data.size", False, _int(), "an integer >= 0"),
-        ("world_size", False, _int(1), "an integer >= 1"),
-        ("dtype", False, _is(str), "a string"),
-        ("started_in", False, _is(str), "a string"),
-        ("rng", False, _is(dict), "an object"),
-        ("rng.torch", True, _list_of(lambda b: _int()(b) and b < 256), "a list of integers (bytes)"),
-        ("iterative", False, _is(dict), "an object"),
-        ("iterative.done", True, _int(), "an integer >= 0"),
-        ("iterative.history", True, _is(list), "a list"),
-        ("iterative.replay", True, _is(dict), "an object"),
-        ("iterative.rm", False, lambda v: v is None or isinstance(v, str), "a path or null"),
-    ],
-    "optimizer.json": [
-        ("param_groups", True, lambda v: _list_of(_is(dict))(v) and len(v) > 0, "a non-empty list of objects"),
-        ("state", True, lambda v: isinstance(v, dict) and all(isinstance(s, dict) for s in v.values()),
-         "an object of objects"),
-    ],
-    "scheduler.json": [
-        ("last_epoch", True, _int(-1), "an integer"),
-        ("_step_count", False, _int(), "an integer >= 0"),
-        ("base_lrs", False, _list_of(_number), "a list of numbers"),
-        ("_last_lr", False, _list_of(_number), "a list of numbers"),
-    ],
-}
-
-# each optimizer param group's keys: AdamW's, as torch writes them
-GROUP = [("lr", True, _number, "a number"), ("params", True, _list_of(_int()), "a list of integers"),
-         ("betas", False, _list_of(_number, 2), "a list of 2 numbers"), ("eps", False, _number, "a number"),
-         ("weight_decay", False, _number, "a number"), ("initial_lr", False, _number, "a number")]
-
-_ABSENT = object()
-
-
-def _problems(value: dict, shape: list, prefix: str = "") -> str | None:
-    for key, required, check, must in shape:
-        parent, _, leaf = key.rpartition(".")
-        owner = value
-        for part in parent.split(".") if parent else ():
-            owner = owner.get(part) if isinstance(owner, dict) else None
-        if not isinstance(owner, dict):
-            continue  # under a key that is absent (optional) or already reported
-        got = owner.get(leaf, _ABSENT)
-        if got is _ABSENT:
-            if required:
-                return f'it has no "{prefix}{key}"'
-        elif not check(got):
-            return f'"{prefix}{key}" must be {must}, not {repr(got)[:40]}'
-    return None
-
-
-def shape_problem(name: str, value, tensors: set[str]) -> str | None:
-    """What is wrong with the types and keys of checkpoint JSON file `name` (parsed: `value`), or None.
-    `tensors`: the names optimizer.safetensors holds, which optimizer.json's state refers to."""
-    if name not in SHAPES:
-        return None
-    if not isinstance(value, dict):
-        return f"it must be an object ({{...}}), got {type(value).__name__}"
-    problem = _problems(value, SHAPES[name])
-    if problem or name != "optimizer.json":
-        return problem
-    for i, group in enumerate(value["param_groups"]):
-        problem = _problems(group, GROUP, f"param_groups.{i}.")
-        if problem:
-            return problem
-    for idx, slots in value["state"].items():
-        for slot, v in slots.items():
-            if isinstance(v, dict) and v.get("tensor") not in tensors:
-                return (f'"state.{idx}.{slot}" names tensor {v.get("tensor")!r}, which optimizer.safetensors does '
-                        f"not hold")
-    return None
 
 
 # ---- model.init_adapter: a training run that starts from a saved adapter --------------------------------

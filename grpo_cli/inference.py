@@ -1,4 +1,5 @@
-"""Load a trained run for eval, sample, export and rm: the saved config, the policy, its checkpoints.
+"""Load a trained run for eval, sample, export and rm: the saved config, the policy, its checkpoints, and which
+checkpoint `checkpoint=RUN`, `RUN/best` or `RUN/last` takes (`pick`).
 
 Above policy, checkpoint and config: a checkpoint's saved config fills in the sections the command
 line leaves alone (`inherit`), and every checkpoint must fit the base model built here.
@@ -6,13 +7,14 @@ line leaves alone (`inherit`), and every checkpoint must fit the base model buil
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
 from grpo_cli import checkpoint
 from grpo_cli.config import validate
-from grpo_cli.errors import ConfigError
+from grpo_cli.errors import CheckpointError, ConfigError
 from grpo_cli.metrics.console import console
 from grpo_cli.policy import build_policy, finetune
 from grpo_cli.runs import read_saved
@@ -83,17 +85,70 @@ def warn(line: str) -> None:
     console.print(f"warning: {line}", style="yellow", markup=False, highlight=False, soft_wrap=True)
 
 
+# `checkpoint=RUN/best` and `checkpoint=RUN/last`: names after a run folder, not folders in it
+PICKS = ("best", "last")
+
+
+def named_pick(path: str | Path) -> tuple[Path, str] | None:
+    """(RUN, "best" or "last") when `path` is RUN/best or RUN/last (and no such folder exists), else None."""
+    path = Path(path)
+    return (path.parent, path.name) if path.name in PICKS and not os.path.lexists(path) else None
+
+
+def pick(path: str | Path, *, warn=None) -> tuple[Path, str | None]:
+    """The checkpoint that a command reading one (export, sample, rm) takes for `checkpoint=PATH`, and why in words
+    (None: a checkpoint folder, taken as given):
+
+        RUN/best   the best recorded by the run's evals (best.json); a run without one is an error naming RUN/last
+        RUN/last   the newest checkpoint whose files read (`resolve`)
+        RUN        the best when the run recorded one that reads, else the newest: a run that evaluated itself
+                   during training has said which checkpoint generalizes best, and the newest may have drifted past it
+
+    `warn(line)`: a damaged newer checkpoint passed over, or a best.json that RUN cannot use.
+    """
+    named = named_pick(path)
+    if named is None:
+        if (Path(path) / "trainer_state.json").exists():
+            return checkpoint.resolve(path), None
+        run_dir, which = Path(path), None
+    else:
+        run_dir, which = named
+    if which == "last":
+        return checkpoint.resolve(run_dir, warn=warn), "the newest, as RUN/last asks"
+    if which == "best":
+        record = checkpoint.read_best(run_dir)
+        if record is None:
+            checkpoint.resolve(run_dir)  # not a run folder, or none of its checkpoints reads: that error first
+            raise CheckpointError(f"{path}: the run has no evals (no best.json: it trained without "
+                                  f"trainer.eval_every), so no best checkpoint; pass {run_dir}/last or {run_dir} for "
+                                  f"its newest")
+        ckpt = checkpoint.checkpoint_dir(run_dir, record["step"])
+        if not ckpt.is_dir():
+            raise CheckpointError(f"{path}: {run_dir / checkpoint.BEST} names {ckpt.name}, which is gone from "
+                                  f"{ckpt.parent}; pass {run_dir}/last for the newest")
+        checkpoint.verify(ckpt)
+        return ckpt, f"the best by {record['metric']} {record['score']:.4g}"
+    best = checkpoint.best_checkpoint(run_dir, warn=warn)
+    if best is None:
+        why = "no best.json it can use" if os.path.lexists(run_dir / checkpoint.BEST) else "no evals to pick a best by"
+        return checkpoint.resolve(run_dir, warn=warn), f"the newest; the run has {why}"
+    record = checkpoint.read_best(run_dir)
+    newest = checkpoint.list_checkpoints(run_dir)[-1] == best
+    return best, (f"the best by {record['metric']} {record['score']:.4g}"
+                  f"{', and the newest' if newest else '; RUN/last takes the newest'}")
+
+
 def take_checkpoint(spec) -> Path:
-    """The checkpoint that export, sample and rm read for `checkpoint=SPEC` (checkpoint.pick: RUN/best, RUN/last, or
+    """The checkpoint that export, sample and rm read for `checkpoint=SPEC` (`pick`: RUN/best, RUN/last, or
     a run folder's best, else its newest), said in one console line when it was a choice. A damaged newer checkpoint
     passed over, or a best.json the run cannot use, is one warning line."""
-    ckpt, why = checkpoint.pick(str(spec), warn=warn)
+    ckpt, why = pick(str(spec), warn=warn)
     say_checkpoint(ckpt, why)
     return ckpt
 
 
 def say_checkpoint(ckpt: Path, why: str | None) -> None:
-    """The line naming the checkpoint a command took and why (checkpoint.pick); none for one given as a folder."""
+    """The line naming the checkpoint a command took and why (`pick`); none for one given as a folder."""
     if why:
         _say(f"checkpoint: {ckpt} ({why})")
 

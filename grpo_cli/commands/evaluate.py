@@ -45,7 +45,7 @@ from grpo_cli.distributed import World, init_world
 from grpo_cli.env import from_config
 from grpo_cli.errors import ConfigError
 from grpo_cli.evaluation import score_batch, summarize
-from grpo_cli.inference import inference_config, inference_policy, take_checkpoint
+from grpo_cli.inference import inference_config, inference_policy, named_pick, take_checkpoint
 from grpo_cli.instantiate import build
 from grpo_cli.metrics.console import console, progress, quiet
 from grpo_cli.metrics.stats import mean
@@ -64,7 +64,7 @@ def main(cfg: DictConfig) -> None:
 
 def expand_checkpoints(spec) -> list[Path | None]:
     """`checkpoint=` as given: null (base model), a checkpoint, a run folder (all of its), RUN/best or RUN/last (that
-    one, said in one line: checkpoint.pick) or a list.
+    one, said in one line: inference.pick) or a list.
 
     A run folder gives every checkpoints/step_N folder, complete or not: `usable` says which fail. Unlike export and
     sample, which take one checkpoint of a run (its best), eval ranks them all, and marks the recorded best.
@@ -75,7 +75,7 @@ def expand_checkpoints(spec) -> list[Path | None]:
     out: list[Path | None] = []
     for item in items:
         path = Path(str(item))
-        if checkpoint.named_pick(path):
+        if named_pick(path):
             out.append(take_checkpoint(path))
             continue
         if not path.exists():
@@ -192,16 +192,12 @@ def _evaluate(cfg: DictConfig, out_dir: Path, overrides: list[str], world: World
                     out.write(json.dumps(row) + "\n")
                 rows += others
         results.append(summarize(name, steps.get(ckpt), rows, eval_cfg))
-    bests = mark_best(results)
+    mark_best(results)
     report = {"results": results, "config": OmegaConf.to_container(cfg, resolve=True)}
     if not world.main:
         return report
     files.write_text(out_dir / "eval.json", json.dumps(report, indent=1))  # a kill leaves the earlier one whole
     console.print(results_table(results))
-    for run_dir, record in bests.items():
-        console.print(f"(best): {run_dir}'s best checkpoint as its evals in training recorded it ({record['metric']} "
-                      f"{record['score']:.4g}, best.json), the one export and sample take for checkpoint=RUN",
-                      markup=False, highlight=False, soft_wrap=True)
     if len(results) > 1:
         plot_accuracy(results, out_dir / "accuracy.png")
         console.print(f"plot: {out_dir / 'accuracy.png'}")
@@ -209,25 +205,20 @@ def _evaluate(cfg: DictConfig, out_dir: Path, overrides: list[str], world: World
     return report
 
 
-def mark_best(results: list[dict]) -> dict[Path, dict]:
-    """Each result's `best`: its checkpoint is the one its run's best.json names (checkpoint.best_checkpoint).
-    Returns {run folder: its best.json} of the runs with a best among the results."""
-    bests: dict[Path, dict] = {}
+def mark_best(results: list[dict]) -> None:
+    """Each result's `best`: its checkpoint is the one its run's best.json names (checkpoint.best_checkpoint), the
+    checkpoint that export and sample take for checkpoint=RUN."""
     for r in results:
-        r["best"] = False
         path = Path(r["checkpoint"]) if r["checkpoint"] else None
-        if path is None or checkpoint.step_of(path) is None:
-            continue
-        run_dir = path.parent.parent
-        best = checkpoint.best_checkpoint(run_dir)  # None: no evals in training, or a best.json that does not read
-        if best is not None and best.resolve() == path.resolve():
-            r["best"] = True
-            bests[run_dir] = checkpoint.read_best(run_dir)
-    return bests
+        in_run = path is not None and checkpoint.step_of(path) is not None
+        best = checkpoint.best_checkpoint(path.parent.parent) if in_run else None  # None: no evals, or unreadable
+        r["best"] = best is not None and best.resolve() == path.resolve()
 
 
 def results_table(results: list[dict]) -> Table:
-    table = Table(title="grpo eval")
+    marked = any(r.get("best") for r in results)
+    table = Table(title="grpo eval", caption="(best): the run's best checkpoint by its evals in training (best.json), "
+                  "the one export and sample take for checkpoint=RUN" if marked else None)
     keys = sorted({k for r in results for k in r.get("pass@k", {})}, key=int)
     for col in ["checkpoint", "step", "problems", "accuracy", *[f"pass@{k}" for k in keys],
                 *[f"maj@{k}" for k in keys], "reward", "length", "truncated"]:

@@ -48,7 +48,7 @@ from grpo_cli import __version__, checkpoint, files, quantize
 from grpo_cli.app import command_line_overrides, hydra_app
 from grpo_cli.config import validate
 from grpo_cli.errors import ConfigError, RunError
-from grpo_cli.inference import inherit, say_checkpoint, warn
+from grpo_cli.inference import inherit, pick, say_checkpoint, warn
 from grpo_cli.metrics.console import console, progress
 from grpo_cli.policy import build_policy, finetune, resolve_device, resolve_dtype, trains_adapter
 from grpo_cli.runs import read_saved
@@ -78,7 +78,7 @@ def check(cfg: DictConfig) -> tuple[Path, Path]:
             raise ConfigError(f"export.{key} ({export_cfg[key]!r}) must be true or false; set export.{key}=true")
     # a run folder's best checkpoint (its evals recorded one), else its newest whose files read; RUN/best, RUN/last;
     # said once the output is checked too: a refusal is its one line
-    ckpt, why = checkpoint.pick(str(cfg.checkpoint), warn=warn)
+    ckpt, why = pick(str(cfg.checkpoint), warn=warn)
     out = Path(str(cfg.output)).expanduser().resolve()
     if out.exists() and not out.is_dir():
         raise ConfigError(f"output={out} is a file; pass a folder to create")

@@ -59,7 +59,8 @@ def test_eval_of_a_run_ranks_every_checkpoint_and_marks_the_recorded_best(run, t
     report = evaluate.run(compose("eval", [*EVAL_TINY, f"checkpoint={run}", "eval.limit=2"]), tmp_path / "eval")
     # every checkpoint, as before; step 1 is the one best.json names
     assert [(r["step"], r["best"]) for r in report["results"]] == [(1, True), (2, False)]
-    assert "run/step_000001 (best)" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "run/step_000001 (best)" in err and "(best): the run's best checkpoint" in err
     # RUN/best and RUN/last are one checkpoint each
     assert evaluate.expand_checkpoints(f"{run}/best") == [checkpoint.checkpoint_dir(run, 1)]
     assert evaluate.expand_checkpoints(f"{run}/last") == [checkpoint.checkpoint_dir(run, 2)]

@@ -198,7 +198,7 @@ def test_embedded_smollm2_export_merged_and_adapter(tmp_path):
                 p.normal_(0, 0.02)  # LoRA B starts at zero: without this the merge would change nothing
     optimizer = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    state = {"step": 1, "history": [], "data": {"position": 0}}  # what a trainer_state holds (checkpoint.SHAPES)
+    state = {"step": 1, "history": [], "data": {"position": 0}}  # what a trainer_state holds (json_shapes.SHAPES)
     ckpt = checkpoint.save(tmp_path / "run", 1, policy, optimizer, scheduler, state, cfg)
 
     ids = prompt_ids(tokenizer)

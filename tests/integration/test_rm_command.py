@@ -73,7 +73,7 @@ def fake_checkpoint(run_dir: Path) -> Path:
                 p.copy_(torch.randn_like(p) * 2)
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad])
     scheduler = get_scheduler("constant", optimizer)
-    state = {"step": 1, "history": [], "data": {"position": 0}}  # what a trainer_state holds (checkpoint.SHAPES)
+    state = {"step": 1, "history": [], "data": {"position": 0}}  # what a trainer_state holds (json_shapes.SHAPES)
     return checkpoint.save(run_dir, 1, policy, optimizer, scheduler, state, cfg)
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo_cli import checkpoint
+from grpo_cli import checkpoint, inference
 from grpo_cli.errors import CheckpointError
 
 
@@ -107,7 +107,7 @@ def test_keep_last_never_deletes_the_best_checkpoint(tmp_path):
     optimizer = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     for step in (1, 2, 3):
-        state = {"step": step, "history": [], "data": {"position": 0}}  # what a trainer_state holds (SHAPES)
+        state = {"step": step, "history": [], "data": {"position": 0}}  # what a trainer_state holds (its SHAPES)
         checkpoint.save(tmp_path, step, policy, optimizer, scheduler, state, cfg, keep_last=1)
         if step == 1:
             checkpoint.record_best(tmp_path, 1, "eval/accuracy", 0.655)
@@ -130,13 +130,13 @@ def test_a_branch_that_sets_the_best_aside_takes_its_record_with_it(tmp_path):
 def test_run_best_and_run_last_pick_and_a_run_folder_takes_the_best(trained_run_copy):
     run, step = trained_run_copy, lambda pair: checkpoint.step_of(pair[0])
     # no evals: a run folder takes its newest, and RUN/best is one line naming the other two
-    assert step(checkpoint.pick(run)) == 2 and "no evals" in checkpoint.pick(run)[1]
+    assert step(inference.pick(run)) == 2 and "no evals" in inference.pick(run)[1]
     with pytest.raises(CheckpointError, match=rf"^{run}/best: the run has no evals .* pass {run}/last or {run} "):
-        checkpoint.pick(run / "best")
+        inference.pick(run / "best")
     checkpoint.record_best(run, 1, "eval/accuracy", 0.655)
-    assert checkpoint.pick(run) == (checkpoint.checkpoint_dir(run, 1),
+    assert inference.pick(run) == (checkpoint.checkpoint_dir(run, 1),
                                     "the best by eval/accuracy 0.655; RUN/last takes the newest")
-    assert step(checkpoint.pick(run / "best")) == 1
-    assert checkpoint.pick(run / "last") == (checkpoint.checkpoint_dir(run, 2), "the newest, as RUN/last asks")
+    assert step(inference.pick(run / "best")) == 1
+    assert inference.pick(run / "last") == (checkpoint.checkpoint_dir(run, 2), "the newest, as RUN/last asks")
     # a checkpoint folder is taken as given, with nothing to say
-    assert checkpoint.pick(checkpoint.checkpoint_dir(run, 2)) == (checkpoint.checkpoint_dir(run, 2), None)
+    assert inference.pick(checkpoint.checkpoint_dir(run, 2)) == (checkpoint.checkpoint_dir(run, 2), None)
