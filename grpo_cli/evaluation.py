@@ -112,8 +112,9 @@ def eval_problems(data, every: int | None, size: int) -> list[dict]:
                           f"({type(data).__name__}) has none; set trainer.eval_every=null, or give the data a "
                           f"held-out split (data.heldout_size)")
     if size > len(heldout):
-        raise ConfigError(f"trainer.eval_size ({size}) is larger than the data's held-out split ({len(heldout)} "
-                          f"problems); set trainer.eval_size={len(heldout)}, or hold out more (data.heldout_size)")
+        count = f"{len(heldout)} problem{'s' if len(heldout) > 1 else ''}"
+        raise ConfigError(f"trainer.eval_size ({size}) is larger than the data's held-out split ({count}); set "
+                          f"trainer.eval_size={len(heldout)}, or hold out more (data.heldout_size)")
     return list(heldout[:size])
 
 

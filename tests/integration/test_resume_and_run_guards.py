@@ -364,7 +364,8 @@ def always_exits(prompts, completions, **_):
 def test_a_training_run_survives_a_reward_that_exits(tmp_path):
     # the run's only other reward scores every completion 0.5 (a format pattern any text matches)
     cfg = compose("train", [*EVAL_TINY, "trainer.max_steps=2", "algo.group_size=2", "trainer.prompts_per_step=1",
-                            "trainer.report_to=[]", "~reward.functions.accuracy", "reward.weights=null",
+                            "trainer.report_to=[]", "trainer.eval_every=null", "~reward.functions.accuracy",
+                            "reward.weights=null",
                             "+reward.functions.exits={_target_:test_resume_and_run_guards.always_exits,_partial_:true}",
                             "+reward.functions.any={_target_:grpo_cli.rewards.outcome.format_reward,_partial_:true,"
                             "pattern:'(?s).*',match:0.5}"])

@@ -72,7 +72,8 @@ def test_trls_math_verify_reward_scores_a_right_answer_1_in_a_run(tmp_path):
     (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = run_cli(["train", "sampler=default", "sampler.max_new_tokens=8", "sampler.temperature=0.01",
                    "algo.group_size=2", "trainer.prompts_per_step=1", "trainer.max_steps=1", "trainer.report_to=[]",
-                   "trainer.log_completions_every=1", "data=hf", "data.path=data.jsonl", "data.heldout_size=1",
+                   "trainer.log_completions_every=1", "trainer.eval_every=null", "data=hf", "data.path=data.jsonl",
+                   "data.heldout_size=1",
                    "reward=custom", "reward.funcs=[trl_rewards.accuracy_reward]", "hydra.run.dir=run"], cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     completions = [json.loads(line) for line in (tmp_path / "run/completions.jsonl").read_text().splitlines()]
