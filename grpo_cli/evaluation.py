@@ -21,6 +21,7 @@ from omegaconf import DictConfig
 
 from grpo_cli.distributed import World
 from grpo_cli.errors import ConfigError
+from grpo_cli.metrics.console import console
 from grpo_cli.metrics.stats import mean, wilson_interval
 from grpo_cli.rewards.call import score, token_ids
 from grpo_cli.rewards.outcome import answers_match, extract_answer, reference_answer
@@ -101,12 +102,24 @@ def summarize(name: str | None, step: int | None, rows: list[dict], settings: Di
 
 # ---- the in-run eval of `grpo train` (trainer.eval_every, trainer.eval_size) ----------------------------------------
 
-def eval_problems(data, every: int | None, size: int) -> list[dict]:
-    """The first `size` problems of the data's held-out split that an in-run eval scores ([] with eval off); a
-    ConfigError, before the model loads, when the split is missing or smaller than `size`."""
+# trainer.eval_size=auto's most problems: grpo eval's default eval.limit, so the in-run best is ranked on the
+# problems grpo eval ranks by default (the YAML line says so)
+AUTO_EVAL_SIZE = 200
+
+
+def eval_problems(data, every: int | None, size: int | str) -> list[dict]:
+    """The first `size` problems of the data's held-out split that an in-run eval scores ([] with eval off). `auto`
+    (the default): up to AUTO_EVAL_SIZE, the whole split when it is smaller, and no eval (one console line) without
+    one, so the default never refuses a user's small dataset. An integer the user sets is held to it: a ConfigError,
+    before the model loads, when the split is missing or smaller."""
     if every is None:
         return []
-    heldout = getattr(data, "heldout", None)
+    heldout = list(getattr(data, "heldout", None) or [])
+    if size == "auto":
+        if not heldout:
+            console.print(f"trainer.eval_every ({every}): the data ({type(data).__name__}) has no held-out split: no "
+                          f"in-run eval (give it one with data.heldout_size)", markup=False, highlight=False)
+        return heldout[:AUTO_EVAL_SIZE]
     if not heldout:
         raise ConfigError(f"trainer.eval_every ({every}) scores held-out problems and the data "
                           f"({type(data).__name__}) has none; set trainer.eval_every=null, or give the data a "
@@ -114,8 +127,8 @@ def eval_problems(data, every: int | None, size: int) -> list[dict]:
     if size > len(heldout):
         count = f"{len(heldout)} problem{'s' if len(heldout) > 1 else ''}"
         raise ConfigError(f"trainer.eval_size ({size}) is larger than the data's held-out split ({count}); set "
-                          f"trainer.eval_size={len(heldout)}, or hold out more (data.heldout_size)")
-    return list(heldout[:size])
+                          f"trainer.eval_size={len(heldout)} (or auto), or hold out more (data.heldout_size)")
+    return heldout[:size]
 
 
 def greedy_rows(policy, tokenizer, sampler, reward_fn, problems: list[dict], world: World,

@@ -88,5 +88,6 @@ def test_an_eval_size_past_the_held_out_split_is_one_line_before_the_model_loads
     out = run_cli(["train", *TINY, "trainer.eval_every=1", "trainer.eval_size=30", "data.heldout_size=20",
                    f"hydra.run.dir={tmp_path / 'run'}"])
     assert one_line_error(out) == ("error: trainer.eval_size (30) is larger than the data's held-out split (20 "
-                                   "problems); set trainer.eval_size=20, or hold out more (data.heldout_size)")
+                                   "problems); set trainer.eval_size=20 (or auto), or hold out more "
+                                   "(data.heldout_size)")
     assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -48,8 +48,8 @@ def test_an_in_run_eval_scores_the_first_eval_size_held_out_problems():
 
 @pytest.mark.parametrize("data, line", [
     (SimpleNamespace(heldout=[{}] * 20),
-     "trainer.eval_size (30) is larger than the data's held-out split (20 problems); set trainer.eval_size=20, "
-     "or hold out more (data.heldout_size)"),
+     "trainer.eval_size (30) is larger than the data's held-out split (20 problems); set trainer.eval_size=20 "
+     "(or auto), or hold out more (data.heldout_size)"),
     (SimpleNamespace(heldout=[]),
      "trainer.eval_every (10) scores held-out problems and the data (SimpleNamespace) has none; set "
      "trainer.eval_every=null, or give the data a held-out split (data.heldout_size)"),
@@ -96,3 +96,14 @@ def test_each_rank_scores_every_nth_problem_in_batches_and_every_rank_gets_all_r
     rows = evaluation.greedy_rows(None, None, None, None, problems, SecondOfTwo(rank=1, size=2), batch_size=2)
     assert batches == [["1", "3"], ["5"]]  # problems 1, 3, 5 (every 2nd from 1), 2 a batch
     assert [(r["question"], r["index"]) for r in rows] == [(q, int(q)) for q in "024135"]  # rank 0's, then rank 1's
+
+
+def test_eval_size_auto_fits_the_data_a_user_brings(capsys):
+    """The default (auto): up to AUTO_EVAL_SIZE problems, all of a smaller split, and no eval (one line) without
+    one, so the default job's eval never refuses a small dataset; an integer the user sets is held to it."""
+    small = SimpleNamespace(heldout=[{"question": str(i)} for i in range(12)])
+    assert len(evaluation.eval_problems(small, 10, "auto")) == 12  # 12 < 200: the whole split
+    large = SimpleNamespace(heldout=[{"question": str(i)} for i in range(500)])
+    assert len(evaluation.eval_problems(large, 10, "auto")) == evaluation.AUTO_EVAL_SIZE == 200
+    assert evaluation.eval_problems(SimpleNamespace(heldout=[]), 10, "auto") == []
+    assert "no held-out split: no in-run eval" in capsys.readouterr().err
