@@ -30,9 +30,11 @@ from grpo_cli.rewards.call import check_columns, score
 from grpo_cli.rewards.user import CustomReward
 from tests.helpers import grpo_process, run_cli
 
-# the tiny model, two steps of 2 prompts x G=2, 8 new tokens
+# the tiny model, two steps of 2 prompts x G=2, 8 new tokens; no in-run eval, so a reward function's calls are the
+# steps' (tests/integration/test_heldout_eval.py scores the in-run eval with the run's reward)
 TINY = ["model=tiny", "sampler.max_new_tokens=8", "algo.group_size=2", "trainer.prompts_per_step=2",
-        "trainer.micro_batch_size=4", "trainer.warmup_steps=0", "trainer.report_to=[]", "trainer.max_steps=2"]
+        "trainer.micro_batch_size=4", "trainer.warmup_steps=0", "trainer.report_to=[]", "trainer.max_steps=2",
+        "trainer.eval_every=null"]
 
 # the "format reward" of TRL's GRPOTrainer documentation, quoted unchanged ("Using a custom reward function",
 # Example 2: https://huggingface.co/docs/trl/grpo_trainer#example-2-reward-completions-with-a-specific-format);

@@ -53,7 +53,9 @@ def test_the_heap_serves_activation_sized_blocks_and_maps_the_large_ones():
 # every line a default `grpo train` prints (stdout and stderr together, piped to a file)
 OUR_LINES = [r"sampler: vLLM \(installed; sampler=default for HF generate\)", r"run dir: \S+",
              r"train ━+ 1/1 \d+:\d\d:\d\d eta \d+:\d\d:\d\d reward \S+  kl \S+  loss \S+  len \S+",
-             r"checkpoint: \S+/step_000001", r"curves: \S+training\.png"]
+             r"checkpoint: \S+/step_000001", r"curves: \S+training\.png",
+             # the default job's in-run eval (trainer.eval_every) at its last step, on 4 problems here
+             r"step 1: held-out accuracy \S+ \(\S+-\S+, 4 problems\), reward \S+, length \S+"]
 
 
 @needs_vllm
@@ -61,13 +63,15 @@ OUR_LINES = [r"sampler: vLLM \(installed; sampler=default for HF generate\)", r"
 @pytest.mark.ci
 def test_a_default_run_with_vllm_prints_our_lines_only(tmp_path):
     """A fresh `grpo train` (the default sampler: vLLM, installed here; a fresh matplotlib cache) on the embedded
-    model, one tiny step: its console holds no library's warning, log line or progress bar, and the bar is whole."""
+    model, one tiny step and its eval: its console holds no library's warning, log line or progress bar, and the bar is
+    whole."""
     import os
     import re
 
     env = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", engine.OPT_OUT, "COLUMNS")}
     env["MPLCONFIGDIR"] = str(tmp_path / "matplotlib")  # matplotlib builds its font cache: its INFO line would print
-    tiny = ["trainer.max_steps=1", "trainer.prompts_per_step=1", "algo.group_size=2", "sampler.max_new_tokens=8"]
+    tiny = ["trainer.max_steps=1", "trainer.prompts_per_step=1", "algo.group_size=2", "sampler.max_new_tokens=8",
+            "trainer.eval_size=4"]
     out = subprocess.run([sys.executable, "-m", "grpo_cli", "train", *tiny, f"hydra.run.dir={tmp_path / 'run'}"],
                          cwd=REPO, env=env, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, timeout=900)
