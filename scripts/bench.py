@@ -85,7 +85,8 @@ def ours(a, shape: str, out: Path, tag: str, extra: list[str]) -> dict:
     # the bench's own scratch run: a previous bench's is stale, and `grpo train` refuses a folder that holds a run
     shutil.rmtree(run_dir, ignore_errors=True)
     _, rss = run([sys.executable, "-m", "grpo_cli", "train", f"+recipe={SHAPES[shape]['recipe']}", *extra,
-                  f"trainer.max_steps={a.steps}", f"hydra.run.dir={run_dir}"], out / f"{tag}.log")
+                  f"trainer.max_steps={a.steps}", "trainer.eval_every=null", f"hydra.run.dir={run_dir}"],
+                 out / f"{tag}.log")
     first, *records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     text = (out / f"{tag}.log").read_text()
     # the engine the run's own line names ("sampler: vLLM (...)"; a model vLLM cannot serve says HF generate)

@@ -178,7 +178,8 @@ def warm_start(out: Path, key: str, extra: list[str]) -> Path:
     print(f"warm start {key} -> {run}", flush=True)
     grpo("train", "+recipe=multistep_outcome", *warm["data"], *SHAPING, f"sampler.temperature={warm['temperature']}",
          f"trainer.seed={warm['seed']}", f"trainer.max_steps={warm['steps']}", f"trainer.save_every={warm['steps']}",
-         "trainer.report_to=[]", "trainer.num_completions_to_print=0", f"hydra.run.dir={run}", *extra,
+         "trainer.report_to=[]", "trainer.num_completions_to_print=0", "trainer.eval_every=null",
+         f"hydra.run.dir={run}", *extra,
          log=_log(out, f"warm_{key}"))
     return last_checkpoint(run)
 
@@ -237,7 +238,7 @@ def run_one(out: Path, arm: str, seed: int, task: str, extra: list[str], steps: 
     data = CANDIDATES[task]["data"]
     train_s = grpo("train", *ARMS[arm], *arm_settings(out, task, extra), *SHAPING, f"trainer.seed={seed}",
                    f"trainer.max_steps={steps}", "trainer.report_to=[]", "trainer.num_completions_to_print=0",
-                   f"hydra.run.dir={run}", *extra, log=_log(out, f"train_{arm}_s{seed}"))
+                   "trainer.eval_every=null", f"hydra.run.dir={run}", *extra, log=_log(out, f"train_{arm}_s{seed}"))
     ckpt = last_checkpoint(run)
     if ckpt is None:
         sys.exit(f"{arm} seed {seed}: the run saved no checkpoint; see {_log(out, f'train_{arm}_s{seed}')}")

@@ -88,7 +88,7 @@ def train_command(arm: str, seed: int, steps: int, run: Path, extra: list[str]) 
     """`grpo train` for one (arm, seed): the base model (no init_adapter) on add3 at temperature 1."""
     return ["train", *ARMS[arm], *ADD3, f"sampler.temperature={TEMPERATURE}", *SHAPING, f"trainer.seed={seed}",
             f"trainer.max_steps={steps}", "trainer.report_to=[]", "trainer.num_completions_to_print=0",
-            f"hydra.run.dir={run}", *extra]
+            "trainer.eval_every=null", f"hydra.run.dir={run}", *extra]
 
 
 def eval_command(ckpt: Path | None, folder: Path, extra: list[str]) -> list[str]:
