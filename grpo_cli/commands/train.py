@@ -101,7 +101,7 @@ def train(run: Run) -> Path:
         task = bar.add_task("train", total=trainer.max_steps, completed=run.state["step"], info="")
         for n in range(run.state["step"] + 1, trainer.max_steps + 1):
             record = step(run, n)
-            scores = held_out(run, record) if evaluates(trainer, n) else {}  # held-out eval, after the update
+            scores = held_out(run, record) if evaluates(run, n) else {}  # held-out eval, after the update
             nonfinite = nonfinite + 1 if record.nonfinite_skipped else 0
             if record.nonfinite_skipped:
                 console.print(f"[yellow]step {n}: non-finite loss or gradient, optimizer step skipped ({nonfinite} "
@@ -129,9 +129,12 @@ def train(run: Run) -> Path:
     return last
 
 
-def evaluates(trainer: DictConfig, n: int) -> bool:
-    """Is step n followed by a held-out eval: every trainer.eval_every steps, and the last step whatever its number."""
-    return trainer.eval_every is not None and (n % trainer.eval_every == 0 or n == trainer.max_steps)
+def evaluates(run: Run, n: int) -> bool:
+    """Is step n followed by a held-out eval: every trainer.eval_every steps, and the last step whatever its number,
+    when the run has problems to score (`run.heldout` is empty with eval off, or eval_size=auto on data without a
+    held-out split)."""
+    trainer = run.cfg.trainer
+    return bool(run.heldout) and (n % trainer.eval_every == 0 or n == trainer.max_steps)
 
 
 def keep_best(run: Run, n: int, scores: dict) -> None:

@@ -107,3 +107,14 @@ def test_eval_size_auto_fits_the_data_a_user_brings(capsys):
     assert len(evaluation.eval_problems(large, 10, "auto")) == evaluation.AUTO_EVAL_SIZE == 200
     assert evaluation.eval_problems(SimpleNamespace(heldout=[]), 10, "auto") == []
     assert "no held-out split: no in-run eval" in capsys.readouterr().err
+
+
+def test_a_run_with_no_problems_to_score_has_no_eval_step():
+    """eval_size=auto on data without a held-out split leaves run.heldout empty: no step evaluates, even with
+    eval_every set (an eval of no problems would have no accuracy to log or rank)."""
+    from grpo_cli.commands.train import evaluates
+
+    trainer = SimpleNamespace(eval_every=2, max_steps=5)
+    with_problems = SimpleNamespace(cfg=SimpleNamespace(trainer=trainer), heldout=[{"question": "1"}])
+    assert [n for n in range(1, 6) if evaluates(with_problems, n)] == [2, 4, 5]  # every 2nd, and the last
+    assert not any(evaluates(SimpleNamespace(cfg=SimpleNamespace(trainer=trainer), heldout=[]), n) for n in range(6))
