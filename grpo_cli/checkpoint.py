@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import shutil
-import stat
 import time
 from pathlib import Path
 
@@ -153,18 +151,13 @@ def read_best(run_dir: Path) -> dict | None:
     file = Path(run_dir) / BEST
     fix = "grpo train did not write it so (edited or damaged): delete it, or pass RUN/last"
     try:
-        fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        data = files.read_small(file, BEST_BYTES, links=False)
     except FileNotFoundError:
         return None
+    except ValueError as err:  # not a regular file, or too large
+        raise CheckpointError(f"{file} cannot be read ({err}); {fix}") from None
     except OSError as err:  # ELOOP: a link
         raise CheckpointError(f"{file} cannot be read ({err.strerror}; a link is not followed); {fix}") from None
-    with os.fdopen(fd, "rb") as f:
-        info = os.fstat(f.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            raise CheckpointError(f"{file} is not a regular file; {fix}")
-        data = f.read(BEST_BYTES + 1)
-    if len(data) > BEST_BYTES:
-        raise CheckpointError(f"{file} is larger than {BEST_BYTES} bytes; {fix}")
     try:
         record = json.loads(data)
     except ValueError as err:

@@ -13,6 +13,7 @@ import contextlib
 import fcntl
 import os
 import shutil
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -106,7 +107,21 @@ def lock(path: str | Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-# ---- a YAML file read back from a run folder: data someone else may have written ------------------------------------
+# ---- files read back from a run folder: data someone else may have written --------------------------------------
+
+def read_small(path: str | Path, max_bytes: int, *, links: bool = True) -> bytes:
+    """The bytes of the regular file `path`, at most `max_bytes`: ValueError (one line) for anything else, checked on
+    the open file, so a FIFO never blocks the read and /dev/zero is never read to the end. `links=False` does not
+    follow a link (OSError ELOOP). FileNotFoundError as open() raises it."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | (0 if links else os.O_NOFOLLOW))
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise ValueError("it is not a regular file")
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise ValueError(f"it is larger than {max_bytes:,} bytes")
+    return data
+
 
 # the most bytes and YAML nodes (scalars, lists, maps) a run's config.yaml may hold: a saved config has about a
 # thousand nodes; the bound stops a file that would take minutes and gigabytes to build
@@ -119,12 +134,7 @@ def checked_yaml(path: str | Path) -> str:
     regular file, is over YAML_MAX_BYTES, has over YAML_MAX_NODES nodes or holds an alias (`*name`): OmegaConf
     expands every alias into a copy, so ten nested lists of ten aliases are 10^10 nodes from a few hundred bytes.
     grpo train writes no aliases (OmegaConf.save writes each node out), so an alias was written by someone else."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError("it is not a regular file")
-    if path.stat().st_size > YAML_MAX_BYTES:
-        raise ValueError(f"it is {path.stat().st_size:,} bytes, over the {YAML_MAX_BYTES:,} a saved config may be")
-    text = path.read_text(errors="replace")
+    text = read_small(path, YAML_MAX_BYTES).decode(errors="replace")
     nodes = 0
     for event in yaml.parse(text, Loader=yaml.SafeLoader):  # events stream: nothing is built or expanded
         if isinstance(event, yaml.AliasEvent):
