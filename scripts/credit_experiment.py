@@ -263,14 +263,20 @@ def training_curve(run: Path) -> dict:
 def run_base(out: Path, name: str, extra: list[str]) -> dict:
     """The policy every arm starts from (the base model or the warm start), on the same held-out problems: its
     greedy accuracy and its truncated share (the step-1 share of the truncation guard)."""
+    return eval_base(out, lambda folder: ["eval", *start_policy(out, name, extra), "data=multistep",
+                                          *CANDIDATES[name]["data"], *EVAL, f"eval.limit={HELDOUT}",
+                                          "eval.num_samples=0", f"hydra.run.dir={folder}", *extra])
+
+
+def eval_base(out: Path, argv) -> dict:
+    """The starting policy's eval, once (OUT/results/base.json; `argv(folder)`: the `grpo eval` command writing into
+    folder): its greedy accuracy, truncated share and wall time."""
     path = out / "results" / "base.json"
     if path.exists():
         return json.loads(path.read_text())
     folder = out / "eval" / "base"
     fresh(folder)
-    wall = grpo("eval", *start_policy(out, name, extra), "data=multistep", *CANDIDATES[name]["data"], *EVAL,
-                f"eval.limit={HELDOUT}", "eval.num_samples=0", f"hydra.run.dir={folder}", *extra,
-                log=_log(out, "eval_base"))
+    wall = grpo(*argv(folder), log=_log(out, "eval_base"))
     row = read_eval(folder)
     base = {"accuracy": row["accuracy"], "truncated": row["truncation_rate"], "eval_s": wall}
     write_json(path, base)

@@ -126,16 +126,7 @@ def run_one(out: Path, arm: str, seed: int, extra: list[str], steps: int) -> dic
 
 def run_base(out: Path, extra: list[str]) -> dict:
     """The base model on the same 200 held-out problems, once: where both arms start."""
-    path = out / "results" / "base.json"
-    if path.exists():
-        return json.loads(path.read_text())
-    folder = out / "eval" / "base"
-    dense.fresh(folder)
-    wall = grpo(*eval_command(None, folder, extra), log=dense._log(out, "eval_base"))
-    row = dense.read_eval(folder)
-    base = {"accuracy": row["accuracy"], "truncated": row["truncation_rate"], "eval_s": wall}
-    write_json(path, base)
-    return base
+    return dense.eval_base(out, lambda folder: eval_command(None, folder, extra))
 
 
 def verdict(diffs: list[float], p_truncated: float, o_truncated: float, planned: int = len(SEEDS)) -> str:
