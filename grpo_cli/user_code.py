@@ -11,7 +11,9 @@ everything else imported after it. A module the user names (`reward.funcs=[my_re
 - a module in the working folder whose name an installed module also has: refused with one line (rename
   it), since either choice would surprise someone (`reward.funcs=[json.fn]` meaning the user's json.py).
 
-`import_file` runs a file named by path (`path/to/rewards.py:fn`) under a module name of its own.
+`import_file` runs a file named by path (`path/to/rewards.py:fn`) under a module name of its own, and
+`load_function` resolves the function a setting names (`module.fn`, `path/to/file.py:fn` or a short name the caller
+gives): reward functions, tools and environment classes all resolve through it.
 The ground floor: imports nothing of grpo_cli but errors, so instantiate.build can resolve `_target_`s.
 """
 
@@ -22,7 +24,7 @@ import hashlib
 import importlib
 import importlib.util
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -158,3 +160,61 @@ def import_targets(node: Any, where: str = "") -> None:
         except Exception as err:
             raise ConfigError(f"{key} ({target}): importing {top} from the working folder raised "
                               f"{type(err).__name__}: {err}; fix the module") from None
+
+
+# ---- a function a setting names -------------------------------------------------------------------------------
+
+def _search_path() -> str:
+    return ", ".join(p or "." for p in sys.path)
+
+
+def _import_dotted(spec: str, where: str) -> tuple[Any, list[str]]:
+    """(the longest importable module prefix of `spec`, the attribute names after it)."""
+    parts = spec.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        module = ".".join(parts[:i])
+        try:
+            return import_module(module, where), parts[i:]
+        except ModuleNotFoundError as err:
+            if err.name is not None and (module == err.name or module.startswith(err.name + ".")):
+                continue  # this prefix is not a module: try a shorter one (module.Class.method)
+            raise ConfigError(f"{where}: importing {module} raised ModuleNotFoundError: {err}; install that "
+                              f"package or fix the import") from None
+        except Exception as err:
+            raise ConfigError(f"{where}: importing {module} raised {type(err).__name__}: {err}; fix the module"
+                              ) from None
+    raise ConfigError(f"{where}: no module named {parts[0]!r} in the working folder ({Path.cwd()}) or on sys.path "
+                      f"({_search_path()}); put {parts[0]}.py in the working folder, or give a file: "
+                      f"path/to/{parts[0]}.py:{parts[-1]}")
+
+
+def load_function(spec: Any, where: str, builtins: Mapping[str, Callable] | None = None) -> tuple[str, Callable]:
+    """(its name, the callable) a setting names: `module.fn`, `path/to/file.py:fn`, or a key of `builtins` (the
+    caller's short names, e.g. the built-in reward functions). `where` is the setting, for the error lines."""
+    builtins = builtins or {}
+    if not isinstance(spec, str) or not spec.strip():
+        raise ConfigError(f"{where} ({spec!r}) must be a name: module.function, path/to/file.py:function or a "
+                          f"built-in ({', '.join(builtins)})")
+    spec = spec.strip()
+    if spec in builtins:
+        return spec, builtins[spec]
+    if ":" in spec:
+        file, _, attr = spec.rpartition(":")
+        owner, names, shown = import_file(Path(file), where), attr.split("."), file
+    elif "." in spec:
+        owner, names = _import_dotted(spec, where)
+        shown = owner.__name__
+    else:
+        raise ConfigError(f"{where} ({spec}) is not a built-in ({', '.join(builtins)}); name your function as "
+                          f"module.function or path/to/file.py:function")
+    obj = owner
+    for name in names:
+        if not hasattr(obj, name):
+            defined = sorted(k for k, v in vars(owner).items() if callable(v) and not k.startswith("_")
+                             and getattr(v, "__module__", None) == owner.__name__)
+            raise ConfigError(f"{where}: {shown} has no {name!r} (its functions: {', '.join(defined) or 'none'}); "
+                              f"fix the name in reward.funcs")
+        obj = getattr(obj, name)
+    if not callable(obj):
+        raise ConfigError(f"{where}: {spec} is a {type(obj).__name__}, not a function")
+    return getattr(obj, "__name__", names[-1]), obj

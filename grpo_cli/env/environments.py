@@ -1,23 +1,33 @@
-"""Environments: TRL's `environment_factory` contract, so a TRL environment class runs here unchanged.
+"""Environments: TRL's `environment_factory` contract, as TRL's GRPOTrainer has it now, so a TRL environment class
+runs here unchanged (docs/environments.md has the table, each row with the TRL source it was read from).
 
     grpo train env=class env.factory=my_env.Game
+    grpo train env=class 'env.factory={wordle: my_env.Wordle, catch: my_env.Catch}'   # chosen per row
+    grpo train env=class env.factory=my_env.Game 'env.tools=[my_tools.search]'        # plain tools beside it
 
-The contract, as read in TRL's own docs (docs/source/environments.md, docs/source/openenv.md: "How
-environment_factory works") and in GRPOTrainer's source (trl/trainer/grpo_trainer.py, the tool set-up in
-`__init__` and the tool loop), facts only:
+- `env.factory` names a class (or any callable) that takes no argument, or a mapping of names to such; with a
+  mapping each row picks its environment by its `env.factory_column` column (TRL: `environment`), and the episode
+  shows and can call only that environment's tools;
+- instances are pooled: an episode takes an idle instance of its kind (one is built when none is idle), calls
+  `reset(**row)` on it, and gives it back once the step's rewards have read it (at the next batch); `close()`,
+  when the class defines it, is called once on every instance at the end (`ClassEnv.close`, or at exit). `reset`
+  must therefore clear what the previous episode left;
+- `reset(**row)` receives the dataset row as the data gives it: every column as a keyword, the prompt as given
+  (`prompt`), not grpo's own chat `messages` or `question`; for a built-in task, which has no prompt column,
+  `prompt` is the problem's text (what reward functions get as `prompts`). A value it returns that is not None is
+  appended, as text, to the content of the prompt's last message;
+- its public methods (bound methods whose name does not start with `_`), except the reserved `reset`,
+  `get_reward` and `close`, are the episode's tools, each with the type hints and docstring a plain tool needs
+  (grpo_cli.env.tools); `async def` methods run on the run's one event loop;
+- `get_reward()` (no argument, a number; sync or async), when defined, is called once per finished episode,
+  before the instance goes back to the pool, and is one more reward source: weight 1, named after the class, added
+  to what the run's reward functions give (grpo_cli.rewards.call.score). It is never a tool;
+- reward functions can still read the instances: `environments=[...]`, one per completion, as TRL passes them;
+- plain tools (`env.tools`) may join the environment's methods in every episode; they run in the tools' worker
+  process, as `env=tools` runs them, and the methods in threads of this process (grpo_cli.env.tools says why).
 
-- `env.factory` names a class (or any callable) that takes no argument; TRL calls it once per rollout slot, and
-  here it is called once per episode, so no state leaks from one episode into the next;
-- the instance must have a `reset` method (TRL refuses one without it); `reset(**row)` receives the dataset row,
-  every column as a keyword, at the start of the episode, and may return the first observation: a value that is
-  not None is appended, as text, to the content of the prompt's last message (TRL's behaviour);
-- its public methods (bound methods whose name does not start with `_`), `reset` excepted, are the episode's tools,
-  each with the type hints and docstring a plain tool needs (grpo_cli.env.tools), called by their name;
-- reward functions can read the instances: TRL hands them as `environments=[...]`, one per completion, and so
-  does the episode record here (`Episode.environment`) for the lead's wiring of rewards.
-
-What is checked before the model loads: the name resolves, the factory builds an instance (one is built for the
-check), the instance has `reset`, and every public method has a schema. The methods are found on the class
+What is checked before the model loads: the names resolve, each factory builds an instance (kept: the pool's
+first), the instance has `reset`, and every public method has a schema. The methods are found on the class
 without reading any other attribute, so a property that needs `reset()` first is never evaluated. A `reset` that
 raises on some row stops the run with one line naming the environment, the row's columns and the error.
 """
@@ -31,7 +41,8 @@ from typing import Any
 from grpo_cli.env.limits import Limits
 from grpo_cli.env.tools import Tool, Toolbox, tool_from
 from grpo_cli.errors import ConfigError
-from grpo_cli.rewards.user import BUILTINS, load_function
+from grpo_cli.rewards.user import BUILTINS
+from grpo_cli.user_code import load_function
 
 
 def load_factory(spec: Any) -> tuple[Callable[[], Any], list[Tool]]:
@@ -40,7 +51,7 @@ def load_factory(spec: Any) -> tuple[Callable[[], Any], list[Tool]]:
         raise ConfigError(f"env.factory ({spec!r}) must name an environment class: env.factory=my_env.Game or "
                           f"env.factory=path/to/my_env.py:Game")
     try:
-        _, factory = load_function(spec, "env.factory")
+        _, factory = load_function(spec, "env.factory", BUILTINS)
     except ConfigError as err:  # the shared resolver names reward.funcs in its fixes
         raise ConfigError(str(err).replace("reward.funcs", "env.factory")) from None
     return factory, methods(build(factory, spec), spec)

@@ -6,7 +6,7 @@ under a timeout, its result (or its error) turned into the text the model reads 
 A tool is a plain function, sync or `async def`, with a type hint on every parameter and a Google-style docstring
 (a description, then an `Args:` line per parameter). transformers' `get_json_schema` turns it into the schema that
 chat templates and TRL read, and refuses anything less; such a tool stops the run before the model loads, with one
-line naming the fix. Names resolve as reward functions' do (grpo_cli.rewards.user.load_function): `module.fn`
+line naming the fix. Names resolve as reward functions' do (grpo_cli.user_code.load_function): `module.fn`
 with the working directory first on sys.path, or `path/to/file.py:fn`.
 
 During an episode a call goes as it goes in TRL's GRPOTrainer (its tool loop, trl/trainer/grpo_trainer.py): a
@@ -34,9 +34,12 @@ Where a call runs:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import json
+import os
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,7 +50,8 @@ from transformers.utils import get_json_schema
 from grpo_cli import workers
 from grpo_cli.env.limits import Limits
 from grpo_cli.errors import ConfigError
-from grpo_cli.rewards.user import BUILTINS, load_function
+from grpo_cli.rewards.user import BUILTINS
+from grpo_cli.user_code import load_function
 
 HOW = ("a tool needs a type hint on every parameter and a docstring with a description and an Args: line per "
        "parameter (transformers' get_json_schema reads them)")
@@ -106,7 +110,7 @@ def load_tools(specs: Any) -> list[Tool]:
             raise ConfigError(f"{where} is a built-in reward, not a tool; name your function as module.function or "
                               f"path/to/file.py:function")
         try:
-            _, fn = load_function(spec, f"env.tools[{i}]")
+            _, fn = load_function(spec, f"env.tools[{i}]", BUILTINS)
         except ConfigError as err:  # the shared resolver names reward.funcs in its fixes
             raise ConfigError(str(err).replace("reward.funcs", "env.tools")) from None
         tool = tool_from(fn, where)
@@ -161,19 +165,122 @@ def _error(message: str) -> str:
 Outcome = tuple[str | None, int, str | None]
 
 
-def call_tool(fn: Callable, arguments: dict, max_chars: int) -> Outcome:
+def call_tool(fn: Callable, arguments: dict, max_chars: int, pending: list | None = None) -> Outcome:
     """`fn(**arguments)` and its result's text, where the call runs (a worker process or a thread): an `async def`
-    tool's coroutine runs on an event loop of its own there."""
-    try:
-        out = fn(**arguments)
-        value = asyncio.run(out) if inspect.iscoroutine(out) else out
-    except BaseException as err:  # a library's sys.exit() is a failed call too, not the end of the run
-        return None, 0, f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
-    try:
-        text = value if isinstance(value, str) else str(value)
-    except BaseException as err:
-        return None, 0, f"its result could not be turned into text: {err}"
+    tool's coroutine runs on the process's one event loop (`event_loop`), its future put in `pending` so a caller
+    that stops waiting can cancel it. What the tool prints reaches the console up to `PRINT_CHARS` characters."""
+    with bounded_output(getattr(fn, "__name__", "tool")):
+        try:
+            out = fn(**arguments)
+            if inspect.iscoroutine(out):
+                future = asyncio.run_coroutine_threadsafe(out, event_loop())
+                if pending is not None:
+                    pending.append(future)
+                out = future.result()
+            value = out
+        except EndedProcess as err:
+            return None, 0, str(err)
+        except BaseException as err:  # a library's sys.exit() is a failed call too, not the end of the run
+            return None, 0, f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+        try:
+            text = value if isinstance(value, str) else str(value)
+        except BaseException as err:
+            return None, 0, f"its result could not be turned into text: {err}"
     return text[:max_chars], len(text), None
+
+
+# (the loop, the process it runs in): one event loop per process, in a daemon thread of its own, for every
+# `async def` tool of the run; a forked worker makes its own (the parent's loop thread is not in the child)
+_loop: tuple[asyncio.AbstractEventLoop, int] | None = None
+_loop_lock = threading.Lock()
+
+
+def event_loop() -> asyncio.AbstractEventLoop:
+    """The process's one event loop for async tools, started at the first call: a client an async tool opens
+    (an HTTP session) stays bound to the loop it was made on, which `asyncio.run` per call would close."""
+    global _loop
+    with _loop_lock:
+        if _loop is None or _loop[1] != os.getpid() or _loop[0].is_closed():
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, daemon=True, name="tool-event-loop").start()
+            _loop = (loop, os.getpid())
+        return _loop[0]
+
+
+# what one call may print to the console; past it, the rest is counted and one line says how much was not shown
+PRINT_CHARS = 2000
+# per thread: the call's bounded sink for its prints (set while a tool runs), and the process it was set in
+_calling = threading.local()
+
+
+class EndedProcess(BaseException):
+    """A tool called os._exit in a thread of the trainer (env=class): its call is stopped, not the run."""
+
+
+class _Bounded:
+    """A call's stdout and stderr together: their first PRINT_CHARS characters reach their streams, the rest are
+    counted."""
+
+    def __init__(self):
+        self.left, self.dropped = PRINT_CHARS, 0
+
+    def write(self, text: str, stream: Any) -> int:
+        shown = text[:max(0, self.left)]
+        if shown:
+            stream.write(shown)
+        self.left -= len(shown)
+        self.dropped += len(text) - len(shown)
+        return len(text)
+
+
+class _Routed:
+    """sys.stdout or sys.stderr while tools run: a tool thread's writes go to its call's bound, every other
+    thread's to the stream as before."""
+
+    def __init__(self, stream: Any):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        sink = getattr(_calling, "sink", None)
+        if sink is not None and getattr(_calling, "pid", None) == os.getpid():
+            return sink.write(text, self._stream)
+        return self._stream.write(text)
+
+    def __getattr__(self, name: str) -> Any:  # flush, fileno, isatty, encoding: the stream's own
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def bounded_output(name: str):
+    """While a tool runs in this thread: its prints bounded (Python-level writes; a C library writing to the file
+    descriptor itself is not), and os._exit an exception in this thread (`EndedProcess`) where the thread is not
+    the worker's own process to end."""
+    for attr in ("stdout", "stderr"):
+        if not isinstance(getattr(sys, attr), _Routed):
+            setattr(sys, attr, _Routed(getattr(sys, attr)))
+    if os._exit is not _guarded_exit:
+        os._exit = _guarded_exit
+    sink = _Bounded()
+    _calling.sink, _calling.pid = sink, os.getpid()
+    try:
+        yield
+    finally:
+        _calling.sink = None
+        if sink.dropped:
+            sys.stderr.write(f"\n[{name} printed {sink.dropped} more characters, not shown]\n")
+
+
+_real_exit = os._exit
+
+
+def _guarded_exit(code: int) -> None:
+    """os._exit while tools may run: in a tool's thread of the trainer, an exception that stops the call; on a
+    main thread (a tools worker process's, where ending the process costs the call only) and in any thread not
+    running a tool, the real one."""
+    if getattr(_calling, "sink", None) is not None and getattr(_calling, "pid", None) == os.getpid() \
+            and threading.current_thread() is not threading.main_thread():
+        raise EndedProcess(f"the tool called os._exit({code}), which would end the run; the call was stopped")
+    _real_exit(code)
 
 
 def _late(tool: Tool, timeout_s: float) -> Outcome:
@@ -230,11 +337,14 @@ def run_in_thread(tool: Tool, arguments: dict, timeout_s: float, max_chars: int)
                              f"({timeout_s} s); this call was not run")
         _running_on.pop(key, None)
     box: dict[str, Outcome] = {}
-    thread = threading.Thread(target=lambda: box.update(out=call_tool(tool.fn, arguments, max_chars)), daemon=True,
-                              name=f"tool-{tool.name}")
+    pending: list = []  # an async tool's future on the run's event loop
+    thread = threading.Thread(target=lambda: box.update(out=call_tool(tool.fn, arguments, max_chars, pending)),
+                              daemon=True, name=f"tool-{tool.name}")
     thread.start()
     thread.join(timeout_s)
     if thread.is_alive():
+        for future in pending:  # a coroutine can be stopped: cancelled on the loop, its thread ends with it
+            future.cancel()
         with _running_on_lock:
             _running_on[key] = thread
         return _late(tool, timeout_s)

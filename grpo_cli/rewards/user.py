@@ -30,73 +30,17 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-from grpo_cli import user_code
 from grpo_cli.checks import is_num
 from grpo_cli.errors import ConfigError
 from grpo_cli.rewards.combine import OutcomeReward
 from grpo_cli.rewards.outcome import accuracy, format_reward
+from grpo_cli.user_code import load_function
 
 # short names for grpo_cli's own outcome functions, with their YAML defaults (format: GSM8K's "#### N" line)
 BUILTINS: dict[str, Callable] = {"accuracy": accuracy, "format": format_reward}
-
-def _search_path() -> str:
-    return ", ".join(p or "." for p in sys.path)
-
-
-def _import_dotted(spec: str, where: str) -> tuple[Any, list[str]]:
-    """(the longest importable module prefix of `spec`, the attribute names after it)."""
-    parts = spec.split(".")
-    for i in range(len(parts) - 1, 0, -1):
-        module = ".".join(parts[:i])
-        try:
-            return user_code.import_module(module, where), parts[i:]
-        except ModuleNotFoundError as err:
-            if err.name is not None and (module == err.name or module.startswith(err.name + ".")):
-                continue  # this prefix is not a module: try a shorter one (module.Class.method)
-            raise ConfigError(f"{where}: importing {module} raised ModuleNotFoundError: {err}; install that "
-                              f"package or fix the import") from None
-        except Exception as err:
-            raise ConfigError(f"{where}: importing {module} raised {type(err).__name__}: {err}; fix the module"
-                              ) from None
-    raise ConfigError(f"{where}: no module named {parts[0]!r} in the working folder ({Path.cwd()}) or on sys.path "
-                      f"({_search_path()}); put {parts[0]}.py in the working folder, or give a file: "
-                      f"path/to/{parts[0]}.py:{parts[-1]}")
-
-
-def load_function(spec: Any, where: str) -> tuple[str, Callable]:
-    """(metric name, callable) for one `reward.funcs` entry: `module.fn`, `path/to/file.py:fn` or a built-in."""
-    if not isinstance(spec, str) or not spec.strip():
-        raise ConfigError(f"{where} ({spec!r}) must be a name: module.function, path/to/file.py:function or a "
-                          f"built-in ({', '.join(BUILTINS)})")
-    spec = spec.strip()
-    if spec in BUILTINS:
-        return spec, BUILTINS[spec]
-    if ":" in spec:
-        file, _, attr = spec.rpartition(":")
-        owner, names, shown = user_code.import_file(Path(file), where), attr.split("."), file
-    elif "." in spec:
-        owner, names = _import_dotted(spec, where)
-        shown = owner.__name__
-    else:
-        raise ConfigError(f"{where} ({spec}) is not a built-in ({', '.join(BUILTINS)}); name your function as "
-                          f"module.function or path/to/file.py:function")
-    obj = owner
-    for name in names:
-        if not hasattr(obj, name):
-            defined = sorted(k for k, v in vars(owner).items() if callable(v) and not k.startswith("_")
-                             and getattr(v, "__module__", None) == owner.__name__)
-            raise ConfigError(f"{where}: {shown} has no {name!r} (its functions: {', '.join(defined) or 'none'}); "
-                              f"fix the name in reward.funcs")
-        obj = getattr(obj, name)
-    if not callable(obj):
-        raise ConfigError(f"{where}: {spec} is a {type(obj).__name__}, not a function")
-    return getattr(obj, "__name__", names[-1]), obj
-
 
 def _check_signature(fn: Callable, spec: str, where: str) -> None:
     """`fn` must take fn(prompts=..., completions=..., **columns): `**kwargs`, and no other required positional-only
@@ -161,7 +105,7 @@ class CustomReward(OutcomeReward):
         named: dict[str, float] = {}
         for i, (spec, weight) in enumerate(zip(specs, weights)):
             where = f"reward.funcs[{i}]"
-            name, fn = load_function(spec, where)
+            name, fn = load_function(spec, where, BUILTINS)
             if not str(getattr(fn, "__module__", "")).startswith("grpo_cli."):
                 _check_signature(fn, str(spec), where)
                 fn = TRLFunction(fn, str(spec))
