@@ -16,8 +16,8 @@ from typing import Any
 from omegaconf import DictConfig
 
 from grpo_cli.checks import get, raised
-from grpo_cli.env.environments import ClassEnv
-from grpo_cli.env.episode import Engine, Episode, run_episodes
+from grpo_cli.env.environments import ClassEnv, dataset_row
+from grpo_cli.env.episode import Engine, Episode, environment_rewards, run_episodes
 from grpo_cli.env.formats import CHATML_TOOLS_TEMPLATE, ToolFormat, choose
 from grpo_cli.env.limits import CHECKS as LIMIT_CHECKS
 from grpo_cli.env.limits import Limits
@@ -25,7 +25,8 @@ from grpo_cli.env.tools import Tool, Toolbox, ToolsEnv
 from grpo_cli.instantiate import build
 
 __all__ = ["CHATML_TOOLS_TEMPLATE", "CHECKS", "ClassEnv", "Engine", "Episode", "Limits", "Tool", "ToolFormat",
-           "Toolbox", "ToolsEnv", "choose", "from_config", "prepare", "run_episodes"]
+           "Toolbox", "ToolsEnv", "choose", "dataset_row", "environment_rewards", "from_config", "prepare",
+           "run_episodes"]
 
 
 def from_config(cfg: DictConfig) -> ToolsEnv | ClassEnv | None:
@@ -33,7 +34,7 @@ def from_config(cfg: DictConfig) -> ToolsEnv | ClassEnv | None:
     existed, whose config has no `env`)."""
     present, node = get(cfg, "env")
     env = build(node) if present and isinstance(node, DictConfig) and node.get("_target_") else None
-    if isinstance(env, ToolsEnv) and env.worker is not None:
+    if env is not None and env.worker is not None:
         # the tools' worker forked now, while the command is small, as a reward's is (grpo_cli.rewards.guard says
         # why): one forked once the model has loaded would cost every training step its copy-on-write pages
         env.worker.start()
@@ -51,14 +52,17 @@ def resolves(cfg: DictConfig) -> None:
 CHECKS = [*LIMIT_CHECKS, raised(resolves)]
 
 
-def prepare(env: ToolsEnv | ClassEnv, rows: list[dict]) -> tuple[list[list[dict]], list[Toolbox]]:
-    """Each row's prompt messages and toolbox; a first observation from `reset(**row)` is appended to the content of
-    the prompt's last message, as TRL appends it. A string prompt is one user message."""
+def prepare(env: ToolsEnv | ClassEnv, examples: list[dict]) -> tuple[list[list[dict]], list[Toolbox]]:
+    """Each example's prompt messages and toolbox, the batch's earlier instances given back first (`begin`):
+    `reset(**row)` gets the example's dataset row (`dataset_row`), and a first observation it returns is appended
+    to the content of the prompt's last message, as TRL appends it. The messages are the example's `messages`
+    (what the chat template renders), else its `prompt` (a string is one user message)."""
+    env.begin()
     prompts, boxes = [], []
-    for row in rows:
-        prompt: Any = row["prompt"]
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
-        box, observation = env.start(row)
+    for example in examples:
+        given: Any = example["messages"] if "messages" in example else example["prompt"]
+        messages = [{"role": "user", "content": given}] if isinstance(given, str) else [dict(m) for m in given]
+        box, observation = env.start(dataset_row(example))
         if observation is not None:
             messages[-1]["content"] = messages[-1]["content"] + observation
         prompts.append(messages)

@@ -34,27 +34,40 @@ raises on some row stops the run with one line naming the environment, the row's
 
 from __future__ import annotations
 
+import asyncio
 import inspect
-from collections.abc import Callable
+import logging
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
+from grpo_cli import workers
 from grpo_cli.env.limits import Limits
-from grpo_cli.env.tools import Tool, Toolbox, tool_from
+from grpo_cli.env.tools import Tool, Toolbox, ToolWorker, event_loop, load_tools, tool_from
 from grpo_cli.errors import ConfigError
 from grpo_cli.rewards.user import BUILTINS
 from grpo_cli.user_code import load_function
 
+log = logging.getLogger(__name__)
 
-def load_factory(spec: Any) -> tuple[Callable[[], Any], list[Tool]]:
-    """(the callable `env.factory` names, its tools), checked against the contract on one instance."""
+# methods the contract reserves: never the model's tools
+RESERVED = ("reset", "get_reward", "close")
+# the example's keys that are grpo's own, not the dataset's: the chat messages and the question's text
+OWN_KEYS = ("messages", "question")
+
+
+def load_factory(spec: Any, where: str = "env.factory") -> tuple[Callable[[], Any], Any, list[Tool]]:
+    """(the callable `spec` names, the instance the contract was checked on, its tools)."""
     if not isinstance(spec, str) or not spec.strip() or spec.strip() in BUILTINS:
-        raise ConfigError(f"env.factory ({spec!r}) must name an environment class: env.factory=my_env.Game or "
+        raise ConfigError(f"{where} ({spec!r}) must name an environment class: env.factory=my_env.Game or "
                           f"env.factory=path/to/my_env.py:Game")
     try:
-        _, factory = load_function(spec, "env.factory", BUILTINS)
+        _, factory = load_function(spec, where, BUILTINS)
     except ConfigError as err:  # the shared resolver names reward.funcs in its fixes
         raise ConfigError(str(err).replace("reward.funcs", "env.factory")) from None
-    return factory, methods(build(factory, spec), spec)
+    instance = build(factory, spec)
+    return factory, instance, methods(instance, spec)
 
 
 def build(factory: Callable[[], Any], spec: str) -> Any:
@@ -62,20 +75,21 @@ def build(factory: Callable[[], Any], spec: str) -> Any:
         return factory()
     except Exception as err:
         raise ConfigError(f"env.factory ({spec}): calling it raised {type(err).__name__}: {err}; the factory is "
-                          f"called with no argument, once per episode") from None
+                          f"called with no argument, once per instance of the pool") from None
 
 
 def methods(instance: Any, spec: str) -> list[Tool]:
-    """The instance's public methods as tools; ConfigError when `reset` is missing or a method lacks a schema."""
+    """The instance's public methods but the reserved ones, as tools; ConfigError when `reset` is missing or a
+    method lacks a schema."""
     members = bound_methods(instance)
     if "reset" not in members:
         raise ConfigError(f"env.factory ({spec}): {type(instance).__name__} has no reset method; give it "
                           f"def reset(self, **row) (it receives the dataset row, and may return the first "
                           f"observation)")
-    names = [n for n in members if n != "reset" and not n.startswith("_")]
+    names = [n for n in members if n not in RESERVED and not n.startswith("_")]
     if not names:
-        raise ConfigError(f"env.factory ({spec}): {type(instance).__name__} has no public method besides reset; "
-                          f"its public methods are the model's tools, so give it at least one")
+        raise ConfigError(f"env.factory ({spec}): {type(instance).__name__} has no public method besides "
+                          f"{', '.join(RESERVED)}; its public methods are the model's tools, so give it at least one")
     return [tool_from(members[n], f"env.factory ({spec}): method {n}") for n in names]
 
 
@@ -96,30 +110,135 @@ def bound_methods(instance: Any) -> dict[str, Callable]:
     return found
 
 
-def start(factory: Callable[[], Any], spec: str, row: dict) -> tuple[Toolbox, str | None]:
-    """A fresh instance for one episode: (its toolbox, the first observation `reset(**row)` returned, or None)."""
-    instance = build(factory, spec)
-    tools = methods(instance, spec)
+def dataset_row(example: dict) -> dict:
+    """The row `reset(**row)` receives: the example's dataset columns as the data gives them, the prompt as given;
+    a built-in task's example, which has no prompt column, gives its problem's text as `prompt`."""
+    row = {k: v for k, v in example.items() if k not in OWN_KEYS}
+    if "prompt" not in row and "question" in example:
+        row["prompt"] = example["question"]
+    return row
+
+
+@dataclass
+class Kind:
+    """One environment class of the run (`env.factory`, or one value of its mapping) and its pool."""
+
+    spec: str
+    factory: Callable[[], Any]
+    tools: list[Tool]
+    # the class defines get_reward: its score is a reward source
+    scored: bool
+    # instances not in an episode now, ready for reset
+    idle: list = field(default_factory=list)
+
+    def bind(self, instance: Any) -> dict[str, Tool]:
+        """This instance's methods as its episode's tools (the schemas checked once, on the first instance)."""
+        return {t.name: Tool(t.name, getattr(instance, t.name), t.schema) for t in self.tools}
+
+
+def score_environment(instance: Any) -> tuple[float | None, str | None]:
+    """(its `get_reward()` as a float, None) or (None, why it gave none): a method that raises or returns no
+    number costs that episode's score from the environment, not the run. An async one runs on the run's loop."""
     try:
-        observation = instance.reset(**row)
+        value = instance.get_reward()
+        if inspect.iscoroutine(value):
+            value = asyncio.run_coroutine_threadsafe(value, event_loop()).result()
+        return float(value), None
     except Exception as err:
-        raise ConfigError(f"env.factory ({spec}): reset(**row) raised {type(err).__name__}: {err} on a row with "
-                          f"columns {', '.join(row)}; reset receives every column as a keyword: "
-                          f"def reset(self, **row)") from None
-    return Toolbox({t.name: t for t in tools}, environment=instance), (None if observation is None
-                                                                        else str(observation))
+        return None, f"{type(instance).__name__}.get_reward() raised {type(err).__name__}: {err}"
+
+
+def _close_all(instances: list) -> None:
+    """close() once on every instance that defines it; one that raises is logged, the others still close."""
+    while instances:
+        instance = instances.pop()
+        closer = bound_methods(instance).get("close")
+        if closer is None:
+            continue
+        try:
+            closer()
+        except Exception as err:
+            log.warning("%s.close() raised %s: %s", type(instance).__name__, type(err).__name__, err)
 
 
 class ClassEnv:
-    """`env=class` (conf/env/class.yaml): a fresh instance of `factory` per episode, its methods the tools."""
+    """`env=class` (conf/env/class.yaml): pooled instances of `factory` (or of the one each row picks), their
+    methods the tools, `tools` beside them."""
 
-    def __init__(self, factory: str, tool_format: str, max_turns: int, max_tool_calls: int, max_episode_tokens: int,
-                 tool_timeout_s: float, max_result_chars: int):
-        self.tool_format, self.spec = tool_format, factory
+    def __init__(self, factory: Any, tool_format: str, max_turns: int, max_tool_calls: int, max_episode_tokens: int,
+                 tool_timeout_s: float, max_result_chars: int, tools: Any = None,
+                 factory_column: str = "environment"):
+        self.tool_format, self.spec, self.column = tool_format, factory, factory_column
         self.limits = Limits(max_turns, max_tool_calls, max_episode_tokens, tool_timeout_s, max_result_chars)
-        self.factory, tools = load_factory(factory)
-        # every instance has the same methods: the prompt shows the checked instance's schemas
-        self.schemas = [t.schema for t in tools]
+        specs = dict(factory) if isinstance(factory, Mapping) else {None: factory}
+        if not specs:
+            raise ConfigError("env.factory is an empty mapping; name at least one environment class: "
+                              "'env.factory={game: my_env.Game}'")
+        self._all: list = []  # every instance built, closed at the end
+        self.kinds: dict[str | None, Kind] = {}
+        for name, spec in specs.items():
+            made, instance, own = load_factory(spec, "env.factory" if name is None else f"env.factory.{name}")
+            self.kinds[name] = Kind(spec, made, own, "get_reward" in bound_methods(instance), [instance])
+            self._all.append(instance)
+        self.plain = load_tools(tools) if tools else []
+        for kind in self.kinds.values():
+            clash = sorted({t.name for t in kind.tools} & {t.name for t in self.plain})
+            if clash:
+                raise ConfigError(f"env.tools: {clash[0]!r} is also a method of {kind.spec}; the model calls tools "
+                                  f"by name, so rename the function or the method")
+        # plain tools run in a worker process, as env=tools runs them (None where the platform cannot fork)
+        self.worker = ToolWorker(self.plain) if self.plain and workers.available() else None
+        # what the prompt may show: every kind's methods and the plain tools (one schema per name), for the format
+        schemas = {t.name: t.schema for kind in self.kinds.values() for t in kind.tools}
+        self.schemas = [t.schema for t in self.plain] + list(schemas.values())
+        self._busy: list[tuple[Kind, Any]] = []
+        # at exit, if close() was not called first: every instance still closes once
+        self._closing = weakref.finalize(self, _close_all, self._all)
+
+    def begin(self) -> None:
+        """A new batch of episodes: the previous batch's instances go back to their pools (the step's rewards have
+        read them)."""
+        for kind, instance in self._busy:
+            kind.idle.append(instance)
+        self._busy.clear()
+
+    def _kind(self, row: dict) -> Kind:
+        if None in self.kinds:
+            return self.kinds[None]
+        if self.column not in row:
+            raise ConfigError(f"env.factory names {len(self.kinds)} environments, and a row has no column "
+                              f"{self.column!r} to pick one (its columns: {', '.join(row)}); add that column with one "
+                              f"of {', '.join(map(repr, self.kinds))}, or set env.factory_column")
+        name = row[self.column]
+        if name not in self.kinds:
+            raise ConfigError(f"a row's env.factory_column {self.column!r} is {name!r}, which env.factory does not "
+                              f"name (it names {', '.join(map(repr, self.kinds))}); fix the row or add it to "
+                              f"env.factory")
+        return self.kinds[name]
 
     def start(self, row: dict) -> tuple[Toolbox, str | None]:
-        return start(self.factory, self.spec, row)
+        """An instance for one episode, from its kind's pool (built when none is idle) and reset on `row`:
+        (its toolbox, the first observation `reset(**row)` returned, or None)."""
+        kind = self._kind(row)
+        if kind.idle:
+            instance = kind.idle.pop()
+        else:
+            instance = build(kind.factory, kind.spec)
+            self._all.append(instance)
+        self._busy.append((kind, instance))
+        try:
+            observation = instance.reset(**row)
+        except Exception as err:
+            raise ConfigError(f"env.factory ({kind.spec}): reset(**row) raised {type(err).__name__}: {err} on a row "
+                              f"with columns {', '.join(row)}; reset receives every column as a keyword: "
+                              f"def reset(self, **row)") from None
+        tools = {t.name: t for t in self.plain} | kind.bind(instance)
+        box = Toolbox(tools, environment=instance, worker=self.worker,
+                      reward=(lambda: score_environment(instance)) if kind.scored else None)
+        return box, None if observation is None else str(observation)
+
+    def close(self) -> None:
+        """The end of the run: close() once on every instance that defines it, and the tools' worker stopped."""
+        self._closing()
+        if self.worker is not None:
+            self.worker.stop()

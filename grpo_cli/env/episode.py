@@ -60,6 +60,11 @@ class Episode:
     tool_failures: int = 0
     # why it ended: answer, max_turns, max_tool_calls or budget
     stop: str = ""
+    # env=class with get_reward: the environment's score of the episode (None: it gave none), its class's name,
+    # and why it gave none
+    environment_reward: float | None = None
+    scored_by: str | None = None
+    environment_reward_error: str | None = None
 
     @property
     def turns(self) -> int:
@@ -93,7 +98,21 @@ def run_episodes(engine: Engine, tokenizer: Any, fmt: ToolFormat, prompts: list[
         running = [i for i, ids, logp, left in zip(running, new, logps, room, strict=True)
                    if _turn(episodes[i], list(ids)[:left], None if logp is None else list(logp)[:left],
                             engine.eos_token_id, tokenizer, fmt, limits)]
+    for ep in episodes:  # the environment scores its episode before its instance goes back to the pool
+        if ep.toolbox.reward is not None:
+            ep.environment_reward, ep.environment_reward_error = ep.toolbox.reward()
+            ep.scored_by = type(ep.environment).__name__
     return episodes
+
+
+def environment_rewards(episodes: list[Episode]) -> tuple[dict[str, list[float | None]], int] | None:
+    """The environments' scores as reward sources: ({class name: per episode, its score or None}, how many
+    get_reward calls failed); None when no episode's environment scores itself."""
+    names = sorted({ep.scored_by for ep in episodes if ep.scored_by is not None})
+    if not names:
+        return None
+    columns = {name: [ep.environment_reward if ep.scored_by == name else None for ep in episodes] for name in names}
+    return columns, sum(ep.environment_reward_error is not None for ep in episodes)
 
 
 def _turn(ep: Episode, ids: list[int], logp: list[float] | None, eos: int, tokenizer: Any, fmt: ToolFormat,

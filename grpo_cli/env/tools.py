@@ -128,8 +128,11 @@ class Toolbox:
     tools: dict[str, Tool]
     # the environment instance of `env=class` (reward functions read it); None for plain tools
     environment: Any = None
-    # env=tools: the environment's worker process, where the calls run; None: threads of this process (env=class)
+    # the worker process where the tools it holds run (env=tools, and env.tools beside an environment class);
+    # every other tool (an environment's method) runs in a thread of this process
     worker: ToolWorker | None = None
+    # env=class with get_reward: () -> (the environment's score of the episode, or None with why)
+    reward: Callable[[], tuple[float | None, str | None]] | None = None
     schemas: list[dict] = field(init=False)
 
     def __post_init__(self):
@@ -138,25 +141,25 @@ class Toolbox:
     def call(self, call: ToolCall, timeout_s: float, max_chars: int) -> ToolResult:
         """Run one parsed call; never raises, never waits longer than `timeout_s`."""
         if call.error is not None:
-            return ToolResult(call.name, _error(call.error), True)
+            return ToolResult(call.name, error_text(call.error), True)
         tool = self.tools.get(call.name)
         if tool is None:
             known = ", ".join(self.tools) or "none"
-            return ToolResult(call.name, _error(f"no tool named {call.name!r} (the tools: {known})"), True)
+            return ToolResult(call.name, error_text(f"no tool named {call.name!r} (the tools: {known})"), True)
         if not isinstance(call.arguments, dict):
-            return ToolResult(call.name, _error(f"the arguments of {call.name} must be a JSON object, got "
+            return ToolResult(call.name, error_text(f"the arguments of {call.name} must be a JSON object, got "
                                                 f"{json.dumps(call.arguments)}"), True)
-        where = self.worker.call if self.worker is not None else run_in_thread
+        where = self.worker.call if self.worker is not None and tool.name in self.worker.names else run_in_thread
         text, length, error = where(tool, call.arguments, timeout_s, max_chars)
         if error is not None:
-            return ToolResult(call.name, _error(error), True)
+            return ToolResult(call.name, error_text(error), True)
         if length > max_chars:
             note = f"\n[cut: the first {max_chars} of {length} characters]"
             return ToolResult(call.name, text + note, True)
         return ToolResult(call.name, text, False)
 
 
-def _error(message: str) -> str:
+def error_text(message: str) -> str:
     # TRL's shape: the result is {"error": message}, read back as its str()
     return str({"error": message})
 
@@ -295,6 +298,7 @@ class ToolWorker:
     """The tools of one `env=tools` environment, called in a worker process of their own (the module docstring)."""
 
     def __init__(self, tools: list[Tool]):
+        self.names = frozenset(t.name for t in tools)
         work = functools.partial(_run_named, {t.name: t.fn for t in tools})
         self._worker = workers.Worker("tools", work, kind="tool")
         self._lock = threading.Lock()  # one call at a time on its pipe
@@ -364,5 +368,13 @@ class ToolsEnv:
         # first call (None where the platform cannot fork: threads)
         self.worker = ToolWorker(self.tools) if workers.available() else None
 
+    def begin(self) -> None:
+        """A new batch of episodes: nothing to give back (the same functions serve every episode)."""
+
     def start(self, row: dict) -> tuple[Toolbox, str | None]:
         return Toolbox({t.name: t for t in self.tools}, worker=self.worker), None
+
+    def close(self) -> None:
+        """The end of the run: the tools' worker stopped."""
+        if self.worker is not None:
+            self.worker.stop()

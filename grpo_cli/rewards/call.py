@@ -11,6 +11,8 @@ the reward contract (`grpo_cli.rewards`).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from grpo_cli import workers
 from grpo_cli.errors import ConfigError
 from grpo_cli.rewards.result import RewardResult
@@ -23,6 +25,11 @@ _TRL_ONLY = {"trainer_state": "TRL's TrainerState (global_step, max_steps, ...)"
              "log_extra": "TRL's callback for logging extra columns"}
 
 
+# the episodes' column holding the environments' own scores (env=class with get_reward): a reward source of its
+# own, added by `score`, never handed to reward functions
+ENVIRONMENT_REWARD = "environment_reward"
+
+
 def score(reward_fn, examples: list[dict], owners: list[int], texts: list[str], lengths: list[int],
           truncated: list[bool], completion_ids: list[list[int]] | None = None,
           episodes: dict[str, list] | None = None) -> RewardResult:
@@ -31,14 +38,44 @@ def score(reward_fn, examples: list[dict], owners: list[int], texts: list[str], 
     The reward sees each example's question as `prompts` and its other fields (`answer`, a dataset's
     columns, ...) as columns, in the order of the completions, plus the completions' token lengths,
     truncation flags and (when given) token ids, and for multi-turn episodes the columns
-    `grpo_cli.rollout.episodes.reward_columns` makes (their messages, tool-call counts, environments).
+    `grpo_cli.rollout.episodes.reward_columns` makes (their messages, tool-call counts, environments). An
+    environment's own score (`ENVIRONMENT_REWARD`) is added to the result as one more source (`with_environment`).
     """
     keys = [k for k in examples[0] if k not in _NOT_COLUMNS]
     columns = {k: [examples[i].get(k) for i in owners] for k in keys}
     rollout = {"completion_length": lengths, "truncated": truncated}
     if completion_ids is not None:
         rollout["completion_ids"] = completion_ids
-    return reward_fn([examples[i]["question"] for i in owners], texts, {**columns, **rollout, **(episodes or {})})
+    episodes = dict(episodes or {})
+    own = episodes.pop(ENVIRONMENT_REWARD, None)
+    result = reward_fn([examples[i]["question"] for i in owners], texts, {**columns, **rollout, **episodes})
+    return result if own is None else with_environment(result, *own)
+
+
+def with_environment(result: RewardResult, sources: dict[str, list[float | None]], failures: int) -> RewardResult:
+    """`result` with the environments' own scores added, as TRL adds `get_reward`: each class one more source of
+    weight 1 (`per_function` under the class's name), summed into a completion's reward where it scored (an
+    unscored completion's reward stays None unless the environment scored it); with per-turn rewards it joins
+    the episode's last turn, with outcome-and-process rewards the outcome. `failures`: get_reward calls that
+    raised."""
+    rewards = list(result.rewards)
+    outcome = None if result.outcome is None else list(result.outcome)
+    turns = None if result.turns is None else [list(t) for t in result.turns]
+
+    def plus(value: float | None, score: float) -> float:
+        return score if value is None else value + score
+
+    for scores in sources.values():
+        for i, s in enumerate(scores):
+            if s is None:
+                continue
+            rewards[i] = plus(rewards[i], s)
+            if outcome is not None:
+                outcome[i] = plus(outcome[i], s)
+            if turns is not None and turns[i]:
+                turns[i][-1] = plus(turns[i][-1], s)
+    return replace(result, rewards=rewards, per_function={**result.per_function, **sources},
+                   failures=result.failures + failures, outcome=outcome, turns=turns)
 
 
 def token_ids(rollout) -> list[list[int]]:

@@ -17,9 +17,10 @@ from typing import Any
 
 import torch
 
-from grpo_cli.env import ClassEnv, ToolFormat, choose, prepare, run_episodes
+from grpo_cli.env import ClassEnv, ToolFormat, choose, environment_rewards, prepare, run_episodes
 from grpo_cli.env.episode import encode
 from grpo_cli.errors import DataError
+from grpo_cli.rewards.call import ENVIRONMENT_REWARD
 from grpo_cli.policy import load_tokenizer
 from grpo_cli.rollout import Rollout, pad_id, template_kwargs, use_chat_template
 from grpo_cli.rollout.sizing import Job
@@ -55,14 +56,8 @@ def reward_column_example(env, example: dict) -> dict[str, Any]:
         return {}
     columns: dict[str, Any] = {"completion_messages": [], "tool_call_count": 0}
     if isinstance(env, ClassEnv):
-        columns["environments"] = env.start(episode_row(example))[0].environment
+        columns["environments"] = prepare(env, [example])[1][0].environment
     return columns
-
-
-def episode_row(example: dict) -> dict:
-    """The row an episode starts from (an environment's `reset(**row)`): the example's columns, its messages as
-    `prompt`."""
-    return {**example, "prompt": example["messages"]}
 
 
 def reward_columns(rollout: Rollout) -> dict[str, list]:
@@ -75,6 +70,9 @@ def reward_columns(rollout: Rollout) -> dict[str, list]:
                "tool_call_count": [e.tool_calls for e in rollout.episodes]}
     if any(e.environment is not None for e in rollout.episodes):
         columns["environments"] = [e.environment for e in rollout.episodes]
+    own = environment_rewards(rollout.episodes)  # an environment's get_reward: a reward source (rewards.call)
+    if own is not None:
+        columns[ENVIRONMENT_REWARD] = own
     return columns
 
 
@@ -116,8 +114,7 @@ class EpisodeSampler:
         length is env.max_episode_tokens, which config validation checks in its place."""
         if self._format is None:
             self._format = choose(self.env.tool_format, tokenizer, self.env.schemas, template_kwargs(tokenizer))
-        rows = [episode_row(e) for e in examples for _ in range(n)]
-        prompts, boxes = prepare(self.env, rows)
+        prompts, boxes = prepare(self.env, [e for e in examples for _ in range(n)])
         self._check_prompts(tokenizer, prompts, boxes)
         engine = self.sampler.engine(policy, tokenizer, greedy=greedy, generator=generator, temperature=temperature)
         try:
