@@ -20,8 +20,10 @@ An episode ends when the model answers without a tool call (`answer`), or at a l
 - `env.max_tool_calls`: calls run in the episode; a turn whose calls would pass it ends the episode unrun;
 - `env.max_episode_tokens`, the budget: every token after the prompt counts, the sampled ones and the ones the
   environment adds (as TRL's `max_completion_length` counts a multi-turn completion). A turn samples at most what
-  is left; a tool turn that would leave no room for one more sampled token is not added; a turn cut by the budget
-  ends the episode (`budget`), its calls unrun.
+  is left; a turn cut by the budget ends the episode (`budget`), its calls unrun. A tool turn that would leave no
+  room for one more sampled token is rolled back, as TRL drops it: its results are replaced by an error saying
+  they did not fit (a failure each, `Episode.overflows` counts such turns), so the model may go on with what is
+  left; when even that turn does not fit, the episode ends (`budget`) without it, as in TRL.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from typing import Any, Protocol
 
 from grpo_cli.env.formats import Pieces, ToolFormat
 from grpo_cli.env.limits import Limits
-from grpo_cli.env.tools import Toolbox, ToolResult
+from grpo_cli.env.tools import Toolbox, ToolResult, error_text
 
 
 class Engine(Protocol):
@@ -58,6 +60,8 @@ class Episode:
     messages: list[dict] = field(default_factory=list)
     tool_calls: int = 0
     tool_failures: int = 0
+    # tool turns whose results did not fit the budget: rolled back, the model told instead
+    overflows: int = 0
     # why it ended: answer, max_turns, max_tool_calls or budget
     stop: str = ""
     # env=class with get_reward: the environment's score of the episode (None: it gave none), its class's name,
@@ -145,11 +149,20 @@ def _turn(ep: Episode, ids: list[int], logp: list[float] | None, eos: int, token
     results: list[ToolResult] = [ep.toolbox.call(c, limits.tool_timeout_s, limits.max_result_chars) for c in calls]
     ep.tool_calls += len(results)
     ep.tool_failures += sum(r.failed for r in results)
-    added = encode(tokenizer, fmt.environment_pieces(tokenizer, ep.toolbox.schemas, results,
-                                                     tokenizer.decode([eos], skip_special_tokens=False)))
-    if len(ep.completion_ids) + len(added) >= limits.max_episode_tokens:
-        ep.stop = "budget"
-        return False
+    eos_text = tokenizer.decode([eos], skip_special_tokens=False)
+    added = encode(tokenizer, fmt.environment_pieces(tokenizer, ep.toolbox.schemas, results, eos_text))
+    left = limits.max_episode_tokens - len(ep.completion_ids)
+    if len(added) >= left:  # rolled back: the model is told instead, in a turn that fits (else the episode ends)
+        newly = sum(not r.failed for r in results)
+        results = [ToolResult(r.name, error_text(f"the result of {r.name} ({len(r.text)} characters) did not fit in "
+                                             f"what is left of this episode ({left} tokens) and was dropped; ask "
+                                             f"for less"), True) for r in results]
+        added = encode(tokenizer, fmt.environment_pieces(tokenizer, ep.toolbox.schemas, results, eos_text))
+        if len(added) >= left:
+            ep.stop = "budget"
+            return False
+        ep.overflows += 1
+        ep.tool_failures += newly
     ep.add(added, sampled=False)
     ep.messages.extend({"role": "tool", "name": r.name, "content": r.text} for r in results)
     return True

@@ -32,6 +32,6 @@ CHECKS = [
     Rule("env.tool_timeout_s", lambda v: is_num(v) and v > 0,
          "must be a number of seconds > 0; set env.tool_timeout_s=10"),
     Rule("env.max_result_chars", lambda v: is_int(v) and v >= 1,
-         "must be an integer >= 1: a tool result's characters the model reads; set env.max_result_chars=4000"),
+         "must be an integer >= 1: a tool result's characters the model reads; set env.max_result_chars=1000"),
     Rule("env.tool_format", lambda v: v in FORMATS, "must be auto, template or chatml; set env.tool_format=auto"),
 ]
