@@ -11,24 +11,30 @@ with the working directory first on sys.path, or `path/to/file.py:fn`.
 
 During an episode a call goes as it goes in TRL's GRPOTrainer (its tool loop, trl/trainer/grpo_trainer.py): a
 function that raises, or a name that is no tool, gets `{'error': '...'}` back as its result and counts as a
-failure; a result that is not a string is converted with `str()` (a dict reads as its repr, None as "None"), not
-refused. Two limits TRL does not set: a call still running after `env.tool_timeout_s` gets an error result, and a
-result longer than `env.max_result_chars` is cut, with a note saying how much the model sees; both count as failures.
-The result's text is made (`str()`) and cut inside the bounded call, where the tool runs: a result whose `__str__`
-hangs is a call that timed out.
+failure; a result that is not a string is converted with `str()` (a dict reads as its repr, bytes as `b'...'`, None
+as "None"), not refused. Two limits TRL does not set: a call still running after `env.tool_timeout_s` gets an
+error result, and a result longer than `env.max_result_chars` is cut, with a note saying how much the model sees;
+both count as failures. The result's text is made (`str()`) and cut inside the bounded call, where the tool runs:
+a result whose `__str__` hangs is a call that timed out. What a tool prints (Python's stdout and stderr) reaches
+the console up to `PRINT_CHARS` characters a call, then one line says how much was not shown. `async def` tools
+run on one event loop per process for the whole run (`event_loop`), not a new one per call, so a client they
+open stays usable.
 
 Where a call runs:
-- `env=tools`: in the environment's worker process (grpo_cli.workers), one per environment, forked with it before
-  the model loads, calls one at a time. A call past the timeout is killed with its worker and the next call gets a
-  new one, so nothing hung piles up or holds a CPU; a tool that ends its process (`os._exit`, a crash) costs its
-  call only; an `async def` tool runs on an event loop of the worker. Only the cut text comes back over the pipe.
-  Where the platform cannot fork, calls run in threads, as below.
-- `env=class`: in a thread of this process (`Toolbox.worker` None). The methods share the state of their instance,
-  which the next call and the reward functions read (`environments`), so the instance has to live where they run:
-  in this process. A worker's copy of it would not be the instance the rewards read, and need not pickle. A thread
-  cannot be killed, so a call past the timeout runs on; while it does, that method (of any instance: one per
-  episode) is not called again, and its calls get an error at once, so hung calls hold at most one thread per
-  method. A method that ends its process (`os._exit`) ends the run.
+- `env=tools` (and `env.tools` beside an environment class): in the environment's worker process
+  (grpo_cli.workers), one per environment, forked with it before the model loads, calls one at a time. A call past
+  the timeout is killed with its worker and the next call gets a new one, so nothing hung piles up or holds a CPU;
+  a tool that ends its process (`os._exit`, a crash) costs its call only. Only the cut text comes back over the
+  pipe. Where the platform cannot fork, calls run in threads, as below.
+- `env=class` methods: in a thread of this process. The methods share the state of their instance, which the next
+  call, `get_reward` and the reward functions read (`environments`), so the instance has to live where they run:
+  in this process. A worker's copy of it would not be the instance the rewards read, and need not pickle. What is
+  contained there: a raise or `sys.exit` (an error result), `os._exit` (an error result: it raises in the tool's
+  thread instead of ending the process), prints (bounded as above), an async method past the timeout (cancelled
+  on the loop). What is not: a thread cannot be killed, so a sync call past the timeout runs on; while it does,
+  that method (of any instance) is not called again and its calls get an error at once, so hung calls hold at most
+  one thread per method. A crash of the interpreter (a segfault in a C extension), a C library's own exit or its
+  writes to the file descriptors, and C code that holds the GIL still reach the whole run.
 """
 
 from __future__ import annotations

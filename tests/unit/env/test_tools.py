@@ -85,6 +85,43 @@ def exits(code: int) -> str:
     os._exit(code)
 
 
+def as_bytes(n: int) -> bytes:
+    """Bytes.
+
+    Args:
+        n: how many
+    """
+    return b"\\x00" * n
+
+
+def nothing(tag: str) -> None:
+    """Returns nothing.
+
+    Args:
+        tag: unused
+    """
+    return None
+
+
+def chatty(n: int) -> str:
+    """Prints n characters, then answers.
+
+    Args:
+        n: how many to print
+    """
+    print("x" * n)
+    return "done"
+
+
+async def which_loop(tag: str) -> str:
+    """The id of the event loop it runs on.
+
+    Args:
+        tag: unused
+    """
+    return str(id(asyncio.get_running_loop()))
+
+
 def no_hints(a, b):
     """Multiply.
 
@@ -281,3 +318,42 @@ def test_the_tools_worker_is_forked_when_the_run_builds_its_environment(tools_py
         assert env.worker._worker._process.is_alive()
     finally:
         env.worker.stop()
+
+
+@pytest.mark.parametrize("where", ["worker process", "thread"])
+@pytest.mark.parametrize("name, arguments, text", [
+    ("as_dict", {"key": "k"}, "{'k': 1}"),
+    ("as_bytes", {"n": 2}, "b'\\x00\\x00'"),
+    ("nothing", {"tag": "t"}, "None"),
+], ids=["dict", "bytes", "none"])
+def test_a_result_that_is_not_text_reads_as_its_str_as_trl_does(tools_py, where, name, arguments, text):
+    box = env_toolbox(name) if where == "worker process" else toolbox(name)
+    assert box.call(ToolCall(name, arguments), 5.0, 4000) == ToolResult(name, text, False)
+
+
+@pytest.mark.parametrize("where", ["worker process", "thread"])
+def test_a_tool_that_prints_megabytes_reaches_the_console_bounded_and_the_call_is_answered(tools_py, where, capfd):
+    from grpo_cli.env.tools import PRINT_CHARS
+
+    box = env_toolbox("chatty") if where == "worker process" else toolbox("chatty")
+    result = box.call(ToolCall("chatty", {"n": 5_000_000}), 30.0, 4000)
+    assert result == ToolResult("chatty", "done", False)
+    out, err = capfd.readouterr()
+    assert out.count("x") + err.count("x") <= PRINT_CHARS + 10
+    assert f"[chatty printed {5_000_001 - PRINT_CHARS} more characters, not shown]" in err
+
+
+def test_a_method_that_calls_os_exit_in_a_thread_costs_its_call_not_the_run(tools_py):
+    # env=class methods run in threads of the trainer: os._exit there would end the run; it is an error result
+    box = toolbox("exits", "multiply")
+    result = box.call(ToolCall("exits", {"code": 3}), 5.0, 4000)
+    assert result.failed and result.text == str({"error": "the tool called os._exit(3), which would end the run; "
+                                                          "the call was stopped"})
+    assert box.call(ToolCall("multiply", {"a": 6, "b": 7}), 5.0, 4000) == ToolResult("multiply", "42", False)
+
+
+@pytest.mark.parametrize("where", ["worker process", "thread"])
+def test_async_tools_share_one_event_loop(tools_py, where):
+    box = env_toolbox("which_loop") if where == "worker process" else toolbox("which_loop")
+    loops = {box.call(ToolCall("which_loop", {"tag": str(i)}), 5.0, 4000).text for i in range(3)}
+    assert len(loops) == 1  # asyncio.run per call would make three
