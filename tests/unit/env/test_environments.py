@@ -1,4 +1,4 @@
-"""TRL's environment_factory contract: one instance per episode, reset(**row) first (its observation joins the
+"""TRL's environment_factory contract: an instance per running episode, reset(**row) first (its observation joins the
 prompt), the public methods are the tools; a class that breaks the contract is one line before the model loads."""
 
 from __future__ import annotations

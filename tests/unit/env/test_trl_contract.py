@@ -5,6 +5,8 @@ run; plain tools join the environment's methods; a dict of factories is chosen p
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 
 import pytest
@@ -213,3 +215,14 @@ def test_a_dict_of_factories_is_chosen_per_row_by_a_column(game):
     with pytest.raises(ConfigError) as err:
         prepare(both, [example("apple")])
     assert "has no column 'environment'" in str(err.value)
+
+
+def test_every_instance_is_closed_when_the_command_ends_without_an_explicit_close(game, tmp_path):
+    script = ("import trl_game\nfrom grpo_cli.env import ClassEnv, prepare\n"
+              "trl_game.Secret.close = lambda self: open('closed.txt', 'a').write('closed\\n')\n"
+              "env = ClassEnv('trl_game.Secret', 'auto', 4, 8, 512, 10, 1000)\n"
+              "prepare(env, [{'prompt': 'p', 'secret': 'a'}] * 3)\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "closed.txt").read_text() == "closed\n" * 3  # the three instances of the pool, once each
