@@ -9,7 +9,7 @@ runs here unchanged (docs/environments.md has the table, each row with the TRL s
   mapping each row picks its environment by its `env.factory_column` column (TRL: `environment`), and the episode
   shows and can call only that environment's tools;
 - instances are pooled: an episode takes an idle instance of its kind (one is built when none is idle), calls
-  `reset(**row)` on it, and gives it back once the step's rewards have read it (at the next batch); `close()`,
+  `reset(**row)` on it, and gives it back once the rewards have read it (two batches later); `close()`,
   when the class defines it, is called once on every instance at the end (`ClassEnv.close`, or at exit). `reset`
   must therefore clear what the previous episode left;
 - `reset(**row)` receives the dataset row as the data gives it: every column as a keyword, the prompt as given
@@ -191,16 +191,19 @@ class ClassEnv:
         # what the prompt may show: every kind's methods and the plain tools (one schema per name), for the format
         schemas = {t.name: t.schema for kind in self.kinds.values() for t in kind.tools}
         self.schemas = [t.schema for t in self.plain] + list(schemas.values())
-        self._busy: list[tuple[Kind, Any]] = []
+        # the instances out in the last batches of episodes, oldest first, each [(its kind, the instance)]
+        self._busy: list[list[tuple[Kind, Any]]] = [[]]
         # at exit, if close() was not called first: every instance still closes once
         self._closing = weakref.finalize(self, _close_all, self._all)
 
     def begin(self) -> None:
-        """A new batch of episodes: the previous batch's instances go back to their pools (the step's rewards have
-        read them)."""
-        for kind, instance in self._busy:
-            kind.idle.append(instance)
-        self._busy.clear()
+        """A new batch of episodes: the instances of the batch before the previous one go back to their pools. Two
+        batches stay out: a step scores its batch before it samples the next, but `grpo eval` samples greedy and
+        sampled episodes of the same problems before it scores both, and its rewards read both batches' instances."""
+        if len(self._busy) == 2:
+            for kind, instance in self._busy.pop(0):
+                kind.idle.append(instance)
+        self._busy.append([])
 
     def _kind(self, row: dict) -> Kind:
         if None in self.kinds:
@@ -225,7 +228,7 @@ class ClassEnv:
         else:
             instance = build(kind.factory, kind.spec)
             self._all.append(instance)
-        self._busy.append((kind, instance))
+        self._busy[-1].append((kind, instance))
         try:
             observation = instance.reset(**row)
         except Exception as err:

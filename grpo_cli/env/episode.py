@@ -109,14 +109,12 @@ def run_episodes(engine: Engine, tokenizer: Any, fmt: ToolFormat, prompts: list[
     return episodes
 
 
-def environment_rewards(episodes: list[Episode]) -> tuple[dict[str, list[float | None]], int] | None:
-    """The environments' scores as reward sources: ({class name: per episode, its score or None}, how many
-    get_reward calls failed); None when no episode's environment scores itself."""
-    names = sorted({ep.scored_by for ep in episodes if ep.scored_by is not None})
-    if not names:
-        return None
-    columns = {name: [ep.environment_reward if ep.scored_by == name else None for ep in episodes] for name in names}
-    return columns, sum(ep.environment_reward_error is not None for ep in episodes)
+def environment_rewards(episodes: list[Episode]) -> list[tuple[str, float | None, bool] | None]:
+    """Per episode, its environment's own score as a reward source: (class name, score or None, whether
+    get_reward failed), or None where the environment does not score itself (or the episode has none). A list per
+    completion, as the other episode columns, so two rollouts' columns join with `+`."""
+    return [None if ep.scored_by is None else (ep.scored_by, ep.environment_reward,
+                                               ep.environment_reward_error is not None) for ep in episodes]
 
 
 def _turn(ep: Episode, ids: list[int], logp: list[float] | None, eos: int, tokenizer: Any, fmt: ToolFormat,

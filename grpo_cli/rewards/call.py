@@ -49,15 +49,20 @@ def score(reward_fn, examples: list[dict], owners: list[int], texts: list[str], 
     episodes = dict(episodes or {})
     own = episodes.pop(ENVIRONMENT_REWARD, None)
     result = reward_fn([examples[i]["question"] for i in owners], texts, {**columns, **rollout, **episodes})
-    return result if own is None else with_environment(result, *own)
+    return result if own is None else with_environment(result, own)
 
 
-def with_environment(result: RewardResult, sources: dict[str, list[float | None]], failures: int) -> RewardResult:
+def with_environment(result: RewardResult, own: list[tuple[str, float | None, bool] | None]) -> RewardResult:
     """`result` with the environments' own scores added, as TRL adds `get_reward`: each class one more source of
     weight 1 (`per_function` under the class's name), summed into a completion's reward where it scored (an
     unscored completion's reward stays None unless the environment scored it); with per-turn rewards it joins
-    the episode's last turn, with outcome-and-process rewards the outcome. `failures`: get_reward calls that
-    raised."""
+    the episode's last turn, with outcome-and-process rewards the outcome. `own`: per completion, (class name,
+    score or None, whether get_reward raised), or None (grpo_cli.env.environment_rewards); a raise is a failure."""
+    names = sorted({o[0] for o in own if o is not None})
+    if not names:
+        return result
+    sources = {name: [o[1] if o is not None and o[0] == name else None for o in own] for name in names}
+    failures = sum(o is not None and o[2] for o in own)
     rewards = list(result.rewards)
     outcome = None if result.outcome is None else list(result.outcome)
     turns = None if result.turns is None else [list(t) for t in result.turns]

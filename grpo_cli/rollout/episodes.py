@@ -70,9 +70,8 @@ def reward_columns(rollout: Rollout) -> dict[str, list]:
                "tool_call_count": [e.tool_calls for e in rollout.episodes]}
     if any(e.environment is not None for e in rollout.episodes):
         columns["environments"] = [e.environment for e in rollout.episodes]
-    own = environment_rewards(rollout.episodes)  # an environment's get_reward: a reward source (rewards.call)
-    if own is not None:
-        columns[ENVIRONMENT_REWARD] = own
+        # an environment's get_reward: a reward source of its own (grpo_cli.rewards.call.score)
+        columns[ENVIRONMENT_REWARD] = environment_rewards(rollout.episodes)
     return columns
 
 

@@ -148,8 +148,9 @@ def test_instances_are_pooled_and_reset_between_episodes_and_closed_at_the_end(g
     for _ in range(3):  # three batches of four episodes
         _, boxes = prepare(secret, [example("apple")] * 4)
         assert len({id(b.environment) for b in boxes}) == 4
-    # four instances serve every batch: each reset once per episode, none built per episode
-    assert len(game.Secret.built) - built <= 4
+    # two batches' instances serve every batch (a batch's are given back two batches later, once its rewards have
+    # read them): each reset once per episode, none built per episode
+    assert len(game.Secret.built) - built <= 8
     assert sum(i.resets for i in game.Secret.built) == 12
     assert game.Secret.closed == []
     secret.close()
@@ -226,3 +227,29 @@ def test_every_instance_is_closed_when_the_command_ends_without_an_explicit_clos
                           env={**os.environ, "PYTHONPATH": str(tmp_path)})
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "closed.txt").read_text() == "closed\n" * 3  # the three instances of the pool, once each
+
+
+def test_two_batches_sampled_before_they_are_scored_keep_their_own_instances(game):
+    # grpo eval samples the greedy and the sampled episodes of a batch, then scores both: the first batch's
+    # instances must still hold their episodes when the rewards read them
+    secret = env("trl_game.Secret")
+    _, greedy = prepare(secret, [example("apple")] * 2)
+    _, sampled = prepare(secret, [example("pear")] * 2)
+    assert [b.environment.row["secret"] for b in greedy + sampled] == ["apple", "apple", "pear", "pear"]
+    assert not {id(b.environment) for b in greedy} & {id(b.environment) for b in sampled}
+
+
+def test_the_environments_scores_of_two_rollouts_join_as_one_column(game):
+    from grpo_cli.rollout.episodes import as_rollout, reward_columns
+
+    secret = env("trl_game.Secret")
+    first = as_rollout(run(secret, [example("apple")], {"the word.": [guess_call("apple"), "done"]}), TOK)
+    second = as_rollout(run(secret, [example("apple")], {"the word.": [guess_call("plum"), "done"]}), TOK)
+    columns = {k: v + reward_columns(second)[k] for k, v in reward_columns(first).items()}  # as grpo eval joins them
+
+    def nothing(prompts, completions, columns):
+        return RewardResult([None] * len(completions), {})
+
+    result = score(nothing, [example("apple")], [0, 0], first.texts + second.texts, first.lengths + second.lengths,
+                   first.truncated + second.truncated, episodes=columns)
+    assert result.rewards == [1.0, 0.0] and result.per_function == {"Secret": [1.0, 0.0]}
