@@ -51,6 +51,13 @@ SHAPES = {
         ("iterative.history", True, _is(list), "a list"),
         ("iterative.replay", True, _is(dict), "an object"),
         ("iterative.rm", False, lambda v: v is None or isinstance(v, str), "a path or null"),
+        # the guard's decisions so far (grpo_cli.guard.GuardState); absent before a run's first
+        ("guard", False, _is(dict), "an object"),
+        ("guard.decisions", True, _int(), "an integer >= 0"),
+        ("guard.rewinds", True, _int(), "an integer >= 0"),
+        ("guard.lr_scale", True, lambda v: _number(v) and math.isfinite(v) and v > 0, "a number > 0"),
+        ("guard.is_correction", True, lambda v: v is None or isinstance(v, str), "a mode or null"),
+        ("guard.is_correction_cap", True, lambda v: v is None or _number(v), "a number or null"),
     ],
     "optimizer.json": [
         ("param_groups", True, lambda v: _list_of(_is(dict))(v) and len(v) > 0, "a non-empty list of objects"),

@@ -277,6 +277,7 @@ def held_out(run: Run, record: StepRecord) -> dict:
             policy.train(was_training)
     scores = eval_metrics(rows)
     console.print(eval_line(record.step, scores, len(rows)), highlight=False)
+    run.state["history"][-1].update(scores)  # the guard's held-out tripwire reads the evals there (grpo_cli.guard)
     scores["time/eval_s"] = time.perf_counter() - t
     record.metrics.update(scores)
     return scores

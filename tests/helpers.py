@@ -65,10 +65,10 @@ def sampler_settings(option: str = "default", **overrides) -> dict:
 
 DIGIT_REWARD = ("+reward.functions.digit={_target_:grpo_cli.rewards.outcome.format_reward,_partial_:true,"
                 "pattern:'[0-9]'}")
-# held-out eval off (trainer.eval_every): a test about it turns it on
+# held-out eval (trainer.eval_every) and the guard (trainer.guard) off: a test about one turns it on
 TINY = ["model=tiny", "sampler.max_new_tokens=8", "algo.group_size=4", "trainer.prompts_per_step=2",
         "trainer.micro_batch_size=4", "optimizer.lr=0.05", "trainer.warmup_steps=0", "trainer.report_to=[]",
-        "trainer.eval_every=null", DIGIT_REWARD, "+reward.weights.digit=1.0"]
+        "trainer.eval_every=null", "trainer.guard=null", DIGIT_REWARD, "+reward.weights.digit=1.0"]
 
 
 # the tiny model, 6 tokens, 20 held-out problems: what the eval, sample and rm tests run with (conftest's `eval_run`)

@@ -25,7 +25,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from transformers.trainer_utils import SchedulerType
 
-from grpo_cli import checkpoint, compiled
+from grpo_cli import checkpoint, compiled, guard
 from grpo_cli.app import command_line_overrides, hydra_app
 from grpo_cli.checks import Check, Rule, is_int, is_num, raised
 from grpo_cli.config import validate
@@ -35,7 +35,7 @@ from grpo_cli.metrics.console import console, progress, quiet
 from grpo_cli.metrics.plots import plot_training
 from grpo_cli.metrics.run_files import check_logging
 from grpo_cli.policy import trainable_dtype
-from grpo_cli.recipe import Run, held_out, resume, save, setup, step, with_section
+from grpo_cli.recipe import Run, held_out, save, setup, step, with_section
 from grpo_cli.rollout.engine import AUTO, Choice, choose, run_refusal
 from grpo_cli.runs import anchored, claim, read_saved, resume_config
 
@@ -82,7 +82,7 @@ def run(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) -> P
             training = setup(cfg, run_dir, world, chosen.why)
             training.state["started_in"] = str(Path.cwd())  # a resume keeps the run's own (recipe.resume)
             if ckpt is not None:
-                resume(training, ckpt)
+                training = guard.resume(training, ckpt)  # recipe.resume, and the guard's decisions since the checkpoint
             return train(training)
     finally:
         if lock is not None:
@@ -99,20 +99,21 @@ def train(run: Run) -> Path:
     # leaving the block (also on an error) closes the trackers' run and puts the signal handlers back
     with progress("train") as bar, run.log, StopFlag() as stop:
         task = bar.add_task("train", total=trainer.max_steps, completed=run.state["step"], info="")
-        for n in range(run.state["step"] + 1, trainer.max_steps + 1):
+        while (n := run.state["step"] + 1) <= trainer.max_steps:  # a guard's rewind sets the step back
             record = step(run, n)
             scores = held_out(run, record) if evaluates(run, n) else {}  # held-out eval, after the update
             nonfinite = nonfinite + 1 if record.nonfinite_skipped else 0
             if record.nonfinite_skipped:
                 console.print(f"[yellow]step {n}: non-finite loss or gradient, optimizer step skipped ({nonfinite} "
                               f"in a row; the run stops at trainer.max_nonfinite_steps={trainer.max_nonfinite_steps})")
-            run.log.log(record.metrics)
-            run.samples.log(n, record.kept.positions, record.kept.examples, record.kept.rollout, record.kept.result,
-                            record.advantages, world)
-            bar.update(task, completed=n, info=summary(record.metrics))
-            if state := run.keep.state(record.metrics):  # dynamic sampling short of a full batch: a line that stays
-                console.print(f"[yellow]step {n}: {state}", highlight=False)
+            log_step(run, record, lambda info: bar.update(task, completed=n, info=info))
             stop.requested = agreed_stop(world, stop.requested)  # a stop asked of any rank stops them all here
+            if trip := guard.fired(run):  # a tripwire: back to the last checkpoint that passed, its remedy applied
+                run, last, halt = guard.rewind(run, trip)
+                nonfinite = 0
+                if halt or stop.requested:
+                    break
+                continue
             if n % trainer.save_every == 0 or n == trainer.max_steps or stop.requested or scores:
                 last = save(run, n)  # an eval's step too: its score belongs to a checkpoint on disk
                 keep_best(run, n, scores)
@@ -127,6 +128,18 @@ def train(run: Run) -> Path:
     last = last or checkpoint.resolve(run.run_dir)  # resumed at or past max_steps: nothing was done
     console.print(f"checkpoint: {last}\ncurves: {plot_training(run.run_dir) if world.main else None}")
     return last
+
+
+def log_step(run: Run, record, show) -> None:
+    """Step `record.step`'s record in metrics.jsonl and the trackers, its completions (every rank gives its own), the
+    progress bar's line (`show(info)`), and dynamic sampling's line when the step's batch fell short."""
+    n = record.step
+    run.log.log(record.metrics)
+    run.samples.log(n, record.kept.positions, record.kept.examples, record.kept.rollout, record.kept.result,
+                    record.advantages, run.world)
+    show(summary(record.metrics))
+    if state := run.keep.state(record.metrics):  # dynamic sampling short of a full batch: a line that stays
+        console.print(f"[yellow]step {n}: {state}", highlight=False)
 
 
 def evaluates(run: Run, n: int) -> bool:
@@ -250,6 +263,7 @@ CHECKS: list[Check] = [
     trainable_dtype,
     checkpoint.init_adapter_problems,
     *compiled.CHECKS,
+    *guard.CHECKS,
 ]
 
 
