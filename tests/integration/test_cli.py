@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from http.server import BaseHTTPRequestHandler
+
 import pytest
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
@@ -10,7 +12,7 @@ from grpo_cli.commands import train
 from grpo_cli.config import compose, validate
 from grpo_cli.errors import ConfigError
 from grpo_cli.resources import CONF_DIR, RECIPES_DIR
-from tests.helpers import MULTIPLY_TOOL, run_cli
+from tests.helpers import MULTIPLY_TOOL, LocalServer, run_cli
 
 
 def test_help_lists_subcommands():
@@ -125,6 +127,9 @@ def test_every_group_option_composes(group, option, gsm8k_path, monkeypatch, tmp
                       "class": [f"env.factory={tmp_path / 'my_env.py'}:Game"]}.get(option, [])
     if group == "sampler" and option.startswith("vllm"):  # vLLM installed or not (test_vllm_sampler)
         monkeypatch.setattr("grpo_cli.rollout.vllm_engine.installed", lambda: True)
+    server = LocalServer(AnswersGet)  # sampler=vllm_server's check asks a server before anything loads: a stand-in
+    if (group, option) == ("sampler", "vllm_server"):
+        overrides.append(f"sampler.url={server.url.removesuffix('/v1')}")
     if (group, option) in (("model", "hf"),):
         overrides.append("model.name_or_path=some/model")
     if group == "data" and option in ("gsm8k", "jsonl", "hf"):
@@ -136,8 +141,22 @@ def test_every_group_option_composes(group, option, gsm8k_path, monkeypatch, tmp
     if (group, option) == ("reward", "judge"):
         overrides.append("reward.functions.judge.model=some/model")
     # the labeler and rm groups belong to both `grpo rm` and `grpo train` (its iterations)
-    for command in ("rm", "train") if group in ("labeler", "rm") else ("train",):
-        validate(compose(command, overrides))
+    with server:
+        for command in ("rm", "train") if group in ("labeler", "rm") else ("train",):
+            validate(compose(command, overrides))
+
+
+class AnswersGet(BaseHTTPRequestHandler):
+    """200 and an empty JSON object to any GET."""
+
+    def do_GET(self):  # noqa: N802 (http.server's name)
+        self.send_response(200)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    def log_message(self, *args):
+        pass
 
 
 def test_sweep_runs_two_jobs(tmp_path):

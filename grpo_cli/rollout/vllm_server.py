@@ -1,0 +1,429 @@
+"""The vLLM-server sampler (`sampler=vllm_server`): the sampler contract of hf.py, sampled by a running vLLM
+OpenAI-compatible server, and the push of the policy's weights to it through vLLM's own endpoints.
+
+    grpo serve                                                   # starts vLLM's server for the run's model
+    grpo train sampler=vllm_server sampler.url=http://127.0.0.1:8000
+
+Nothing here serves: the server is vLLM's (`python -m vllm.entrypoints.openai.api_server`, which `grpo serve`
+starts with the run's model, LoRA rank, dtype and lengths; grpo_cli/serving.py). This module is its client.
+
+Sampling. Prompts go in as token ids (`/v1/completions` with `prompt` a list of ids), one request per prompt with
+`n` = G and the prompt's seed, all of a call's requests in flight at once so the server batches them, exactly the
+`SamplingParams` the in-process engine builds (vllm.py): `logprobs=0`, `ignore_eos` with the tokenizer's EOS as
+the only stop id, the seed drawn from the caller's generator. So a run samples the same completions on either
+engine wherever vLLM itself is deterministic. The server must run with `--logprobs-mode raw_logprobs` (the
+trainer's `sampler/logp_gap` and the importance-sampling correction read them); `connect` checks that it does.
+
+Weights. The server holds its own copy, refreshed when the policy changed (`sync`, or `generate` after eval's
+adapter switch):
+  - LoRA (`model.finetune=lora`): the active adapter only, written as a peft folder (adapter_config.json +
+    adapter_model.safetensors, a few MB) under `sampler.adapter_dir` and loaded with `/v1/load_lora_adapter` under
+    a new name per policy version (`grpo-<run>-v<N>`: a new name is a new prefix-cache key, so no KV of an old
+    version is reused); the version before is unloaded. Requests name the adapter; with adapters off (eval's base
+    pass) they name the base model. The server needs `--enable-lora` and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1.
+  - Full weights (`model.finetune=full`): every weight written as a safetensors folder, then vLLM's in-place
+    reload (`/collective_rpc` `reload_weights` with its path, which repacks the CPU build's layers too) and
+    `/reset_prefix_cache`; these are vLLM's development endpoints (VLLM_SERVER_DEV_MODE=1). vLLM's NCCL and
+    CUDA-IPC transfer engines (`/init_weight_transfer_engine`, `/update_weights`) move weights without a file
+    between GPUs; they are not used here (no GPU has run them with grpo-cli yet: docs/sampling-vllm.md).
+A version is used only once the server said it loaded it, so a trainer killed mid-push leaves the server serving
+its last complete version, and the resumed run pushes again.
+
+Many ranks, one server: under torchrun every rank samples its own share of the prompts from the same server; only
+rank 0 writes and pushes, and the others take the version's name from it (a broadcast, which also keeps every
+rank from sampling before the push has finished). The adapter folder must be one the server reads: on another
+machine, set `sampler.adapter_dir` to a shared folder.
+
+Faults. An unreachable server is a ConfigError before the model loads (`check_server`, with the command that starts
+one); a server with another model (its vocabulary, or the log-probs of a probe prompt) is refused at `start`; a
+server that dies or hangs mid-run is one RunError line within `sampler.timeout_s`, and the run's checkpoints stay
+as they were (`grpo train resume=RUN` once it is back).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+from safetensors.torch import save_file
+
+from grpo_cli.checks import Check, Rule, get, is_num
+from grpo_cli.distributed import init_world
+from grpo_cli.errors import ConfigError, DataError, RunError
+from grpo_cli.policy import trains_adapter
+from grpo_cli.rollout import Rollout, Sampler, drawing_from, encode_prompts, finish, pad_id
+from grpo_cli.rollout.hf import check_prompts
+from grpo_cli.rollout.vllm import _active, _lora_layers, fingerprint
+from grpo_cli.rollout.vllm_engine import base_model
+
+# what an unreachable server's error line suggests
+START = "grpo serve (with this run's model overrides; grpo serve --print shows vLLM's own command line)"
+# at most this many requests in flight at once (one per prompt): the server batches what arrives together
+MAX_IN_FLIGHT = 64
+# the probe's tolerance: mean |log-prob difference| per token between the server's base model and the policy's base,
+# in nats; the same weights in fp32 differ by ~1e-4, bf16 by ~1e-2, another model by whole nats
+PROBE_TOLERANCE = 0.25
+
+
+@dataclass
+class VLLMServerSampler(Sampler):
+    """The `sampler` settings (conf/sampler/vllm_server.yaml) and a client of a running vLLM server."""
+
+    engine_name = "vLLM server"  # the console's name for it (engine.say); a class attribute, not a setting
+
+    url: str
+    model: str | None
+    timeout_s: float
+    adapter_dir: str | None
+    # what `grpo serve` starts the server with (grpo_cli/serving.py); the client does not read them
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    enforce_eager: bool = False
+    cpu_kv_cache_gb: float | None = None
+    gpu_memory_utilization: float = 0.3
+    max_loras: int = 2
+
+    def __post_init__(self):
+        self.url = self.url.rstrip("/")
+        self.base_name: str | None = None  # the served base model's name, once connected
+        self.serving: str | None = None  # the name requests ask for: the base, or the pushed adapter's
+        self._pushed = None  # fingerprint of the policy weights the requests sample from now
+        self._adapter: tuple | None = None  # (fingerprint, name) of the adapter version the server holds
+        self._version = 0  # policy versions pushed by this process
+        self._run = uuid.uuid4().hex[:8]  # this process's adapters' prefix: runs sharing a server never collide
+        self._folder: tempfile.TemporaryDirectory | None = None  # adapter_dir=null: a folder of this process
+        self._written: Path | None = None  # the folder of the version the server holds (deleted at the next push)
+        self.last_push: dict = {}  # bytes and seconds of the newest push (docs/speed.md)
+
+    # ---- the contract ------------------------------------------------------------------------
+
+    def start(self, policy, section, job=None):
+        """Connect, check that the server serves this policy's base model, and push the weights."""
+        self.connect(policy)
+        self._push(policy)
+        return section
+
+    def sync(self, policy) -> None:
+        self._push(policy)
+
+    def generate(self, model, tokenizer, prompts: list[str], n: int, **options) -> Rollout:
+        self._push(model)
+        return super().generate(model, tokenizer, prompts, n, **options)
+
+    def engine(self, policy, tokenizer, *, greedy: bool, generator: torch.Generator | None,
+               temperature: float | None = None):
+        """grpo_cli.env's Engine on the server, the policy's weights pushed first."""
+        self._push(policy)
+        return ServerEngine(self, tokenizer.eos_token_id, greedy, generator, temperature or self.temperature)
+
+    # ---- sampling ----------------------------------------------------------------------------
+
+    def _generate(self, model, tokenizer, prompts: list[str], n: int, *, greedy: bool, max_new_tokens: int,
+                  temperature: float, generator: torch.Generator | None) -> Rollout:
+        device = next(model.parameters()).device
+        check_prompts(model, tokenizer, prompts, self.max_prompt_tokens, max_new_tokens)
+        ids, mask = encode_prompts(tokenizer, prompts)  # [B, P], left-padded
+        eos, pad = tokenizer.eos_token_id, pad_id(tokenizer)
+        # one seed per prompt from the caller's generator, as the in-process engine draws them (vllm.py)
+        with drawing_from(generator):
+            seeds = torch.randint(0, 2**31 - n, (len(prompts),)).tolist()
+        bodies = [self.request(row[keep.bool()].tolist(), n=n, max_tokens=max_new_tokens, eos=eos, greedy=greedy,
+                               temperature=temperature, seed=seed) for row, keep, seed in zip(ids, mask, seeds)]
+        samples = [c for out in self.complete(bodies) for c in out]  # [N] (token ids, log-probs), grouped
+        width = max(len(tokens) for tokens, _ in samples)
+        completion = torch.full((len(samples), width), pad, dtype=torch.long)  # [N, T]
+        logp = torch.zeros((len(samples), width), dtype=torch.float32)  # [N, T]
+        for i, (tokens, lps) in enumerate(samples):
+            completion[i, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            logp[i, :len(tokens)] = torch.tensor(lps, dtype=torch.float32)
+        rollout = finish(tokenizer, ids.repeat_interleave(n, 0).to(device), mask.repeat_interleave(n, 0).to(device),
+                         completion.to(device), eos, pad)
+        rollout.sampling_logp = logp.to(device) * rollout.completion_mask  # 0 after EOS
+        return rollout
+
+    def request(self, prompt: list[int], *, n: int, max_tokens: int, eos: int, greedy: bool, temperature: float,
+                seed: int | None) -> dict:
+        """One `/v1/completions` body: the in-process engine's SamplingParams, as JSON."""
+        sampling = ({"temperature": 0.0} if greedy else
+                    {"temperature": temperature, "top_p": self.top_p, "top_k": self.top_k if self.top_k else -1,
+                     "seed": seed})
+        return {"model": self.serving, "prompt": prompt, "n": n, "max_tokens": max_tokens, "logprobs": 0,
+                "ignore_eos": True, "stop_token_ids": [eos], "return_token_ids": True,
+                "skip_special_tokens": False, **sampling}
+
+    def complete(self, bodies: list[dict]) -> list[list[tuple[list[int], list[float]]]]:
+        """Each body's choices in index order, as (token ids, their raw log-probs), all bodies in flight at once."""
+        if not bodies:
+            return []
+        with ThreadPoolExecutor(max_workers=min(MAX_IN_FLIGHT, len(bodies))) as pool:
+            outputs = list(pool.map(lambda body: self.post("/v1/completions", body), bodies))
+        return [[_choice(c) for c in sorted(out["choices"], key=lambda c: c["index"])] for out in outputs]
+
+    # ---- the server: connect, check, push ----------------------------------------------------
+
+    def connect(self, policy) -> None:
+        """The served base model's name, checked against the policy: the same vocabulary and the same log-probs
+        of a probe prompt (another model, or another precision far off, is refused), and raw log-probs."""
+        models = self.get("/v1/models")
+        names = [m["id"] for m in models.get("data", []) if not m.get("parent")]
+        if self.model is not None and self.model not in names:
+            raise ConfigError(f"the vLLM server at {self.url} serves {', '.join(names) or 'no model'}, not "
+                              f"sampler.model={self.model}; set sampler.model to one of them, or null")
+        self.base_name = self.model or (names[0] if names else None)
+        if self.base_name is None:
+            raise ConfigError(f"the vLLM server at {self.url} serves no model; start it with: {START}")
+        self.serving = self.base_name
+        served = next(m for m in models["data"] if m["id"] == self.base_name)
+        self._check_model(policy, served)
+
+    @torch.no_grad()
+    def _check_model(self, policy, served: dict) -> None:
+        """Refuse a server whose model is not the policy's base: its vocabulary size, then the mean |difference|
+        of the log-probs both give a probe prompt (prompt_logprobs, no sampling)."""
+        base = base_model(policy)
+        vocab = base.config.vocab_size
+        probe = [i % vocab for i in (1, 3, 7, 15, 31, 63, 127, 255, 511, 1023, 2047, 4095, 8191, 16383)]
+        body = {"model": self.base_name, "prompt": probe, "max_tokens": 1, "prompt_logprobs": 0, "logprobs": 0,
+                "temperature": 0.0, "return_token_ids": True}
+        out = self.post("/v1/completions", body)["choices"][0]
+        theirs = [_prompt_logprob(entry, tok) for entry, tok in zip(out["prompt_logprobs"][1:], probe[1:])]
+        device = next(policy.parameters()).device
+        ids = torch.tensor([probe], device=device)
+        with _adapters_off(policy):
+            logits = policy(input_ids=ids).logits.float()  # [1, P, V]
+        ours = torch.log_softmax(logits[0, :-1], -1).gather(-1, ids[0, 1:, None])[:, 0].cpu()  # [P - 1]
+        gap = (ours - torch.tensor(theirs)).abs().mean().item()
+        if gap > PROBE_TOLERANCE or served.get("max_model_len") is None:
+            raise ConfigError(f"the vLLM server at {self.url} serves another model than this run's "
+                              f"({self.base_name}: log-probs of a probe prompt differ by {gap:.3g} nats on average "
+                              f"from the policy's base, > {PROBE_TOLERANCE}); start the server for this model with: "
+                              f"{START}")
+
+    @torch.no_grad()
+    def _push(self, policy) -> None:
+        """The policy's current weights to the server when they changed since the last push: the adapter (LoRA) or
+        every weight (full); rank 0 pushes, every rank then samples the version it names. With adapters off
+        (eval's base pass) requests name the base model, and the adapter stays loaded for the pass after."""
+        if self.base_name is None:
+            self.connect(policy)
+        stamp = fingerprint(policy)
+        if stamp == self._pushed:
+            return
+        world = init_world()
+        name = None
+        if world.main:
+            t = time.perf_counter()
+            adapters = trains_adapter(policy)
+            if adapters and not stamp:  # no adapter active: the base model, nothing to push
+                name, sent = self.base_name, 0
+            elif adapters and self._adapter is not None and self._adapter[0] == stamp:  # back from the base pass
+                name, sent = self._adapter[1], 0
+            elif adapters:
+                name, sent = self._push_adapter(policy)
+                self._adapter = (stamp, name)
+            else:
+                name, sent = self._push_full(policy)
+            self.last_push = {"bytes": sent, "seconds": time.perf_counter() - t, "name": name}
+        self.serving = world.broadcast(name)  # also: no rank samples before rank 0's push has finished
+        self._pushed = stamp
+
+    def _push_adapter(self, policy) -> tuple[str, int]:
+        """The active adapter as a peft folder, loaded under a new name; the version before unloaded."""
+        from peft import get_peft_model_state_dict
+
+        active = sorted({a for layer in _lora_layers(policy).values() for a in _active(layer)})
+        if len(active) != 1:
+            raise NotImplementedError(f"the server push sends one active adapter, and the policy has {active}")
+        self._version += 1
+        name = f"grpo-{self._run}-v{self._version}"
+        folder = self._new_folder(name)
+        weights = get_peft_model_state_dict(policy, adapter_name=active[0])
+        save_file({k: v.detach().cpu().contiguous() for k, v in weights.items()}, folder / "adapter_model.safetensors")
+        policy.peft_config[active[0]].save_pretrained(folder)
+        self.post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)}, text=True)
+        if self._adapter is not None:
+            self._retire(self._adapter[1])
+        self._keep(folder)
+        return name, sum(v.numel() * v.element_size() for v in weights.values())
+
+    def _push_full(self, policy) -> tuple[str, int]:
+        """Every weight as a safetensors folder, reloaded in place by vLLM (its dev endpoints)."""
+        self._version += 1
+        folder = self._new_folder(f"grpo-{self._run}-full-v{self._version}")
+        seen, weights = set(), {}
+        for name, p in base_model(policy).state_dict().items():
+            if p.data_ptr() in seen:  # a tied copy (lm_head = embeddings)
+                continue
+            seen.add(p.data_ptr())
+            weights[name] = p.detach().cpu().contiguous()
+        save_file(weights, folder / "model.safetensors")
+        self.post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}})
+        self.post("/reset_prefix_cache", None, text=True)
+        self._keep(folder)
+        return self.base_name, sum(v.numel() * v.element_size() for v in weights.values())
+
+    def _new_folder(self, name: str) -> Path:
+        """A new folder for one version's files, under sampler.adapter_dir or this process's temporary folder."""
+        if self.adapter_dir is None and self._folder is None:
+            self._folder = tempfile.TemporaryDirectory(prefix="grpo-push-")
+        root = Path(self.adapter_dir).expanduser() if self.adapter_dir else Path(self._folder.name)
+        folder = root / name
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder.resolve()
+
+    def _retire(self, name: str) -> None:
+        """Unload an adapter version this process pushed."""
+        if name.startswith(f"grpo-{self._run}-"):
+            try:
+                self.post("/v1/unload_lora_adapter", {"lora_name": name}, text=True)
+            except RunError:  # an unload that fails costs server memory, never the run
+                pass
+
+    def _keep(self, folder: Path) -> None:
+        """The server holds `folder`'s version now: the one before is deleted."""
+        if self._written is not None and self._written != folder:
+            shutil.rmtree(self._written, ignore_errors=True)
+        self._written = folder
+
+    # ---- HTTP --------------------------------------------------------------------------------
+
+    def get(self, path: str) -> dict:
+        return self._call(urllib.request.Request(self.url + path), text=False)
+
+    def post(self, path: str, body, *, text: bool = False):
+        data = b"" if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(self.url + path, data=data, method="POST",
+                                         headers={"Content-Type": "application/json"})
+        return self._call(request, text=text)
+
+    def _call(self, request: urllib.request.Request, text: bool):
+        """The server's answer (JSON, or text for the LoRA endpoints); a server that is gone or silent for
+        `timeout_s` is one RunError line, a refused request one DataError line with the server's reason."""
+        path = urllib.parse.urlsplit(request.full_url).path
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as answer:
+                raw = answer.read()
+        except urllib.error.HTTPError as err:
+            reason = _server_reason(err)
+            if err.code == 404 and path in ("/v1/load_lora_adapter", "/collective_rpc", "/reset_prefix_cache"):
+                need = ("VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 and --enable-lora" if "lora" in path
+                        else "VLLM_SERVER_DEV_MODE=1")
+                raise RunError(f"the vLLM server at {self.url} has no {path} endpoint: it was started without "
+                               f"{need}; start it with: {START}") from None
+            raise DataError(f"the vLLM server at {self.url} refused {path} (HTTP {err.code}: {reason})") from None
+        except (urllib.error.URLError, OSError) as err:  # refused, reset, timed out
+            why = getattr(err, "reason", err)
+            raise RunError(f"the vLLM server at {self.url} did not answer {path} ({why}; sampler.timeout_s="
+                           f"{self.timeout_s:g}); the run's checkpoints are as they were: start the server again "
+                           f"and go on with grpo train resume=RUN") from None
+        if text:
+            return raw.decode(errors="replace")
+        return json.loads(raw) if raw else {}
+
+
+@dataclass
+class ServerEngine:
+    """grpo_cli.env's Engine on the server: token-id sequences in, each row's new ids out up to and including its
+    EOS, one seed per row from `generator` (greedy: none), as VLLMEngine does in process. `logprobs`: per row of the
+    last call, the server's raw log-prob of each id it returned."""
+
+    sampler: VLLMServerSampler
+    eos_token_id: int
+    greedy: bool
+    generator: torch.Generator | None
+    temperature: float
+    logprobs: list[list[float]] | None = field(default=None, init=False)
+
+    def continue_batch(self, sequences: list[list[int]], max_new: int) -> list[list[int]]:
+        s, eos = self.sampler, self.eos_token_id
+        seeds = [None] * len(sequences)
+        if not self.greedy:
+            with drawing_from(self.generator):
+                seeds = torch.randint(0, 2**31 - 1, (len(sequences),)).tolist()
+        longest = s.max_model_len
+        bodies = [s.request(list(q), n=1, max_tokens=max(1, min(max_new, (longest or 10**9) - len(q))), eos=eos,
+                            greedy=self.greedy, temperature=self.temperature, seed=seed)
+                  for q, seed in zip(sequences, seeds, strict=True)]
+        out, logprobs = [], []
+        for (tokens, lps), *_ in s.complete(bodies):
+            end = tokens.index(eos) + 1 if eos in tokens else len(tokens)
+            out.append(tokens[:end])
+            logprobs.append(lps[:end])
+        self.logprobs = logprobs
+        return out
+
+
+def _choice(choice: dict) -> tuple[list[int], list[float]]:
+    """(token ids, raw log-prob of each) of one completion choice."""
+    tokens = list(choice["token_ids"])
+    return tokens, [float(x) for x in choice["logprobs"]["token_logprobs"]][:len(tokens)]
+
+
+def _prompt_logprob(entry: dict, token: int) -> float:
+    """The log-prob of `token` in one position of vLLM's `prompt_logprobs` ({token id: {logprob, ...}})."""
+    value = entry.get(str(token), entry.get(token))
+    return float(value["logprob"] if isinstance(value, dict) else value)
+
+
+def _server_reason(err: urllib.error.HTTPError) -> str:
+    try:
+        body = json.loads(err.read() or b"{}")
+    except (ValueError, OSError):
+        return err.reason or "no reason given"
+    # vLLM's errors: {"error": {"message": ...}}; FastAPI's own (an unknown path, a bad body): {"detail": ...}
+    message = body.get("error", body.get("detail", body)) if isinstance(body, dict) else body
+    if isinstance(message, dict):
+        message = message.get("message", message)
+    return " ".join(str(message).split())[:300]
+
+
+class _adapters_off:
+    """The policy's base (peft's adapters switched off), or the policy itself when it has none."""
+
+    def __init__(self, policy):
+        self.context = policy.disable_adapter() if hasattr(policy, "disable_adapter") else None
+
+    def __enter__(self):
+        return self.context.__enter__() if self.context is not None else None
+
+    def __exit__(self, *exc):
+        return self.context.__exit__(*exc) if self.context is not None else False
+
+
+# ---- config checks: collected by config.validate ------------------------------------------------
+
+def check_server(cfg: DictConfig) -> list[str]:
+    """sampler=vllm_server: a server answers at sampler.url, checked before any model loads (at most 5 s)."""
+    # grpo serve's own config (a `serve` section) starts the server this check would look for
+    if str(get(cfg, "sampler._target_")[1]) != f"{__name__}.VLLMServerSampler" or "serve" in cfg:
+        return []
+    url = str(get(cfg, "sampler.url")[1] or "")
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return [f"sampler.url ({url!r}) must be the server's http://HOST:PORT; set sampler.url=http://127.0.0.1:8000"]
+    timeout = min(5.0, float(get(cfg, "sampler.timeout_s")[1] or 5.0))
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/v1/models", timeout=timeout) as answer:
+            answer.read()
+    except (urllib.error.URLError, OSError, ValueError) as err:
+        why = getattr(err, "reason", err)
+        return [f"sampler=vllm_server: no vLLM server answers at {url} ({why}); start one with: {START}"]
+    return []
+
+
+CHECKS: list[Check] = [
+    Rule("sampler.timeout_s", lambda v: v is None or (is_num(v) and v > 0),
+         "must be > 0 (seconds); set sampler.timeout_s=600"),
+    check_server,
+]

@@ -1,0 +1,218 @@
+"""The vLLM-server sampler's client against a stand-in server on loopback: the requests it sends (the in-process
+engine's sampling settings), the rollout it builds from the answers, the adapter push (a peft folder under a new name
+per version, the one before unloaded), the model check, and one line for each fault. vLLM's own server on the
+embedded model: tests/integration/test_vllm_server.py."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from grpo_cli.config import compose, validate
+from grpo_cli.errors import ConfigError, DataError, RunError
+from grpo_cli.policy import build_policy
+from grpo_cli.rollout.vllm_server import START, VLLMServerSampler
+from tests.helpers import LocalServer, sampler_settings, set_adapter, tiny_cfg
+
+
+class FakeVLLM(LocalServer):
+    """vLLM's endpoints as the sampler uses them. Completions: each choice is `k + 10, EOS` for choice k (ids that
+    tell the choices apart), log-prob -0.5 per token; `prompt_logprobs` are the `scorer` policy's own (a server
+    with the same weights) or `off` nats away (another model). `missing`: paths answered 404; `delay`: seconds
+    every completion waits."""
+
+    def __init__(self, scorer=None, *, off: float = 0.0, missing=(), delay: float = 0.0, eos: int = 2):
+        server = self
+        self.requests: list[tuple[str, dict]] = []
+        lock = threading.Lock()
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802
+                self._answer(200, {"data": [{"id": "base", "parent": None, "max_model_len": 256}]})
+
+            def do_POST(self):  # noqa: N802
+                size = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(size)) if size else None
+                with lock:
+                    server.requests.append((self.path, body))
+                if self.path in missing:
+                    return self._answer(404, {"detail": "Not Found"})
+                if self.path == "/v1/completions":
+                    time.sleep(delay)
+                    return self._answer(200, server.complete(body))
+                self._answer(200, "Success" if "lora" in self.path else {"results": [None]})
+
+            def _answer(self, status, payload):
+                text = payload if isinstance(payload, str) else json.dumps(payload)
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(text.encode())))
+                    self.end_headers()
+                    self.wfile.write(text.encode())
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
+
+            def log_message(self, *args):
+                pass
+
+        self.scorer, self.off, self.eos = scorer, off, eos
+        super().__init__(Handler)
+        self.base = self.url.removesuffix("/v1")
+
+    def complete(self, body: dict) -> dict:
+        if body.get("prompt_logprobs") is not None:  # the model check's probe
+            ids = torch.tensor([body["prompt"]])
+            with torch.no_grad(), self.scorer.disable_adapter():
+                logp = torch.log_softmax(self.scorer(input_ids=ids).logits[0, :-1].float(), -1)
+            per = logp.gather(-1, ids[0, 1:, None])[:, 0] - self.off
+            entries = [None] + [{str(t): {"logprob": float(v)}} for t, v in zip(body["prompt"][1:], per)]
+            return {"choices": [{"index": 0, "token_ids": [0], "logprobs": {"token_logprobs": [-1.0]},
+                                 "prompt_logprobs": entries}]}
+        choices = [{"index": k, "token_ids": [k + 10, self.eos], "logprobs": {"token_logprobs": [-0.5, -0.5]}}
+                   for k in reversed(range(body["n"]))]  # out of order: the client sorts by index
+        return {"choices": choices}
+
+    def paths(self) -> list[str]:
+        return [p for p, _ in self.requests]
+
+
+@pytest.fixture()
+def policy_and_tokenizer():
+    policy, tokenizer, _ = build_policy(tiny_cfg().model)
+    return policy, tokenizer
+
+
+def sampler(url: str, **overrides) -> VLLMServerSampler:
+    return VLLMServerSampler(**sampler_settings("vllm_server", url=url, **overrides))
+
+
+def test_start_checks_the_model_and_samples_with_the_in_process_engines_settings(policy_and_tokenizer, tmp_path):
+    policy, tokenizer = policy_and_tokenizer
+    with FakeVLLM(policy, eos=tokenizer.eos_token_id) as server:
+        s = sampler(server.base, adapter_dir=str(tmp_path), max_new_tokens=5)
+        s.start(policy, None)
+        rollout = s.generate(policy, tokenizer, ["ab", "abcd"], 3, generator=torch.Generator().manual_seed(0))
+    bodies = [b for p, b in server.requests if p == "/v1/completions" and b.get("prompt_logprobs") is None]
+    assert len(bodies) == 2  # one request per prompt, n = 3 each
+    ids = [tokenizer(p, add_special_tokens=False).input_ids for p in ("ab", "abcd")]
+    assert sorted(map(len, (b["prompt"] for b in bodies))) == sorted(map(len, ids))  # token ids, no padding
+    for body in bodies:
+        assert body["n"] == 3 and body["max_tokens"] == 5 and body["logprobs"] == 0 and body["ignore_eos"] is True
+        assert body["stop_token_ids"] == [tokenizer.eos_token_id] and body["temperature"] == 1.0
+        assert isinstance(body["seed"], int) and body["model"].startswith("grpo-")  # the pushed adapter's name
+    assert len({b["seed"] for b in bodies}) == 2  # a seed of its own per prompt
+    # rows grouped by prompt, choices in index order: 10 EOS, 11 EOS, 12 EOS per group
+    assert rollout.completion_ids[:, 0].tolist() == [10, 11, 12, 10, 11, 12]
+    assert rollout.completion_mask.sum(1).tolist() == [2] * 6 and rollout.truncated == [False] * 6
+    assert torch.allclose(rollout.sampling_logp, torch.full((6, 2), -0.5))
+
+
+def test_greedy_requests_carry_no_seed_and_the_same_generator_gives_the_same_seeds(policy_and_tokenizer, tmp_path):
+    policy, tokenizer = policy_and_tokenizer
+    with FakeVLLM(policy, eos=tokenizer.eos_token_id) as server:
+        s = sampler(server.base, adapter_dir=str(tmp_path))
+        s.start(policy, None)
+        s.generate(policy, tokenizer, ["ab"], 1, greedy=True)
+        for _ in range(2):
+            s.generate(policy, tokenizer, ["ab", "b"], 2, generator=torch.Generator().manual_seed(7))
+    bodies = [b for p, b in server.requests if p == "/v1/completions" and b.get("prompt_logprobs") is None]
+    assert bodies[0]["temperature"] == 0.0 and "seed" not in bodies[0]
+    seeds = [{len(b["prompt"]): b["seed"] for b in part} for part in (bodies[1:3], bodies[3:5])]  # arrival order varies
+    assert seeds[0] == seeds[1] and len(set(seeds[0].values())) == 2  # a run and its resume alike
+
+
+def test_the_adapter_is_pushed_as_a_peft_folder_under_a_new_name_per_version(policy_and_tokenizer, tmp_path):
+    policy, tokenizer = policy_and_tokenizer
+    with FakeVLLM(policy, eos=tokenizer.eos_token_id) as server:
+        s = sampler(server.base, adapter_dir=str(tmp_path))
+        s.start(policy, None)
+        first = s.serving
+        s.sync(policy)  # nothing changed: nothing pushed
+        set_adapter(policy, seed=1)
+        s.sync(policy)
+        second = s.serving
+        with policy.disable_adapter():  # eval's base pass: the base model's name, nothing pushed
+            s.generate(policy, tokenizer, ["ab"], 1, greedy=True)
+            assert s.serving == "base"
+        s.generate(policy, tokenizer, ["ab"], 1, greedy=True)
+        assert s.serving == second  # back from the base pass: the adapter the server still holds, not pushed again
+        set_adapter(policy, seed=2)
+        s.sync(policy)
+    loads = [b for p, b in server.requests if p == "/v1/load_lora_adapter"]
+    assert [b["lora_name"] for b in loads] == [first, second, s.serving]
+    assert [n[-3:] for n in (first, second, s.serving)] == ["-v1", "-v2", "-v3"]
+    assert [b["lora_name"] for p, b in server.requests if p == "/v1/unload_lora_adapter"] == [first, second]
+    folder = Path(loads[-1]["lora_path"])
+    assert sorted(f.name for f in folder.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert not Path(loads[0]["lora_path"]).exists()  # the version before is deleted once replaced
+    saved = load_file(folder / "adapter_model.safetensors")
+    own = {n: p for n, p in policy.named_parameters() if "lora_B" in n}
+    key = next(k for k in saved if "lora_B" in k)
+    assert torch.equal(saved[key], own[key.replace(".weight", ".default.weight")].detach())  # peft's own layout
+    assert s.last_push["bytes"] == sum(v.numel() * 4 for v in saved.values())
+
+
+def test_a_server_with_another_model_is_refused(policy_and_tokenizer, tmp_path):
+    policy, tokenizer = policy_and_tokenizer
+    with FakeVLLM(policy, off=1.0, eos=tokenizer.eos_token_id) as server:
+        with pytest.raises(ConfigError) as err:
+            sampler(server.base, adapter_dir=str(tmp_path)).start(policy, None)
+    assert "serves another model than this run's (base: log-probs of a probe prompt differ by 1 nats" in str(err.value)
+    assert str(err.value).endswith(START) and len(str(err.value).splitlines()) == 1
+
+
+def test_a_server_without_runtime_lora_names_what_it_needs(policy_and_tokenizer, tmp_path):
+    policy, tokenizer = policy_and_tokenizer
+    with FakeVLLM(policy, missing={"/v1/load_lora_adapter"}) as server:
+        with pytest.raises(RunError) as err:
+            sampler(server.base, adapter_dir=str(tmp_path)).start(policy, None)
+    assert "has no /v1/load_lora_adapter endpoint: it was started without VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 " \
+           "and --enable-lora" in str(err.value)
+
+
+def test_a_server_that_hangs_is_one_line_within_the_timeout(policy_and_tokenizer, tmp_path):
+    policy, tokenizer = policy_and_tokenizer
+    with FakeVLLM(policy, eos=tokenizer.eos_token_id) as server:
+        s = sampler(server.base, adapter_dir=str(tmp_path), timeout_s=60)
+        s.start(policy, None)
+        server.scorer = None
+    with FakeVLLM(policy, delay=5, eos=tokenizer.eos_token_id) as hung:
+        s.url, s.timeout_s = hung.base, 0.5
+        t = time.perf_counter()
+        with pytest.raises(RunError) as err:
+            s.generate(policy, tokenizer, ["ab"], 2)
+        assert time.perf_counter() - t < 4
+    assert "did not answer /v1/completions (timed out; sampler.timeout_s=0.5)" in str(err.value)
+    assert "grpo train resume=RUN" in str(err.value) and len(str(err.value).splitlines()) == 1
+
+
+def test_a_refused_request_is_one_line_with_the_servers_reason(policy_and_tokenizer, tmp_path):
+    policy, tokenizer = policy_and_tokenizer
+    with FakeVLLM(policy, eos=tokenizer.eos_token_id, missing={"/v1/completions"}) as server:
+        s = sampler(server.base, adapter_dir=str(tmp_path))
+        s.base_name = s.serving = "base"
+        s._pushed = ()  # connected, adapters off: no probe, no push
+        with pytest.raises(DataError) as err, policy.disable_adapter():
+            s.generate(policy, tokenizer, ["ab"], 1)
+    assert str(err.value) == f"the vLLM server at {server.base} refused /v1/completions (HTTP 404: Not Found)"
+
+
+def test_an_unreachable_server_is_refused_before_the_model_loads():
+    with LocalServer(BaseHTTPRequestHandler) as free:  # a port that was free a moment ago
+        port = free.httpd.server_address[1]
+    t = time.perf_counter()
+    with pytest.raises(ConfigError) as err:
+        validate(compose("train", ["sampler=vllm_server", f"sampler.url=http://127.0.0.1:{port}"]))
+    assert time.perf_counter() - t < 10
+    assert str(err.value) == (f"sampler=vllm_server: no vLLM server answers at http://127.0.0.1:{port} ([Errno 111] "
+                              f"Connection refused); start one with: {START}")
+    with pytest.raises(ConfigError, match=r"sampler.url \('localhost:8000'\) must be the server's http://HOST:PORT"):
+        validate(compose("eval", ["sampler=vllm_server", "sampler.url=localhost:8000"]))
