@@ -20,8 +20,8 @@ import torch
 from grpo_cli.env import ClassEnv, ToolFormat, choose, environment_rewards, prepare, run_episodes
 from grpo_cli.env.episode import encode
 from grpo_cli.errors import DataError
-from grpo_cli.rewards.call import ENVIRONMENT_REWARD
 from grpo_cli.policy import load_tokenizer
+from grpo_cli.rewards.call import ENVIRONMENT_REWARD
 from grpo_cli.rollout import Rollout, pad_id, template_kwargs, use_chat_template
 from grpo_cli.rollout.sizing import Job
 
