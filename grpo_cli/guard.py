@@ -41,7 +41,6 @@ from grpo_cli.checks import Check, is_int, is_num, one_of
 from grpo_cli.errors import RunError
 from grpo_cli.instantiate import build
 from grpo_cli.metrics.console import console, quiet
-from grpo_cli.metrics.run_files import truncate_jsonl
 from grpo_cli.objective import IS_CORRECTIONS
 
 DECISIONS = "guard.jsonl"
@@ -93,13 +92,13 @@ def logp_gap(history: list[dict], max: float) -> Trip | None:  # noqa: A002 (the
 
 
 def _updated(record: dict) -> bool:
-    """The step updated some token: its entropy is a measurement (0 when no row was updated: all groups tied, β = 0)."""
+    """The step updated some token: its entropy is a measurement (0 when no row was updated: groups tied, β = 0)."""
     return record.get("counts/backward_seqs", 1) > 0 and "entropy" in record
 
 
 def entropy(history: list[dict], min_ratio: float, window: int) -> Trip | None:
-    """The newest step's mean token entropy below `min_ratio` x its mean over the first `window` steps that updated
-    tokens (the run's early entropy); nothing before that many steps, nor at a step that updated none."""
+    """The newest step's mean token entropy below `min_ratio` x its mean over the first `window` steps that
+    updated tokens (the run's early entropy); nothing before that many steps, nor at a step that updated none."""
     measured = [r for r in history if _updated(r)]
     if len(measured) <= window or not _updated(history[-1]):
         return None
@@ -251,7 +250,7 @@ def check(guard: DictConfig, history: list[dict], state: GuardState) -> Trip | N
     return None
 
 
-# ---- the run: fire, rewind, resume ------------------------------------------------------------------------------------
+# ---- the run: fire, rewind, resume ----------------------------------------------------------------------------------
 
 def fired(run: recipe.Run) -> Trip | None:
     """A tripwire that fires at the run's newest step (every rank reads the same history: the same verdict)."""
@@ -262,8 +261,8 @@ def fired(run: recipe.Run) -> Trip | None:
 
 
 def rewind(run: recipe.Run, trip: Trip) -> tuple[recipe.Run, Path, bool]:
-    """Act on `trip`: back to the newest checkpoint that passed, the remedy applied, the decision in guard.jsonl and one
-    console line. Returns (the run, now at that checkpoint; its folder; whether the run stops there). With no
+    """Act on `trip`: back to the newest checkpoint that passed, the remedy applied, the decision in guard.jsonl and
+    one console line. Returns (the run, now at that checkpoint; its folder; whether the run stops there). With no
     checkpoint that passed, a RunError (its line, the decision written)."""
     world, guard = run.world, run.cfg.trainer.guard
     state = GuardState.of(run.state)
@@ -348,7 +347,7 @@ def apply(run: recipe.Run, loaded: GuardState, state: GuardState) -> recipe.Run:
     return dataclasses.replace(run, loss=loss)
 
 
-# ---- RUN/guard.jsonl ------------------------------------------------------------------------------------------------
+# ---- RUN/guard.jsonl -----------------------------------------------------------------------------------------------
 
 def read_decisions(run_dir: Path) -> list[dict]:
     """The decisions of RUN/guard.jsonl, in order; reading stops at a line that is not one (a file damaged by hand:
@@ -362,7 +361,8 @@ def read_decisions(run_dir: Path) -> list[dict]:
         try:
             decision = json.loads(line)
             ok = (isinstance(decision, dict) and keys <= decision.keys() and isinstance(decision["changes"], dict)
-                  and (decision["rewound_to"] is None or is_int(decision["rewound_to"])) and is_int(decision["rewind"]))
+                  and (decision["rewound_to"] is None or is_int(decision["rewound_to"]))
+                  and is_int(decision["rewind"]))
         except ValueError:
             ok = False
         if not ok:
@@ -382,7 +382,7 @@ def write_lines(run_dir: Path, decisions: list[dict]) -> None:
     files.write_text(Path(run_dir) / DECISIONS, "".join(json.dumps(d) + "\n" for d in decisions))
 
 
-# ---- config checks: trainer.guard, collected by config.validate through grpo train's CHECKS ---------------------------
+# ---- config checks: trainer.guard, collected by config.validate through grpo train's CHECKS -------------------------
 
 def _tripwire_problems(name: str, node, cfg: DictConfig) -> list[str]:
     """One tripwire's settings: its thresholds, its remedy and the remedy's parameter."""

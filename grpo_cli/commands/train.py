@@ -82,7 +82,7 @@ def run(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) -> P
             training = setup(cfg, run_dir, world, chosen.why)
             training.state["started_in"] = str(Path.cwd())  # a resume keeps the run's own (recipe.resume)
             if ckpt is not None:
-                training = guard.resume(training, ckpt)  # recipe.resume, and the guard's decisions since the checkpoint
+                training = guard.resume(training, ckpt)  # recipe.resume, and the guard's decisions made since
             return train(training)
     finally:
         if lock is not None:

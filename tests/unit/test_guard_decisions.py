@@ -149,7 +149,8 @@ def test_a_decision_takes_the_tripwire_s_remedy_until_the_rewinds_are_spent():
     # two rewinds done of 2: the next firing stops the run at its checkpoint, changing nothing
     spent = decide(trip, lr, GuardState(decisions=2, rewinds=2), max_rewinds=2, target=30, algo_cap=None)
     assert (spent.remedy, spent.rewind, spent.changes) == ("stop", 2, {})
-    assert guard.said(dataclasses.asdict(spent)) == "rewound to step 30 and stopped (trainer.guard.max_rewinds=2 spent)"
+    line = guard.said(dataclasses.asdict(spent))
+    assert line == "rewound to step 30 and stopped (trainer.guard.max_rewinds=2 spent)"
     # no checkpoint passed: stop
     assert decide(trip, lr, GuardState(), 2, None, None).remedy == "stop"
     # is_correction: the tripwire's cap where algo.is_correction_cap is null, else algo's
