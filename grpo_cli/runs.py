@@ -196,8 +196,8 @@ def shipped_targets() -> frozenset[str]:
 
 # shipped components whose keys name the user's code (a file `path/to/file.py:fn` or a module `module.fn`), which
 # the component imports when it is built: reward functions at any depth, an environment's tools and its class
-CODE_KEYS = {"grpo_cli.rewards.user.CustomReward": "funcs", "grpo_cli.env.ToolsEnv": "tools",
-             "grpo_cli.env.ClassEnv": "factory"}
+CODE_KEYS = {"grpo_cli.rewards.user.CustomReward": ("funcs",), "grpo_cli.env.ToolsEnv": ("tools",),
+             "grpo_cli.env.ClassEnv": ("factory", "tools")}
 # the judge reward (rewards/judge.py): where it sends completions, and the environment variable whose value it sends
 JUDGE = "grpo_cli.rewards.judge.judge"
 
@@ -233,7 +233,10 @@ def _code(node, path: str) -> Iterator[tuple[str, str]]:
 
 
 def _specs(value) -> list[str]:
-    """The code names of a CODE_KEYS value: one string or a list of them."""
+    """The code names of a CODE_KEYS value: one string, a list of them, or a mapping to them (env=class's factories
+    by name)."""
+    if isinstance(value, dict):
+        value = list(value.values())
     return [value] if isinstance(value, str) else [str(s) for s in value] if isinstance(value, list) else []
 
 
@@ -242,11 +245,11 @@ def code_names(node, path: str) -> Iterator[tuple[str, str]]:
     `path/to/file.py` of `path/to/file.py:fn`, or the module of `module.fn` (a built-in reward's name has no dot)."""
     for where, found in _nodes(node, path):
         target = found.get("_target_")
-        key = CODE_KEYS.get(target) if isinstance(target, str) else None
-        for spec in _specs(found.get(key)) if key else []:
-            name = spec.rpartition(":")[0] if ":" in spec else spec.rpartition(".")[0]
-            if name:
-                yield f"{where}.{key}", name
+        for key in CODE_KEYS.get(target, ()) if isinstance(target, str) else ():
+            for spec in _specs(found.get(key)):
+                name = spec.rpartition(":")[0] if ":" in spec else spec.rpartition(".")[0]
+                if name:
+                    yield f"{where}.{key}", name
 
 
 def _inside(name: str, run_dir: Path) -> bool:

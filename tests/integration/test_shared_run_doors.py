@@ -102,6 +102,20 @@ def _factory(cfg, run, marker, url):
     cfg["env"] = {**OmegaConf.to_container(OmegaConf.load(_conf("env/class.yaml"))), "factory": f"{run}/game.py:Env"}
 
 
+def _class_tools(cfg, run, marker, url):
+    # env=class with plain tools beside its class: the class a module outside the run folder, the tools inside it
+    (run / "tools.py").write_text(_code(marker, FN))
+    cfg["env"] = {**OmegaConf.to_container(OmegaConf.load(_conf("env/class.yaml"))),
+                  "factory": "collections.OrderedDict", "tools": [f"{run}/tools.py:fn"]}
+
+
+def _factory_map(cfg, run, marker, url):
+    # env=class with a class per row, by name
+    (run / "game.py").write_text(_code(marker, ENV))
+    cfg["env"] = {**OmegaConf.to_container(OmegaConf.load(_conf("env/class.yaml"))),
+                  "factory": {"game": f"{run}/game.py:Env"}}
+
+
 def _judge(cfg, run, marker, url):
     judge = OmegaConf.to_container(OmegaConf.load(_conf("reward/judge.yaml")))
     judge["functions"]["judge"].update(base_url=url, model="judge", api_key_env=SECRET)
@@ -129,6 +143,8 @@ DOORS: dict[str, tuple[str, Callable, str]] = {
     "nested_reward": ("reward", _nested_reward, "reward.functions.mine.funcs"),
     "tools": ("env", _tools, "env.tools"),
     "factory": ("env", _factory, "env.factory"),
+    "class_tools": ("env", _class_tools, "env.tools"),
+    "factory_map": ("env", _factory_map, "env.factory"),
     "judge": ("reward", _judge, "reward.functions.judge.base_url"),
     "data_fifo": ("data", _data_fifo, "data.path"),
 }
