@@ -31,7 +31,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from grpo_cli.checks import Check, Rule, is_int
 from grpo_cli.distributed import SINGLE, World
 from grpo_cli.errors import ConfigError
 from grpo_cli.rewards import RewardResult
@@ -190,16 +189,3 @@ class GroupFilter:
         # the failures of every draw on this rank (the per-row selection above repeated each batch's count)
         result.failures = sum(d.result.failures for d in draws)
         return Kept([m[0] for m in mine], [m[1] for m in mine], rollout, result, metrics)
-
-
-# ---- config checks: this module's settings, collected by config.validate --------------------------------
-
-CHECKS: list[Check] = [
-    Rule("algo.dynamic_sampling", lambda v: isinstance(v, bool),
-         "must be true or false; set algo.dynamic_sampling=false"),
-    Rule("algo.filter_metric", lambda v: isinstance(v, str) and bool(v),
-         "must name a reward function (rewards/<name>/mean in metrics.jsonl) or reward; set "
-         "algo.filter_metric=accuracy"),
-    Rule("algo.max_generation_batches", lambda v: is_int(v) and v >= 1,
-         "must be an integer >= 1 (draws of prompts_per_step prompts a step); set algo.max_generation_batches=3"),
-]

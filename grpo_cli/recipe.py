@@ -35,6 +35,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from transformers import get_scheduler
 
 from grpo_cli import checkpoint, compiled, fsdp
+from grpo_cli.algo import build_loss
 from grpo_cli.data import PromptStream
 from grpo_cli.data.lengths import check_prompt_lengths
 from grpo_cli.distributed import World
@@ -48,6 +49,7 @@ from grpo_cli.metrics.console import console
 from grpo_cli.metrics.memory import peak_memory_mb, reset_peak_memory, step_memory, synchronize
 from grpo_cli.metrics.run_files import CompletionsLog, MetricsLog, check_logging
 from grpo_cli.metrics.stats import rollout_metrics
+from grpo_cli.objective import Loss
 from grpo_cli.policy import build_policy, context_length, keep_reference, load_tokenizer
 from grpo_cli.reward_schedule import FixedReward, RewardSchedule
 from grpo_cli.rewards.call import score, token_ids
@@ -74,7 +76,7 @@ class Run:
     rewards: RewardSchedule
     prompts: PromptStream       # this rank's slice of the seeded, resumable prompt stream
     keep: GroupFilter           # which sampled groups a step trains on (dynamic sampling)
-    loss: Any                   # objective.GRPOLoss, built from algo.loss
+    loss: Loss                  # objective.GRPOLoss, built from the algo section (algo.build_loss)
     optimizer: torch.optim.Optimizer
     scheduler: Any
     generator: torch.Generator  # the completions' randomness, reseeded each step
@@ -150,7 +152,7 @@ def setup(cfg: DictConfig, run_dir: Path, world: World, why: str) -> Run:
         check_lengths(cfg, data, early)
     cfg = keep_chat_template(cfg, run_dir, data.chat_template, world.main)
     torch.manual_seed(trainer.seed)
-    loss = build(algo.loss)
+    loss = build_loss(algo)
     policy, tokenizer, device = build_policy(cfg.model)
     use_chat_template(tokenizer, data.chat_template, data.chat_template_kwargs)
     # a run saved before model.init_adapter existed has no such key: a fresh adapter, as it had then
@@ -236,8 +238,8 @@ def step(run: Run, n: int) -> StepRecord:
     t1 = time.perf_counter()
     batch = prepare(run.policy, kept.rollout, adv, run.loss, algo.num_iterations, trainer.micro_batch_size,
                     algo.mask_truncated_completions, world, trainer.bucket_tokens)
-    stats = update(run.policy, run.optimizer, run.scheduler, batch, run.loss, algo.num_iterations,
-                   trainer.micro_batch_size, trainer.max_grad_norm, decoder=run.decoder)
+    stats = update(run.policy, run.optimizer, run.scheduler, batch, max_grad_norm=trainer.max_grad_norm,
+                   decoder=run.decoder)
     synchronize(run.device)
     now = time.perf_counter()
     if run.decoder is not None and (line := run.decoder.report()):  # the compile's seconds, on their own line

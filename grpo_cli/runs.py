@@ -35,6 +35,7 @@ from omegaconf.grammar.gen.OmegaConfGrammarParser import OmegaConfGrammarParser 
 from omegaconf.grammar_parser import parse
 
 from grpo_cli import checkpoint, files, user_code
+from grpo_cli.algo import upgrade_loss_node
 from grpo_cli.errors import ConfigError
 from grpo_cli.metrics.console import console
 from grpo_cli.resources import CONF_DIR, RECIPES_DIR
@@ -143,8 +144,9 @@ def resume_config(cfg: DictConfig, saved: DictConfig, overrides: list[str] | Non
     are compared with the saved run, so `grpo train resume=RUN` alone continues the run as it was.
     None (a library call) compares every key of `cfg`. A changed key that is not RESUMABLE is an
     error naming it; trainer, iterative and rm settings the saved config lacks (newer than the run) keep cfg's
-    value.
+    value; an `algo.loss` node that listed the loss settings names its class alone (`algo.upgrade_loss_node`).
     """
+    saved = upgrade_loss_node(saved)
     new, old = _flat(OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))), _flat(saved)
     names = sorted(new) if overrides is None else [o.lstrip("+~").split("=", 1)[0] for o in overrides]
     asked: set[str] = set()

@@ -1,18 +1,18 @@
 """One step's learning, in two halves (as torchtune's GRPO recipe splits it):
 
-    batch = prepare(policy, rollout, advantages, loss, ...)   # everything the loss needs, no gradient
-    stats = update(policy, optimizer, scheduler, batch, ...)  # micro-batches -> loss -> backward -> step
+    batch = prepare(policy, rollout, advantages, loss, μ, micro_batch_size, ...)  # what the loss needs, no gradient
+    stats = update(policy, optimizer, scheduler, batch)  # μ passes of micro-batches -> loss -> backward -> step
 
 Within a micro-batch, `logprobs.buckets` runs each prompt once and the completions in length buckets;
 the update back-propagates each bucket's loss as soon as it is made (the loss is a sum over rows), so
 the peak holds one bucket's activations. `UpdateStats.metrics()` is what the step logs.
 
-`prepare` gathers the token mask, the rows that carry a gradient, the reference log-probs (adapter
-off, or its frozen copy in iterative RL; only when β > 0), the old-policy log-probs (only when
-μ > 1) and, with `algo.top_entropy_quantile` < 1, the batch's entropy threshold (over all ranks, from
-the policy before the update: one more forward when μ = 1), all with dropout off, so that the update
-only loops over micro-batches and their losses add up to the batch's whatever micro_batch_size and
-the number of ranks. `advantages` turns
+`prepare` gathers what the loss declares it reads (`objective.Loss`): the token mask, the rows that carry a
+gradient, the reference log-probs (adapter off, or its frozen copy in iterative RL; only when β > 0), the
+old-policy log-probs (only when μ > 1) and, with `algo.top_entropy_quantile` < 1, the batch's entropy threshold
+(over all ranks, from the policy before the update: one more forward when μ = 1), all with dropout off, so that the
+update only loops over micro-batches and their losses add up to the batch's whatever micro_batch_size and the
+number of ranks. The `Batch` carries the loss, μ and the micro-batch size with it. `advantages` turns
 a reward result into the [N] outcome or [N, T] process advantages the loss reads.
 
 Where it departs from the paper: a process-supervised completion's final step ends at its last
@@ -37,7 +37,7 @@ import torch
 from grpo_cli.distributed import SINGLE, World
 from grpo_cli.fsdp import local, lockstep, sharded, sharded_weights, whole_tensor
 from grpo_cli.logprobs import BUCKET_ROWS, buckets, sequence_logprobs
-from grpo_cli.objective import GRPOLoss, high_entropy_threshold, masked_mean, outcome_advantages, process_advantages
+from grpo_cli.objective import Loss, high_entropy_threshold, masked_mean, outcome_advantages, process_advantages
 from grpo_cli.policy import reference
 from grpo_cli.rollout import Rollout, char_ends_to_token_index
 
@@ -107,9 +107,12 @@ def _outcome(rewards: list[float | None], group_size: int, scale: str, std: str,
 
 @dataclass
 class Batch:
-    """What the loss needs for one rollout, gathered before any gradient is taken."""
+    """What the loss needs for one rollout, gathered before any gradient is taken, and how the update runs it."""
 
     rollout: Rollout
+    loss: Loss  # what the update minimizes (objective.GRPOLoss, built from the algo section)
+    num_iterations: int  # μ: optimizer steps over this batch
+    micro_batch_size: int  # rows per forward/backward (the update's micro-batches; prepare's forwards too)
     advantages: torch.Tensor  # [N] outcome or [N, T] process, on the policy's device
     mask: torch.Tensor  # [N, T] float; 1 on completion tokens that count in the loss
     active: list[int]  # rows that go through forward/backward
@@ -146,10 +149,12 @@ def micro_batches(rows: list[int], size: int) -> list[list[int]]:
 
 
 @torch.no_grad()
-def prepare(policy, rollout: Rollout, advantages: torch.Tensor, loss, num_iterations: int, micro_batch_size: int,
-            mask_truncated_completions: bool, world: World = SINGLE, bucket_tokens: int | None = None) -> Batch:
-    """The Batch for `rollout`: masks, active rows, reference and old log-probs (dropout off), and the rows per
-    update bucket for `bucket_tokens` (`bucket_rows_for`, from the longest padded completion of all ranks)."""
+def prepare(policy, rollout: Rollout, advantages: torch.Tensor, loss: Loss, num_iterations: int,
+            micro_batch_size: int, mask_truncated_completions: bool, world: World = SINGLE,
+            bucket_tokens: int | None = None) -> Batch:
+    """The Batch for `rollout`: masks, active rows, what `loss` declares it reads (reference and old log-probs, the
+    entropy threshold; dropout off), and the rows per update bucket for `bucket_tokens` (`bucket_rows_for`, from the
+    longest padded completion of all ranks); `num_iterations` (μ) and `micro_batch_size` travel with it."""
     device = rollout.completion_ids.device
     advantages = advantages.to(device)
     # [N, T]; 1 on the sampled tokens up to and including EOS: an episode's environment tokens are context only, out
@@ -175,10 +180,12 @@ def prepare(policy, rollout: Rollout, advantages: torch.Tensor, loss, num_iterat
     # a sharded base: every rank runs as many rows as the busiest one (its own spare rows, masked out of the loss)
     run, fillers = lockstep(active, n, world) if sharded(policy) else (active, [])
     old_logp = None
-    top_entropy = getattr(loss, "top_entropy_quantile", 1.0) < 1  # (a loss of another class may lack the option)
+    top_entropy = loss.entropy_quantile is not None  # the batch's entropy threshold, from the policy before the update
     entropy = torch.zeros_like(mask) if top_entropy else None  # [N, T]; 0 on rows that are not updated
-    if (num_iterations > 1 or top_entropy) and run:
-        old_logp = torch.zeros_like(mask) if num_iterations > 1 else None
+    # π_old: with μ = 1 the policy of the only pass, detached in the update; with μ > 1 the policy before the first
+    old_needed = loss.needs_old_logprobs and num_iterations > 1
+    if (old_needed or top_entropy) and run:
+        old_logp = torch.zeros_like(mask) if old_needed else None
         for b in micro_batches(run, micro_batch_size):
             scored = sequence_logprobs(policy, rollout.select(b), with_entropy=top_entropy)
             if old_logp is not None:
@@ -189,15 +196,15 @@ def prepare(policy, rollout: Rollout, advantages: torch.Tensor, loss, num_iterat
     if top_entropy:
         rows = torch.zeros(n, dtype=torch.bool, device=device)
         rows[active] = True
-        threshold = batch_entropy_threshold(entropy, mask.bool() & rows[:, None], loss.top_entropy_quantile, world)
+        threshold = batch_entropy_threshold(entropy, mask.bool() & rows[:, None], loss.entropy_quantile, world)
     policy.train(was_training)
     # [2]: sequences and counted tokens of the whole batch; [2]: the longest padded completion of all ranks in
     # sampled tokens (dr_grpo's divisor) and in tokens (what a bucket's activations hold)
     counts = world.sum(torch.tensor([n, mask.sum().item()], dtype=torch.float64))
     length = world.max(torch.tensor([rollout.sampled_width, mask.shape[1]]))
-    return Batch(rollout, advantages, mask, active, ref_logp, old_logp, int(counts[0]),
-                 counts[1].to(mask.dtype).to(device).clamp(min=1), int(length[0]), world, threshold, fillers,
-                 bucket_rows_for(int(length[1]), bucket_tokens))
+    return Batch(rollout, loss, num_iterations, micro_batch_size, advantages, mask, active, ref_logp, old_logp,
+                 int(counts[0]), counts[1].to(mask.dtype).to(device).clamp(min=1), int(length[0]), world, threshold,
+                 fillers, bucket_rows_for(int(length[1]), bucket_tokens))
 
 
 def batch_entropy_threshold(entropy: torch.Tensor, mask: torch.Tensor, quantile: float,
@@ -259,9 +266,11 @@ def step_or_undo(optimizer, params: list[torch.Tensor], world: World = SINGLE) -
     return False
 
 
-def update(policy, optimizer, scheduler, batch: Batch, loss: GRPOLoss, num_iterations: int, micro_batch_size: int,
-           max_grad_norm: float | None, *, decoder=None) -> UpdateStats:
-    """μ = num_iterations optimizer steps over `batch` in micro-batches; returns the step's statistics.
+def update(policy, optimizer, scheduler, batch: Batch, *, max_grad_norm: float | None = None,
+           decoder=None) -> UpdateStats:
+    """μ = batch.num_iterations optimizer steps over `batch` with its loss, in micro-batches of
+    batch.micro_batch_size rows; returns the step's statistics. `max_grad_norm`: the gradient's norm is clipped to
+    it (None: not clipped).
 
     Token-level statistics (kl, clip ratios, ratio, entropy) are averaged over the tokens that were
     updated, whatever the loss reports; `loss` is the batch loss, averaged over the μ passes.
@@ -271,12 +280,11 @@ def update(policy, optimizer, scheduler, batch: Batch, loss: GRPOLoss, num_itera
     them, and the weights and the optimizer's state stay what they were. `decoder`: the compiled decoder the
     forwards run (`grpo_cli.compiled`, trainer.compile); None: eager.
     """
-    world = batch.world
+    world, loss, num_iterations = batch.world, batch.loss, batch.num_iterations
     loss_fn = loss.for_batch(batch.num_sequences, batch.num_tokens, batch.max_length,
                              entropy_threshold=batch.entropy_threshold)
-    # the loss reads the entropy (entropy bonus, top-entropy mask); the bonus differentiates it (a loss of another
-    # class may lack these options)
-    loss_entropy, entropy_grad = getattr(loss, "needs_entropy", False), getattr(loss, "entropy_coef", 0) != 0
+    # the loss reads the entropy (entropy bonus, top-entropy mask); the bonus differentiates it
+    loss_entropy, entropy_grad = loss.needs_entropy, loss.needs_entropy_grad
     # tokens updated on all ranks: the token-level statistics are averaged over them
     local_tokens = batch.mask[batch.active].sum() if batch.active else batch.mask.new_zeros(())
     active_tokens = world.sum(local_tokens.detach().clone()).clamp(min=1)
@@ -296,7 +304,7 @@ def update(policy, optimizer, scheduler, batch: Batch, loss: GRPOLoss, num_itera
     policy.train()
     for _ in range(num_iterations):
         losses = []
-        for rows in micro_batches(rows_run, micro_batch_size):
+        for rows in micro_batches(rows_run, batch.micro_batch_size):
             sub, index = batch.rollout.select(rows), torch.tensor(rows, device=batch.mask.device)
             # forward and backward bucket by bucket: the peak holds one bucket's activations, not the micro-batch's
             for bucket in buckets(policy, sub, with_entropy=True, grad=True, entropy_grad=entropy_grad,

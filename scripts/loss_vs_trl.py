@@ -9,7 +9,7 @@ with --no-deps, never to this project's venv), with this checkout on PYTHONPATH,
 
 How each side is called, on the same float64 random batch (ragged masks, some empty rows, ratios spread so that
 every clip, cap and gate binds somewhere; outcome advantages [N] or per-token [N, T]; beta 0 or 0.04):
-  - ours: `grpo_cli.objective.grpo_loss(logp, old, ref, advantages, mask, loss_type=..., ...)`;
+  - ours: `grpo_cli.objective.grpo_loss(logp, old, ref, advantages, mask, LossSettings(loss_type=..., ...))`;
   - TRL: `GRPOTrainer._compute_loss(stand_in, model=None, inputs)`, the unbound method on a SimpleNamespace
     holding just the attributes it reads (no trainer, no model): its `_get_per_token_logps_and_entropies` returns
     our logp leaf, `inputs` holds old, ref, advantages, mask and `num_items_in_batch`; one process, no gradient
@@ -133,11 +133,11 @@ def verl_loss(loss_type, level, logp, old, ref, adv, mask, beta, s):
 def ours(loss_type, level, logp, old, ref, adv, mask, beta, s):
     import torch
 
-    from grpo_cli.objective import grpo_loss
+    from grpo_cli.objective import LossSettings, grpo_loss
 
     leaf = logp.clone().requires_grad_()
-    loss, _ = grpo_loss(leaf, old, ref, adv, mask, beta=beta, loss_type=loss_type, importance_sampling_level=level,
-                        max_completion_length=leaf.shape[1], **s)
+    settings = LossSettings(beta=beta, loss_type=loss_type, importance_sampling_level=level, **s)
+    loss, _ = grpo_loss(leaf, old, ref, adv, mask, settings, max_completion_length=leaf.shape[1])
     return loss, torch.autograd.grad(loss, leaf)[0]
 
 

@@ -37,7 +37,7 @@ from grpo_cli.cli import main as grpo_main
 from grpo_cli.commands import train as train_command
 from grpo_cli.config import compose, validate
 from grpo_cli.distributed import SINGLE, World
-from grpo_cli.objective import GRPOLoss
+from grpo_cli.objective import GRPOLoss, LossSettings
 from grpo_cli.policy import apply_lora, load_tiny_random
 from grpo_cli.rewards import RewardResult
 from grpo_cli.rollout import Rollout
@@ -424,13 +424,13 @@ def _step(case, world: World, fsdp: bool = False) -> tuple[dict, dict]:
         sharding.shard(policy, world)
     rollout, result = _local(*_batch(kind), world)
     options = {"epsilon_low": 0.2, "epsilon_high": None, **OPTIONS.get(kind, {})}
-    loss = GRPOLoss(beta=beta, kl_estimator="k3", loss_type=loss_type, **options)
+    loss = GRPOLoss(LossSettings(beta=beta, kl_estimator="k3", loss_type=loss_type, **options))
     params = [p for p in policy.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(params, lr=0.5)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     adv = update.advantages(result, rollout, tokenizer, G, scale, "population", world)
     batch = update.prepare(policy, rollout, adv, loss, mu, MICRO, True, world)
-    stats = update.update(policy, optimizer, scheduler, batch, loss, mu, MICRO, 1.0).metrics()
+    stats = update.update(policy, optimizer, scheduler, batch, max_grad_norm=1.0).metrics()
     weights = {n: p.detach().clone() for n, p in policy.named_parameters() if p.requires_grad}
     return weights, stats
 

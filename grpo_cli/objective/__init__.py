@@ -1,7 +1,8 @@
 """The GRPO math: advantages, KL estimators and the clipped loss, as pure functions named after the paper.
 
 Pure functions of tensors and scalars: no model, no config object, no I/O (the `algo` settings they take
-are checked once, in config.ALGO, before a model loads). The trainer calls them in the order a step
+come as scalars or as `LossSettings`, a frozen record of them, read and checked once in grpo_cli/algo.py before a
+model loads). The trainer calls them in the order a step
 walks: `outcome_advantages` / `process_advantages` on the rewards of a rollout, then `grpo_loss` (through
 `GRPOLoss`) on the policy's log-probs (`logprobs`, through the kernels of `kernels`).
 
@@ -13,7 +14,8 @@ The modules, one part of DeepSeekMath's §4.1 (arXiv 2402.03300) each; each docs
   aggregation   masked_mean and the aggregations by loss_type: the per-token objective -> the loss
   entropy       the top-entropy mask
   importance    the sampler's importance weights (vLLM's copy of the policy against the trainer's)
-  loss          grpo_loss, composed from the pieces above, and GRPOLoss
+  settings      LossSettings: the loss's scalars, named once
+  loss          grpo_loss, composed from the pieces above, GRPOLoss, and Loss (what the update asks of a loss)
   options       choose, the one check of a setting's name
 
 The names below stay importable from here because configs name them (`_target_: grpo_cli.objective.GRPOLoss`
@@ -58,8 +60,9 @@ from grpo_cli.objective.importance import (
     truncated_is_weight,
 )
 from grpo_cli.objective.kl import KL_ESTIMATES, KL_ESTIMATORS, kl_divergence
-from grpo_cli.objective.loss import GRPOLoss, grpo_loss
+from grpo_cli.objective.loss import GRPOLoss, Loss, LossFn, grpo_loss
 from grpo_cli.objective.options import choose
+from grpo_cli.objective.settings import LOSS_SETTINGS, LossSettings
 from grpo_cli.objective.surrogate import (
     GSPO_EPSILON_HIGH,
     GSPO_EPSILON_LOW,
@@ -68,7 +71,6 @@ from grpo_cli.objective.surrogate import (
     SURROGATES,
     ClipFractions,
     Surrogate,
-    SurrogateSettings,
     cispo_surrogate,
     clip_fractions,
     clipped_surrogate,
@@ -83,11 +85,11 @@ __all__ = [
     "KL_ESTIMATES", "KL_ESTIMATORS", "kl_divergence",
     "GSPO_EPSILON_HIGH", "GSPO_EPSILON_LOW", "IMPORTANCE_RATIOS", "IMPORTANCE_SAMPLING_LEVELS", "importance_ratio",
     "clipped_surrogate", "ClipFractions", "clip_fractions", "cispo_surrogate", "sapo_surrogate", "gmpo_ratio",
-    "Surrogate", "SurrogateSettings", "SURROGATES",
+    "Surrogate", "SURROGATES",
     "masked_mean", "sequence_mean", "token_mean", "constant_length_mean", "accumulated_token_mean",
     "per_sequence", "per_token", "whole_batch", "Aggregation", "AGGREGATIONS", "LOSS_TYPES",
     "high_entropy_threshold", "entropy_mask",
     "truncated_is_weight", "ISWeights", "IS_CORRECTION_MODES", "IS_CORRECTIONS", "MASK_MODES",
     "is_correction_weights",
-    "grpo_loss", "GRPOLoss", "choose",
+    "grpo_loss", "GRPOLoss", "Loss", "LossFn", "LossSettings", "LOSS_SETTINGS", "choose",
 ]

@@ -1,5 +1,6 @@
-"""The loss: `grpo_loss`, composed from the other modules' pieces, and `GRPOLoss`, its hyper-parameters bound
-once (built from the `algo.loss` config node). `grpo_loss` reads as the formula:
+"""The loss: `grpo_loss`, composed from the other modules' pieces, `GRPOLoss`, its `LossSettings` bound once
+(the class the `algo.loss` config node names), and `Loss`, what the update asks of any loss. `grpo_loss` reads as
+the formula:
 
     ρ = importance_ratio(logp, old)                       # π_θ / π_old, per token or per sequence (GSPO)
     objective = SURROGATES[loss_type](ρ, Â, ...)          # PPO's min(ρ·Â, clip(ρ, 1-ε_low, 1+ε_high)·Â), or
@@ -15,6 +16,9 @@ reward), weighted by β. Where it departs: an entropy bonus `entropy_coef` (verl
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
+
 import torch
 
 from grpo_cli.objective.aggregation import AGGREGATIONS, masked_mean
@@ -22,11 +26,53 @@ from grpo_cli.objective.entropy import entropy_mask
 from grpo_cli.objective.importance import is_correction_weights
 from grpo_cli.objective.kl import KL_ESTIMATES
 from grpo_cli.objective.options import choose
-from grpo_cli.objective.surrogate import SURROGATES, Surrogate, SurrogateSettings, importance_ratio
+from grpo_cli.objective.settings import LossSettings
+from grpo_cli.objective.surrogate import SURROGATES, Surrogate, importance_ratio
+
+# loss_fn(logp, old_logp, ref_logp, advantages, mask, sampling_logp=None, entropy=None) -> (loss, stats): one
+# micro-batch's share of the batch loss (`Loss.for_batch`)
+LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
-def _check_variant(loss_type: str, surrogate: Surrogate, settings: SurrogateSettings, level: str) -> None:
+@runtime_checkable
+class Loss(Protocol):
+    """What the update asks of a loss: what it reads besides the policy's log-probs, so that `update.prepare`
+    computes only that, the names of its stats, and its function for one batch. `GRPOLoss` is one; a loss of
+    another class (the `algo.loss` node's `_target_`, built with the run's `LossSettings`) declares the same."""
+
+    @property
+    def needs_reference(self) -> bool:
+        """The loss reads the reference policy's log-probs (β > 0): one more forward of the batch."""
+
+    @property
+    def needs_old_logprobs(self) -> bool:
+        """The loss reads the sampling-time policy's log-probs (π_old of the ratio): with μ > 1 updates per rollout
+        they are computed before the first; with μ = 1 they are the current policy's, detached."""
+
+    @property
+    def needs_entropy(self) -> bool:
+        """loss_fn reads `entropy` [n, T], the policy's token entropies."""
+
+    @property
+    def needs_entropy_grad(self) -> bool:
+        """... and differentiates it (an entropy bonus): the forward keeps its graph."""
+
+    @property
+    def entropy_quantile(self) -> float | None:
+        """q < 1: the loss keeps the top q of tokens by entropy, over the whole batch (all ranks): the update computes
+        that threshold before the first pass; None: no such mask."""
+
+    def stat_names(self, with_sampling_logp: bool) -> list[str]:
+        """The keys of loss_fn's stats, in order."""
+
+    def for_batch(self, num_sequences: int, num_tokens: torch.Tensor, max_completion_length: int,
+                  entropy_threshold: torch.Tensor | float | None = None) -> LossFn:
+        """loss_fn bound to what one update's batch knows."""
+
+
+def _check_variant(surrogate: Surrogate, settings: LossSettings) -> None:
     """The settings a loss_type's own term reads are given; one that makes its own ratio (GMPO) takes token ratios."""
+    loss_type, level = settings.loss_type, settings.importance_sampling_level
     missing = [k for k in surrogate.reads if getattr(settings, k) is None]
     if missing:
         raise ValueError(f"loss_type={loss_type!r} reads {', '.join(missing)}: pass them (algo.{missing[0]})")
@@ -35,9 +81,11 @@ def _check_variant(loss_type: str, surrogate: Surrogate, settings: SurrogateSett
                          "use importance_sampling_level='token'")
 
 
-def _check_loss_inputs(logp, old_logp, ref_logp, advantages, mask, entropy, *, beta, loss_type, aggregation,
-                       normalizer, entropy_coef, top_entropy_quantile, entropy_threshold) -> None:
+def _check_loss_inputs(logp, old_logp, ref_logp, advantages, mask, entropy, settings: LossSettings, *, aggregation,
+                       normalizer, entropy_threshold) -> None:
     """`grpo_loss`'s shapes, and the arguments that only make sense together."""
+    beta, loss_type = settings.beta, settings.loss_type
+    entropy_coef, top_entropy_quantile = settings.entropy_coef, settings.top_entropy_quantile
     if logp.dim() != 2:
         raise ValueError(f"logp must be [N, T], got shape {tuple(logp.shape)}")
     n, t = logp.shape
@@ -70,7 +118,7 @@ def _check_loss_inputs(logp, old_logp, ref_logp, advantages, mask, entropy, *, b
 
 def _loss_stats(ratio: torch.Tensor, weighed: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                 kl: torch.Tensor | None, kept: torch.Tensor | None, surrogate: Surrogate,
-                settings: SurrogateSettings) -> dict[str, torch.Tensor]:
+                settings: LossSettings) -> dict[str, torch.Tensor]:
     """`grpo_loss`'s stats, detached 0-dim tensors; mask [N, T] in logp's dtype; `weighed` the ratio the term used."""
     with torch.no_grad():
         r = weighed.detach()
@@ -89,18 +137,15 @@ def _loss_stats(ratio: torch.Tensor, weighed: torch.Tensor, advantages: torch.Te
 
 def grpo_loss(
     logp: torch.Tensor, old_logp: torch.Tensor | None, ref_logp: torch.Tensor | None, advantages: torch.Tensor,
-    mask: torch.Tensor, *, beta: float = 0.04, epsilon_low: float = 0.2, epsilon_high: float | None = None,
-    kl_estimator: str = "k3", loss_type: str = "grpo", max_completion_length: int | None = None,
+    mask: torch.Tensor, settings: LossSettings | None = None, *, max_completion_length: int | None = None,
     normalizer: torch.Tensor | float | None = None, is_weight: torch.Tensor | None = None,
-    importance_sampling_level: str = "token", entropy: torch.Tensor | None = None, entropy_coef: float = 0.0,
-    top_entropy_quantile: float = 1.0, entropy_threshold: torch.Tensor | float | None = None,
-    cispo_cap: float | None = None, sapo_temperature_pos: float | None = None,
-    sapo_temperature_neg: float | None = None,
+    entropy: torch.Tensor | None = None, entropy_threshold: torch.Tensor | float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The clipped GRPO surrogate with a KL penalty -> (loss to minimize, stats).
 
     logp, old_logp, ref_logp, mask: [N, T] (mask bool, int or float; nonzero = the token counts, the values
-    are not used as weights); advantages: [N] (outcome, broadcast over T) or [N, T] (process). Per token:
+    are not used as weights); advantages: [N] (outcome, broadcast over T) or [N, T] (process); `settings` the
+    scalars below (β, ε_low, ε_high, loss_type, ...; None: `LossSettings()`, the paper's). Per token:
         ρ = importance_ratio(logp, old_logp)                      (`importance_sampling_level`: token or GSPO)
         objective = [H ≥ h_q] · w · min(ρ·A, clip(ρ, 1-ε_low, 1+ε_high)·A) - β·KL(logp, ref_logp) + c·H
     and loss = -AGGREGATIONS[loss_type].reduce(objective) (grpo: the paper's mean per sequence, then over
@@ -126,15 +171,14 @@ def grpo_loss(
     `clip_fractions` as `clip_ratio/low_mean`, `clip_ratio/high_mean`, `clip_ratio/region_mean`, and with
     q < 1 `entropy_mask/kept_mean`, the share of counted tokens that kept the policy-gradient term.
     """
-    aggregation = choose("loss_type", loss_type, AGGREGATIONS)
-    surrogate = SURROGATES[loss_type]
-    settings = SurrogateSettings(epsilon_low, epsilon_low if epsilon_high is None else epsilon_high, cispo_cap,
-                                 sapo_temperature_pos, sapo_temperature_neg)
-    _check_variant(loss_type, surrogate, settings, importance_sampling_level)
-    kl_estimate = choose("kl_estimator", kl_estimator, KL_ESTIMATES)
-    _check_loss_inputs(logp, old_logp, ref_logp, advantages, mask, entropy, beta=beta, loss_type=loss_type,
-                       aggregation=aggregation, normalizer=normalizer, entropy_coef=entropy_coef,
-                       top_entropy_quantile=top_entropy_quantile, entropy_threshold=entropy_threshold)
+    s = (settings or LossSettings()).resolved()          # epsilon_high filled: what the terms read
+    aggregation = choose("loss_type", s.loss_type, AGGREGATIONS)
+    surrogate = SURROGATES[s.loss_type]
+    _check_variant(surrogate, s)
+    kl_estimate = choose("kl_estimator", s.kl_estimator, KL_ESTIMATES)
+    _check_loss_inputs(logp, old_logp, ref_logp, advantages, mask, entropy, s, aggregation=aggregation,
+                       normalizer=normalizer, entropy_threshold=entropy_threshold)
+    beta, entropy_coef, top_entropy_quantile = s.beta, s.entropy_coef, s.top_entropy_quantile
     keep = mask.bool()                                   # [N, T]
     m = keep.to(logp.dtype)
     # masked positions are set to 0 before any exp, so pad garbage (even ±inf) reaches neither
@@ -146,8 +190,8 @@ def grpo_loss(
         adv = adv.unsqueeze(1)                           # [N, 1], broadcast over T
     adv = torch.where(keep, adv, 0.0)                    # [N, T]
 
-    ratio = importance_ratio(lp, old, keep, importance_sampling_level)   # [N, T]
-    objective, weighed = surrogate.term(ratio, lp, old, adv, keep, settings)
+    ratio = importance_ratio(lp, old, keep, s.importance_sampling_level)   # [N, T]
+    objective, weighed = surrogate.term(ratio, lp, old, adv, keep, s)
     if is_weight is not None:
         objective = objective * torch.where(keep, is_weight.detach().to(logp.dtype), 0.0)
     kept = None
@@ -164,11 +208,11 @@ def grpo_loss(
     if entropy_coef != 0:
         objective = objective + entropy_coef * entropy.to(logp.dtype).masked_fill(~keep, 0.0)
     loss = -aggregation.reduce(objective * m, m, max_completion_length, normalizer)   # objective 0 where masked
-    return loss, _loss_stats(ratio, weighed, adv, m, kl, kept, surrogate, settings)
+    return loss, _loss_stats(ratio, weighed, adv, m, kl, kept, surrogate, s)
 
 
 class GRPOLoss:
-    """`grpo_loss` with its hyper-parameters bound once (built from the `algo.loss` config node).
+    """`grpo_loss` with its `LossSettings` bound once (the class the `algo.loss` config node names); a `Loss`.
 
     `for_batch(...)` binds what one update's batch knows (its sequence and token counts, the
     padded completion length) and returns `loss_fn(logp, old_logp, ref_logp, advantages, mask,
@@ -183,8 +227,6 @@ class GRPOLoss:
     (token_truncate: `truncated_is_weight`) and `sampler/is_weight_mean`, `sampler/is_truncated_share`
     and `sampler/is_masked_share` are logged.
 
-    `cispo_cap`, `sapo_temperature_pos`, `sapo_temperature_neg`: read only by their loss_type (see `grpo_loss`).
-
     `importance_sampling_level="sequence"` is GSPO (see `grpo_loss`). Its ratio and the sequence IS
     weights are functions of one row each, so a micro-batch of whole rows computes the same values as
     the batch and the micro-batch losses still add up to the batch loss.
@@ -196,68 +238,63 @@ class GRPOLoss:
     takes the quantile of its own tokens (TRL's choice).
     """
 
-    def __init__(self, beta: float, epsilon_low: float, epsilon_high: float | None, kl_estimator: str,
-                 loss_type: str, is_correction_cap: float | None = None, importance_sampling_level: str = "token",
-                 is_correction: str = "token_truncate", entropy_coef: float = 0.0, top_entropy_quantile: float = 1.0,
-                 cispo_cap: float | None = None, sapo_temperature_pos: float | None = None,
-                 sapo_temperature_neg: float | None = None, is_correction_min: float | None = None):
-        self.beta = beta
-        self.epsilon_low = epsilon_low
-        self.epsilon_high = epsilon_high
-        self.kl_estimator = kl_estimator
-        self.loss_type = loss_type
-        self.is_correction_cap = is_correction_cap
-        self.importance_sampling_level = importance_sampling_level
-        self.is_correction = is_correction
-        # the mask band's lower side; None (1/cap, and what a run saved before the setting builds) in any mode
-        self.is_correction_min = is_correction_min
-        self.entropy_coef = entropy_coef
-        self.top_entropy_quantile = top_entropy_quantile
-        # None where a run saved before these settings builds its loss; only their loss_type reads them
-        self.variant = {"cispo_cap": cispo_cap, "sapo_temperature_pos": sapo_temperature_pos,
-                        "sapo_temperature_neg": sapo_temperature_neg}
+    def __init__(self, settings: LossSettings):
+        self.settings = settings
 
     @property
     def needs_reference(self) -> bool:
         """β > 0: the loss reads reference log-probs; β = 0 skips the reference forward."""
-        return self.beta != 0
+        return self.settings.beta != 0
+
+    @property
+    def needs_old_logprobs(self) -> bool:
+        """Always: every loss_type's term is a function of the ratio π_θ / π_old."""
+        return True
 
     @property
     def needs_entropy(self) -> bool:
         """entropy_coef != 0 or top_entropy_quantile < 1: loss_fn reads `entropy` (with a gradient for the bonus)."""
-        return self.entropy_coef != 0 or self.top_entropy_quantile < 1
+        return self.needs_entropy_grad or self.entropy_quantile is not None
+
+    @property
+    def needs_entropy_grad(self) -> bool:
+        """entropy_coef != 0: the entropy bonus differentiates the entropy."""
+        return self.settings.entropy_coef != 0
+
+    @property
+    def entropy_quantile(self) -> float | None:
+        """top_entropy_quantile, when it is < 1 (the top-entropy mask); None: every token keeps its term."""
+        q = self.settings.top_entropy_quantile
+        return q if q < 1 else None
 
     def stat_names(self, with_sampling_logp: bool) -> list[str]:
         """The keys of `loss_fn`'s stats, in order (`grpo_loss`'s, then the sampler's when it gave its own
         log-probs): the update logs all of them, on a rank with no row to update too."""
         names = ["kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "ratio_mean"]
-        if self.top_entropy_quantile < 1:
+        if self.entropy_quantile is not None:
             names.append("entropy_mask/kept_mean")
         if with_sampling_logp:
             names.append("sampler/logp_gap")
-            if self.is_correction_cap is not None:
+            if self.settings.is_correction_cap is not None:
                 names += ["sampler/is_weight_mean", "sampler/is_truncated_share", "sampler/is_masked_share"]
         return names
 
     def for_batch(self, num_sequences: int, num_tokens: torch.Tensor, max_completion_length: int,
-                  entropy_threshold: torch.Tensor | float | None = None):
-        aggregation = choose("loss_type", self.loss_type, AGGREGATIONS)
+                  entropy_threshold: torch.Tensor | float | None = None) -> LossFn:
+        s = self.settings
+        aggregation = choose("loss_type", s.loss_type, AGGREGATIONS)
 
         def loss_fn(logp, old_logp, ref_logp, advantages, mask, sampling_logp=None, entropy=None):
             correction = is_weight = None
             old = logp.detach() if old_logp is None else old_logp.detach()  # [n, T]: π_old, the trainer's
-            if sampling_logp is not None and self.is_correction_cap is not None:
-                correction = is_correction_weights(old, sampling_logp, mask, cap=self.is_correction_cap,
-                                                   mode=self.is_correction, low=self.is_correction_min)
+            if sampling_logp is not None and s.is_correction_cap is not None:
+                correction = is_correction_weights(old, sampling_logp, mask, cap=s.is_correction_cap,
+                                                   mode=s.is_correction, low=s.is_correction_min)
                 is_weight = correction.weight
             loss, stats = grpo_loss(
-                logp, old_logp, ref_logp, advantages, mask, beta=self.beta, epsilon_low=self.epsilon_low,
-                epsilon_high=self.epsilon_high, kl_estimator=self.kl_estimator, loss_type=self.loss_type,
-                max_completion_length=max_completion_length,
+                logp, old_logp, ref_logp, advantages, mask, s, max_completion_length=max_completion_length,
                 normalizer=num_tokens if aggregation.reads_normalizer else None, is_weight=is_weight,
-                importance_sampling_level=self.importance_sampling_level, entropy=entropy,
-                entropy_coef=self.entropy_coef, top_entropy_quantile=self.top_entropy_quantile,
-                entropy_threshold=entropy_threshold, **self.variant)
+                entropy=entropy, entropy_threshold=entropy_threshold)
             if sampling_logp is not None:
                 m = mask.to(logp.dtype)
                 stats["sampler/logp_gap"] = masked_mean((old - sampling_logp).abs(), m)

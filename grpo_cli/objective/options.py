@@ -12,7 +12,7 @@ Option = TypeVar("Option")
 def choose(setting: str, name: str, options: Mapping[str, Option]) -> Option:
     """options[name]; an unknown name is a ValueError naming the setting and the allowed names.
 
-    The config's names were checked before the model loaded (config.ALGO); this is for a caller of the
+    The config's names were checked before the model loaded (grpo_cli.algo); this is for a caller of the
     functions themselves.
     """
     if name not in options:

@@ -21,6 +21,7 @@ import torch
 
 from grpo_cli.objective.aggregation import masked_mean
 from grpo_cli.objective.options import choose
+from grpo_cli.objective.settings import LossSettings
 
 # GSPO's clip range (arXiv 2507.18071 v2, §5.1; TRL's paper index uses the same): the sequence ratio is a
 # geometric mean of token ratios, so it strays from 1 far less than a token ratio and needs a range ~1000x
@@ -147,29 +148,20 @@ def _shares(low: torch.Tensor, high: torch.Tensor, mask: torch.Tensor) -> ClipFr
 # ---- the per-token term of each loss_type ----------------------------------------------------------------
 
 
-class SurrogateSettings(NamedTuple):
-    """The scalars the per-token terms read (algo.*); a term's own are None unless its loss_type is chosen."""
-
-    epsilon_low: float
-    epsilon_high: float
-    cispo_cap: float | None = None
-    sapo_temperature_pos: float | None = None
-    sapo_temperature_neg: float | None = None
-
-
 class Surrogate(NamedTuple):
     """One loss_type's per-token term: `term(ratio, logp, old_logp, advantages, keep, settings)` -> (objective [N, T],
     the ratio it weighs [N, T]), `clipped(ratio, advantages, mask, settings)` -> its `ClipFractions`, the settings
     it reads, and whether it makes its own sequence ratio from the token ratios (then only token level makes sense)."""
 
     term: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    clipped: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, SurrogateSettings], ClipFractions]
+    clipped: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, LossSettings], ClipFractions]
     reads: tuple[str, ...] = ()
     own_ratio: bool = False
 
 
 # Each term: (ratio [N, T] from importance_ratio, logp, old_logp, advantages [N, T], 0 where masked; keep [N, T] bool;
-# settings) -> (objective [N, T], the ratio logged as ratio_mean [N, T])
+# settings, a LossSettings with epsilon_high filled: `LossSettings.resolved`) -> (objective [N, T], the ratio logged
+# as ratio_mean [N, T])
 
 
 def _ppo(ratio, logp, old, adv, keep, s):

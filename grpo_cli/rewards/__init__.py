@@ -33,7 +33,7 @@ grpo_cli.rewards.OutcomeReward` in conf/reward/*.yaml and in saved runs' config.
 from __future__ import annotations
 
 from grpo_cli.checks import Check
-from grpo_cli.rewards import combine, judge, shaping
+from grpo_cli.rewards import combine, judge
 from grpo_cli.rewards.combine import OutcomeReward, ProcessReward
 from grpo_cli.rewards.outcome import (
     accuracy,
@@ -53,4 +53,4 @@ __all__ = [
 ]
 
 # this package's settings, collected by config.validate
-CHECKS: list[Check] = [*combine.CHECKS, *shaping.CHECKS, *judge.CHECKS]
+CHECKS: list[Check] = [*combine.CHECKS, *judge.CHECKS]

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from grpo_cli.checks import Check, Rule, get, is_int, is_num
 from grpo_cli.rewards.outcome import length_penalty
 from grpo_cli.rewards.result import RewardResult
 
@@ -100,26 +99,3 @@ def shape(result: RewardResult, *, lengths: list[int], truncated: list[bool], co
     """Both shapings in the trainer's order: the truncation floor, then the overlong penalty on top of it."""
     floored = floor_truncated(result, truncated, completions, truncated_reward)
     return overlong_shaping(floored, lengths, max_length, overlong_buffer, overlong_penalty)
-
-# ---- config checks: this module's settings, collected by config.validate --------------------------------
-
-def _check_overlong(cfg) -> list[str]:
-    """The buffer lies inside the budget the ramp runs against (eq. 13 needs L_cache <= L_max): an episode's
-    env.max_episode_tokens, else sampler.max_new_tokens (`overlong_lengths`)."""
-    key = "env.max_episode_tokens" if get(cfg, "env._target_")[1] else "sampler.max_new_tokens"
-    buffer, budget = get(cfg, "algo.overlong_buffer")[1], get(cfg, key)[1]
-    if is_int(buffer) and is_int(budget) and buffer > budget >= 1:  # buffer < 1 has its own line
-        fit = max(1, budget // 4)
-        return [f"algo.overlong_buffer ({buffer}) must be at most {key} ({budget}): the penalty ramps over the last "
-                f"overlong_buffer tokens before the cap; set algo.overlong_buffer={fit}"]
-    return []
-
-
-CHECKS: list[Check] = [
-    Rule("algo.overlong_buffer", lambda v: v is None or (is_int(v) and v >= 1),
-         "must be an integer >= 1 (tokens before sampler.max_new_tokens) or null (off); "
-         "set algo.overlong_buffer=null"),
-    Rule("algo.overlong_penalty", lambda v: is_num(v) and v >= 0,
-         "must be a number >= 0 (DAPO's is 1); set algo.overlong_penalty=1.0"),
-    _check_overlong,
-]

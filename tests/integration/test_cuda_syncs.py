@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from grpo_cli import update
-from grpo_cli.objective import GRPOLoss
+from grpo_cli.objective import GRPOLoss, LossSettings
 from grpo_cli.policy import apply_lora, load_tiny_random
 from grpo_cli.rewards import RewardResult
 from grpo_cli.rollout import Rollout
@@ -34,7 +34,7 @@ def _syncs(rows: int, process: bool) -> Counter:
     rewards = torch.randint(0, 2, (rows,), generator=g).float().tolist()
     result = (RewardResult(rewards=rewards, per_function={}, steps=[[(3, r), (7, 1.0)] for r in rewards]) if process
               else RewardResult(rewards=rewards, per_function={}))
-    loss = GRPOLoss(beta=0.04, epsilon_low=0.2, epsilon_high=None, kl_estimator="k3", loss_type="grpo")
+    loss = GRPOLoss(LossSettings(beta=0.04, epsilon_low=0.2, epsilon_high=None, kl_estimator="k3", loss_type="grpo"))
     params = [p for p in policy.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
@@ -45,7 +45,7 @@ def _syncs(rows: int, process: bool) -> Counter:
         try:
             adv = update.advantages(result, rollout, tokenizer, 4, "group", "population")
             batch = update.prepare(policy, rollout, adv, loss, 2, 4, False)
-            update.update(policy, optimizer, scheduler, batch, loss, 2, 4, 1.0)
+            update.update(policy, optimizer, scheduler, batch, max_grad_norm=1.0)
         finally:
             torch.cuda.set_sync_debug_mode("default")
     return Counter(f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))

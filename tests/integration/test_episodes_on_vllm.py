@@ -98,7 +98,7 @@ def test_vllm_episodes_sample_from_the_callers_generator(engines, tmp_path):
 
 def test_vllm_episodes_keep_the_samplers_log_probs_of_the_sampled_tokens_only(engines, greedy):
     from grpo_cli.logprobs import sequence_logprobs
-    from grpo_cli.objective import GRPOLoss
+    from grpo_cli.objective import GRPOLoss, LossSettings
 
     policy, _, _, _ = engines
     rollout = greedy
@@ -116,8 +116,8 @@ def test_vllm_episodes_keep_the_samplers_log_probs_of_the_sampled_tokens_only(en
     # the loss reads them as the trainer does (algo.is_correction_cap=2): sampler/logp_gap is the sampled tokens'
     # gap, while the environment's ids, had they counted, would have added their own -log p (the template's
     # markers and the tool's digits are far from certain for the model)
-    loss = GRPOLoss(beta=0.0, epsilon_low=0.2, epsilon_high=None, kl_estimator="k3", loss_type="grpo",
-                    is_correction_cap=2.0)
+    loss = GRPOLoss(LossSettings(beta=0.0, epsilon_low=0.2, epsilon_high=None, kl_estimator="k3", loss_type="grpo",
+                                 is_correction_cap=2.0))
     mask = rollout.loss_mask.float()
     loss_fn = loss.for_batch(mask.shape[0], mask.sum(), mask.shape[1])
     _, stats = loss_fn(trainer, trainer, None, torch.zeros(mask.shape[0]), mask,  # advantages [N]

@@ -14,6 +14,7 @@ pytestmark = pytest.mark.slow
 MEMORY_PROBE = r"""
 import json, resource, sys, time, torch
 from grpo_cli import update
+from grpo_cli.algo import build_loss
 from grpo_cli.instantiate import build
 from grpo_cli.config import compose
 from grpo_cli.policy import build_policy
@@ -34,10 +35,9 @@ rollout = Rollout(torch.randint(0, 49152, (N, P), generator=g), torch.ones(N, P,
                   [""] * N, [False] * N)
 advantages = torch.randn(N, generator=g)
 t0 = time.perf_counter()
-loss = build(cfg.algo.loss)
+loss = build_loss(cfg.algo)
 batch = update.prepare(policy, rollout, advantages, loss, cfg.algo.num_iterations, cfg.trainer.micro_batch_size, False)
-update.update(policy, optimizer, scheduler, batch, loss, cfg.algo.num_iterations, cfg.trainer.micro_batch_size,
-              cfg.trainer.max_grad_norm)
+update.update(policy, optimizer, scheduler, batch, max_grad_norm=cfg.trainer.max_grad_norm)
 print(json.dumps({"rss_before_mb": before, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                   "update_s": time.perf_counter() - t0}))
 """

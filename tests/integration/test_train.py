@@ -8,10 +8,10 @@ import math
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from grpo_cli import checkpoint, recipe, update
+from grpo_cli.algo import build_loss, loss_settings
 from grpo_cli.commands import train
 from grpo_cli.config import compose
 from grpo_cli.instantiate import build
@@ -169,7 +169,7 @@ def test_micro_batches_accumulate_to_the_full_batch_gradient(loss_type, options)
             captured.update({n: p.grad.clone() for n, p in policy.named_parameters() if p.requires_grad})
 
         opt.step = capture
-        loss = build(cfg.algo.loss)
+        loss = build_loss(cfg.algo)
         batch = update.prepare(policy, rollout, advantages, loss, mu, micro, False)
         if mu > 1:  # the policy moves after sampling (as after a first update), so the ratio is not 1
             with torch.no_grad():
@@ -177,7 +177,7 @@ def test_micro_batches_accumulate_to_the_full_batch_gradient(loss_type, options)
                 for n, p in policy.named_parameters():
                     if n in start:
                         p.add_(torch.randn(p.shape, generator=g) * 0.05)
-        ratios[micro] = update.update(policy, opt, sched, batch, loss, mu, micro, None).tokens["ratio_mean"]
+        ratios[micro] = update.update(policy, opt, sched, batch).tokens["ratio_mean"]
         grads[micro] = captured
     for name in grads[8]:
         assert torch.allclose(grads[8][name], grads[3][name], atol=1e-6, rtol=1e-4), name
@@ -188,9 +188,9 @@ def test_micro_batches_accumulate_to_the_full_batch_gradient(loss_type, options)
 def test_gspo_and_the_entropy_options_train_end_to_end(tmp_path):
     """algo=gspo with μ = 2, and the entropy bonus with the top-entropy mask, through `grpo train`'s loop."""
     cfg = tiny_cfg("algo=gspo", "algo.num_iterations=2", "trainer.max_steps=2")
-    loss = OmegaConf.to_container(cfg.algo.loss, resolve=True)
-    assert loss["importance_sampling_level"] == "sequence"
-    assert (loss["epsilon_low"], loss["epsilon_high"]) == (3e-4, 4e-4)
+    loss = loss_settings(cfg.algo)
+    assert loss.importance_sampling_level == "sequence"
+    assert (loss.epsilon_low, loss.epsilon_high) == (3e-4, 4e-4)
     train.run(cfg, tmp_path / "gspo")
     # the second pass is off-policy: the sequence ratio moves, and GSPO's narrow range clips some sequences
     records = metrics(tmp_path / "gspo")

@@ -1,11 +1,26 @@
-"""config.ALGO: the algo section's checks, each error one line that names the fix, before any model loads."""
+"""grpo_cli/algo.py: the algo section's checks, each error one line that names the fix, before any model loads; the
+loss settings read once from the section, and the loss built from them."""
 
 from __future__ import annotations
 
-import pytest
+import dataclasses
+from pathlib import Path
 
-from grpo_cli.config import compose, validate
+import pytest
+from omegaconf import OmegaConf, open_dict
+
+from grpo_cli import algo as algo_section
+from grpo_cli.algo import build_loss, loss_settings
+from grpo_cli.checks import Rule
+from grpo_cli.config import LIBRARY_CHECKS, compose, validate
 from grpo_cli.errors import ConfigError
+from grpo_cli.objective import LOSS_SETTINGS, Loss, LossSettings
+from grpo_cli.resources import CONF_DIR
+from grpo_cli.runs import resume_config
+
+# the algo section of a run's config.yaml as the commit before LossSettings saved it (its loss node lists the loss
+# settings, handed on from algo)
+SAVED_ALGO = Path(__file__).parent / "fixtures" / "algo_saved_by_4bfba7f.yaml"
 
 
 def errors(*overrides: str) -> list[str]:
@@ -21,8 +36,9 @@ def errors(*overrides: str) -> list[str]:
 def test_the_loss_variants_compose_and_build_their_loss(overrides):
     assert errors(*overrides) == []
     algo = compose("train", overrides).algo
-    # the loss node passes the variant's settings through (GRPOLoss reads only those of its loss_type)
-    assert (algo.loss.cispo_cap, algo.loss.sapo_temperature_neg) == (algo.cispo_cap, algo.sapo_temperature_neg)
+    # the loss gets the variant's settings (GRPOLoss reads only those of its loss_type)
+    settings = build_loss(algo).settings
+    assert (settings.cispo_cap, settings.sapo_temperature_neg) == (algo.cispo_cap, algo.sapo_temperature_neg)
 
 
 def test_gmpo_preset_is_the_papers_clip_range():
@@ -76,3 +92,59 @@ def test_rloo_with_step_rewards_alone_is_refused(reward):
     if reward[0] == "reward=multistep_process":
         assert errors(*reward, "algo=rloo", "reward.process_weight=1.0") == []
         assert len(errors(*reward, "algo=rloo", "reward.process_weight=inf")) == 1   # inf: step rewards alone
+
+
+def test_the_loss_settings_are_read_once_from_the_algo_section():
+    algo = compose("train", ["algo.loss_type=cispo", "algo.cispo_cap=2", "algo.beta=0", "algo.entropy_coef=0.01"]).algo
+    settings = loss_settings(algo)
+    assert settings == LossSettings(**{name: algo[name] for name in LOSS_SETTINGS})
+    assert (settings.loss_type, settings.cispo_cap, settings.beta, settings.entropy_coef) == ("cispo", 2, 0, 0.01)
+    # the loss node names its class alone; the class gets the section's settings and declares what it reads
+    assert list(algo.loss) == ["_target_"]
+    loss = build_loss(algo)
+    assert isinstance(loss, Loss) and loss.settings == settings
+    assert (loss.needs_reference, loss.needs_entropy, loss.needs_entropy_grad, loss.entropy_quantile) == \
+        (False, True, True, None)
+
+
+def test_each_loss_setting_is_an_algo_key_with_its_check():
+    # one name per setting: LossSettings' field is the key of conf/algo/grpo.yaml (its home) and of its Rule
+    keys = set(OmegaConf.load(CONF_DIR / "algo" / "grpo.yaml"))
+    assert set(LOSS_SETTINGS) <= keys
+    assert [c.key for c in algo_section.LOSS_CHECKS] == [f"algo.{name}" for name in LOSS_SETTINGS]
+
+
+def test_every_algo_check_lives_in_the_algo_module():
+    elsewhere = [c.key for c in LIBRARY_CHECKS
+                 if isinstance(c, Rule) and c.key.startswith("algo.") and c not in algo_section.CHECKS]
+    assert elsewhere == []
+    assert all(c in LIBRARY_CHECKS for c in algo_section.CHECKS)
+
+
+def _saved(algo) -> OmegaConf:
+    """Today's composed train config with `algo` as a saved run's section."""
+    saved = OmegaConf.create(OmegaConf.to_container(compose("train", ["resume=somewhere"]), resolve=True))
+    with open_dict(saved):
+        saved.algo = algo
+    return saved
+
+
+def test_a_run_saved_with_the_settings_in_its_loss_node_resumes_with_them():
+    algo = OmegaConf.load(SAVED_ALGO).algo
+    algo.loss.beta = 0.0  # set on the node alone (algo.loss.beta=0): what that run trained with
+    cfg = compose("train", ["resume=somewhere"])
+    merged = validate(resume_config(cfg, _saved(algo), overrides=["resume=somewhere"]))
+    assert list(merged.algo.loss) == ["_target_"]
+    assert build_loss(merged.algo).settings == dataclasses.replace(loss_settings(cfg.algo), beta=0.0)
+
+
+def test_a_run_saved_before_the_variants_settings_resumes_without_them():
+    # saved before cispo_cap and the sapo temperatures existed: absent from its section and its loss node; its
+    # loss_type never reads them
+    algo = OmegaConf.load(SAVED_ALGO).algo
+    for key in ("cispo_cap", "sapo_temperature_pos", "sapo_temperature_neg"):
+        del algo[key], algo.loss[key]
+    merged = validate(resume_config(compose("train", ["resume=somewhere"]), _saved(algo), ["resume=somewhere"]))
+    settings = build_loss(merged.algo).settings
+    assert (settings.cispo_cap, settings.sapo_temperature_pos, settings.sapo_temperature_neg) == (None, None, None)
+    assert settings.loss_type == "grpo"

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from grpo_cli import compiled, logprobs, update
+from grpo_cli.algo import build_loss
 from grpo_cli.config import validate
 from grpo_cli.errors import ConfigError
 from grpo_cli.instantiate import build
@@ -91,12 +92,12 @@ def test_a_failing_compile_falls_back_to_eager_in_one_line(monkeypatch):
     assert torch.equal(eager[0], fallen[0]) and torch.equal(eager[1], fallen[1])
     assert all(torch.equal(a, b) for a, b in zip(eager[2], fallen[2]))
     # and the update keeps running on it
-    loss = build(cfg.algo.loss)
+    loss = build_loss(cfg.algo)
     batch = update.prepare(policy, rollout, torch.linspace(-1, 1, 8), loss, 1, 8, False)
     params = [p for p in policy.parameters() if p.requires_grad]
     optimizer = build(cfg.optimizer)(params=params)
-    stats = update.update(policy, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0), batch, loss,
-                          1, 8, None, decoder=decoder)
+    stats = update.update(policy, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0), batch,
+                          decoder=decoder)
     assert stats.nonfinite_skipped == 0 and len(lines) == 1
 
 

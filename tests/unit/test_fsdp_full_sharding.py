@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from grpo_cli import checkpoint, fsdp, update
 from grpo_cli.distributed import SINGLE, World, destroy_groups
-from grpo_cli.objective import GRPOLoss
+from grpo_cli.objective import GRPOLoss, LossSettings
 from grpo_cli.policy import keep_reference, load_tiny_random
 from tests.helpers import MICRO, G, _batch, _local, two_ranks
 
@@ -36,12 +36,12 @@ def _setup(world: World):
 def _steps(world: World, policy, tokenizer, optimizer, scheduler, steps: range) -> list[dict]:
     """Optimizer steps on this rank's share of the fixed 16-row batch (the same rows every step)."""
     rollout, result = _local(*_batch("mixed"), world)
-    loss = GRPOLoss(beta=0.04, kl_estimator="k3", loss_type="dapo", epsilon_low=0.2, epsilon_high=None)
+    loss = GRPOLoss(LossSettings(beta=0.04, kl_estimator="k3", loss_type="dapo", epsilon_low=0.2, epsilon_high=None))
     out = []
     for _ in steps:
         adv = update.advantages(result, rollout, tokenizer, G, "group", "population", world)
         batch = update.prepare(policy, rollout, adv, loss, 1, MICRO, True, world)
-        out.append(update.update(policy, optimizer, scheduler, batch, loss, 1, MICRO, 1.0).metrics())
+        out.append(update.update(policy, optimizer, scheduler, batch, max_grad_norm=1.0).metrics())
     return out
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -13,6 +14,7 @@ from grpo_cli.objective import (
     GSPO_EPSILON_HIGH,
     GSPO_EPSILON_LOW,
     GRPOLoss,
+    LossSettings,
     choose,
     clip_fractions,
     clipped_surrogate,
@@ -274,7 +276,7 @@ def test_clipped_objective_by_hand():
     # token mean (0.5 - 1 + 2.4) / 3 = 0.6333 -> loss -0.6333
     logp, old = logps_with_ratios([0.5, 1.0, 1.5])
     adv = torch.tensor([[1.0, -1.0, 2.0]], dtype=torch.float64)
-    loss, stats = grpo_loss(logp, old, None, adv, torch.ones(1, 3), beta=0.0)
+    loss, stats = grpo_loss(logp, old, None, adv, torch.ones(1, 3), LossSettings(beta=0.0))
     assert close(loss, -0.63333, tol=1e-5)
     # token 2: A>0, ρ=1.5 > 1.2 -> high clip, 1 of 3 tokens; no low clip (ρ=0.5 has A>0)
     assert close(stats["clip_ratio/high_mean"], 1 / 3, tol=1e-9)
@@ -289,7 +291,8 @@ def test_clipped_objective_by_hand():
 def test_clip_higher():
     # ε_low 0.2, ε_high 0.28: ratio 1.5, A=2 -> min(3, 1.28·2 = 2.56) = 2.56 -> loss -2.56
     logp, old = logps_with_ratios([1.5])
-    loss, _ = grpo_loss(logp, old, None, torch.tensor([2.0]), torch.ones(1, 1), beta=0.0, epsilon_high=0.28)
+    loss, _ = grpo_loss(logp, old, None, torch.tensor([2.0]), torch.ones(1, 1),
+                        LossSettings(beta=0.0, epsilon_high=0.28))
     assert close(loss, -2.56, tol=1e-9)
 
 
@@ -303,7 +306,7 @@ def test_clipped_tokens_have_zero_gradient():
     # ρ 1,   A  1:                      -1·1/5    = -0.2
     logp, old = logps_with_ratios([0.5, 1.5, 0.5, 1.5, 1.0])
     adv = torch.tensor([[-1.0, 1.0, 1.0, -1.0, 1.0]], dtype=torch.float64)
-    loss, stats = grpo_loss(logp, old, None, adv, torch.ones(1, 5), beta=0.0)
+    loss, stats = grpo_loss(logp, old, None, adv, torch.ones(1, 5), LossSettings(beta=0.0))
     loss.backward()
     assert close(logp.grad, [[0.0, 0.0, -0.1, 0.3, -0.2]], tol=1e-12)
     assert logp.grad[0, 0] == 0 and logp.grad[0, 1] == 0
@@ -319,14 +322,14 @@ def test_on_policy_gradient_is_policy_gradient():
     # loss = -1/4 Σ_t ρ_t A -> ∂loss/∂logp_t = -A/4 = -0.5/4 = -0.125 (REINFORCE with a baseline)
     torch.manual_seed(0)
     logp = torch.randn(1, 4, dtype=torch.float64, requires_grad=True)
-    loss, stats = grpo_loss(logp, logp.detach(), None, torch.tensor([0.5]), torch.ones(1, 4), beta=0.0)
+    loss, stats = grpo_loss(logp, logp.detach(), None, torch.tensor([0.5]), torch.ones(1, 4), LossSettings(beta=0.0))
     loss.backward()
     assert close(loss, -0.5, tol=1e-12)                  # mean of ρA = 0.5
     assert close(logp.grad, [[-0.125] * 4], tol=1e-12)
     assert close(stats["ratio_mean"], 1.0, tol=0)
     # old_logp=None means the same thing
     logp.grad = None
-    grpo_loss(logp, None, None, torch.tensor([0.5]), torch.ones(1, 4), beta=0.0)[0].backward()
+    grpo_loss(logp, None, None, torch.tensor([0.5]), torch.ones(1, 4), LossSettings(beta=0.0))[0].backward()
     assert close(logp.grad, [[-0.125] * 4], tol=1e-12)
 
 
@@ -337,7 +340,7 @@ ADV = torch.tensor([[1.0, 2.0, 99.0], [3.0, 99.0, 99.0]])   # 99: masked, must n
 
 def ragged_loss(loss_type, **kw):
     logp = torch.zeros(2, 3, requires_grad=True)
-    return grpo_loss(logp, logp.detach(), None, ADV, MASK, beta=0.0, loss_type=loss_type, **kw)[0]
+    return grpo_loss(logp, logp.detach(), None, ADV, MASK, LossSettings(beta=0.0, loss_type=loss_type), **kw)[0]
 
 
 def test_loss_types_by_hand():
@@ -389,7 +392,7 @@ def test_an_unknown_name_names_the_allowed_ones():
 def test_grpo_empty_sequence_counts_in_mean():
     # sequence 1 has no unmasked token: it contributes 0 but counts: (1.5 + 0) / 2 = 0.75
     logp = torch.zeros(2, 3, requires_grad=True)
-    loss, _ = grpo_loss(logp, None, None, ADV, torch.tensor([[1, 1, 0], [0, 0, 0]]), beta=0.0)
+    loss, _ = grpo_loss(logp, None, None, ADV, torch.tensor([[1, 1, 0], [0, 0, 0]]), LossSettings(beta=0.0))
     assert close(loss, -0.75)
     loss.backward()
     assert torch.isfinite(logp.grad).all() and (logp.grad[1] == 0).all()
@@ -399,11 +402,11 @@ def test_kl_penalty_by_hand():
     # logp -1, ref 0 on every token -> k3 = e - 2 = 0.71828; β 0.1 -> each objective A - 0.071828
     # grpo on the ragged batch: 2.25 - 0.071828 = 2.17817; stats kl = 0.71828
     logp = torch.full((2, 3), -1.0, requires_grad=True)
-    loss, stats = grpo_loss(logp, None, torch.zeros(2, 3), ADV, MASK, beta=0.1)
+    loss, stats = grpo_loss(logp, None, torch.zeros(2, 3), ADV, MASK, LossSettings(beta=0.1))
     assert close(loss, -(2.25 - 0.1 * (math.e - 2)))
     assert close(stats["kl"], math.e - 2)
     # β = 0 with a ref: the loss ignores it, the stat still reports it
-    loss0, stats0 = grpo_loss(logp, None, torch.zeros(2, 3), ADV, MASK, beta=0.0)
+    loss0, stats0 = grpo_loss(logp, None, torch.zeros(2, 3), ADV, MASK, LossSettings(beta=0.0))
     assert close(loss0, -2.25) and close(stats0["kl"], math.e - 2)
 
 
@@ -426,15 +429,16 @@ def test_is_weight_scales_the_clipped_term_not_the_kl():
     # with β 0.1 and logp -1, ref 0 (k3 = e - 2 per token, unweighted): 3.5 - 0.1·(e - 2)
     logp = torch.full((1, 2), -1.0, requires_grad=True)
     weight = torch.tensor([[0.5, 3.0]])
-    loss, _ = grpo_loss(logp, None, None, torch.tensor([2.0]), torch.ones(1, 2), beta=0.0, is_weight=weight)
+    loss, _ = grpo_loss(logp, None, None, torch.tensor([2.0]), torch.ones(1, 2), LossSettings(beta=0.0),
+                        is_weight=weight)
     assert close(loss, -3.5)
     loss.backward()  # ∂/∂logp_t = -ρ·A·w_t / 2: -0.5 and -3
     assert close(logp.grad, [[-0.5, -3.0]])
-    loss_kl, _ = grpo_loss(logp, None, torch.zeros(1, 2), torch.tensor([2.0]), torch.ones(1, 2), beta=0.1,
-                           is_weight=weight)
+    loss_kl, _ = grpo_loss(logp, None, torch.zeros(1, 2), torch.tensor([2.0]), torch.ones(1, 2),
+                           LossSettings(beta=0.1), is_weight=weight)
     assert close(loss_kl, -(3.5 - 0.1 * (math.e - 2)))
     # a weight on a masked position reaches nothing, even inf
-    masked, _ = grpo_loss(logp, None, None, torch.tensor([2.0]), torch.tensor([[1, 0]]), beta=0.0,
+    masked, _ = grpo_loss(logp, None, None, torch.tensor([2.0]), torch.tensor([[1, 0]]), LossSettings(beta=0.0),
                           is_weight=torch.tensor([[0.5, math.inf]]))
     assert close(masked, -1.0)
 
@@ -446,11 +450,11 @@ def test_loss_fn_logs_the_sampler_gap_and_corrects_with_a_cap():
     logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
     sampler = torch.tensor([[-1.5, -2.0]])
     mask = torch.ones(1, 2)
-    plain = GRPOLoss(0.0, 0.2, None, "k3", "grpo").for_batch(1, mask.sum(), 2)
+    plain = GRPOLoss(LossSettings(0.0, 0.2, None, "k3", "grpo")).for_batch(1, mask.sum(), 2)
     loss, stats = plain(logp, None, None, torch.tensor([1.0]), mask, sampling_logp=sampler)
     assert close(loss, -1.0) and close(stats["sampler/logp_gap"], 0.25)
     assert "sampler/is_weight_mean" not in stats
-    capped = GRPOLoss(0.0, 0.2, None, "k3", "grpo", is_correction_cap=1.5).for_batch(1, mask.sum(), 2)
+    capped = GRPOLoss(LossSettings(0.0, 0.2, None, "k3", "grpo", is_correction_cap=1.5)).for_batch(1, mask.sum(), 2)
     loss, stats = capped(logp, logp.detach(), None, torch.tensor([1.0]), mask, sampling_logp=sampler)
     assert close(loss, -1.25) and close(stats["sampler/is_weight_mean"], 1.25)
     # without sampler log-probs (HF generate) the cap has nothing to correct
@@ -461,8 +465,8 @@ def test_loss_fn_logs_the_sampler_gap_and_corrects_with_a_cap():
 def test_stat_names_are_the_keys_loss_fn_returns():
     # the update declares the statistics it logs before any row is scored (a rank with no row logs every key)
     logp, mask = torch.tensor([[-1.0, -2.0]]), torch.ones(1, 2)
-    for loss in (GRPOLoss(0.04, 0.2, None, "k3", "grpo"),
-                 GRPOLoss(0.0, 0.2, None, "k3", "grpo", is_correction_cap=1.5)):
+    for loss in (GRPOLoss(LossSettings(0.04, 0.2, None, "k3", "grpo")),
+                 GRPOLoss(LossSettings(0.0, 0.2, None, "k3", "grpo", is_correction_cap=1.5))):
         fn = loss.for_batch(1, mask.sum(), 2)
         for sampling in (None, logp - 0.5):
             _, stats = fn(logp, logp, logp, torch.tensor([1.0]), mask, sampling_logp=sampling)
@@ -472,8 +476,8 @@ def test_stat_names_are_the_keys_loss_fn_returns():
 def test_outcome_advantages_broadcast_and_bool_mask():
     # [N] advantages broadcast over T; bool mask same as int mask
     logp = torch.zeros(2, 3)
-    a = grpo_loss(logp, None, None, torch.tensor([1.0, -2.0]), MASK.bool(), beta=0.0)[0]
-    b = grpo_loss(logp, None, None, torch.tensor([[1.0] * 3, [-2.0] * 3]), MASK.float(), beta=0.0)[0]
+    a = grpo_loss(logp, None, None, torch.tensor([1.0, -2.0]), MASK.bool(), LossSettings(beta=0.0))[0]
+    b = grpo_loss(logp, None, None, torch.tensor([[1.0] * 3, [-2.0] * 3]), MASK.float(), LossSettings(beta=0.0))[0]
     # sequence means 1 and -2 -> (1 - 2) / 2 = -0.5 -> loss 0.5
     assert close(a, 0.5) and close(b, 0.5)
 
@@ -487,7 +491,7 @@ def test_masked_garbage_does_not_leak():
     mask = torch.tensor([[1, 0], [1, 0]])
     for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo"):
         logp.grad = None
-        loss, stats = grpo_loss(logp, old, ref, adv, mask, beta=0.04, loss_type=loss_type)
+        loss, stats = grpo_loss(logp, old, ref, adv, mask, LossSettings(beta=0.04, loss_type=loss_type))
         loss.backward()
         assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
         assert all(torch.isfinite(v) for v in stats.values())
@@ -496,17 +500,17 @@ def test_masked_garbage_does_not_leak():
 def test_loss_errors():
     logp = torch.zeros(1, 2)
     with pytest.raises(ValueError, match="needs ref_logp"):
-        grpo_loss(logp, None, None, torch.zeros(1), torch.ones(1, 2), beta=0.04)
+        grpo_loss(logp, None, None, torch.zeros(1), torch.ones(1, 2), LossSettings(beta=0.04))
     with pytest.raises(ValueError, match="loss_type"):
-        grpo_loss(logp, None, None, torch.zeros(1), torch.ones(1, 2), beta=0.0, loss_type="ppo")
+        grpo_loss(logp, None, None, torch.zeros(1), torch.ones(1, 2), LossSettings(beta=0.0, loss_type="ppo"))
     with pytest.raises(ValueError, match="only used by loss_type='dapo'"):
-        grpo_loss(logp, None, None, torch.zeros(1), torch.ones(1, 2), beta=0.0, normalizer=4)
+        grpo_loss(logp, None, None, torch.zeros(1), torch.ones(1, 2), LossSettings(beta=0.0), normalizer=4)
     with pytest.raises(ValueError, match="advantages"):
-        grpo_loss(logp, None, None, torch.zeros(2), torch.ones(1, 2), beta=0.0)
+        grpo_loss(logp, None, None, torch.zeros(2), torch.ones(1, 2), LossSettings(beta=0.0))
     with pytest.raises(ValueError, match="mask"):
-        grpo_loss(logp, None, None, torch.zeros(1), torch.ones(1, 3), beta=0.0)
+        grpo_loss(logp, None, None, torch.zeros(1), torch.ones(1, 3), LossSettings(beta=0.0))
     with pytest.raises(ValueError, match="kl_estimator"):
-        grpo_loss(logp, None, torch.zeros(1, 2), torch.zeros(1), torch.ones(1, 2), kl_estimator="k9")
+        grpo_loss(logp, None, torch.zeros(1, 2), torch.zeros(1), torch.ones(1, 2), LossSettings(kl_estimator="k9"))
 
 
 def ref_loss(logp, old, ref, adv, mask, beta, el, eh, est, loss_type, lmax, level="token"):
@@ -547,8 +551,9 @@ def test_loss_matches_loop(seed):
     adv = torch.randn(*shape, generator=g, dtype=torch.float64)
     for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo"):
         for est in ("k1", "k2", "k3"):
-            fast, _ = grpo_loss(logp, old, ref, adv, mask, beta=0.1, epsilon_high=0.3,
-                                kl_estimator=est, loss_type=loss_type, max_completion_length=7)
+            fast, _ = grpo_loss(logp, old, ref, adv, mask,
+                                LossSettings(beta=0.1, epsilon_high=0.3, kl_estimator=est, loss_type=loss_type),
+                                max_completion_length=7)
             slow = ref_loss(logp.tolist(), old.tolist(), ref.tolist(), adv.tolist(), mask.tolist(),
                             0.1, 0.2, 0.3, est, loss_type, 7)
             assert close(fast, slow, tol=1e-10), (loss_type, est)
@@ -582,9 +587,9 @@ def test_gspo_ratio_and_clip_by_hand():
     # (token level would clip token 0 of sequence 0 instead: (min(2, 1.2) + 0.5) / 2 = 0.85 and
     #  (min(4, 1.2) + 1) / 2 = 1.1 -> -(0.85 + 1.1) / 2 = -0.975)
     adv = torch.tensor([1.0, 1.0])
-    loss, stats = grpo_loss(logp, old, None, adv, mask, beta=0.0, importance_sampling_level="sequence")
+    loss, stats = grpo_loss(logp, old, None, adv, mask, LossSettings(beta=0.0, importance_sampling_level="sequence"))
     assert close(loss, -1.1, tol=1e-12)
-    assert close(grpo_loss(logp, old, None, adv, mask, beta=0.0)[0], -0.975, tol=1e-12)
+    assert close(grpo_loss(logp, old, None, adv, mask, LossSettings(beta=0.0))[0], -0.975, tol=1e-12)
     # sequence 1 is clipped with both its tokens, sequence 0 with none: 2 of 4 tokens
     assert close(stats["clip_ratio/high_mean"], 0.5, tol=1e-12) and close(stats["clip_ratio/low_mean"], 0.0, tol=0)
     assert close(stats["ratio_mean"], 1.5, tol=1e-12)   # (1 + 1 + 2 + 2) / 4
@@ -594,7 +599,7 @@ def test_gspo_ratio_and_clip_by_hand():
     # A = -1: s_1 = 2 is on the pessimistic side, min(-2, -1.2) = -2: not clipped
     # (-1 + -2) / 2 = -1.5 -> loss 1.5; sequence 1: -(1/2)(1/2)·2·(-1) = 0.5 per token
     logp.grad = None
-    loss, stats = grpo_loss(logp, old, None, -adv, mask, beta=0.0, importance_sampling_level="sequence")
+    loss, stats = grpo_loss(logp, old, None, -adv, mask, LossSettings(beta=0.0, importance_sampling_level="sequence"))
     loss.backward()
     assert close(loss, 1.5, tol=1e-12) and close(stats["clip_ratio/region_mean"], 0.0, tol=0)
     assert close(logp.grad, [[0.25, 0.25, 0], [0.5, 0.5, 0]], tol=1e-12)
@@ -610,9 +615,9 @@ def test_gspo_ratio_value_is_exact_and_the_papers_clip_range():
     # every token carries exactly s_i, whatever its own log-prob: exp(log s + (lp - lp)), not exp(log s + lp - lp)
     assert torch.equal(ratio.detach(), torch.exp((logp - old).detach().mean(1, keepdim=True)).expand(2, 2))
     assert close(ratio[:, 0], [1.0001, 1.0005], tol=2e-6)
-    _, stats = grpo_loss(logp, old, None, torch.tensor([1.0, 1.0]), mask, beta=0.0,
-                         epsilon_low=GSPO_EPSILON_LOW, epsilon_high=GSPO_EPSILON_HIGH,
-                         importance_sampling_level="sequence")
+    _, stats = grpo_loss(logp, old, None, torch.tensor([1.0, 1.0]), mask,
+                         LossSettings(beta=0.0, epsilon_low=GSPO_EPSILON_LOW, epsilon_high=GSPO_EPSILON_HIGH,
+                                      importance_sampling_level="sequence"))
     assert (GSPO_EPSILON_LOW, GSPO_EPSILON_HIGH) == (3e-4, 4e-4)
     assert close(stats["clip_ratio/high_mean"], 0.5, tol=0)   # sequence 1's 2 tokens of 4
 
@@ -625,7 +630,7 @@ def test_gspo_on_policy_is_the_token_level_gradient():
     grads = []
     for level in ("token", "sequence"):
         logp.grad = None
-        grpo_loss(logp, None, None, adv, mask, beta=0.0, importance_sampling_level=level)[0].backward()
+        grpo_loss(logp, None, None, adv, mask, LossSettings(beta=0.0, importance_sampling_level=level))[0].backward()
         grads.append(logp.grad.clone())
     assert torch.allclose(grads[0], grads[1], atol=1e-15)
 
@@ -658,8 +663,10 @@ def test_gspo_token_form_gradient_equals_the_sequence_form(loss_type):
     mask = torch.rand(n, t, generator=g) < 0.7
     mask[0] = False                                          # an empty sequence
     adv = torch.randn(n, generator=g, dtype=torch.float64)
-    ours, _ = grpo_loss(logp, old, None, adv, mask, beta=0.0, epsilon_high=0.3, loss_type=loss_type,
-                        max_completion_length=7, importance_sampling_level="sequence")
+    ours, _ = grpo_loss(logp, old, None, adv, mask,
+                        LossSettings(beta=0.0, epsilon_high=0.3, loss_type=loss_type,
+                                     importance_sampling_level="sequence"),
+                        max_completion_length=7)
     (grad_ours,) = torch.autograd.grad(ours, logp)
     paper = gspo_sequence_form(logp, old, adv, mask, 0.2, 0.3, loss_type, 7)
     (grad_paper,) = torch.autograd.grad(paper, logp)
@@ -684,8 +691,10 @@ def test_sequence_level_matches_loop(seed):
     mask[0] = False
     adv = torch.randn(*((n,) if seed % 2 else (n, t)), generator=g, dtype=torch.float64)
     for loss_type in CLIPPED:
-        fast, _ = grpo_loss(logp, old, ref, adv, mask, beta=0.1, epsilon_high=0.3, loss_type=loss_type,
-                            max_completion_length=7, importance_sampling_level="sequence")
+        fast, _ = grpo_loss(logp, old, ref, adv, mask,
+                            LossSettings(beta=0.1, epsilon_high=0.3, loss_type=loss_type,
+                                         importance_sampling_level="sequence"),
+                            max_completion_length=7)
         slow = ref_loss(logp.tolist(), old.tolist(), ref.tolist(), adv.tolist(), mask.tolist(),
                         0.1, 0.2, 0.3, "k3", loss_type, 7, level="sequence")
         assert close(fast, slow, tol=1e-10), loss_type
@@ -693,8 +702,8 @@ def test_sequence_level_matches_loop(seed):
 
 def test_importance_sampling_level_errors():
     with pytest.raises(ValueError, match="importance_sampling_level"):
-        grpo_loss(torch.zeros(1, 2), None, None, torch.zeros(1), torch.ones(1, 2), beta=0.0,
-                  importance_sampling_level="sentence")
+        grpo_loss(torch.zeros(1, 2), None, None, torch.zeros(1), torch.ones(1, 2),
+                  LossSettings(beta=0.0, importance_sampling_level="sentence"))
 
 
 # --------------------------------------------------------------------------- sequence-level IS correction
@@ -757,7 +766,7 @@ def test_loss_fn_with_sequence_is_corrections():
     mask, adv = torch.ones(2, 2), torch.tensor([1.0, 1.0])
 
     def loss_fn(mode):
-        loss = GRPOLoss(0.0, 0.2, None, "k3", "grpo", is_correction_cap=1.5, is_correction=mode)
+        loss = GRPOLoss(LossSettings(0.0, 0.2, None, "k3", "grpo", is_correction_cap=1.5, is_correction=mode))
         return loss.for_batch(2, mask.sum(), 2)(logp, None, None, adv, mask, sampling_logp=sampler)
 
     # sequence_truncate: weights 1.5 and 1 -> grpo -(1.5 + 1) / 2 = -1.25; 2 of 4 tokens truncated
@@ -819,24 +828,25 @@ def test_top_entropy_quantile_masks_the_policy_gradient_not_the_kl():
     # -> tokens 2 and 3 keep ρA = 1, tokens 0 and 1 get 0: grpo mean (0 + 0 + 1 + 1) / 4 = 0.5 -> loss -0.5
     logp = torch.full((1, 4), -1.0, dtype=torch.float64, requires_grad=True)
     entropy = torch.tensor([[0.1, 0.2, 0.3, 0.4]])
-    kw = {"entropy": entropy, "top_entropy_quantile": 0.5}
-    loss, stats = grpo_loss(logp, None, None, torch.tensor([1.0]), torch.ones(1, 4), beta=0.0, **kw)
+    q = LossSettings(beta=0.0, top_entropy_quantile=0.5)
+    loss, stats = grpo_loss(logp, None, None, torch.tensor([1.0]), torch.ones(1, 4), q, entropy=entropy)
     assert close(loss, -0.5, tol=1e-12) and close(stats["entropy_mask/kept_mean"], 0.5, tol=0)
     # a pad with the highest entropy changes neither: kept 2 of the 4 counted tokens, not 2 of 5
     padded, stats = grpo_loss(torch.full((1, 5), -1.0), None, None, torch.tensor([1.0]),
-                              torch.tensor([[1, 1, 1, 1, 0]]), beta=0.0,
-                              entropy=torch.tensor([[0.1, 0.2, 0.3, 0.4, 9.0]]), top_entropy_quantile=0.5)
+                              torch.tensor([[1, 1, 1, 1, 0]]), LossSettings(beta=0.0, top_entropy_quantile=0.5),
+                              entropy=torch.tensor([[0.1, 0.2, 0.3, 0.4, 9.0]]))
     assert close(padded, -0.5) and close(stats["entropy_mask/kept_mean"], 0.5, tol=0)
     # β 0.1, ref 0: k3 = e - 2 on all 4 tokens, masked or not -> -(0.5 - 0.1·(e - 2))
-    loss, _ = grpo_loss(logp, None, torch.zeros(1, 4), torch.tensor([1.0]), torch.ones(1, 4), beta=0.1, **kw)
+    loss, _ = grpo_loss(logp, None, torch.zeros(1, 4), torch.tensor([1.0]), torch.ones(1, 4),
+                        dataclasses.replace(q, beta=0.1), entropy=entropy)
     assert close(loss, -(0.5 - 0.1 * (math.e - 2)), tol=1e-12)
     loss.backward()
     # ∂k3/∂logp = 1 - exp(ref - logp) = 1 - e -> 0.1·(1 - e)/4 = -0.042957 on every token; -ρA/4 = -0.25 on tokens 2, 3
     kl = 0.1 * (1 - math.e) / 4
     assert close(logp.grad, [[kl, kl, kl - 0.25, kl - 0.25]], tol=1e-12)
     # q 1 (the default) is the plain loss: mean of ρA = 1
-    assert close(grpo_loss(logp, None, None, torch.tensor([1.0]), torch.ones(1, 4), beta=0.0,
-                           entropy=entropy, top_entropy_quantile=1.0)[0], -1.0, tol=1e-12)
+    assert close(grpo_loss(logp, None, None, torch.tensor([1.0]), torch.ones(1, 4),
+                           LossSettings(beta=0.0, top_entropy_quantile=1.0), entropy=entropy)[0], -1.0, tol=1e-12)
 
 
 def test_entropy_bonus_sign_and_aggregation():
@@ -846,8 +856,8 @@ def test_entropy_bonus_sign_and_aggregation():
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
 
     def bonus(loss_type):
-        return grpo_loss(logp, None, None, torch.zeros(2), mask, beta=0.0, loss_type=loss_type,
-                         entropy=entropy, entropy_coef=0.01)[0]
+        return grpo_loss(logp, None, None, torch.zeros(2), mask,
+                         LossSettings(beta=0.0, loss_type=loss_type, entropy_coef=0.01), entropy=entropy)[0]
 
     # grpo: sequence means (1 + 2) / 2 = 1.5 and 4 -> (1.5 + 4) / 2 = 2.75 -> loss -0.01·2.75 = -0.0275
     loss = bonus("grpo")
@@ -863,18 +873,19 @@ def test_entropy_bonus_sign_and_aggregation():
 def test_entropy_errors():
     logp, adv, mask = torch.zeros(1, 2, requires_grad=True), torch.zeros(1), torch.ones(1, 2)
     with pytest.raises(ValueError, match="pass entropy"):
-        grpo_loss(logp, None, None, adv, mask, beta=0.0, entropy_coef=0.01)
+        grpo_loss(logp, None, None, adv, mask, LossSettings(beta=0.0, entropy_coef=0.01))
     with pytest.raises(ValueError, match="pass entropy"):
-        grpo_loss(logp, None, None, adv, mask, beta=0.0, top_entropy_quantile=0.2)
+        grpo_loss(logp, None, None, adv, mask, LossSettings(beta=0.0, top_entropy_quantile=0.2))
     with pytest.raises(ValueError, match=r"must be in \(0, 1\]"):
-        grpo_loss(logp, None, None, adv, mask, beta=0.0, entropy=torch.zeros(1, 2), top_entropy_quantile=0.0)
+        grpo_loss(logp, None, None, adv, mask, LossSettings(beta=0.0, top_entropy_quantile=0.0),
+                  entropy=torch.zeros(1, 2))
     with pytest.raises(ValueError, match="entropy has shape"):
-        grpo_loss(logp, None, None, adv, mask, beta=0.0, entropy=torch.zeros(1, 3), entropy_coef=0.01)
+        grpo_loss(logp, None, None, adv, mask, LossSettings(beta=0.0, entropy_coef=0.01), entropy=torch.zeros(1, 3))
     # a detached entropy would add a constant: the bonus would do nothing
     with pytest.raises(ValueError, match="needs an entropy with a gradient"):
-        grpo_loss(logp, None, None, adv, mask, beta=0.0, entropy=torch.zeros(1, 2), entropy_coef=0.01)
+        grpo_loss(logp, None, None, adv, mask, LossSettings(beta=0.0, entropy_coef=0.01), entropy=torch.zeros(1, 2))
     with pytest.raises(ValueError, match="only read when top_entropy_quantile < 1"):
-        grpo_loss(logp, None, None, adv, mask, beta=0.0, entropy_threshold=0.5)
+        grpo_loss(logp, None, None, adv, mask, LossSettings(beta=0.0), entropy_threshold=0.5)
 
 
 @pytest.mark.parametrize("kw", [{}, {"is_correction_cap": 2.0}, {"top_entropy_quantile": 0.2},
@@ -883,7 +894,7 @@ def test_entropy_errors():
 @pytest.mark.parametrize("sampler", [False, True])
 def test_stat_names_cover_every_option(kw, sampler):
     # the update logs exactly stat_names (a rank with no row too): every configuration's keys, in order
-    loss = GRPOLoss(0.04, 0.2, None, "k3", "grpo", **kw)
+    loss = GRPOLoss(LossSettings(0.04, 0.2, None, "k3", "grpo", **kw))
     batch = random_batch(0, sampler=sampler)
     batch["entropy"] = torch.rand(5, 4, dtype=torch.float64, requires_grad=True)
     _, stats = loss.for_batch(5, batch["mask"].sum(), 4)(**batch)
@@ -930,7 +941,7 @@ def batch_and_micro_batches(loss, batch, rows=(range(0, 2), range(2, 5)), **boun
 def test_micro_batches_add_up_at_sequence_level(loss_type):
     # GSPO's s_i is a function of row i alone: rows 0-1 and 2-4, each weighted by its aggregation's micro_batch_weight,
     # give the batch's loss and gradient
-    loss = GRPOLoss(0.1, 0.2, 0.3, "k3", loss_type, importance_sampling_level="sequence")
+    loss = GRPOLoss(LossSettings(0.1, 0.2, 0.3, "k3", loss_type, importance_sampling_level="sequence"))
     full, grad_full, parts, grad_parts = batch_and_micro_batches(loss, random_batch(1))
     assert close(full, parts, tol=1e-12)
     assert torch.allclose(grad_full, grad_parts, atol=1e-12) and grad_full.abs().sum() > 0
@@ -941,8 +952,8 @@ def test_micro_batches_add_up_at_sequence_level(loss_type):
 def test_micro_batches_add_up_with_sequence_is_weights(loss_type, mode):
     # a sequence's IS weight is a function of its row alone, and a dropped sequence still counts in the
     # denominators: the batch's loss and gradient, with GSPO on top
-    loss = GRPOLoss(0.1, 0.2, 0.3, "k3", loss_type, is_correction_cap=1.5, is_correction=mode,
-                    importance_sampling_level="sequence")
+    loss = GRPOLoss(LossSettings(0.1, 0.2, 0.3, "k3", loss_type, is_correction_cap=1.5, is_correction=mode,
+                                 importance_sampling_level="sequence"))
     batch = random_batch(2, sampler=True)
     w = is_correction_weights(batch["old_logp"], batch["sampling_logp"], batch["mask"], cap=1.5, mode=mode)
     assert (w.truncated_share if mode == "sequence_truncate" else w.masked_share) > 0   # the cap acts
@@ -956,7 +967,7 @@ def test_micro_batches_add_up_with_the_entropy_bonus_and_a_batch_threshold(loss_
     # the bonus is aggregated like the rest; the top-entropy mask adds up only with the batch's threshold
     # micro-batches of rows 0-3 and 4: with its own quantile each would keep other tokens than the batch
     # (row, token) (1, 1), (1, 2) and (4, 0) against the batch's (1, 1), (4, 0), (4, 2)
-    loss = GRPOLoss(0.1, 0.2, 0.3, "k3", loss_type, entropy_coef=0.01, top_entropy_quantile=0.3)
+    loss = GRPOLoss(LossSettings(0.1, 0.2, 0.3, "k3", loss_type, entropy_coef=0.01, top_entropy_quantile=0.3))
     batch, rows = random_batch(3, entropy=True), (range(0, 4), range(4, 5))
     threshold = high_entropy_threshold(batch["entropy"], batch["mask"], 0.3)
     full, grad_full, parts, grad_parts = batch_and_micro_batches(loss, batch, rows, entropy_threshold=threshold)

@@ -19,6 +19,7 @@ def test_an_undone_step_restores_the_optimizer_state_too():
     from transformers import get_scheduler
 
     from grpo_cli import update
+    from grpo_cli.algo import build_loss
     from grpo_cli.instantiate import build
     from grpo_cli.policy import build_policy
 
@@ -31,20 +32,66 @@ def test_an_undone_step_restores_the_optimizer_state_too():
     params = [p for p in policy.parameters() if p.requires_grad]
     optimizer = build(cfg.optimizer)(params=params)
     scheduler = get_scheduler("constant", optimizer)
-    loss = build(cfg.algo.loss)
+    loss = build_loss(cfg.algo)
     batch = update.prepare(policy, rollout, advantages, loss, 1, 8, False)
-    assert update.update(policy, optimizer, scheduler, batch, loss, 1, 8, None).nonfinite_skipped == 0
+    assert update.update(policy, optimizer, scheduler, batch).nonfinite_skipped == 0
     weights, state = [p.detach().clone() for p in params], optimizer_state(optimizer)
     # a finite gradient times an infinite rate: the step leaves the weights non-finite and is undone
     for group in optimizer.param_groups:
         group["lr"] = float("inf")
-    assert update.update(policy, optimizer, scheduler, batch, loss, 1, 8, None).nonfinite_skipped == 1
+    assert update.update(policy, optimizer, scheduler, batch).nonfinite_skipped == 1
     assert all(torch.equal(p, w) for p, w in zip(params, weights))
     after = optimizer_state(optimizer)
     assert after.keys() == state.keys()
     for i in state:  # AdamW's step count and moments did not advance
         assert float(after[i]["step"]) == float(state[i]["step"]) == 1.0
         assert all(torch.equal(after[i][k], state[i][k]) for k in ("exp_avg", "exp_avg_sq"))
+
+
+# ---- the update asks the loss what it reads (objective.Loss); the batch carries μ and the micro-batch size --------
+
+class Declared:
+    """A loss of another class than GRPOLoss: it declares what it reads, and its loss_fn records what it got."""
+
+    needs_reference, needs_old_logprobs, needs_entropy, needs_entropy_grad, entropy_quantile = \
+        False, False, True, False, None
+
+    def __init__(self):
+        self.calls = []  # (rows, old_logp given, entropy given) per loss_fn call
+
+    def stat_names(self, with_sampling_logp: bool) -> list[str]:
+        return []
+
+    def for_batch(self, num_sequences, num_tokens, max_completion_length, entropy_threshold=None):
+        def loss_fn(logp, old_logp, ref_logp, advantages, mask, sampling_logp=None, entropy=None):
+            self.calls.append((logp.shape[0], old_logp is not None, entropy is not None))
+            adv = advantages if advantages.dim() == 2 else advantages[:, None]
+            return -(logp * adv * mask).sum() / num_sequences, {}
+
+        return loss_fn
+
+
+def test_the_update_reads_what_the_loss_declares_and_the_batch_carries_mu_and_micro_batches():
+    from transformers import get_scheduler
+
+    from grpo_cli import update
+    from grpo_cli.objective import Loss
+
+    cfg = tiny_cfg()
+    policy, tokenizer = _policy(cfg)
+    rollout = _episode_batch(tokenizer)
+    loss = Declared()
+    assert isinstance(loss, Loss)
+    # μ = 2 but the loss reads no π_old: prepare runs no old-policy forward
+    batch = update.prepare(policy, rollout, torch.tensor([1.0, -1.0, 0.5, -0.5]), loss, 2, 3, False)
+    assert batch.old_logp is None and batch.ref_logp is None
+    assert (batch.loss, batch.num_iterations, batch.micro_batch_size) == (loss, 2, 3)
+    optimizer = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=0.1)
+    stats = update.update(policy, optimizer, get_scheduler("constant", optimizer), batch)
+    # 4 rows in micro-batches of 3 (3 + 1), twice (μ = 2); the loss got the entropy it declared it reads
+    assert sum(rows for rows, _, _ in loss.calls) == 8 and stats.backward_seqs == 8
+    assert all(has_entropy for _, _, has_entropy in loss.calls)
+    assert stats.nonfinite_skipped == 0 and set(stats.tokens) == {"entropy"}
 
 
 # ---- an episode's environment tokens: context for the model, never scored ------------------------------------------
@@ -83,13 +130,13 @@ def _one_update(cfg, rollout, adv):
     from transformers import get_scheduler
 
     from grpo_cli import update
-    from grpo_cli.instantiate import build
+    from grpo_cli.algo import build_loss
 
     policy, _ = _policy(cfg)
     optimizer = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=1.0)
-    loss = build(cfg.algo.loss)
+    loss = build_loss(cfg.algo)
     batch = update.prepare(policy, rollout, adv, loss, 1, 3, False)
-    stats = update.update(policy, optimizer, get_scheduler("constant", optimizer), batch, loss, 1, 3, None)
+    stats = update.update(policy, optimizer, get_scheduler("constant", optimizer), batch)
     return batch, stats, policy
 
 

@@ -8,7 +8,7 @@ import torch
 
 from grpo_cli.config import compose, validate
 from grpo_cli.errors import ConfigError
-from grpo_cli.objective import GRPOLoss, is_correction_weights
+from grpo_cli.objective import GRPOLoss, LossSettings, is_correction_weights
 from tests.helpers import is_correction_batch as batch
 
 
@@ -57,8 +57,8 @@ def test_loss_fn_with_token_mask():
     logp = torch.tensor([[-1.0, -2.0], [-1.0, -2.0]], requires_grad=True)
     sampler = torch.tensor([[-1.5, -2.2], [-1.1, -1.9]])
     mask, adv = torch.ones(2, 2), torch.tensor([1.0, 1.0])
-    loss_fn = GRPOLoss(0.0, 0.2, None, "k3", "grpo", is_correction_cap=1.5,
-                       is_correction="token_mask").for_batch(2, mask.sum(), 2)
+    loss_fn = GRPOLoss(LossSettings(0.0, 0.2, None, "k3", "grpo", is_correction_cap=1.5,
+                                    is_correction="token_mask")).for_batch(2, mask.sum(), 2)
     loss, stats = loss_fn(logp, None, None, adv, mask, sampling_logp=sampler)
     assert close(loss, -0.80785, tol=1e-5) and close(stats["sampler/is_masked_share"], 0.25, tol=1e-7)
     loss.backward()

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from grpo_cli.objective import AGGREGATIONS, LOSS_TYPES, SURROGATES, GRPOLoss, grpo_loss
+from grpo_cli.objective import AGGREGATIONS, LOSS_TYPES, SURROGATES, GRPOLoss, Loss, LossSettings, grpo_loss
 
 VARIANT = {"cispo_cap": 5.0, "sapo_temperature_pos": 1.0, "sapo_temperature_neg": 1.05}
 
@@ -28,7 +28,7 @@ def with_ratios(ratios, old=-1.0):
 def loss_and_grad(loss_type, ratios, adv, **kw):
     logp, old = with_ratios(ratios)
     loss, stats = grpo_loss(logp, old, None, torch.tensor(adv, dtype=torch.float64), torch.ones_like(old),
-                            beta=0.0, loss_type=loss_type, **{**VARIANT, **kw})
+                            LossSettings(beta=0.0, loss_type=loss_type, **{**VARIANT, **kw}))
     loss.backward()
     return loss, logp.grad, stats
 
@@ -83,12 +83,12 @@ def test_every_loss_type_has_a_term_and_an_aggregation():
 def test_a_variant_needs_its_settings_and_gmpo_token_ratios():
     logp = torch.zeros(1, 2, requires_grad=True)
     with pytest.raises(ValueError, match=r"loss_type='cispo' reads cispo_cap"):
-        grpo_loss(logp, None, None, torch.ones(1), torch.ones(1, 2), beta=0.0, loss_type="cispo")
+        grpo_loss(logp, None, None, torch.ones(1), torch.ones(1, 2), LossSettings(beta=0.0, loss_type="cispo"))
     with pytest.raises(ValueError, match=r"sapo_temperature_pos, sapo_temperature_neg"):
-        grpo_loss(logp, None, None, torch.ones(1), torch.ones(1, 2), beta=0.0, loss_type="sapo")
+        grpo_loss(logp, None, None, torch.ones(1), torch.ones(1, 2), LossSettings(beta=0.0, loss_type="sapo"))
     with pytest.raises(ValueError, match=r"importance_sampling_level='token'"):
-        grpo_loss(logp, None, None, torch.ones(1), torch.ones(1, 2), beta=0.0, loss_type="gmpo",
-                  importance_sampling_level="sequence")
+        grpo_loss(logp, None, None, torch.ones(1), torch.ones(1, 2),
+                  LossSettings(beta=0.0, loss_type="gmpo", importance_sampling_level="sequence"))
 
 
 # --------------------------------------------------------------------------- plain loops on random ragged batches
@@ -138,8 +138,8 @@ def random_batch(seed, n=4, t=5):
 def test_variants_match_the_loop(loss_type, seed):
     logp, old, ref, adv, mask = random_batch(seed)
     # ε 0.3 / 0.25 is GMPO's clip range of the log-ratio; cispo and sapo do not read it
-    fast, _ = grpo_loss(logp, old, ref, adv, mask, beta=0.1, epsilon_low=0.3, epsilon_high=0.25, loss_type=loss_type,
-                        **VARIANT)
+    fast, _ = grpo_loss(logp, old, ref, adv, mask,
+                        LossSettings(beta=0.1, epsilon_low=0.3, epsilon_high=0.25, loss_type=loss_type, **VARIANT))
     slow = loop_loss(loss_type, logp.tolist(), old.tolist(), ref.tolist(), adv.tolist(), mask.tolist(), 0.1, 0.3, 0.25)
     assert close(fast, slow, tol=1e-10)
 
@@ -149,7 +149,7 @@ def test_variant_micro_batches_add_up_to_the_batch(loss_type):
     # rows 0-1 and 2-3, each weighted by its aggregation's micro_batch_weight: the batch's loss and gradient
     logp, old, ref, adv, mask = random_batch(5)
     logp.requires_grad_()
-    loss = GRPOLoss(0.1, 0.2, 0.3 if loss_type == "gmpo" else None, "k3", loss_type, **VARIANT)
+    loss = GRPOLoss(LossSettings(0.1, 0.2, 0.3 if loss_type == "gmpo" else None, "k3", loss_type, **VARIANT))
     fn = loss.for_batch(mask.shape[0], mask.sum().to(logp.dtype), mask.shape[1])
     full = fn(logp, old, ref, adv, mask)[0]
     (grad_full,) = torch.autograd.grad(full, logp)
@@ -160,7 +160,22 @@ def test_variant_micro_batches_add_up_to_the_batch(loss_type):
 
 
 def test_an_old_runs_loss_still_builds():
-    # a run saved before the variants' settings has none of them in its algo.loss node: its loss_type never reads them
-    loss = GRPOLoss(0.04, 0.2, None, "k3", "grpo")
+    # a run saved before the variants' settings lacks their keys: LossSettings' defaults (None); its loss_type never
+    # reads them
+    loss = GRPOLoss(LossSettings(0.04, 0.2, None, "k3", "grpo"))
     logp, old, ref, adv, mask = random_batch(0)
     assert torch.isfinite(loss.for_batch(4, mask.sum(), 5)(logp, old, ref, adv, mask)[0])
+
+
+@pytest.mark.parametrize("settings,declared", [
+    # (needs_reference, needs_old_logprobs, needs_entropy, needs_entropy_grad, entropy_quantile)
+    (LossSettings(), (True, True, False, False, None)),                       # β 0.04: the reference forward
+    (LossSettings(beta=0.0, top_entropy_quantile=0.2), (False, True, True, False, 0.2)),   # the mask reads H
+    (LossSettings(beta=0.0, entropy_coef=0.01), (False, True, True, True, None)),         # the bonus differentiates H
+])
+def test_a_loss_declares_what_it_reads(settings, declared):
+    # the update asks these of any loss (objective.Loss), not for the settings of one class
+    loss = GRPOLoss(settings)
+    assert isinstance(loss, Loss)
+    assert (loss.needs_reference, loss.needs_old_logprobs, loss.needs_entropy, loss.needs_entropy_grad,
+            loss.entropy_quantile) == declared

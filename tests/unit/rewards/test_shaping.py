@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 from omegaconf import OmegaConf
 
+from grpo_cli.algo import CHECKS
 from grpo_cli.rewards import RewardResult
-from grpo_cli.rewards.shaping import CHECKS, floor_truncated, overlong_lengths, overlong_shaping, shape
+from grpo_cli.rewards.shaping import floor_truncated, overlong_lengths, overlong_shaping, shape
 from grpo_cli.rollout import Rollout
 
 
