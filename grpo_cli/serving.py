@@ -100,6 +100,10 @@ def shell_line(argv: list[str], env: dict[str, str]) -> str:
     return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in env.items()), *map(shlex.quote, argv)])
 
 
-def start(argv: list[str], env: dict[str, str]) -> None:
-    """Replace this process with vLLM's server (Ctrl-C stops it)."""
+def start(argv: list[str], env: dict[str, str], verbose: bool = False) -> None:
+    """Replace this process with vLLM's server (Ctrl-C stops it). Without `verbose` (grpo -v) it prints its warnings
+    and errors only: no request log, no Python warnings, no INFO lines."""
+    if not verbose:
+        argv = [*argv, "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning"]
+        env = {"VLLM_LOGGING_LEVEL": "WARNING", "PYTHONWARNINGS": "ignore", **env}
     os.execvpe(argv[0], argv, {**os.environ, **env})

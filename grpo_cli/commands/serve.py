@@ -10,6 +10,8 @@ command line from the same config groups as `grpo train`, so the model, LoRA ran
 
 from __future__ import annotations
 
+import os
+
 from omegaconf import DictConfig
 
 from grpo_cli.app import hydra_app
@@ -29,4 +31,7 @@ def main(cfg: DictConfig) -> None:
         return
     vllm_engine.import_checked()  # the install command, not a traceback from the launcher
     console.print(f"serve: {line}", markup=False, highlight=False, soft_wrap=True)
-    start(argv, env)
+    console.print(f"serve: {cfg.model.name} at {cfg.sampler.url} once vLLM has started (Ctrl-C stops it); train "
+                  f"with sampler=vllm_server sampler.url={cfg.sampler.url}", markup=False, highlight=False,
+                  soft_wrap=True)
+    start(argv, env, verbose=os.environ.get("GRPO_VERBOSE") == "1")

@@ -97,6 +97,7 @@ class VLLMServerSampler(Sampler):
     def __post_init__(self):
         self.url = self.url.rstrip("/")
         self.base_name: str | None = None  # the served base model's name, once connected
+        self.longest: int | None = None  # the longest sequence the server holds, once connected
         self.serving: str | None = None  # the name requests ask for: the base, or the pushed adapter's
         self._pushed = None  # fingerprint of the policy weights the requests sample from now
         self._adapter: tuple | None = None  # (fingerprint, name) of the adapter version the server holds
@@ -185,6 +186,7 @@ class VLLMServerSampler(Sampler):
             raise ConfigError(f"the vLLM server at {self.url} serves no model; start it with: {START}")
         self.serving = self.base_name
         served = next(m for m in models["data"] if m["id"] == self.base_name)
+        self.longest = served.get("max_model_len")  # the server's longest sequence (multi-turn budgets)
         self._check_model(policy, served)
 
     @torch.no_grad()
@@ -351,8 +353,8 @@ class ServerEngine:
         if not self.greedy:
             with drawing_from(self.generator):
                 seeds = torch.randint(0, 2**31 - 1, (len(sequences),)).tolist()
-        longest = s.max_model_len
-        bodies = [s.request(list(q), n=1, max_tokens=max(1, min(max_new, (longest or 10**9) - len(q))), eos=eos,
+        longest = s.longest or s.max_model_len or 10**9
+        bodies = [s.request(list(q), n=1, max_tokens=max(1, min(max_new, longest - len(q))), eos=eos,
                             greedy=self.greedy, temperature=self.temperature, seed=seed)
                   for q, seed in zip(sequences, seeds, strict=True)]
         out, logprobs = [], []

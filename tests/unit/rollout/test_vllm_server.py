@@ -125,7 +125,8 @@ def test_greedy_requests_carry_no_seed_and_the_same_generator_gives_the_same_see
             s.generate(policy, tokenizer, ["ab", "b"], 2, generator=torch.Generator().manual_seed(7))
     bodies = [b for p, b in server.requests if p == "/v1/completions" and b.get("prompt_logprobs") is None]
     assert bodies[0]["temperature"] == 0.0 and "seed" not in bodies[0]
-    seeds = [{len(b["prompt"]): b["seed"] for b in part} for part in (bodies[1:3], bodies[3:5])]  # arrival order varies
+    # by prompt: the requests arrive in any order
+    seeds = [{len(b["prompt"]): b["seed"] for b in part} for part in (bodies[1:3], bodies[3:5])]
     assert seeds[0] == seeds[1] and len(set(seeds[0].values())) == 2  # a run and its resume alike
 
 
@@ -216,3 +217,18 @@ def test_an_unreachable_server_is_refused_before_the_model_loads():
                               f"Connection refused); start one with: {START}")
     with pytest.raises(ConfigError, match=r"sampler.url \('localhost:8000'\) must be the server's http://HOST:PORT"):
         validate(compose("eval", ["sampler=vllm_server", "sampler.url=localhost:8000"]))
+
+
+def test_multi_turn_episodes_continue_token_ids_with_a_seed_per_row(policy_and_tokenizer, tmp_path):
+    policy, tokenizer = policy_and_tokenizer
+    with FakeVLLM(policy, eos=tokenizer.eos_token_id) as server:
+        s = sampler(server.base, adapter_dir=str(tmp_path))
+        s.start(policy, None)
+        engine = s.engine(policy, tokenizer, greedy=False, generator=torch.Generator().manual_seed(3))
+        out = engine.continue_batch([[5, 6, 7], [5], [8, 9]], max_new=300)
+    bodies = [b for p, b in server.requests if p == "/v1/completions" and b.get("prompt_logprobs") is None]
+    assert sorted(b["prompt"] for b in bodies) == [[5], [5, 6, 7], [8, 9]]  # the ids as they are, nothing re-tokenized
+    assert {b["n"] for b in bodies} == {1} and len({b["seed"] for b in bodies}) == 3
+    # each row asks for at most what the server's longest sequence (256, from /v1/models) leaves it
+    assert sorted(b["max_tokens"] for b in bodies) == [253, 254, 255]
+    assert out == [[10, tokenizer.eos_token_id]] * 3 and engine.logprobs == [[-0.5, -0.5]] * 3

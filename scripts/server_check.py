@@ -1,0 +1,174 @@
+"""The vLLM-server sampler against the in-process engine and HF generate, on the embedded SmolLM2 (CPU or GPU).
+
+    .venv/bin/python scripts/server_check.py run OUT [--url http://127.0.0.1:8000]   # everything below, resumable
+    .venv/bin/python scripts/server_check.py report OUT                               # the tables again
+
+1. A server: the one answering at --url, or `grpo serve` started here (its log: OUT/serve.log).
+2. A 4-step run of the default job sampled by the server (OUT/run), which moves the adapter.
+3. `grpo eval` of that run (the base model and the step-4 checkpoint, 50 held-out problems, greedy) three times:
+   sampler=vllm_server, sampler=vllm (in process) and sampler=default (HF generate); each pair of engines must give the
+   same completion on at least 49 of the 50 problems, for the base and for the checkpoint.
+4. Bytes and seconds of one weight push of the step-4 policy: the adapter and the merged model to the server, the
+   merged layers into the in-process engine (OUT/push.json).
+Each stage writes its files and is skipped when they are there, so the script can be stopped and run again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+GRPO = [sys.executable, "-m", "grpo_cli.cli"]
+ENGINES = ("vllm_server", "vllm", "default")
+PROBLEMS = 50
+
+
+def up(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/v1/models", timeout=5) as answer:
+            return answer.status == 200
+    except OSError:
+        return False
+
+
+def server(url: str, out: Path) -> subprocess.Popen | None:
+    """The server at `url`, started here (grpo serve) when none answers; waits until it does."""
+    if up(url):
+        return None
+    log = open(out / "serve.log", "w")
+    proc = subprocess.Popen([*GRPO, "serve", f"sampler.url={url}"], stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    t = time.time()
+    while not up(url):
+        if proc.poll() is not None or time.time() - t > 900:
+            sys.exit(f"grpo serve did not start (see {out / 'serve.log'})")
+        time.sleep(5)
+    print(f"server up after {time.time() - t:.0f} s", flush=True)
+    return proc
+
+
+def grpo(*args: str, log: Path) -> float:
+    t = time.time()
+    with open(log, "w") as f:
+        code = subprocess.call([*GRPO, *args], stdout=f, stderr=subprocess.STDOUT, cwd=REPO,
+                               env={**os.environ, "GRPO_NO_VLLM": "0"})
+    if code:
+        sys.exit(f"grpo {args[0]} failed ({code}): {log}")
+    return time.time() - t
+
+
+def train(url: str, out: Path) -> None:
+    if (out / "run" / "checkpoints" / "step_000004").is_dir():
+        return
+    s = grpo("train", "trainer.max_steps=4", "trainer.eval_every=null", "sampler=vllm_server", f"sampler.url={url}",
+             f"hydra.run.dir={out / 'run'}", log=out / "train.log")
+    print(f"train: 4 steps in {s:.0f} s", flush=True)
+
+
+def evaluate(url: str, out: Path) -> None:
+    for engine in ENGINES:
+        folder = out / f"eval_{engine}"
+        if (folder / "eval.json").exists():
+            continue
+        extra = [f"sampler.url={url}"] if engine == "vllm_server" else []
+        s = grpo("eval", f"checkpoint={out / 'run'}", "eval.include_base=true", f"eval.limit={PROBLEMS}",
+                 f"sampler={engine}", *extra, f"hydra.run.dir={folder}", log=out / f"eval_{engine}.log")
+        print(f"eval with {engine}: {s:.0f} s", flush=True)
+
+
+def completions(folder: Path) -> dict[tuple[str, str], str]:
+    """{(checkpoint, problem): greedy completion} of one eval."""
+    rows = [json.loads(line) for line in (folder / "eval_samples.jsonl").read_text().splitlines()]
+    return {(str(r["checkpoint"]), str(r["index"])): r["greedy"]["text"] for r in rows}
+
+
+def push(url: str, out: Path) -> None:
+    """One push of the step-4 policy each way, timed (the server's adapter and merged pushes, the in-process one)."""
+    target = out / "push.json"
+    if target.exists():
+        return
+    sys.path.insert(0, str(REPO))
+    from grpo_cli import checkpoint
+    from grpo_cli.config import compose
+    from grpo_cli.policy import build_policy
+    from grpo_cli.rollout.vllm import VLLMSampler
+    from grpo_cli.rollout.vllm_server import VLLMServerSampler
+    from tests.helpers import sampler_settings
+
+    policy, tokenizer, _ = build_policy(compose("train").model)
+    checkpoint.load_weights(policy, sorted((out / "run" / "checkpoints").iterdir())[-1])
+    results = {}
+    s = VLLMServerSampler(**sampler_settings("vllm_server", url=url))
+    s.connect(policy)
+    s._push(policy)  # the adapter: a peft folder, /v1/load_lora_adapter
+    results["server, adapter"] = s.last_push
+    merged = policy.merge_and_unload()  # every weight: /collective_rpc reload_weights needs VLLM_SERVER_DEV_MODE
+    full = VLLMServerSampler(**sampler_settings("vllm_server", url=url))
+    full.base_name = full.serving = s.base_name
+    try:
+        full._push(merged)
+        results["server, merged"] = full.last_push
+    except Exception as err:  # the LoRA server of step 1 runs without the dev endpoints
+        results["server, merged"] = {"error": str(err)[:200]}
+    policy, tokenizer, _ = build_policy(compose("train").model)
+    checkpoint.load_weights(policy, sorted((out / "run" / "checkpoints").iterdir())[-1])
+    engine = VLLMSampler(**sampler_settings("vllm"))
+    engine.start(policy, compose("train", ["sampler=vllm"]).sampler)
+    from grpo_cli.rollout.vllm import merged_weights
+
+    t = time.perf_counter()
+    engine._pushed = None
+    engine._push(policy)
+    sent = sum(v.numel() * v.element_size() for v in merged_weights(policy, engine._packed).values())
+    results["in-process, merged"] = {"bytes": sent, "seconds": time.perf_counter() - t}
+    target.write_text(json.dumps(results, indent=1))
+
+
+def report(out: Path) -> None:
+    found = {e: completions(out / f"eval_{e}") for e in ENGINES if (out / f"eval_{e}" / "eval_samples.jsonl").exists()}
+    print("| pair | checkpoint | same greedy completion |\n|---|---|---|")
+    names = list(found)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            keys = sorted(set(found[a]) & set(found[b]))
+            for ckpt in sorted({k[0] for k in keys}):
+                mine = [k for k in keys if k[0] == ckpt]
+                same = sum(found[a][k] == found[b][k] for k in mine)
+                print(f"| {a} vs {b} | {Path(ckpt).name or ckpt} | {same}/{len(mine)} |")
+    for e in names:
+        acc = json.loads((out / f"eval_{e}" / "eval.json").read_text())
+        print(f"{e}: {json.dumps(acc)[:300]}")
+    if (out / "push.json").exists():
+        for how, r in json.loads((out / "push.json").read_text()).items():
+            print(f"push {how}: " + (f"{r['bytes'] / 2**20:.1f} MiB in {r['seconds']:.2f} s" if "bytes" in r
+                                     else r["error"]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("what", choices=["run", "report"])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--url", default="http://127.0.0.1:8000")
+    args = parser.parse_args()
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    if args.what == "run":
+        proc = server(args.url, out)
+        try:
+            train(args.url, out)
+            evaluate(args.url, out)
+            push(args.url, out)
+        finally:
+            if proc is not None:
+                proc.terminate()
+    report(out)
+
+
+if __name__ == "__main__":
+    main()
