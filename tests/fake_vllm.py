@@ -1,0 +1,75 @@
+"""A stand-in for vLLM's OpenAI server on loopback, for the vLLM-server sampler's tests (its client, and torchrun ranks
+sharing one server): the endpoints the sampler calls, every request kept."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler
+
+import torch
+
+from tests.helpers import LocalServer
+
+
+class FakeVLLM(LocalServer):
+    """vLLM's endpoints as the sampler uses them. Completions: each choice is `k + 10, EOS` for choice k (ids that
+    tell the choices apart), log-prob -0.5 per token; `prompt_logprobs` are the `scorer` policy's own (a server
+    with the same weights) or `off` nats away (another model). `missing`: paths answered 404; `delay`: seconds
+    every completion waits."""
+
+    def __init__(self, scorer=None, *, off: float = 0.0, missing=(), delay: float = 0.0, eos: int = 2):
+        server = self
+        self.requests: list[tuple[str, dict]] = []
+        lock = threading.Lock()
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802
+                self._answer(200, {"data": [{"id": "base", "parent": None, "max_model_len": 256}]})
+
+            def do_POST(self):  # noqa: N802
+                size = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(size)) if size else None
+                with lock:
+                    server.requests.append((self.path, body))
+                if self.path in missing:
+                    return self._answer(404, {"detail": "Not Found"})
+                if self.path == "/v1/completions":
+                    time.sleep(delay)
+                    return self._answer(200, server.complete(body))
+                self._answer(200, "Success" if "lora" in self.path else {"results": [None]})
+
+            def _answer(self, status, payload):
+                text = payload if isinstance(payload, str) else json.dumps(payload)
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(text.encode())))
+                    self.end_headers()
+                    self.wfile.write(text.encode())
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
+
+            def log_message(self, *args):
+                pass
+
+        self.scorer, self.off, self.eos = scorer, off, eos
+        super().__init__(Handler)
+        self.base = self.url.removesuffix("/v1")
+
+    def complete(self, body: dict) -> dict:
+        if body.get("prompt_logprobs") is not None:  # the model check's probe
+            ids = torch.tensor([body["prompt"]])
+            with torch.no_grad(), self.scorer.disable_adapter():
+                logp = torch.log_softmax(self.scorer(input_ids=ids).logits[0, :-1].float(), -1)
+            per = logp.gather(-1, ids[0, 1:, None])[:, 0] - self.off
+            entries = [None] + [{str(t): {"logprob": float(v)}} for t, v in zip(body["prompt"][1:], per)]
+            return {"choices": [{"index": 0, "token_ids": [0], "logprobs": {"token_logprobs": [-1.0]},
+                                 "prompt_logprobs": entries}]}
+        choices = [{"index": k, "token_ids": [k + 10, self.eos], "logprobs": {"token_logprobs": [-0.5, -0.5]}}
+                   for k in reversed(range(body["n"]))]  # out of order: the client sorts by index
+        return {"choices": choices}
+
+    def paths(self) -> list[str]:
+        return [p for p, _ in self.requests]
