@@ -56,6 +56,7 @@ from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
+from peft import get_peft_model_state_dict
 from safetensors.torch import save_file
 
 from grpo_cli.checks import Check, Rule, get, is_num
@@ -242,8 +243,6 @@ class VLLMServerSampler(Sampler):
 
     def _push_adapter(self, policy) -> tuple[str, int]:
         """The active adapter as a peft folder, loaded under a new name; the version before unloaded."""
-        from peft import get_peft_model_state_dict
-
         active = sorted({a for layer in _lora_layers(policy).values() for a in _active(layer)})
         if len(active) != 1:
             raise NotImplementedError(f"the server push sends one active adapter, and the policy has {active}")
