@@ -37,9 +37,9 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from grpo_cli import checkpoint, files, recipe
+from grpo_cli.algo import build_loss
 from grpo_cli.checks import Check, is_int, is_num, one_of
 from grpo_cli.errors import RunError
-from grpo_cli.instantiate import build
 from grpo_cli.metrics.console import console, quiet
 from grpo_cli.objective import IS_CORRECTIONS
 
@@ -343,7 +343,7 @@ def apply(run: recipe.Run, loaded: GuardState, state: GuardState) -> recipe.Run:
     run.state["guard"] = dataclasses.asdict(state)
     if state.is_correction is None:
         return run
-    loss = build(run.cfg.algo.loss, is_correction=state.is_correction, is_correction_cap=state.is_correction_cap)
+    loss = build_loss(run.cfg.algo, is_correction=state.is_correction, is_correction_cap=state.is_correction_cap)
     return dataclasses.replace(run, loss=loss)
 
 

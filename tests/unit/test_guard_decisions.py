@@ -202,14 +202,14 @@ def test_apply_scales_the_learning_rate_by_the_state_s_scale_over_the_checkpoint
 
 
 def test_apply_rebuilds_the_loss_with_the_correction_in_force():
-    from grpo_cli.instantiate import build
+    from grpo_cli.algo import build_loss
 
     cfg = compose("train")
     run = dataclasses.make_dataclass("R", ["cfg", "loss", "optimizer", "scheduler", "state"])(
-        cfg, build(cfg.algo.loss), None, None, {})
+        cfg, build_loss(cfg.algo), None, None, {})
     out = guard.apply(run, GuardState(), GuardState(decisions=1, rewinds=1, is_correction="sequence_mask",
                                                     is_correction_cap=3.0))
-    assert (out.loss.is_correction, out.loss.is_correction_cap) == ("sequence_mask", 3.0)
+    assert (out.loss.settings.is_correction, out.loss.settings.is_correction_cap) == ("sequence_mask", 3.0)
     assert cfg.algo.is_correction == "token_truncate"  # the run's config says what was declared
 
 
