@@ -53,8 +53,11 @@ def test_a_model_built_in_memory_cannot_be_served():
 
 
 def test_grpo_serve_print_prints_the_command_line_and_starts_nothing(tmp_path):
-    out = run_cli(["serve", "--print", "model=hf", f"model.name_or_path={tmp_path}", "model.device=cpu"])
+    here = tmp_path / "here"
+    here.mkdir()
+    out = run_cli(["serve", "--print", "model=hf", f"model.name_or_path={tmp_path}", "model.device=cpu"], cwd=here)
     assert out.returncode == 0, out.stderr
+    assert list(here.iterdir()) == []  # no log file, no run folder where it was started
     line = out.stdout.strip().splitlines()[-1]
     assert line.startswith("VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 ") and "vllm.entrypoints.openai.api_server" in line
     assert f"--model {tmp_path}" in line
