@@ -179,14 +179,17 @@ def test_episodes_are_batched_across_the_rows_still_running():
     assert b.sampled == [1] * len(b.completion_ids)
 
 
-# a Qwen3-like template: renders tools, and with enable_thinking=false opens every assistant turn with an empty
-# thinking block (its generation prompt), as Qwen3's does
+# a Qwen3-like template: renders tools and calls, and with enable_thinking=false opens every assistant turn with an
+# empty thinking block (its generation prompt), as Qwen3's does
 THINKING_TEMPLATE = (
     "{%- if tools %}{{- '<|im_start|>system\\n<tools>' }}{%- for t in tools %}{{- '\\n' + (t | tojson) }}"
     "{%- endfor %}{{- '\\n</tools><|im_end|>\\n' }}{%- endif %}"
     "{%- for m in messages %}"
     "{%- if m.role == 'tool' %}"
     "{{- '<|im_start|>user\\n<tool_response>' + m.content + '</tool_response><|im_end|>\\n' }}"
+    "{%- elif m.tool_calls %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- for c in m.tool_calls %}{{- '<tool_call>' + (c.function | tojson) + '</tool_call>' }}{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
     "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"

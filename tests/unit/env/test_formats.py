@@ -10,7 +10,14 @@ from grpo_cli.env.tools import ToolCall, ToolResult, tool_from
 from grpo_cli.errors import ConfigError
 from grpo_cli.policy import char_tokenizer
 
-# a Qwen2.5-like template: tools in the system turn, consecutive tool results in one user turn
+# an assistant turn's calls as Hermes and Qwen2.5 write them, one <tool_call> block each
+HERMES_CALLS = (
+    "{%- elif m.role == 'assistant' and m.tool_calls %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- for c in m.tool_calls %}{{- '<tool_call>' + (c.function | tojson) + '</tool_call>' }}{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+)
+# a Qwen2.5-like template: tools in the system turn, calls in <tool_call> blocks, consecutive tool results in one
+# user turn
 TOOLS_TEMPLATE = (
     "{%- if tools %}{{- '<|im_start|>system\\n<tools>' }}{%- for t in tools %}{{- '\\n' + (t | tojson) }}"
     "{%- endfor %}{{- '\\n</tools><|im_end|>\\n' }}{%- endif %}"
@@ -19,6 +26,7 @@ TOOLS_TEMPLATE = (
     "{%- if loop.previtem is not defined or loop.previtem.role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
     "{{- '\\n<tool_response>\\n' + m.content + '\\n</tool_response>' }}"
     "{%- if loop.last or loop.nextitem.role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    + HERMES_CALLS +
     "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}"
     "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
@@ -77,11 +85,14 @@ def test_auto_picks_the_models_template_when_it_renders_tools():
                     "</tool_response><|im_end|>\n<|im_start|>assistant\n")
 
 
-# a Llama 3.1-like template: a tool's result stripped and quoted as JSON
+# a Llama 3.1-like template: a call is one bare JSON object with "parameters", a tool's result stripped and quoted
+# as JSON
 QUOTING_TEMPLATE = (
     "{%- if tools %}{{- '<|im_start|>system\\ntools<|im_end|>\\n' }}{%- endif %}"
     "{%- for m in messages %}"
     "{%- if m.role == 'tool' %}{{- '<|im_start|>ipython\\n' + (m.content | trim | tojson) + '<|im_end|>\\n' }}"
+    "{%- elif m.tool_calls %}{%- set c = m.tool_calls[0].function %}{{- '<|im_start|>assistant\\n{\"name\": \"' "
+    "+ c.name + '\", \"parameters\": ' + (c.arguments | tojson) + '}<|im_end|>\\n' }}"
     "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}"
     "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
@@ -136,7 +147,10 @@ def test_template_forced_on_a_template_that_ignores_tools_is_one_line():
 
 
 def test_a_template_that_is_not_prefix_preserving_is_refused_before_any_episode():
-    with pytest.raises(ConfigError, match=r"^env.tool_format=template: .* set env.tool_format=chatml$"):
+    # no training template is known for it (Qwen3's is: tests/unit/env/test_model_templates.py)
+    with pytest.raises(ConfigError, match=r"^env.tool_format=template: .* not prefix-preserving.* no training "
+                                          r"template is known for it; set data.chat_template=a prefix-preserving "
+                                          r"template file, or env.tool_format=chatml \(docs/environments.md\)$"):
         choose("auto", tokenizer(SHIFTING_TEMPLATE), SCHEMAS)
     assert choose("chatml", tokenizer(SHIFTING_TEMPLATE), SCHEMAS).name == "chatml"
 
@@ -163,8 +177,20 @@ def test_malformed_blocks_are_calls_that_failed():
     assert bad.name == "unknown" and bad.error.startswith("the tool call is not valid JSON")
 
 
-def test_a_bare_json_call_counts_only_under_the_models_template():
+def test_the_parser_is_the_one_that_reads_back_the_calls_the_template_writes():
     text = '{"name": "multiply", "parameters": {"a": 2, "b": 3}}'  # Llama 3.x writes its calls so
     expected = [ToolCall("multiply", {"a": 2, "b": 3})]
-    assert choose("template", tokenizer(TOOLS_TEMPLATE), SCHEMAS).parse(text) == expected
-    assert choose("chatml", tokenizer(), SCHEMAS).parse(text) == []
+    llama = choose("template", tokenizer(QUOTING_TEMPLATE), SCHEMAS)
+    hermes = choose("template", tokenizer(TOOLS_TEMPLATE), SCHEMAS)
+    assert (llama.parser, hermes.parser) == ("llama3_json", "hermes")
+    assert llama.parse(text) == expected
+    assert hermes.parse(text) == [] and choose("chatml", tokenizer(), SCHEMAS).parse(text) == []
+
+
+def test_a_template_that_shows_tools_but_writes_no_calls_is_refused():
+    # its calls would be read by a guess; the fix is a template that writes them
+    template = TOOLS_TEMPLATE.replace(HERMES_CALLS, "")
+    with pytest.raises(ConfigError, match=r"^env.tool_format=template: the chat template writes an assistant "
+                                          r"message's tool_calls in no form a parser here reads .* set "
+                                          r"data.chat_template=a template file that writes calls in one of them"):
+        choose("auto", tokenizer(template), SCHEMAS)
