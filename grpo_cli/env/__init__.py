@@ -2,7 +2,7 @@
 
 `tools.py`: the user's functions, their schemas and a call under a timeout (`env=tools`, in a worker process);
 `environments.py`: TRL's `environment_factory` contract (`env=class`); `formats.py`: how tools are shown and calls
-read (`env.tool_format`);
+read (`env.tool_format`); `parsers.py`: a tool-call parser per model family;
 `episode.py`: the episodes themselves, token in and token out, over any engine that continues token ids;
 `limits.py`: the limits and their checks. Nothing here knows the trainer, a sampler or the loss: the recipe builds
 the `env` node, picks the format (`choose(env.tool_format, tokenizer, env.schemas)`), prepares each row's prompt
