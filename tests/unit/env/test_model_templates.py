@@ -18,6 +18,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerFast
 
+from grpo_cli.env import Limits, Toolbox, run_episodes
 from grpo_cli.env.formats import choose, tool_call_id
 from grpo_cli.env.tools import ToolCall, ToolResult, tool_from
 from grpo_cli.errors import ConfigError
@@ -70,7 +71,8 @@ def multiply(a: int, b: int) -> int:
     return a * b
 
 
-SCHEMAS = [tool_from(multiply, "test").schema]
+MULTIPLY = tool_from(multiply, "test")
+SCHEMAS = [MULTIPLY.schema]
 USER = {"role": "user", "content": "What is 2 * 3?"}
 
 
@@ -103,6 +105,32 @@ def test_a_call_the_familys_template_writes_is_read_back_and_round_trips(name):
     added = fmt.environment_text(tok, SCHEMAS, [ToolResult("multiply", "6", False)], family.eos)
     result = {"role": "tool", "name": "multiply", "content": "6", "tool_call_id": ids[0]}
     assert prompt + sampled + family.eos + added == fmt.render(tok, [USER, calling(call, ids), result], SCHEMAS, True)
+
+
+class Replies:
+    """An engine that answers each episode's turns from a script of texts, each ended by the EOS id."""
+
+    def __init__(self, tokenizer, texts: list[str]):
+        self.tokenizer, self.eos_token_id, self.texts = tokenizer, tokenizer.eos_token_id, list(texts)
+
+    def continue_batch(self, sequences: list[list[int]], max_new: int) -> list[list[int]]:
+        return [self.tokenizer(self.texts.pop(0), add_special_tokens=False)["input_ids"] + [self.eos_token_id]
+                for _ in sequences]
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_an_episode_runs_the_call_the_model_writes_in_its_familys_form(name):
+    family = FAMILIES[name]
+    tok = family_tokenizer(family.specials, family.bos, family.eos, family.template)
+    fmt = choose("auto", tok, SCHEMAS)
+    prompt = "".join(p for p, _ in fmt.prompt_pieces(tok, [USER], SCHEMAS))
+    turn = fmt.render(tok, [USER, calling([ToolCall("multiply", {"a": 2, "b": 3})], [tool_call_id(0)])], SCHEMAS,
+                      False)[len(prompt):]
+    engine = Replies(tok, [turn[:turn.rindex(family.eos)], "It is 6."])  # the model's call, then its answer
+    limits = Limits(max_turns=4, max_tool_calls=8, max_episode_tokens=2048, tool_timeout_s=5.0, max_result_chars=99)
+    (ep,) = run_episodes(engine, tok, fmt, [[USER]], [Toolbox({MULTIPLY.name: MULTIPLY})], limits)
+    assert (ep.tool_calls, ep.tool_failures, ep.stop) == (1, 0, "answer")
+    assert ep.messages[1] == {"role": "tool", "name": "multiply", "content": "6"}
 
 
 def test_two_calls_in_a_turn_round_trip_where_the_family_writes_several():
