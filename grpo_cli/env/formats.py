@@ -246,7 +246,7 @@ def training_template(template: Any) -> tuple[str, str] | None:
                      "turn after the question keeps its thinking block")
 
 
-def reader(fmt: ToolFormat, tokenizer: Any, tools: list[dict]) -> str:
+def family_parser(fmt: ToolFormat, tokenizer: Any, tools: list[dict]) -> str:
     """The parser (a key of PARSERS) that reads back the call the template writes for an assistant message's
     `tool_calls`; ConfigError when none does (or the template writes no call)."""
     user = {"role": "user", "content": "?"}
@@ -297,7 +297,7 @@ def _template(tokenizer: Any, tools: list[dict], variables: dict, types: Types) 
         if swap is None:
             raise
         fmt = _checked(ToolFormat("template", swap[0], variables, types=types, note=swap[1]), tokenizer, tools)
-    return ToolFormat(fmt.name, fmt.chat_template, variables, reader(fmt, tokenizer, tools), types, fmt.note)
+    return ToolFormat(fmt.name, fmt.chat_template, variables, family_parser(fmt, tokenizer, tools), types, fmt.note)
 
 
 def choose(setting: str, tokenizer: Any, tools: list[dict], variables: dict | None = None) -> ToolFormat:
@@ -315,10 +315,9 @@ def choose(setting: str, tokenizer: Any, tools: list[dict], variables: dict | No
     if setting == "template" or (setting == "auto" and own):
         return _template(tokenizer, tools, variables, types)
     if not chatml_tokenizer(tokenizer):
-        raise ConfigError(f"env.tool_format={setting}: the chat template "
-                          f"{'ignores tools' if not own else 'renders tools'} and the tokenizer is not ChatML (no "
-                          f"<|im_start|> and <|im_end|> tokens), so the built-in chatml format would train on turns "
-                          f"this model never saw; {_fixes(tokenizer)}")
+        fix = "set env.tool_format=auto: the model's chat template renders tools" if own else _fixes(tokenizer)
+        raise ConfigError(f"env.tool_format={setting}: the tokenizer is not ChatML (no <|im_start|> and <|im_end|> "
+                          f"tokens), so the built-in chatml format would train on turns this model never saw; {fix}")
     if setting == "auto" and not writes_chatml(tokenizer, variables):
         raise ConfigError("env.tool_format=auto: the chat template ignores tools and is not ChatML, so no format "
                           "fits it (the built-in chatml would train on turns this template never writes); set "

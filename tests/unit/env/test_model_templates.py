@@ -173,7 +173,12 @@ def test_a_template_without_tools_on_a_tokenizer_that_is_not_chatml_is_refused_n
         line = str(err.value)
         assert "\n" not in line and line.startswith(f"env.tool_format={setting}: "), line
         assert "data.chat_template=" in line, line
-        assert "set env.tool_format=chatml" not in line, line  # chatml is no fix on this tokenizer
+        assert "or env.tool_format=chatml" not in line, line  # chatml is no fix on this tokenizer
+    # chatml named on a template that renders tools: the model's own template is the fix
+    llama = FAMILIES["llama3.1"]
+    with pytest.raises(ConfigError, match=r"^env.tool_format=chatml: the tokenizer is not ChatML .* set "
+                                          r"env.tool_format=auto: the model's chat template renders tools$"):
+        choose("chatml", family_tokenizer(llama.specials, llama.bos, llama.eos, llama.template), SCHEMAS)
 
 
 def test_smollm2s_list_format_on_its_real_template_round_trips(smollm2_tokenizer):
