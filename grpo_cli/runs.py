@@ -167,7 +167,9 @@ def resume_config(cfg: DictConfig, saved: DictConfig, overrides: list[str] | Non
     # settings newer than the run (absent from its config) in sections whose keys do not depend on a group option
     # (trainer, iterative, rm: one option) take today's value; other absent keys belong to another group option
     # (another model's loader) and stay out
-    newer = {k for k in set(new) - set(old) if k.startswith(NEWER_TAKE_TODAYS)}
+    # (a key under a section the run saved as null is not newer: the null was the run's setting, trainer.guard=null)
+    newer = {k for k in set(new) - set(old) if k.startswith(NEWER_TAKE_TODAYS)
+             and not any(".".join(k.split(".")[:i]) in old for i in range(1, k.count(".") + 1))}
     for key in sorted(asked | newer):
         if _resumable(key) or key in newer:
             OmegaConf.update(merged, key, new[key], force_add=True)

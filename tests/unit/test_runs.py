@@ -106,3 +106,18 @@ def test_a_yaml_file_is_refused_before_it_is_built(tmp_path):
     plain = tmp_path / "plain.yaml"
     plain.write_text("a: [1, 2]\nb: {c: d}\n")
     assert files.checked_yaml(plain) == plain.read_text()
+
+
+def test_a_section_the_run_saved_as_null_stays_off_on_resume():
+    """trainer.guard=null turned the guard off; today's trainer.guard.* keys are not "newer than the run" and must
+    not switch it back on (a null section is the run's own setting, not a missing one)."""
+    from grpo_cli.config import compose
+    from grpo_cli.runs import resume_config
+
+    saved = compose("train", ["trainer.guard=null"])
+    merged = resume_config(compose("train", ["resume=somewhere"]), saved, ["resume=somewhere"])
+    assert merged.trainer.guard is None
+    saved = OmegaConf.create(OmegaConf.to_container(saved))
+    del saved.trainer["eval_every"]  # a key the run's config lacks (saved before it existed): today's value
+    merged = resume_config(compose("train", ["resume=somewhere"]), saved, ["resume=somewhere"])
+    assert merged.trainer.eval_every == compose("train").trainer.eval_every
