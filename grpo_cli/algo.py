@@ -192,7 +192,28 @@ def _check_overlong(cfg) -> list[str]:
     return []
 
 
+def _check_staleness(cfg) -> list[str]:
+    """Rollouts ahead of the update (rollout/ahead.py) need a sampler that holds its own weights in another process,
+    and steps whose prompts are known in advance: one draw each, single-turn, one reward model for the run."""
+    k = get(cfg, "algo.max_staleness")[1]
+    if not is_int(k) or k < 1:
+        return []
+    fix = "or set algo.max_staleness=0"
+    needs = [(not str(get(cfg, "sampler._target_")[1]).endswith(".VLLMServerSampler"),
+              "samples from a vLLM server while the trainer updates: set sampler=vllm_server"),
+             (get(cfg, "algo.dynamic_sampling")[1] is True,
+              "needs each step's prompts in advance, and dynamic sampling draws until enough groups vary: set "
+              "algo.dynamic_sampling=false"),
+             (bool(get(cfg, "env._target_")[1]), "samples single-turn completions: set env=none"),
+             (bool(get(cfg, "iterative.iterations")[1]),
+              "keeps one reward for the run, and iterative RL retrains it: set iterative.iterations=0")]
+    return [f"algo.max_staleness ({k}) {why}, {fix}" for bad, why in needs if bad]
+
+
 CHECKS: list[Check] = [
+    Rule("algo.max_staleness", lambda v: is_int(v) and v >= 0,
+         "must be an integer >= 0 (0: synchronous); set algo.max_staleness=0"),
+    _check_staleness,
     Rule("algo.group_size", lambda v: is_int(v) and v >= 2,
          "must be an integer >= 2: GRPO normalizes rewards within a group; set algo.group_size=8"),
     Rule("algo.num_iterations", lambda v: is_int(v) and v >= 1, "must be an integer >= 1; set algo.num_iterations=1"),

@@ -51,6 +51,8 @@ SHAPES = {
         ("iterative.history", True, _is(list), "a list"),
         ("iterative.replay", True, _is(dict), "an object"),
         ("iterative.rm", False, lambda v: v is None or isinstance(v, str), "a path or null"),
+        # the rollouts in flight when it was saved (algo.max_staleness > 0, grpo_cli/rollout/ahead.py)
+        ("ahead", False, _is(dict), "an object"),
         # the guard's decisions so far (grpo_cli.guard.GuardState); absent before a run's first
         ("guard", False, _is(dict), "an object"),
         ("guard.decisions", True, _int(), "an integer >= 0"),

@@ -55,6 +55,7 @@ from grpo_cli.reward_schedule import FixedReward, RewardSchedule
 from grpo_cli.rewards.call import score, token_ids
 from grpo_cli.rewards.shaping import overlong_lengths, shape
 from grpo_cli.rollout import pad_id, use_chat_template
+from grpo_cli.rollout.ahead import Ahead
 from grpo_cli.rollout.engine import say
 from grpo_cli.rollout.episodes import early_format, reward_column_example, reward_columns, with_env
 from grpo_cli.rollout.sizing import Job
@@ -85,6 +86,7 @@ class Run:
     state: dict                 # trainer_state.json: step, history, prompt-stream position, rng, ...
     decoder: Any = None         # the update's compiled decoder (trainer.compile, grpo_cli.compiled); None: eager
     heldout: list = field(default_factory=list)  # the problems each in-run eval scores (trainer.eval_size); []: off
+    ahead: Ahead | None = None  # rollouts in flight for the next steps (algo.max_staleness > 0); None: synchronous
 
 
 @dataclass(frozen=True)
@@ -191,7 +193,7 @@ def setup(cfg: DictConfig, run_dir: Path, world: World, why: str) -> Run:
                              trainer.completions_max_mb)  # every rank gives its completions, rank 0 writes
     return Run(cfg, Path(run_dir), world, policy, tokenizer, device, sampler, rewards, prompts, keep, loss, optimizer,
                scheduler, torch.Generator(), log, samples, {"step": 0, "history": [], "dtype": dtype}, decoder,
-               heldout)
+               heldout, Ahead(algo.max_staleness) if algo.get("max_staleness") else None)
 
 
 def resume(run: Run, ckpt: Path) -> None:
@@ -204,6 +206,8 @@ def resume(run: Run, ckpt: Path) -> None:
     if "rng" in state:  # dropout's draws (model.lora.dropout > 0) continue where they stopped
         torch.set_rng_state(torch.tensor(state["rng"]["torch"], dtype=torch.uint8))
     run.state.update({**state, "dtype": run.state["dtype"]})
+    if run.ahead is not None:  # the rollouts that were in flight, as the checkpoint kept them
+        run.ahead.load_state_dict(state.get("ahead"), run.sampler, run.tokenizer, run.device)
     console.print(f"resumed from {ckpt} at step {state['step']}")
     saved_world = state.get("world_size", 1)
     if saved_world != run.world.size:
@@ -249,6 +253,8 @@ def step(run: Run, n: int) -> StepRecord:
     metrics = {"step": n, **tags, **rollout_metrics(*_everyone(world, kept.result, kept.rollout), algo.group_size),
                **kept.metrics, **stats.metrics(), "learning_rate": run.scheduler.get_last_lr()[0],
                "time/rollout_s": t_rollout, "time/update_s": now - t1, "time/step_s": now - t0,
+               # updates between the policy that sampled the step's rollouts and the one it updates
+               **({"sampler/staleness": run.ahead.staleness} if run.ahead is not None else {}),
                # every draw's tokens: dynamic sampling samples more than it keeps
                "tokens_per_s": sum(record_tokens(world, d.rollout) for d in draws) / max(t_rollout, 1e-9),
                "peak_memory_mb": peak_memory_mb(run.device), **step_memory(run.device)}
@@ -295,10 +301,19 @@ def _explore(run: Run, n: int, reward) -> tuple[Kept, list[Draw], float]:
         # 1. prompts: the next prompts_per_step examples of the seeded, resumable stream (this rank's slice)
         examples = run.prompts.next(trainer.prompts_per_step)
 
-        # 2. rollout: G completions per prompt with the current policy (LoRA on)
+        # 2. rollout: G completions per prompt with the current policy (LoRA on); with algo.max_staleness = K, taken
+        #    from those sampled ahead while earlier updates ran, and steps n+1 ... n+K's sent to the server now
         t = time.perf_counter()
-        with fsdp.whole(run.policy):  # a sharded base gathered while sampling (trainer.fsdp); else nothing
-            rollout = _sample(run, examples, n)
+        taken = run.ahead.take(n) if run.ahead is not None else None
+        if taken is None:
+            with fsdp.whole(run.policy):  # a sharded base gathered while sampling (trainer.fsdp); else nothing
+                rollout = _sample(run, examples, n)
+        else:
+            rollout = taken
+        if run.ahead is not None:
+            run.ahead.launch(n, trainer.max_steps, run.sampler, run.policy, run.tokenizer,
+                             lambda skip: run.prompts.peek(trainer.prompts_per_step, skip), algo.group_size,
+                             lambda s: step_seed(trainer.seed, s, world.rank))
         synchronize(run.device)
         t_rollout += time.perf_counter() - t
 
@@ -361,6 +376,8 @@ def save(run: Run, n: int) -> Path:
     policy every rank gives its shards and rank 0 writes them whole, as one process would); its folder, on every
     rank."""
     run.state["rng"] = {"torch": torch.get_rng_state().tolist()}  # dropout's (sampling's is reseeded per step)
+    if run.ahead is not None:  # the rollouts in flight, waited for: a resume trains on them as this run will
+        run.state["ahead"] = run.ahead.state_dict()
     gathered = None
     if fsdp.sharded_weights(run.policy.parameters()):  # a collective: every rank, before rank 0 writes
         gathered = fsdp.gather_state(run.policy, run.optimizer, run.world.main)

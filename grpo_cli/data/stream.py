@@ -81,6 +81,13 @@ class StreamShard:
         self.stream.position += k
         return out
 
+    def peek(self, k: int, skip: int = 0) -> list[Example]:
+        """This rank's examples of the draw of k that comes after `skip` more draws of k, the stream unmoved: what
+        `next(k)` would return then (rollouts sampled ahead, grpo_cli/rollout/ahead.py)."""
+        per_rank = k // self.world_size
+        start = self.stream.position + skip * k + self.rank * per_rank
+        return [self.stream[p] for p in range(start, start + per_rank)]
+
     @property
     def positions(self) -> list[int]:
         """The stream positions of this rank's examples of the last draw (their prompt ids)."""

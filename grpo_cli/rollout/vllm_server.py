@@ -63,7 +63,7 @@ from grpo_cli.checks import Check, Rule, get, is_num
 from grpo_cli.distributed import init_world
 from grpo_cli.errors import ConfigError, DataError, RunError
 from grpo_cli.policy import trains_adapter
-from grpo_cli.rollout import Rollout, Sampler, drawing_from, encode_prompts, finish, pad_id
+from grpo_cli.rollout import Rollout, Sampler, drawing_from, encode_prompts, finish, pad_id, render_prompts
 from grpo_cli.rollout.hf import check_prompts
 from grpo_cli.rollout.vllm import _active, _lora_layers, fingerprint
 from grpo_cli.rollout.vllm_engine import base_model
@@ -107,6 +107,8 @@ class VLLMServerSampler(Sampler):
         self._folder: tempfile.TemporaryDirectory | None = None  # adapter_dir=null: a folder of this process
         self._written: Path | None = None  # the folder of the version the server holds (deleted at the next push)
         self.last_push: dict = {}  # bytes and seconds of the newest push (docs/speed.md)
+        self.held: list[str] = []  # versions that rollouts in flight name (Pending): unloaded only once taken
+        self._loaded: list[str] = []  # adapter versions this process loaded and has not unloaded
 
     # ---- the contract ------------------------------------------------------------------------
 
@@ -133,26 +135,58 @@ class VLLMServerSampler(Sampler):
 
     def _generate(self, model, tokenizer, prompts: list[str], n: int, *, greedy: bool, max_new_tokens: int,
                   temperature: float, generator: torch.Generator | None) -> Rollout:
-        device = next(model.parameters()).device
+        call = self.prepare(model, tokenizer, prompts, n, greedy=greedy, max_new_tokens=max_new_tokens,
+                            temperature=temperature, generator=generator)
+        return self.build(call, self.complete(call.bodies))
+
+    def prepare(self, model, tokenizer, prompts: list[str], n: int, *, greedy: bool, max_new_tokens: int,
+                temperature: float, generator: torch.Generator | None) -> Call:
+        """One call's requests (the version the server holds now), nothing sent: the prompts checked and encoded,
+        one seed per prompt drawn from the caller's generator, as the in-process engine draws them (vllm.py)."""
         check_prompts(model, tokenizer, prompts, self.max_prompt_tokens, max_new_tokens)
         ids, mask = encode_prompts(tokenizer, prompts)  # [B, P], left-padded
-        eos, pad = tokenizer.eos_token_id, pad_id(tokenizer)
-        # one seed per prompt from the caller's generator, as the in-process engine draws them (vllm.py)
         with drawing_from(generator):
             seeds = torch.randint(0, 2**31 - n, (len(prompts),)).tolist()
-        bodies = [self.request(row[keep.bool()].tolist(), n=n, max_tokens=max_new_tokens, eos=eos, greedy=greedy,
-                               temperature=temperature, seed=seed) for row, keep, seed in zip(ids, mask, seeds)]
-        samples = [c for out in self.complete(bodies) for c in out]  # [N] (token ids, log-probs), grouped
+        rows = [row[keep.bool()].tolist() for row, keep in zip(ids, mask)]
+        bodies = [self.request(row, n=n, max_tokens=max_new_tokens, eos=tokenizer.eos_token_id, greedy=greedy,
+                               temperature=temperature, seed=seed) for row, seed in zip(rows, seeds)]
+        return Call(rows, n, bodies, tokenizer, next(model.parameters()).device)
+
+    def build(self, call: Call, answers: list[list[tuple[list[int], list[float]]]]) -> Rollout:
+        """The rollout of one call from the server's answers: rows grouped by prompt, vLLM's raw log-probs kept."""
+        tokenizer, n = call.tokenizer, call.n
+        eos, pad = tokenizer.eos_token_id, pad_id(tokenizer)
+        samples = [c for out in answers for c in out]  # [N] (token ids, log-probs), grouped
         width = max(len(tokens) for tokens, _ in samples)
         completion = torch.full((len(samples), width), pad, dtype=torch.long)  # [N, T]
         logp = torch.zeros((len(samples), width), dtype=torch.float32)  # [N, T]
         for i, (tokens, lps) in enumerate(samples):
             completion[i, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
             logp[i, :len(tokens)] = torch.tensor(lps, dtype=torch.float32)
+        longest = max(map(len, call.rows))
+        ids = torch.full((len(call.rows), longest), pad, dtype=torch.long)  # [B, P], left-padded again
+        mask = torch.zeros((len(call.rows), longest), dtype=torch.long)
+        for i, row in enumerate(call.rows):
+            ids[i, longest - len(row):], mask[i, longest - len(row):] = torch.tensor(row), 1
+        device = call.device
         rollout = finish(tokenizer, ids.repeat_interleave(n, 0).to(device), mask.repeat_interleave(n, 0).to(device),
                          completion.to(device), eos, pad)
         rollout.sampling_logp = logp.to(device) * rollout.completion_mask  # 0 after EOS
         return rollout
+
+    def submit(self, policy, tokenizer, examples: list[dict], n: int, generator: torch.Generator,
+               pool: ThreadPoolExecutor) -> Pending:
+        """Sample `examples` in the background (algo.max_staleness, rollout/ahead.py): the policy's weights pushed
+        and the requests prepared here, the HTTP calls on `pool`; the version they name stays loaded until
+        `Pending.result` has returned."""
+        self._push(policy)
+        prompts = render_prompts(tokenizer, [e["messages"] for e in examples])
+        per_call = len(prompts) if self.batch_size is None else max(1, self.batch_size // n)
+        calls = [self.prepare(policy, tokenizer, prompts[i:i + per_call], n, greedy=False,
+                              max_new_tokens=self.max_new_tokens, temperature=self.temperature, generator=generator)
+                 for i in range(0, len(prompts), per_call)]
+        self.held.append(self.serving)
+        return Pending(self, calls, [pool.submit(self.complete, c.bodies) for c in calls], self.serving)
 
     def request(self, prompt: list[int], *, n: int, max_tokens: int, eos: int, greedy: bool, temperature: float,
                 seed: int | None) -> dict:
@@ -253,8 +287,8 @@ class VLLMServerSampler(Sampler):
         save_file({k: v.detach().cpu().contiguous() for k, v in weights.items()}, folder / "adapter_model.safetensors")
         policy.peft_config[active[0]].save_pretrained(folder)
         self.post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)}, text=True)
-        if self._adapter is not None:
-            self._retire(self._adapter[1])
+        self._loaded.append(name)
+        self.retire()
         self._keep(folder)
         return name, sum(v.numel() * v.element_size() for v in weights.values())
 
@@ -283,16 +317,20 @@ class VLLMServerSampler(Sampler):
         folder.mkdir(parents=True, exist_ok=True)
         return folder.resolve()
 
-    def _retire(self, name: str) -> None:
-        """Unload an adapter version this process pushed."""
-        if name.startswith(f"grpo-{self._run}-"):
+    def retire(self) -> None:
+        """Unload the adapter versions this process loaded that nothing samples from any more: all but the newest
+        and those rollouts in flight name (`held`). An unload that fails costs server memory, never the run."""
+        for name in self._loaded[:-1]:
+            if name in self.held:
+                continue
+            self._loaded.remove(name)
             try:
                 self.post("/v1/unload_lora_adapter", {"lora_name": name}, text=True)
-            except RunError:  # an unload that fails costs server memory, never the run
+            except (RunError, DataError):
                 pass
 
     def _keep(self, folder: Path) -> None:
-        """The server holds `folder`'s version now: the one before is deleted."""
+        """The server holds `folder`'s version now (it read the files when it loaded them): the one before goes."""
         if self._written is not None and self._written != folder:
             shutil.rmtree(self._written, ignore_errors=True)
         self._written = folder
@@ -331,6 +369,39 @@ class VLLMServerSampler(Sampler):
         if text:
             return raw.decode(errors="replace")
         return json.loads(raw) if raw else {}
+
+
+@dataclass
+class Call:
+    """One engine call's requests, and what turns the answers into its rollout."""
+
+    rows: list[list[int]]  # B prompts' token ids, unpadded
+    n: int  # completions per prompt
+    bodies: list[dict]  # B /v1/completions bodies
+    tokenizer: object
+    device: torch.device
+
+
+@dataclass
+class Pending:
+    """Rollouts in flight (`VLLMServerSampler.submit`): `result()` waits for them and frees their version."""
+
+    sampler: VLLMServerSampler
+    calls: list[Call]
+    futures: list
+    version: str
+
+    def answers(self) -> list[list[list[tuple[list[int], list[float]]]]]:
+        """Each call's answers, once the server has given them (a fault: the HTTP call's one-line error)."""
+        try:
+            return [f.result() for f in self.futures]
+        finally:
+            if self.version in self.sampler.held:
+                self.sampler.held.remove(self.version)
+
+    def result(self) -> Rollout:
+        parts = [self.sampler.build(c, a) for c, a in zip(self.calls, self.answers())]
+        return Rollout.concat(parts, pad_id(self.calls[0].tokenizer))
 
 
 @dataclass

@@ -148,3 +148,20 @@ def test_a_run_saved_before_the_variants_settings_resumes_without_them():
     settings = build_loss(merged.algo).settings
     assert (settings.cispo_cap, settings.sapo_temperature_pos, settings.sapo_temperature_neg) == (None, None, None)
     assert settings.loss_type == "grpo"
+
+
+def test_rollouts_ahead_are_refused_where_they_cannot_run():
+    """algo.max_staleness > 0 samples from a vLLM server while the trainer updates, with each step's prompts known in
+    advance: one line per setting that stands in the way, before anything loads."""
+    def lines(*overrides):
+        with pytest.raises(ConfigError) as err:
+            validate(compose("train", ["algo.max_staleness=1", *overrides]))
+        return str(err.value).splitlines()
+
+    assert lines() == ["algo.max_staleness (1) samples from a vLLM server while the trainer updates: set "
+                       "sampler=vllm_server, or set algo.max_staleness=0"]
+    assert "algo.max_staleness (1) needs each step's prompts in advance, and dynamic sampling draws until enough " \
+           "groups vary: set algo.dynamic_sampling=false, or set algo.max_staleness=0" in lines(
+               "algo.dynamic_sampling=true")
+    with pytest.raises(ConfigError, match=r"algo.max_staleness \(-1\) must be an integer >= 0"):
+        validate(compose("train", ["algo.max_staleness=-1"]))
