@@ -98,8 +98,11 @@ if has_vllm; then
   # model.finetune=full: every weight pushed with model.load_weights (the same test runs on the CPU engine)
   phase 07-vllm-full-push 300 "$PY" -m pytest -q -m slow -p no:cacheprovider tests/integration/test_vllm_sampler.py \
     -k full_parameter_policy_pushes_every_weight
+  # vLLM's own server beside the trainer on the one GPU (grpo serve), the adapter pushed every step; then eval
+  # with the server, the in-process engine and HF generate: the greedy completions compared (scripts/server_check.py)
+  phase 07-vllm-server 480 "$PY" scripts/server_check.py run "$LOG_DIR/server" --url http://127.0.0.1:8765
 else
-  echo "vLLM is not installed (pip install -e '.[vllm]'): 07-vllm-sleep and 08-torchrun-vllm left out"
+  echo "vLLM is not installed (pip install -e '.[vllm]'): 07-vllm-sleep, 07-vllm-server and 08-torchrun-vllm left out"
 fi
 
 GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())")
