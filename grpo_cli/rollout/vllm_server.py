@@ -42,6 +42,7 @@ as they were (`grpo train resume=RUN` once it is back).
 
 from __future__ import annotations
 
+import http.client
 import json
 import shutil
 import tempfile
@@ -361,7 +362,7 @@ class VLLMServerSampler(Sampler):
                 raise RunError(f"the vLLM server at {self.url} has no {path} endpoint: it was started without "
                                f"{need}; start it with: {START}") from None
             raise DataError(f"the vLLM server at {self.url} refused {path} (HTTP {err.code}: {reason})") from None
-        except (urllib.error.URLError, OSError) as err:  # refused, reset, timed out
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as err:  # refused, reset, cut, timed out
             why = getattr(err, "reason", err)
             raise RunError(f"the vLLM server at {self.url} did not answer {path} ({why}; sampler.timeout_s="
                            f"{self.timeout_s:g}); the run's checkpoints are as they were: start the server again "

@@ -169,3 +169,32 @@ def test_multi_turn_episodes_continue_token_ids_with_a_seed_per_row(policy_and_t
     # each row asks for at most what the server's longest sequence (256, from /v1/models) leaves it
     assert sorted(b["max_tokens"] for b in bodies) == [253, 254, 255]
     assert out == [[10, tokenizer.eos_token_id]] * 3 and engine.logprobs == [[-0.5, -0.5]] * 3
+
+
+def test_a_server_that_dies_mid_request_is_one_line(policy_and_tokenizer, tmp_path):
+    """A server killed while it answers (the connection closed with no reply, or a reply cut short)."""
+    policy, tokenizer = policy_and_tokenizer
+
+    class Dies(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            if self.server.cut:  # headers promising 1000 bytes, then 5 of them
+                self.send_response(200)
+                self.send_header("Content-Length", "1000")
+                self.end_headers()
+                self.wfile.write(b'{"cho')
+            self.close_connection = True
+
+        def log_message(self, *args):
+            pass
+
+    for cut in (False, True):
+        with LocalServer(Dies) as dead:
+            dead.httpd.cut = cut
+            s = sampler(dead.url.removesuffix("/v1"), adapter_dir=str(tmp_path))
+            s.base_name = s.serving = "base"
+            s._pushed = ()  # connected, adapters off: no probe, no push
+            with pytest.raises(RunError) as err, policy.disable_adapter():
+                s.generate(policy, tokenizer, ["ab"], 1)
+        assert str(err.value).startswith(f"the vLLM server at {s.url} did not answer /v1/completions (")
+        assert len(str(err.value).splitlines()) == 1
