@@ -20,6 +20,7 @@ import torch
 from grpo_cli.env import ClassEnv, ToolFormat, choose, environment_rewards, prepare, run_episodes
 from grpo_cli.env.episode import encode
 from grpo_cli.errors import DataError
+from grpo_cli.metrics.console import console
 from grpo_cli.policy import load_tokenizer
 from grpo_cli.rewards.call import ENVIRONMENT_REWARD
 from grpo_cli.rollout import Rollout, pad_id, template_kwargs, use_chat_template
@@ -43,7 +44,14 @@ def early_format(env, model_cfg, data) -> ToolFormat | None:
     if tokenizer is None:
         return None
     use_chat_template(tokenizer, data.chat_template, data.chat_template_kwargs)
-    return choose(env.tool_format, tokenizer, env.schemas, template_kwargs(tokenizer))
+    return said(choose(env.tool_format, tokenizer, env.schemas, template_kwargs(tokenizer)))
+
+
+def said(fmt: ToolFormat) -> ToolFormat:
+    """`fmt`, its note printed when choosing it changed the template (a training template swapped in): one line."""
+    if fmt.note:
+        console.print(f"tools: {fmt.note}", markup=False, highlight=False, soft_wrap=True)
+    return fmt
 
 
 def reward_column_example(env, example: dict) -> dict[str, Any]:
@@ -112,7 +120,7 @@ class EpisodeSampler:
         `temperature` in place of the sampler's (eval's samples). `max_new_tokens` is not read: an episode's
         length is env.max_episode_tokens, which config validation checks in its place."""
         if self._format is None:
-            self._format = choose(self.env.tool_format, tokenizer, self.env.schemas, template_kwargs(tokenizer))
+            self._format = said(choose(self.env.tool_format, tokenizer, self.env.schemas, template_kwargs(tokenizer)))
         prompts, boxes = prepare(self.env, [e for e in examples for _ in range(n)])
         self._check_prompts(tokenizer, prompts, boxes)
         engine = self.sampler.engine(policy, tokenizer, greedy=greedy, generator=generator, temperature=temperature)

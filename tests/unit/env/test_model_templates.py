@@ -196,3 +196,16 @@ def test_smollm2s_list_format_on_its_real_template_round_trips(smollm2_tokenizer
     assert read == calls
     again = "<tool_call>" + json.dumps([{"name": c.name, "arguments": c.arguments} for c in read]) + "</tool_call>"
     assert again == sampled
+
+
+def test_the_swapped_template_is_said_in_one_line(monkeypatch):
+    from grpo_cli.rollout import episodes
+
+    family = FAMILIES["qwen3"]
+    tok = family_tokenizer(family.specials, family.bos, family.eos, family.template)
+    printed = []
+    monkeypatch.setattr(episodes.console, "print", lambda text, **kw: printed.append(text))
+    fmt = episodes.said(choose("auto", tok, SCHEMAS))
+    assert printed == [f"tools: {fmt.note}"] and "\n" not in printed[0]
+    episodes.said(choose("chatml", family_tokenizer(CHATML, None, "<|im_end|>", "qwen3.jinja"), SCHEMAS))
+    assert len(printed) == 1  # nothing changed, nothing said
