@@ -22,11 +22,13 @@ from grpo_cli.metrics.console import console
 from grpo_cli.rollout import SamplerSettings, vllm_engine
 from grpo_cli.rollout.hf import HFSampler
 from grpo_cli.rollout.vllm import VLLMSampler
+from grpo_cli.rollout.vllm_server import VLLMServerSampler
 
 # the `_target_` of conf/sampler/auto.yaml and auto_short.yaml
 AUTO = f"{__name__}.auto"
 HF = f"{HFSampler.__module__}.{HFSampler.__qualname__}"
 VLLM = f"{VLLMSampler.__module__}.{VLLMSampler.__qualname__}"
+SERVER = f"{VLLMServerSampler.__module__}.{VLLMServerSampler.__qualname__}"
 # set (to anything but 0): `auto` picks HF generate though vLLM is installed (the test suite, whose pinned numbers
 # are HF generate's, and a machine where vLLM is installed but unwanted for a command line's default)
 OPT_OUT = "GRPO_NO_VLLM"
@@ -60,7 +62,7 @@ def choose(section: DictConfig, *, installed: bool | None = None, refused: str |
     why the run cannot use vLLM though it is installed (`run_refusal`), or None."""
     target = str(section.get("_target_"))
     if target != AUTO:
-        return Choice(section, "as configured" if target in (HF, VLLM) else f"{target}, as configured")
+        return Choice(section, "as configured" if target in (HF, VLLM, SERVER) else f"{target}, as configured")
     environ = os.environ if environ is None else environ
     installed = vllm_engine.installed() if installed is None else installed
     if not installed:

@@ -96,7 +96,7 @@ def test_the_line_names_the_engine_an_episode_sampler_runs_its_turns_on(capsys):
 
 
 @pytest.mark.parametrize("option,target", [("default", engine.HF), ("short", engine.HF), ("vllm", engine.VLLM),
-                                           ("vllm_short", engine.VLLM)])
+                                           ("vllm_short", engine.VLLM), ("vllm_server", engine.SERVER)])
 def test_an_explicit_engine_means_what_it_says(option, target, vllm_installed, monkeypatch):
     for installed in (True, False):
         monkeypatch.setattr("grpo_cli.rollout.vllm_engine.installed", lambda installed=installed: installed)
