@@ -365,8 +365,8 @@ class VLLMServerSampler(Sampler):
         except (urllib.error.URLError, OSError, http.client.HTTPException) as err:  # refused, reset, cut, timed out
             why = getattr(err, "reason", err)
             raise RunError(f"the vLLM server at {self.url} did not answer {path} ({why}; sampler.timeout_s="
-                           f"{self.timeout_s:g}); the run's checkpoints are as they were: start the server again "
-                           f"and go on with grpo train resume=RUN") from None
+                           f"{self.timeout_s:g}); a training run's checkpoints are as they were: start the server "
+                           f"again and go on with grpo train resume=RUN (eval and sample: run them again)") from None
         if text:
             return raw.decode(errors="replace")
         return json.loads(raw) if raw else {}
