@@ -1,0 +1,96 @@
+"""A vLLM server killed (-9) in the middle of a run, and the run resumed once it is back, on the embedded SmolLM2.
+
+    .venv/bin/python scripts/server_faults.py OUT [--port 8012]
+
+1. `grpo serve` on the port; no server on it at first: `grpo train sampler=vllm_server` must stop with one line,
+   before the model loads, in under 10 s.
+2. A: 3 steps, uninterrupted (trainer.save_every=1, 32 new tokens).
+3. B: the same run; the server is killed (-9) once step 1's checkpoint is written: one `error:` line, exit 1.
+4. The server started again; `grpo train resume=B`: B's metrics must equal A's (vLLM's seeded sampling on the same
+   weights and prompts; equality is what it shows, not what it assumes: the table lists every step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+GRPO = [sys.executable, "-m", "grpo_cli.cli"]
+RUN = ["trainer.max_steps=3", "trainer.save_every=1", "trainer.eval_every=null", "sampler=vllm_server",
+       "sampler.max_new_tokens=32", "trainer.report_to=[]"]
+
+
+def up(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/v1/models", timeout=5) as answer:
+            return answer.status == 200
+    except OSError:
+        return False
+
+
+def serve(url: str, log: Path) -> subprocess.Popen:
+    proc = subprocess.Popen([*GRPO, "serve", f"sampler.url={url}"], stdout=open(log, "a"), stderr=subprocess.STDOUT,
+                            cwd=REPO, start_new_session=True)
+    t = time.time()
+    while not up(url):
+        if proc.poll() is not None or time.time() - t > 900:
+            sys.exit(f"grpo serve did not start ({log})")
+        time.sleep(3)
+    return proc
+
+
+def kill(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGKILL)  # the server and its engine process
+    proc.wait()
+
+
+def steps(run: Path) -> list[dict]:
+    keys = ("step", "reward", "loss", "kl", "sampler/logp_gap")
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    return [{k: json.loads(line).get(k) for k in keys} for line in lines]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--port", type=int, default=8012)
+    args = parser.parse_args()
+    out, url = args.out.resolve(), f"http://127.0.0.1:{args.port}"
+    out.mkdir(parents=True, exist_ok=True)
+    train = [*GRPO, "train", *RUN, f"sampler.url={url}"]
+
+    t = time.time()
+    done = subprocess.run([*train, f"hydra.run.dir={out / 'refused'}"], cwd=REPO, capture_output=True, text=True)
+    print(f"no server: exit {done.returncode} in {time.time() - t:.1f} s: {done.stderr.strip()}")
+
+    server = serve(url, out / "serve.log")
+    subprocess.run([*train, f"hydra.run.dir={out / 'A'}"], cwd=REPO, check=True, capture_output=True)
+    b = subprocess.Popen([*train, f"hydra.run.dir={out / 'B'}"], cwd=REPO, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    while not (out / "B" / "checkpoints" / "step_000001").is_dir():
+        time.sleep(1)
+    kill(server)
+    _, err = b.communicate()
+    lines = err.strip().splitlines()
+    print(f"server killed after step 1's checkpoint: exit {b.returncode}, {len(lines)} stderr line(s): {lines[-1:]}")
+    server = serve(url, out / "serve.log")
+    try:
+        subprocess.run([*GRPO, "train", f"resume={out / 'B'}"], cwd=REPO, check=True, capture_output=True)
+    finally:
+        kill(server)
+    a, resumed = steps(out / "A"), steps(out / "B")
+    print("| step | A (uninterrupted) | B (killed, resumed) | equal |\n|---|---|---|---|")
+    for x, y in zip(a, resumed):
+        print(f"| {x['step']} | {x} | {y} | {x == y} |")
+
+
+if __name__ == "__main__":
+    main()
