@@ -131,7 +131,7 @@ def push(url: str, out: Path) -> None:
 
 
 def report(out: Path) -> None:
-    found = {e: completions(out / f"eval_{e}") for e in ENGINES if (out / f"eval_{e}" / "eval_samples.jsonl").exists()}
+    found = {e: completions(out / f"eval_{e}") for e in ENGINES if (out / f"eval_{e}" / "eval.json").exists()}
     print("| pair | checkpoint | same greedy completion |\n|---|---|---|")
     names = list(found)
     for i, a in enumerate(names):
