@@ -94,6 +94,9 @@ def push(url: str, out: Path) -> None:
     if target.exists():
         return
     sys.path.insert(0, str(REPO))
+    from grpo_cli.cli import setup_process
+
+    setup_process()  # what every grpo command sets first: the in-process engine in this process, quiet logs
     from grpo_cli import checkpoint
     from grpo_cli.config import compose
     from grpo_cli.policy import build_policy
