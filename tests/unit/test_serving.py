@@ -3,6 +3,7 @@ lengths, the flags the client relies on, and one line for a model it cannot serv
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -36,7 +37,8 @@ def test_a_lora_run_gets_its_rank_lengths_and_raw_logprobs(tmp_path):
     assert "--enable-lora" in f and f["--logprobs-mode"] == "raw_logprobs" and f["--generation-config"] == "vllm"
     assert f["--max-model-len"] == "400" and f["--dtype"] == "float32"  # 300 + 100; auto on a CPU
     assert "--no-enable-chunked-prefill" in f and f["--kv-cache-memory-bytes"] == str(2 * 2**30)
-    assert env == {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    assert env == {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+                   "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(len(os.sched_getaffinity(0)))}
 
 
 def test_a_full_parameter_run_gets_the_reload_endpoints_and_no_lora(tmp_path):
