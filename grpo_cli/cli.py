@@ -16,6 +16,8 @@ import os
 import sys
 import warnings
 
+from grpo_cli.server_url import early as early_server_problem
+
 COMMANDS = {
     "train": ("train", "train a policy with GRPO (Hydra app over conf/train.yaml)"),
     "eval": ("evaluate", "evaluate saved checkpoints on held-out problems (conf/eval.yaml)"),
@@ -140,6 +142,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: unknown command {command!r}; use one of: {', '.join(COMMANDS)}", file=sys.stderr)
         sys.exit(2)
     setup_process()
+    if command in ("train", "eval", "sample") and (problem := early_server_problem(rest)):
+        print(f"error: {problem}", file=sys.stderr)  # before the imports: a missing server is seconds, not ten
+        sys.exit(2)
     # the working folder is no library folder: a json.py there would stand in for json in every library. `python -m`
     # puts it first (kept in a checkout's root, where it is how grpo_cli itself imports); the user's own modules
     # (reward.funcs=my_rewards.fn, a `_target_`) resolve through grpo_cli.user_code

@@ -60,6 +60,7 @@ from omegaconf import DictConfig
 from peft import get_peft_model_state_dict
 from safetensors.torch import save_file
 
+from grpo_cli import server_url
 from grpo_cli.checks import Check, Rule, get, is_num
 from grpo_cli.distributed import init_world
 from grpo_cli.errors import ConfigError, DataError, RunError
@@ -70,7 +71,7 @@ from grpo_cli.rollout.vllm import _active, _lora_layers, fingerprint
 from grpo_cli.rollout.vllm_engine import base_model
 
 # what an unreachable server's error line suggests
-START = "grpo serve (with this run's model overrides; grpo serve --print shows vLLM's own command line)"
+START = server_url.START
 # at most this many requests in flight at once (one per prompt): the server batches what arrives together
 MAX_IN_FLIGHT = 64
 # the probe's tolerance: mean |log-prob difference| per token between the server's base model and the policy's base,
@@ -481,18 +482,9 @@ def check_server(cfg: DictConfig) -> list[str]:
     # grpo serve's own config (a `serve` section) starts the server this check would look for
     if str(get(cfg, "sampler._target_")[1]) != f"{__name__}.VLLMServerSampler" or "serve" in cfg:
         return []
-    url = str(get(cfg, "sampler.url")[1] or "")
-    parts = urllib.parse.urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        return [f"sampler.url ({url!r}) must be the server's http://HOST:PORT; set sampler.url=http://127.0.0.1:8000"]
     timeout = min(5.0, float(get(cfg, "sampler.timeout_s")[1] or 5.0))
-    try:
-        with urllib.request.urlopen(url.rstrip("/") + "/v1/models", timeout=timeout) as answer:
-            answer.read()
-    except (urllib.error.URLError, OSError, ValueError) as err:
-        why = getattr(err, "reason", err)
-        return [f"sampler=vllm_server: no vLLM server answers at {url} ({why}); start one with: {START}"]
-    return []
+    found = server_url.problem(str(get(cfg, "sampler.url")[1] or ""), timeout)
+    return [found] if found else []
 
 
 CHECKS: list[Check] = [

@@ -198,3 +198,19 @@ def test_a_server_that_dies_mid_request_is_one_line(policy_and_tokenizer, tmp_pa
                 s.generate(policy, tokenizer, ["ab"], 1)
         assert str(err.value).startswith(f"the vLLM server at {s.url} did not answer /v1/completions (")
         assert len(str(err.value).splitlines()) == 1
+
+
+def test_a_command_line_naming_a_dead_server_stops_before_its_imports():
+    """`grpo train sampler=vllm_server sampler.url=URL` with nothing at URL: the one line within seconds, not after
+    the ~10 s of imports a command needs on a small CPU (cli.py asks first)."""
+    from tests.helpers import one_line_error, run_cli
+
+    with LocalServer(BaseHTTPRequestHandler) as free:
+        port = free.httpd.server_address[1]
+    for command in ("train", "eval", "sample"):
+        t = time.perf_counter()
+        out = run_cli([command, "sampler=vllm_server", f"sampler.url=http://127.0.0.1:{port}"])
+        assert time.perf_counter() - t < 10
+        assert one_line_error(out) == (f"error: sampler=vllm_server: no vLLM server answers at "
+                                       f"http://127.0.0.1:{port} ([Errno 111] Connection refused); start one with: "
+                                       f"{START}")
