@@ -92,10 +92,15 @@ def command(cfg: DictConfig) -> tuple[list[str], dict[str, str]]:
                  "--max-num-batched-tokens", str(max(longest, CPU_STEP_TOKENS))]
         env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
         # vLLM's CPU server computes on 1 torch thread unless OMP_NUM_THREADS says otherwise: the cores it may use
-        env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS") or str(len(os.sched_getaffinity(0)))
+        env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS") or str(usable_cores())
     else:
         argv += ["--gpu-memory-utilization", str(sampler.gpu_memory_utilization)]
     return argv, env
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (taskset's, where the OS says), else all of them."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def shell_line(argv: list[str], env: dict[str, str]) -> str:

@@ -10,7 +10,7 @@ import pytest
 
 from grpo_cli.config import compose
 from grpo_cli.errors import ConfigError
-from grpo_cli.serving import command, shell_line
+from grpo_cli.serving import command, shell_line, usable_cores
 from tests.helpers import run_cli
 
 
@@ -38,7 +38,7 @@ def test_a_lora_run_gets_its_rank_lengths_and_raw_logprobs(tmp_path):
     assert f["--max-model-len"] == "400" and f["--dtype"] == "float32"  # 300 + 100; auto on a CPU
     assert "--no-enable-chunked-prefill" in f and f["--kv-cache-memory-bytes"] == str(2 * 2**30)
     assert env == {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-                   "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(len(os.sched_getaffinity(0)))}
+                   "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(usable_cores())}
 
 
 def test_a_full_parameter_run_gets_the_reload_endpoints_and_no_lora(tmp_path):
