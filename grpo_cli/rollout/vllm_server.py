@@ -64,7 +64,7 @@ from grpo_cli import server_url
 from grpo_cli.checks import Check, Rule, get, is_num
 from grpo_cli.distributed import init_world
 from grpo_cli.errors import ConfigError, DataError, RunError
-from grpo_cli.policy import trains_adapter
+from grpo_cli.policy import adapter_enabled, trains_adapter
 from grpo_cli.rollout import Rollout, Sampler, drawing_from, encode_prompts, finish, pad_id, render_prompts
 from grpo_cli.rollout.hf import check_prompts
 from grpo_cli.rollout.vllm import _active, _lora_layers, fingerprint
@@ -239,7 +239,7 @@ class VLLMServerSampler(Sampler):
         theirs = [_prompt_logprob(entry, tok) for entry, tok in zip(out["prompt_logprobs"][1:], probe[1:])]
         device = next(policy.parameters()).device
         ids = torch.tensor([probe], device=device)
-        with _adapters_off(policy):
+        with adapter_enabled(policy, False):
             logits = policy(input_ids=ids).logits.float()  # [1, P, V]
         ours = torch.log_softmax(logits[0, :-1], -1).gather(-1, ids[0, 1:, None])[:, 0].cpu()  # [P - 1]
         gap = (ours - torch.tensor(theirs)).abs().mean().item()
@@ -460,19 +460,6 @@ def _server_reason(err: urllib.error.HTTPError) -> str:
     if isinstance(message, dict):
         message = message.get("message", message)
     return " ".join(str(message).split())[:300]
-
-
-class _adapters_off:
-    """The policy's base (peft's adapters switched off), or the policy itself when it has none."""
-
-    def __init__(self, policy):
-        self.context = policy.disable_adapter() if hasattr(policy, "disable_adapter") else None
-
-    def __enter__(self):
-        return self.context.__enter__() if self.context is not None else None
-
-    def __exit__(self, *exc):
-        return self.context.__exit__(*exc) if self.context is not None else False
 
 
 # ---- config checks: collected by config.validate ------------------------------------------------
