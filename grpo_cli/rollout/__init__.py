@@ -219,6 +219,13 @@ def drawing_from(generator: torch.Generator | None) -> Iterator[None]:
             generator.set_state(torch.get_rng_state())
 
 
+def request_seeds(generator: torch.Generator | None, count: int, n: int = 1) -> list[int]:
+    """`count` vLLM request seeds drawn from `generator` (in process or on a server): vLLM gives the i-th of a
+    request's n samples seed + i, so each seed stays below 2**31 - n."""
+    with drawing_from(generator):
+        return torch.randint(0, 2**31 - n, (count,)).tolist()
+
+
 class ChatPrompt(str):
     """A chat-templated prompt that remembers which of its spans are message text.
 

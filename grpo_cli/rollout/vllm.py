@@ -63,7 +63,7 @@ from grpo_cli import quantize
 from grpo_cli.distributed import world_size
 from grpo_cli.errors import DataError
 from grpo_cli.policy import trains_adapter
-from grpo_cli.rollout import Rollout, Sampler, SamplerSettings, drawing_from, encode_prompts, finish, pad_id
+from grpo_cli.rollout import Rollout, Sampler, SamplerSettings, encode_prompts, finish, pad_id, request_seeds
 from grpo_cli.rollout.hf import HFSampler, check_prompts
 from grpo_cli.rollout.sizing import Job
 from grpo_cli.rollout.vllm_engine import (
@@ -156,8 +156,7 @@ class VLLMSampler(Sampler):
         eos, pad = tokenizer.eos_token_id, pad_id(tokenizer)
         # one seed per prompt from the caller's generator (the trainer seeds its own per step); vLLM gives the
         # i-th of the n samples seed + i
-        with drawing_from(generator):
-            seeds = torch.randint(0, 2**31 - n, (len(prompts),)).tolist()
+        seeds = request_seeds(generator, len(prompts), n)
         sampling = {} if greedy else {"temperature": temperature, "top_p": self.top_p, "top_k": self.top_k}
         # stop at the tokenizer's EOS only, as HF generate does: ignore_eos drops the EOS ids vLLM would
         # otherwise add from the model's generation_config
@@ -306,10 +305,7 @@ class VLLMEngine:
         from vllm import SamplingParams
 
         s, eos = self.sampler, self.eos_token_id
-        seeds = [None] * len(sequences)
-        if not self.greedy:
-            with drawing_from(self.generator):
-                seeds = torch.randint(0, 2**31 - 1, (len(sequences),)).tolist()
+        seeds = [None] * len(sequences) if self.greedy else request_seeds(self.generator, len(sequences))
         sampling = ({"temperature": 0.0} if self.greedy else
                     {"temperature": self.temperature, "top_p": s.top_p, "top_k": s.top_k})
         longest = s.llm.llm_engine.model_config.max_model_len

@@ -65,7 +65,7 @@ from grpo_cli.checks import Check, Rule, get, is_num
 from grpo_cli.distributed import init_world
 from grpo_cli.errors import ConfigError, DataError, RunError
 from grpo_cli.policy import adapter_enabled, trains_adapter
-from grpo_cli.rollout import Rollout, Sampler, drawing_from, encode_prompts, finish, pad_id, render_prompts
+from grpo_cli.rollout import Rollout, Sampler, encode_prompts, finish, pad_id, render_prompts, request_seeds
 from grpo_cli.rollout.hf import check_prompts
 from grpo_cli.rollout.vllm import _active, _lora_layers, fingerprint
 from grpo_cli.rollout.vllm_engine import base_model
@@ -147,8 +147,7 @@ class VLLMServerSampler(Sampler):
         one seed per prompt drawn from the caller's generator, as the in-process engine draws them (vllm.py)."""
         check_prompts(model, tokenizer, prompts, self.max_prompt_tokens, max_new_tokens)
         ids, mask = encode_prompts(tokenizer, prompts)  # [B, P], left-padded
-        with drawing_from(generator):
-            seeds = torch.randint(0, 2**31 - n, (len(prompts),)).tolist()
+        seeds = request_seeds(generator, len(prompts), n)
         rows = [row[keep.bool()].tolist() for row, keep in zip(ids, mask)]
         bodies = [self.request(row, n=n, max_tokens=max_new_tokens, eos=tokenizer.eos_token_id, greedy=greedy,
                                temperature=temperature, seed=seed) for row, seed in zip(rows, seeds)]
@@ -421,10 +420,7 @@ class ServerEngine:
 
     def continue_batch(self, sequences: list[list[int]], max_new: int) -> list[list[int]]:
         s, eos = self.sampler, self.eos_token_id
-        seeds = [None] * len(sequences)
-        if not self.greedy:
-            with drawing_from(self.generator):
-                seeds = torch.randint(0, 2**31 - 1, (len(sequences),)).tolist()
+        seeds = [None] * len(sequences) if self.greedy else request_seeds(self.generator, len(sequences))
         longest = s.longest or s.max_model_len or 10**9
         bodies = [s.request(list(q), n=1, max_tokens=max(1, min(max_new, longest - len(q))), eos=eos,
                             greedy=self.greedy, temperature=self.temperature, seed=seed)
