@@ -23,13 +23,13 @@ come from the policy up to K updates older.
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
-from grpo_cli.rollout import Rollout, pad_id
-from grpo_cli.rollout.vllm_server import Call
+from grpo_cli.rollout import Rollout
+from grpo_cli.rollout.vllm_server import Call, Pending
 
 
 @dataclass
@@ -37,7 +37,7 @@ class Ahead:
     """The rollouts in flight, by the step that will train on them; `k`: algo.max_staleness."""
 
     k: int
-    pending: dict = field(default_factory=dict)  # step -> (Pending, version) or (Rollout, version) once kept
+    pending: dict = field(default_factory=dict)  # step -> (vllm_server.Pending, policy version that sampled it)
     pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(max_workers=64))
     staleness: int = 0  # of the rollout `take` gave last
 
@@ -48,9 +48,9 @@ class Ahead:
         self.staleness = 0
         if entry is None:
             return None
-        rollout, version = entry
+        pending, version = entry
         self.staleness = step - 1 - version
-        return rollout if isinstance(rollout, Rollout) else rollout.result()
+        return pending.result()
 
     def launch(self, step: int, last: int, sampler, policy, tokenizer, draw, group_size: int, seed_of) -> None:
         """Send the requests of steps step+1 ... step+k (none after `last`, the run's last step) not yet in flight.
@@ -68,37 +68,19 @@ class Ahead:
         """The rollouts in flight, waited for: {step: {version, rows: prompt ids, n, answers}} (JSON)."""
         out = {}
         for target, (pending, version) in sorted(self.pending.items()):
-            if isinstance(pending, Rollout):  # kept from a resume and not yet trained on
-                raise RuntimeError("a kept rollout cannot be saved again before it is used")
-            answers = pending.answers()
             out[str(target)] = {"version": version, "calls": [{"rows": c.rows, "n": c.n, "answers": a}
-                                                               for c, a in zip(pending.calls, answers)]}
-            self.pending[target] = (_Done(pending, answers), version)
+                                                               for c, a in zip(pending.calls, pending.answers())]}
         return out
 
     def load_state_dict(self, state: dict | None, sampler, tokenizer, device) -> None:
-        """The rollouts a checkpoint kept, ready for `take` at their steps."""
+        """The rollouts a checkpoint kept, ready for `take` at their steps (and for the next checkpoint, if it comes
+        first: with K > 1 a kept rollout can outlive one)."""
         self.pending = {}
         for target, entry in (state or {}).items():
-            calls = [Call([list(map(int, r)) for r in c["rows"]], int(c["n"]), [], tokenizer, device)
-                     for c in entry["calls"]]
-            answers = [[[(list(map(int, t)), [float(x) for x in lp]) for t, lp in out] for out in c["answers"]]
-                       for c in entry["calls"]]
-            parts = [sampler.build(call, a) for call, a in zip(calls, answers)]
-            self.pending[int(target)] = (Rollout.concat(parts, pad_id(tokenizer)), int(entry["version"]))
-
-
-@dataclass
-class _Done:
-    """A Pending whose answers were already waited for (a checkpoint saved them): `result()` builds the rollout."""
-
-    pending: object
-    answers_: list
-
-    def answers(self) -> list:
-        return self.answers_
-
-    def result(self) -> Rollout:
-        p = self.pending
-        parts = [p.sampler.build(c, a) for c, a in zip(p.calls, self.answers_)]
-        return Rollout.concat(parts, pad_id(p.calls[0].tokenizer))
+            calls, futures = [], []
+            for c in entry["calls"]:
+                calls.append(Call([list(map(int, r)) for r in c["rows"]], int(c["n"]), [], tokenizer, device))
+                futures.append(Future())
+                futures[-1].set_result([[(list(map(int, t)), [float(x) for x in lp]) for t, lp in out]
+                                        for out in c["answers"]])
+            self.pending[int(target)] = (Pending(sampler, calls, futures, version=""), int(entry["version"]))

@@ -393,7 +393,8 @@ class Pending:
     version: str
 
     def answers(self) -> list[list[list[tuple[list[int], list[float]]]]]:
-        """Each call's answers, once the server has given them (a fault: the HTTP call's one-line error)."""
+        """Each call's answers, once the server has given them (a fault: the HTTP call's one-line error); a future
+        keeps its result, so a checkpoint's wait and the step's take read the same answers."""
         try:
             return [f.result() for f in self.futures]
         finally:
