@@ -38,19 +38,22 @@ def up(url: str) -> bool:
         return False
 
 
-def server(url: str, out: Path) -> subprocess.Popen | None:
-    """The server at `url`, started here (grpo serve) when none answers; waits until it does."""
-    if up(url):
-        return None
-    log = open(out / "serve.log", "w")
-    proc = subprocess.Popen([*GRPO, "serve", f"sampler.url={url}"], stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+def start(url: str, log: Path) -> subprocess.Popen:
+    """`grpo serve` on `url` (its own process group: the server and its engine process), once it answers."""
+    proc = subprocess.Popen([*GRPO, "serve", f"sampler.url={url}"], stdout=open(log, "a"), stderr=subprocess.STDOUT,
+                            cwd=REPO, start_new_session=True)
     t = time.time()
     while not up(url):
         if proc.poll() is not None or time.time() - t > 900:
-            sys.exit(f"grpo serve did not start (see {out / 'serve.log'})")
-        time.sleep(5)
+            sys.exit(f"grpo serve did not start (see {log})")
+        time.sleep(3)
     print(f"server up after {time.time() - t:.0f} s", flush=True)
     return proc
+
+
+def server(url: str, out: Path) -> subprocess.Popen | None:
+    """The server at `url`, started here when none answers."""
+    return None if up(url) else start(url, out / "serve.log")
 
 
 def grpo(*args: str, log: Path) -> float:

@@ -17,34 +17,13 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
-import urllib.request
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-GRPO = [sys.executable, "-m", "grpo_cli.cli"]
+from server_check import GRPO, REPO, start
+
 RUN = ["trainer.max_steps=3", "trainer.save_every=1", "trainer.eval_every=null", "sampler=vllm_server",
        "sampler.max_new_tokens=32", "trainer.report_to=[]"]
-
-
-def up(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url + "/v1/models", timeout=5) as answer:
-            return answer.status == 200
-    except OSError:
-        return False
-
-
-def serve(url: str, log: Path) -> subprocess.Popen:
-    proc = subprocess.Popen([*GRPO, "serve", f"sampler.url={url}"], stdout=open(log, "a"), stderr=subprocess.STDOUT,
-                            cwd=REPO, start_new_session=True)
-    t = time.time()
-    while not up(url):
-        if proc.poll() is not None or time.time() - t > 900:
-            sys.exit(f"grpo serve did not start ({log})")
-        time.sleep(3)
-    return proc
 
 
 def kill(proc: subprocess.Popen) -> None:
@@ -71,7 +50,7 @@ def main() -> None:
     done = subprocess.run([*train, f"hydra.run.dir={out / 'refused'}"], cwd=REPO, capture_output=True, text=True)
     print(f"no server: exit {done.returncode} in {time.time() - t:.1f} s: {done.stderr.strip()}")
 
-    server = serve(url, out / "serve.log")
+    server = start(url, out / "serve.log")
     subprocess.run([*train, f"hydra.run.dir={out / 'A'}"], cwd=REPO, check=True, capture_output=True)
     b = subprocess.Popen([*train, f"hydra.run.dir={out / 'B'}"], cwd=REPO, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
@@ -81,7 +60,7 @@ def main() -> None:
     _, err = b.communicate()
     lines = err.strip().splitlines()
     print(f"server killed after step 1's checkpoint: exit {b.returncode}, {len(lines)} stderr line(s): {lines[-1:]}")
-    server = serve(url, out / "serve.log")
+    server = start(url, out / "serve.log")
     try:
         subprocess.run([*GRPO, "train", f"resume={out / 'B'}"], cwd=REPO, check=True, capture_output=True)
     finally:
