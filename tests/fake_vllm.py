@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler
 
 import torch
 
-from tests.helpers import LocalServer
+from tests.helpers import LocalServer, send_json
 
 
 class FakeVLLM(LocalServer):
@@ -41,15 +41,7 @@ class FakeVLLM(LocalServer):
                 self._answer(200, "Success" if "lora" in self.path else {"results": [None]})
 
             def _answer(self, status, payload):
-                text = payload if isinstance(payload, str) else json.dumps(payload)
-                try:
-                    self.send_response(status)
-                    self.send_header("Content-Type", "application/json")
-                    self.send_header("Content-Length", str(len(text.encode())))
-                    self.end_headers()
-                    self.wfile.write(text.encode())
-                except (BrokenPipeError, ConnectionResetError):
-                    pass
+                send_json(self, status, payload if isinstance(payload, str) else json.dumps(payload))
 
             def log_message(self, *args):
                 pass

@@ -535,6 +535,18 @@ class LocalServer:
         self.httpd.server_close()
 
 
+def send_json(handler: BaseHTTPRequestHandler, status: int, text: str) -> None:
+    """Answer `handler`'s request with `status` and the JSON `text`; a client that gave up (its timeout) is let go."""
+    try:
+        handler.send_response(status)
+        handler.send_header("Content-Type", "application/json")
+        handler.send_header("Content-Length", str(len(text.encode())))
+        handler.end_headers()
+        handler.wfile.write(text.encode())
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+
+
 class JudgeServer(LocalServer):
     """A real OpenAI-compatible chat endpoint on localhost (http.server in a thread) for the judge reward's tests.
 
@@ -560,14 +572,7 @@ class JudgeServer(LocalServer):
                 time.sleep(delay)
                 with lock:
                     server.in_flight -= 1
-                try:
-                    self.send_response(status)
-                    self.send_header("Content-Type", "application/json")
-                    self.send_header("Content-Length", str(len(text.encode())))
-                    self.end_headers()
-                    self.wfile.write(text.encode())
-                except (BrokenPipeError, ConnectionResetError):
-                    pass  # the client gave up (its timeout)
+                send_json(self, status, text)
 
             def log_message(self, *args):
                 pass
