@@ -86,7 +86,8 @@ class Run:
     state: dict                 # trainer_state.json: step, history, prompt-stream position, rng, ...
     decoder: Any = None         # the update's compiled decoder (trainer.compile, grpo_cli.compiled); None: eager
     heldout: list = field(default_factory=list)  # the problems each in-run eval scores (trainer.eval_size); []: off
-    ahead: Ahead | None = None  # rollouts in flight for the next steps (algo.max_staleness > 0); None: synchronous
+    # rollouts in flight for the next steps (algo.max_staleness = K); K = 0: none, the synchronous loop
+    ahead: Ahead = field(default_factory=lambda: Ahead(0))
 
 
 @dataclass(frozen=True)
@@ -193,7 +194,7 @@ def setup(cfg: DictConfig, run_dir: Path, world: World, why: str) -> Run:
                              trainer.completions_max_mb)  # every rank gives its completions, rank 0 writes
     return Run(cfg, Path(run_dir), world, policy, tokenizer, device, sampler, rewards, prompts, keep, loss, optimizer,
                scheduler, torch.Generator(), log, samples, {"step": 0, "history": [], "dtype": dtype}, decoder,
-               heldout, Ahead(algo.max_staleness) if algo.get("max_staleness") else None)
+               heldout, Ahead(algo.get("max_staleness") or 0))
 
 
 def resume(run: Run, ckpt: Path) -> None:
@@ -206,8 +207,7 @@ def resume(run: Run, ckpt: Path) -> None:
     if "rng" in state:  # dropout's draws (model.lora.dropout > 0) continue where they stopped
         torch.set_rng_state(torch.tensor(state["rng"]["torch"], dtype=torch.uint8))
     run.state.update({**state, "dtype": run.state["dtype"]})
-    if run.ahead is not None:  # the rollouts that were in flight, as the checkpoint kept them
-        run.ahead.load_state_dict(state.get("ahead"), run.sampler, run.tokenizer, run.device)
+    run.ahead.load_state_dict(state.get("ahead"), run.sampler, run.tokenizer, run.device)  # those in flight
     console.print(f"resumed from {ckpt} at step {state['step']}")
     saved_world = state.get("world_size", 1)
     if saved_world != run.world.size:
@@ -254,7 +254,7 @@ def step(run: Run, n: int) -> StepRecord:
                **kept.metrics, **stats.metrics(), "learning_rate": run.scheduler.get_last_lr()[0],
                "time/rollout_s": t_rollout, "time/update_s": now - t1, "time/step_s": now - t0,
                # updates between the policy that sampled the step's rollouts and the one it updates
-               **({"sampler/staleness": run.ahead.staleness} if run.ahead is not None else {}),
+               **run.ahead.metrics(),
                # every draw's tokens: dynamic sampling samples more than it keeps
                "tokens_per_s": sum(record_tokens(world, d.rollout) for d in draws) / max(t_rollout, 1e-9),
                "peak_memory_mb": peak_memory_mb(run.device), **step_memory(run.device)}
@@ -304,16 +304,13 @@ def _explore(run: Run, n: int, reward) -> tuple[Kept, list[Draw], float]:
         # 2. rollout: G completions per prompt with the current policy (LoRA on); with algo.max_staleness = K, taken
         #    from those sampled ahead while earlier updates ran, and steps n+1 ... n+K's sent to the server now
         t = time.perf_counter()
-        taken = run.ahead.take(n) if run.ahead is not None else None
-        if taken is None:
+        rollout = run.ahead.take(n)
+        if rollout is None:
             with fsdp.whole(run.policy):  # a sharded base gathered while sampling (trainer.fsdp); else nothing
                 rollout = _sample(run, examples, n)
-        else:
-            rollout = taken
-        if run.ahead is not None:
-            run.ahead.launch(n, trainer.max_steps, run.sampler, run.policy, run.tokenizer,
-                             lambda skip: run.prompts.peek(trainer.prompts_per_step, skip), algo.group_size,
-                             lambda s: step_seed(trainer.seed, s, world.rank))
+        run.ahead.launch(n, trainer.max_steps, run.sampler, run.policy, run.tokenizer,
+                         lambda skip: run.prompts.peek(trainer.prompts_per_step, skip), algo.group_size,
+                         lambda s: step_seed(trainer.seed, s, world.rank))
         synchronize(run.device)
         t_rollout += time.perf_counter() - t
 
@@ -376,8 +373,7 @@ def save(run: Run, n: int) -> Path:
     policy every rank gives its shards and rank 0 writes them whole, as one process would); its folder, on every
     rank."""
     run.state["rng"] = {"torch": torch.get_rng_state().tolist()}  # dropout's (sampling's is reseeded per step)
-    if run.ahead is not None:  # the rollouts in flight, waited for: a resume trains on them as this run will
-        run.state["ahead"] = run.ahead.state_dict()
+    run.state.update(run.ahead.saved())  # the rollouts in flight, waited for: a resume trains on them as this run will
     gathered = None
     if fsdp.sharded_weights(run.policy.parameters()):  # a collective: every rank, before rank 0 writes
         gathered = fsdp.gather_state(run.policy, run.optimizer, run.world.main)

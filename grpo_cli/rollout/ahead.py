@@ -38,7 +38,7 @@ class Ahead:
 
     k: int
     pending: dict = field(default_factory=dict)  # step -> (vllm_server.Pending, policy version that sampled it)
-    pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(max_workers=64))
+    pool: ThreadPoolExecutor | None = None  # the HTTP calls in flight, started by the first launch
     staleness: int = 0  # of the rollout `take` gave last
 
     def take(self, step: int) -> Rollout | None:
@@ -61,8 +61,17 @@ class Ahead:
             if target in self.pending or target > last:
                 continue
             generator = torch.Generator().manual_seed(seed_of(target))
+            self.pool = self.pool or ThreadPoolExecutor(max_workers=64)
             pending = sampler.submit(policy, tokenizer, draw(ahead - 1), group_size, generator, self.pool)
             self.pending[target] = (pending, step - 1)  # sampled from the policy after step-1 updates
+
+    def metrics(self) -> dict:
+        """The step's `sampler/staleness` (none in the synchronous loop)."""
+        return {"sampler/staleness": self.staleness} if self.k else {}
+
+    def saved(self) -> dict:
+        """What a checkpoint's trainer_state holds of this: {"ahead": state_dict()}; nothing when synchronous."""
+        return {"ahead": self.state_dict()} if self.k else {}
 
     def state_dict(self) -> dict:
         """The rollouts in flight, waited for: {step: {version, rows: prompt ids, n, answers}} (JSON)."""
