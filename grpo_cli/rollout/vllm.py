@@ -64,6 +64,7 @@ from grpo_cli.distributed import world_size
 from grpo_cli.errors import DataError
 from grpo_cli.policy import trains_adapter
 from grpo_cli.rollout import Rollout, Sampler, SamplerSettings, encode_prompts, finish, pad_id, request_seeds
+from grpo_cli.rollout.adapter import active, lora_layers
 from grpo_cli.rollout.hf import HFSampler, check_prompts
 from grpo_cli.rollout.sizing import Job
 from grpo_cli.rollout.vllm_engine import (
@@ -333,19 +334,6 @@ def trim_heap() -> bool:
         return False
 
 
-def _lora_layers(policy) -> dict[str, torch.nn.Module]:
-    """{HF module name (model.layers.0.self_attn.q_proj): peft LoRA layer} of the policy."""
-    base = base_model(policy)
-    return {name: module for name, module in base.named_modules() if isinstance(module, LoraLayer)}
-
-
-def _active(layer) -> list[str]:
-    """The adapters a LoRA layer applies in its forward now ([] while adapters are off)."""
-    if layer.disable_adapters or layer.merged:
-        return []
-    return [a for a in layer.active_adapters if a in layer.lora_A]
-
-
 def _linear_names(policy) -> set[str]:
     """HF module names of the policy's linear layers (model.layers.0.self_attn.q_proj), adapted ones included."""
     return {name for name, m in base_model(policy).named_modules() if isinstance(m, (torch.nn.Linear, LoraLayer))}
@@ -357,8 +345,8 @@ def fingerprint(policy) -> tuple:
     if not trains_adapter(policy):
         return tuple((name, float(p.detach().double().sum())) for name, p in policy.named_parameters())
     stamp = []
-    for name, layer in _lora_layers(policy).items():
-        for a in _active(layer):
+    for name, layer in lora_layers(policy).items():
+        for a in active(layer):
             stamp.append((name, a, float(layer.lora_A[a].weight.double().sum()),
                           float(layer.lora_B[a].weight.double().sum())))
     return tuple(stamp)
@@ -371,7 +359,7 @@ def merged_weights(policy, packed: dict[str, list[str]]) -> dict[str, torch.Tens
     if not trains_adapter(policy):  # model.finetune=full: every weight, each under its HF name
         return {name: p.detach() for name, p in policy.named_parameters()}
     base = base_model(policy)
-    layers = _lora_layers(policy)
+    layers = lora_layers(policy)
     parts_of = {part: parts for parts in packed.values() for part in parts}  # "q_proj" -> [q, k, v]
     names = set(layers)
     for name in layers:
@@ -384,10 +372,10 @@ def merged_weights(policy, packed: dict[str, list[str]]) -> dict[str, torch.Tens
         if layer is None:
             out[f"{name}.weight"] = quantize.full_weight(module)  # dequant(W) of a 4-bit base
             continue
-        if any(layer.use_dora.get(a, False) for a in _active(layer)):
+        if any(layer.use_dora.get(a, False) for a in active(layer)):
             raise NotImplementedError(f"{name} carries a DoRA adapter, which the weight push does not merge")
         weight = quantize.full_weight(layer.get_base_layer())
-        deltas = [layer.get_delta_weight(a) for a in _active(layer)]
+        deltas = [layer.get_delta_weight(a) for a in active(layer)]
         if deltas:
             weight = (weight.float() + sum(d.float() for d in deltas)).to(weight.dtype)
         out[f"{name}.weight"] = weight

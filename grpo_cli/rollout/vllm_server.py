@@ -57,7 +57,6 @@ from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
-from peft import get_peft_model_state_dict
 from safetensors.torch import save_file
 
 from grpo_cli import server_url
@@ -66,8 +65,9 @@ from grpo_cli.distributed import init_world
 from grpo_cli.errors import ConfigError, DataError, RunError
 from grpo_cli.policy import adapter_enabled, trains_adapter
 from grpo_cli.rollout import Rollout, Sampler, encode_prompts, finish, pad_id, render_prompts, request_seeds
+from grpo_cli.rollout.adapter import write_adapter
 from grpo_cli.rollout.hf import check_prompts
-from grpo_cli.rollout.vllm import _active, _lora_layers, fingerprint
+from grpo_cli.rollout.vllm import fingerprint
 from grpo_cli.rollout.vllm_engine import base_model
 
 # what an unreachable server's error line suggests
@@ -278,20 +278,15 @@ class VLLMServerSampler(Sampler):
 
     def _push_adapter(self, policy) -> tuple[str, int]:
         """The active adapter as a peft folder, loaded under a new name; the version before unloaded."""
-        active = sorted({a for layer in _lora_layers(policy).values() for a in _active(layer)})
-        if len(active) != 1:
-            raise NotImplementedError(f"the server push sends one active adapter, and the policy has {active}")
         self._version += 1
         name = f"grpo-{self._run}-v{self._version}"
         folder = self._new_folder(name)
-        weights = get_peft_model_state_dict(policy, adapter_name=active[0])
-        save_file({k: v.detach().cpu().contiguous() for k, v in weights.items()}, folder / "adapter_model.safetensors")
-        policy.peft_config[active[0]].save_pretrained(folder)
+        sent = write_adapter(policy, folder)
         self.post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)}, text=True)
         self._loaded.append(name)
         self.retire()
         self._keep(folder)
-        return name, sum(v.numel() * v.element_size() for v in weights.values())
+        return name, sent
 
     def _push_full(self, policy) -> tuple[str, int]:
         """Every weight as a safetensors folder, reloaded in place by vLLM (its dev endpoints)."""
