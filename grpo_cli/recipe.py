@@ -24,6 +24,7 @@ rank runs the step on its slice of the step's prompts (grpo_cli.distributed).
 from __future__ import annotations
 
 import copy
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +35,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 from transformers import get_scheduler
 
-from grpo_cli import checkpoint, compiled, fsdp
+from grpo_cli import checkpoint, compiled, files, fsdp
 from grpo_cli.algo import build_loss
 from grpo_cli.data import PromptStream
 from grpo_cli.data.lengths import check_prompt_lengths
@@ -284,6 +285,10 @@ def held_out(run: Run, record: StepRecord) -> dict:
         finally:
             policy.train(was_training)
     scores = eval_metrics(rows)
+    if world.main:  # every problem's row (grpo eval's), in the split's order: two runs compare problem by problem
+        rows = sorted(rows, key=lambda row: row["index"])
+        files.write_text(run.run_dir / "evals" / f"step_{record.step:06d}.jsonl",
+                         "".join(json.dumps(row) + "\n" for row in rows))
     console.print(eval_line(record.step, scores, len(rows)), highlight=False)
     run.state["history"][-1].update(scores)  # the guard's held-out tripwire reads the evals there (grpo_cli.guard)
     scores["time/eval_s"] = time.perf_counter() - t

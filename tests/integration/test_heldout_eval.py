@@ -55,6 +55,12 @@ def test_the_in_run_numbers_are_grpo_evals_on_the_same_checkpoint_problems_and_e
               for r in report["results"]]
     ours = [(r["step"], 8, r["eval/accuracy"], r["eval/reward"], r["eval/mean_length"]) for r in metrics(folder)]
     assert ours == theirs
+    # each eval's rows are kept, one line a problem in the split's order: grpo eval's rows, for a paired comparison
+    # of two runs problem by problem
+    for step, result in zip((1, 2), report["results"]):
+        rows = [json.loads(line) for line in (folder / "evals" / f"step_{step:06d}.jsonl").read_text().splitlines()]
+        assert [r["index"] for r in rows] == list(range(8))
+        assert sum(r["correct"] for r in rows) / 8 == result["accuracy"]
     # the two steps' weights score differently (the random model learns the digit reward), so each eval read its own
     assert ours[0][3] != ours[1][3]
 
