@@ -1,0 +1,180 @@
+"""Rollouts one step ahead (`algo.max_staleness=1`) against the synchronous loop (0), on the default job sampled by
+a vLLM server: what it does to held-out accuracy, and what it saves in time on this 2-core machine.
+
+    .venv/bin/python scripts/async_check.py accuracy OUT [--seeds 0 1 2] [--port 8021]   # resumable, hours
+    .venv/bin/python scripts/async_check.py overlap OUT [--steps 6] [--port 8022]        # ~15 min, quiet machine
+    .venv/bin/python scripts/async_check.py report OUT                                   # the tables again
+
+accuracy, the design (fixed before any run):
+- arms: algo.max_staleness=0 and =1, each with sampler=vllm_server against one `grpo serve` this script starts; the
+  rest is the default job (conf/train.yaml: 40 steps, an eval of the first 200 held-out problems every 10 steps,
+  the guard on). The arms of a seed (trainer.seed) draw the same prompts with the same sampling seeds, so they
+  differ only in which policy version samples steps 2-40; the two arms of a seed run before the next seed starts.
+- the endpoint: held-out greedy accuracy at step 40, the paired difference (K=1 minus K=0) problem by problem
+  (RUN/evals/step_000040.jsonl), averaged over problems and seeds; its 95% interval by a two-level bootstrap (the
+  seeds, then the problems within each). Steps 10-30 are descriptive, on the same footing.
+- the decision, verbatim: "K=1 costs accuracy" if the interval lies wholly below 0; "K=1 is no worse than K=0
+  within 5 points" if its lower end is above -0.05; otherwise "undecided at this size" with the interval's width,
+  which is the difference the design could have detected.
+- staleness: every step of every K=1 run logs sampler/staleness <= 1 (steps 2-40 exactly 1), every K=0 step 0.
+
+overlap: the server pinned to core 0 (`taskset -c 0 grpo serve`), the trainer to core 1 (`taskset -c 1`), the
+default job for --steps steps with no eval, K=0 then K=1 then K=0 then K=1 (two rounds, interleaved, one server);
+s/step is the median of steps 2..N, the rounds' medians and their ratio side by side.
+
+Each run is skipped when it is done and resumed from its last checkpoint when it was cut short, so a stopped script
+goes on where it stopped when run again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from paired import bootstrap, last_checkpoint, read_jsonl
+from server_check import GRPO, REPO, start
+
+STEPS = 40
+EVALS = (10, 20, 30, 40)
+
+
+def stop(proc: subprocess.Popen | None) -> None:
+    if proc is not None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait()
+
+
+def done(run: Path, steps: int) -> bool:
+    path = run / "metrics.jsonl"
+    return path.exists() and any(r["step"] == steps for r in read_jsonl(path))
+
+
+def train(run: Path, args: list[str], prefix: tuple[str, ...] = ()) -> None:
+    """The run `args` describe in `run`: skipped when its last step is logged, resumed when it has a checkpoint."""
+    steps = int(next(a for a in args if a.startswith("trainer.max_steps=")).split("=")[1])
+    if done(run, steps):
+        return
+    resume = [f"resume={run}"] if last_checkpoint(run) is not None else [*args, f"hydra.run.dir={run}"]
+    t = time.time()
+    with (run.parent / f"{run.name}.log").open("a") as log:
+        code = subprocess.call([*prefix, *GRPO, "train", *resume], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    if code:
+        sys.exit(f"grpo train failed ({code}): {run.parent / f'{run.name}.log'}")
+    print(f"{run.name}: {time.time() - t:.0f} s", flush=True)
+
+
+def accuracy(out: Path, seeds: list[int], port: int) -> None:
+    url = f"http://127.0.0.1:{port}"
+    server = start(url, out / "serve.log")
+    try:
+        for seed in seeds:
+            for k in (0, 1):
+                train(out / f"k{k}_seed{seed}", [f"trainer.max_steps={STEPS}", f"trainer.seed={seed}",
+                                                 "sampler=vllm_server", f"sampler.url={url}",
+                                                 f"algo.max_staleness={k}", "trainer.report_to=[]"])
+    finally:
+        stop(server)
+    report_accuracy(out)
+
+
+def correct(run: Path, step: int) -> list[float] | None:
+    path = run / "evals" / f"step_{step:06d}.jsonl"
+    return [float(r["correct"]) for r in read_jsonl(path)] if path.exists() else None
+
+
+def report_accuracy(out: Path) -> None:
+    seeds = sorted({int(p.name.split("seed")[1]) for p in out.glob("k*_seed*") if p.is_dir()})
+    paired = [s for s in seeds if done(out / f"k0_seed{s}", STEPS) and done(out / f"k1_seed{s}", STEPS)]
+    print(f"seeds with both arms done: {paired} (of {seeds})")
+    print("| step | K=0 accuracy by seed | K=1 accuracy by seed | K=1 - K=0 (paired) | 95% bootstrap |")
+    print("|---|---|---|---|---|")
+    for step in EVALS:
+        acc, diffs = {0: [], 1: []}, {}
+        for s in paired:
+            a, b = correct(out / f"k0_seed{s}", step), correct(out / f"k1_seed{s}", step)
+            acc[0].append(statistics.mean(a))
+            acc[1].append(statistics.mean(b))
+            diffs[s] = [y - x for x, y in zip(a, b)]
+        if not diffs:
+            continue
+        mean = statistics.mean(statistics.mean(d) for d in diffs.values())
+        low, high, _ = bootstrap(diffs, 4000)
+        print(f"| {step} | {', '.join(f'{v:.3f}' for v in acc[0])} | {', '.join(f'{v:.3f}' for v in acc[1])} | "
+              f"{mean:+.3f} | {low:+.3f} to {high:+.3f} |")
+        if step == EVALS[-1]:
+            verdict = ("K=1 costs accuracy" if high < 0 else "K=1 is no worse than K=0 within 5 points"
+                       if low > -0.05 else f"undecided at this size (interval width {high - low:.3f})")
+            print(f"decision (step {step}): {verdict}")
+    for k in (0, 1):
+        seen = [r.get("sampler/staleness", 0) for s in paired
+                for r in read_jsonl(out / f"k{k}_seed{s}" / "metrics.jsonl")]
+        if seen:
+            print(f"K={k}: sampler/staleness max {max(seen)}, steps at 1: {sum(v == 1 for v in seen)} of {len(seen)}")
+    for s in paired:
+        for k in (0, 1):
+            guard = out / f"k{k}_seed{s}" / "guard.jsonl"
+            rows = read_jsonl(guard) if guard.exists() else []
+            print(f"K={k} seed {s}: guard events {len(rows)}, "
+                  f"median s/step {step_seconds(out / f'k{k}_seed{s}'):.1f}")
+
+
+def step_seconds(run: Path) -> float:
+    """The median time/step_s of steps 2..N (step 1 starts the engine's caches)."""
+    return statistics.median(r["time/step_s"] for r in read_jsonl(run / "metrics.jsonl") if r["step"] >= 2)
+
+
+def overlap(out: Path, steps: int, port: int) -> None:
+    url = f"http://127.0.0.1:{port}"
+    server = start(url, out / "serve.log", prefix=("taskset", "-c", "0"))
+    try:
+        for round_ in (1, 2):
+            for k in (0, 1):
+                train(out / f"overlap_k{k}_round{round_}",
+                      [f"trainer.max_steps={steps}", "trainer.eval_every=null", "sampler=vllm_server",
+                       f"sampler.url={url}", f"algo.max_staleness={k}", "trainer.report_to=[]"],
+                      prefix=("taskset", "-c", "1"))
+    finally:
+        stop(server)
+    report_overlap(out)
+
+
+def report_overlap(out: Path) -> None:
+    print("| round | K=0 s/step | K=1 s/step | K=1 / K=0 | K=0 rollout s | K=0 update s |\n|---|---|---|---|---|---|")
+    for round_ in (1, 2):
+        runs = [out / f"overlap_k{k}_round{round_}" for k in (0, 1)]
+        if not all((r / "metrics.jsonl").exists() for r in runs):
+            continue
+        sync, ahead = (step_seconds(r) for r in runs)
+        rows = [r for r in read_jsonl(runs[0] / "metrics.jsonl") if r["step"] >= 2]
+        rollout = statistics.median(r["time/rollout_s"] for r in rows)
+        update = statistics.median(r["time/update_s"] for r in rows)
+        print(f"| {round_} | {sync:.1f} | {ahead:.1f} | {ahead / sync:.2f} | {rollout:.1f} | {update:.1f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("what", choices=("accuracy", "overlap", "report"))
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--port", type=int, default=None)
+    args = parser.parse_args()
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    if args.what == "accuracy":
+        accuracy(out, args.seeds, args.port or 8021)
+    elif args.what == "overlap":
+        overlap(out, args.steps, args.port or 8022)
+    else:
+        report_accuracy(out)
+        report_overlap(out)
+
+
+if __name__ == "__main__":
+    main()
