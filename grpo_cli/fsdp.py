@@ -38,14 +38,18 @@ Where it departs from the data-parallel run (the numbers are the same, the sched
   Its peak holds the whole base on every rank, as without FSDP; the update's holds 1/N of the layers
   plus the root's weights (gathered for each `logprobs.buckets` call, `root_gathered`: it reads the
   LM head's weight and calls the decoder directly, outside the root's own forward);
-- sampler=vllm is refused (commands/train.py check_world): its weight push reads whole weights from the
-  policy. Gradient checkpointing works (its whole-sequence path: one root forward per micro-batch).
+- the in-process sampler=vllm is refused (commands/train.py check_world): every rank's engine push reads whole
+  weights from its policy. sampler=vllm_server samples: rank 0 writes a LoRA adapter from its own whole copy, and a
+  full-parameter policy's weights are gathered for the push a layer at a time (`whole_parts`, every rank joining;
+  rank 0 writes each layer's file); whether they changed since the last push is one all_reduce (`weights_stamp`).
+  Gradient checkpointing works (its whole-sequence path: one root forward per micro-batch).
   One process: nothing to shard, a no-op, so a run resumes on any number of ranks with or without it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator
 
 import torch
@@ -125,6 +129,45 @@ def whole_tensor(t: torch.Tensor) -> torch.Tensor:
     """`t` whole: a DTensor gathered from every rank (a collective: every rank calls it, in the same order), else
     `t` itself."""
     return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def whole_parts(model, main: bool) -> Iterator[tuple[int, int, dict[str, torch.Tensor]]]:
+    """Causal LM `model`'s weights whole, one part at a time, as (part number from 1, parts, {name: weight}): what
+    precedes the decoder layers (the embeddings), each decoder layer, what follows (the final norm; the LM head
+    when not tied), each parameter under its name (a tied weight once). On rank `main` a part's weights are on the
+    host, elsewhere the part is empty. Every rank takes every part: each sharded weight is gathered from every rank
+    (a collective, in the same order everywhere) and freed on the device at once, so no rank holds more than one
+    weight gathered; rank `main` holds one part on the host. Not sharded: the weights as they are, on the host."""
+    for m in _modules(model):  # local: every rank's weights sharded alike, whatever it held gathered (root_gathered)
+        m.reshard()
+    layer_of = {id(p): i for i, layer in enumerate(model.get_decoder().layers) for p in layer.parameters()}
+    params = list(model.named_parameters())  # the same order on every rank
+    parts = [list(group) for _, group in itertools.groupby(params, key=lambda item: layer_of.get(id(item[1])))]
+    for number, part in enumerate(parts, 1):
+        out = {}
+        for name, p in part:
+            gathered = whole_tensor(p.detach())  # [whole shape], on the device
+            if main:
+                out[name] = gathered.cpu().contiguous()
+            del gathered
+        yield number, len(parts), out
+
+
+# a weight's bits read as integers of its element's width: their sum is exact in any order
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def weights_stamp(model, world: World) -> tuple[int, ...]:
+    """One number per weight of `model` that changes when the weight does, the same whether the weight is sharded
+    (its shards' numbers summed over the ranks) or gathered whole on every rank (inside `whole`: counted on rank 0):
+    the sum of its bits read as integers, exact in any order. One all_reduce: every rank calls it."""
+    params = list(model.parameters())
+    sums = torch.zeros(len(params), dtype=torch.int64, device=local(params[0]).device)  # [weights]
+    for i, p in enumerate(params):
+        part = local(p.detach()) if isinstance(p, DTensor) else p.detach() if world.main else None
+        if part is not None:
+            sums[i] = part.view(_BITS[part.element_size()]).sum(dtype=torch.int64)
+    return tuple(world.sum(sums).tolist())
 
 
 def like(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:

@@ -7,8 +7,10 @@ import json
 import threading
 import time
 from http.server import BaseHTTPRequestHandler
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from tests.helpers import LocalServer, send_json
 
@@ -16,12 +18,14 @@ from tests.helpers import LocalServer, send_json
 class FakeVLLM(LocalServer):
     """vLLM's endpoints as the sampler uses them. Completions: each choice is `k + 10, EOS` for choice k (ids that
     tell the choices apart), log-prob -0.5 per token; `prompt_logprobs` are the `scorer` policy's own (a server
-    with the same weights) or `off` nats away (another model). `missing`: paths answered 404; `delay`: seconds
-    every completion waits."""
+    with the same weights) or `off` nats away (another model). A full-weight push (`/collective_rpc`
+    reload_weights) is read as vLLM's loader reads its folder, into `reloaded`. `missing`: paths answered 404;
+    `delay`: seconds every completion waits."""
 
     def __init__(self, scorer=None, *, off: float = 0.0, missing=(), delay: float = 0.0, eos: int = 2):
         server = self
         self.requests: list[tuple[str, dict]] = []
+        self.reloaded: list[tuple[list[str], dict[str, torch.Tensor]]] = []  # (files read, weights) per reload
         lock = threading.Lock()
 
         class Handler(BaseHTTPRequestHandler):
@@ -38,6 +42,8 @@ class FakeVLLM(LocalServer):
                 if self.path == "/v1/completions":
                     time.sleep(delay)
                     return self._answer(200, server.complete(body))
+                if self.path == "/collective_rpc" and body.get("method") == "reload_weights":
+                    server.reload(Path(body["kwargs"]["weights_path"]))
                 self._answer(200, "Success" if "lora" in self.path else {"results": [None]})
 
             def _answer(self, status, payload):
@@ -62,6 +68,19 @@ class FakeVLLM(LocalServer):
         choices = [{"index": k, "token_ids": [k + 10, self.eos], "logprobs": {"token_logprobs": [-0.5, -0.5]}}
                    for k in reversed(range(body["n"]))]  # out of order: the client sorts by index
         return {"choices": choices}
+
+    def reload(self, folder: Path) -> None:
+        """What vLLM's reload_weights reads from `folder` (its default loader): every *.safetensors file, only those
+        its index names when there is one (vllm.model_executor.model_loader: filter_duplicate_safetensors_files)."""
+        files = sorted(folder.glob("*.safetensors"))
+        index = folder / "model.safetensors.index.json"
+        if index.exists():
+            named = set(json.loads(index.read_text())["weight_map"].values())
+            files = [f for f in files if f.name in named]
+        weights = {}
+        for f in files:
+            weights.update(load_file(f))
+        self.reloaded.append(([f.name for f in files], weights))
 
     def paths(self) -> list[str]:
         return [p for p, _ in self.requests]

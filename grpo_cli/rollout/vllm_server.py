@@ -21,18 +21,24 @@ adapter switch):
     a new name per policy version (`grpo-<run>-v<N>`: a new name is a new prefix-cache key, so no KV of an old
     version is reused); the version before is unloaded. Requests name the adapter; with adapters off (eval's base
     pass) they name the base model. The server needs `--enable-lora` and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1.
-  - Full weights (`model.finetune=full`): every weight written as a safetensors folder, then vLLM's in-place
-    reload (`/collective_rpc` `reload_weights` with its path, which repacks the CPU build's layers too) and
-    `/reset_prefix_cache`; these are vLLM's development endpoints (VLLM_SERVER_DEV_MODE=1). vLLM's NCCL and
-    CUDA-IPC transfer engines (`/init_weight_transfer_engine`, `/update_weights`) move weights without a file
-    between GPUs; they are not used here (no GPU has run them with grpo-cli yet: docs/sampling-vllm.md).
+  - Full weights (`model.finetune=full`): every weight written as a safetensors folder, a file per part of the
+    model (the embeddings, each decoder layer, the final norm) with HF's index, then vLLM's in-place reload
+    (`/collective_rpc` `reload_weights` with its path: its loader reads every file the index names, and repacks
+    the CPU build's layers too) and `/reset_prefix_cache`; these are vLLM's development endpoints
+    (VLLM_SERVER_DEV_MODE=1). vLLM's NCCL and CUDA-IPC transfer engines (`/init_weight_transfer_engine`,
+    `/update_weights`) move weights without a file between GPUs; they are not used here (no GPU has run them with
+    grpo-cli yet: docs/sampling-vllm.md).
 A version is used only once the server said it loaded it, so a trainer killed mid-push leaves the server serving
 its last complete version, and the resumed run pushes again.
 
 Many ranks, one server: under torchrun every rank samples its own share of the prompts from the same server; only
 rank 0 writes and pushes, and the others take the version's name from it (a broadcast, which also keeps every
 rank from sampling before the push has finished). The adapter folder must be one the server reads: on another
-machine, set `sampler.adapter_dir` to a shared folder.
+machine, set `sampler.adapter_dir` to a shared folder. With trainer.fsdp=true (grpo_cli/fsdp.py) a LoRA adapter is
+whole on every rank, so rank 0 writes it from its own copy and the push reads no base weight; a full-parameter
+policy's weights are sharded, so every rank joins the gather of each weight, a layer at a time, and rank 0 writes
+each layer's file as it comes (no rank holds the whole model for the push); the model check's forward, a collective
+then, runs on every rank.
 
 Faults. An unreachable server is a ConfigError before the model loads (`check_server`, with the command that starts
 one); a server with another model (its vocabulary, or the log-probs of a probe prompt) is refused at `start`; a
@@ -60,9 +66,11 @@ from omegaconf import DictConfig
 from safetensors.torch import save_file
 
 from grpo_cli import server_url
+from grpo_cli.checkpoint import WEIGHTS_INDEX
 from grpo_cli.checks import Check, Rule, get, is_num
 from grpo_cli.distributed import init_world
 from grpo_cli.errors import ConfigError, DataError, RunError
+from grpo_cli.fsdp import sharded, weights_stamp, whole_parts
 from grpo_cli.policy import adapter_enabled, trains_adapter
 from grpo_cli.rollout import Rollout, Sampler, encode_prompts, finish, pad_id, render_prompts, request_seeds
 from grpo_cli.rollout.adapter import write_adapter
@@ -234,13 +242,15 @@ class VLLMServerSampler(Sampler):
         probe = [i % vocab for i in (1, 3, 7, 15, 31, 63, 127, 255, 511, 1023, 2047, 4095, 8191, 16383)]
         body = {"model": self.base_name, "prompt": probe, "max_tokens": 1, "prompt_logprobs": 0, "logprobs": 0,
                 "temperature": 0.0, "return_token_ids": True}
-        out = self.post("/v1/completions", body)["choices"][0]
-        theirs = [_prompt_logprob(entry, tok) for entry, tok in zip(out["prompt_logprobs"][1:], probe[1:])]
         device = next(policy.parameters()).device
         ids = torch.tensor([probe], device=device)
+        # a sharded base (trainer.fsdp) gathers each layer in this forward: every rank runs it (connect runs on every
+        # rank), before any request that could fail on one rank alone
         with adapter_enabled(policy, False):
             logits = policy(input_ids=ids).logits.float()  # [1, P, V]
         ours = torch.log_softmax(logits[0, :-1], -1).gather(-1, ids[0, 1:, None])[:, 0].cpu()  # [P - 1]
+        out = self.post("/v1/completions", body)["choices"][0]
+        theirs = [_prompt_logprob(entry, tok) for entry, tok in zip(out["prompt_logprobs"][1:], probe[1:])]
         gap = (ours - torch.tensor(theirs)).abs().mean().item()
         if gap > PROBE_TOLERANCE or served.get("max_model_len") is None:
             raise ConfigError(f"the vLLM server at {self.url} serves another model than this run's "
@@ -251,16 +261,19 @@ class VLLMServerSampler(Sampler):
     @torch.no_grad()
     def _push(self, policy) -> None:
         """The policy's current weights to the server when they changed since the last push: the adapter (LoRA) or
-        every weight (full); rank 0 pushes, every rank then samples the version it names. With adapters off
-        (eval's base pass) requests name the base model, and the adapter stays loaded for the pass after."""
+        every weight (full); rank 0 pushes, every rank then samples the version it names. A full-parameter policy
+        sharded over the ranks (trainer.fsdp) is gathered for the push by every rank, a layer at a time (a LoRA
+        policy's adapter is whole on rank 0). With adapters off (eval's base pass) requests name the base model, and
+        the adapter stays loaded for the pass after."""
         if self.base_name is None:
             self.connect(policy)
-        stamp = fingerprint(policy)
+        world = init_world()
+        gathers = not trains_adapter(policy) and sharded(policy)  # every rank joins the stamp and the push
+        stamp = weights_stamp(policy, world) if gathers else fingerprint(policy)
         if stamp == self._pushed:
             return
-        world = init_world()
         name = None
-        if world.main:
+        if world.main or gathers:
             t = time.perf_counter()
             adapters = trains_adapter(policy)
             if adapters and not stamp:  # no adapter active: the base model, nothing to push
@@ -271,8 +284,9 @@ class VLLMServerSampler(Sampler):
                 name, sent = self._push_adapter(policy)
                 self._adapter = (stamp, name)
             else:
-                name, sent = self._push_full(policy)
-            self.last_push = {"bytes": sent, "seconds": time.perf_counter() - t, "name": name}
+                name, sent = self._push_full(policy, world)
+            if world.main:
+                self.last_push = {"bytes": sent, "seconds": time.perf_counter() - t, "name": name}
         self.serving = world.broadcast(name)  # also: no rank samples before rank 0's push has finished
         self._pushed = stamp
 
@@ -288,21 +302,31 @@ class VLLMServerSampler(Sampler):
         self._keep(folder)
         return name, sent
 
-    def _push_full(self, policy) -> tuple[str, int]:
-        """Every weight as a safetensors folder, reloaded in place by vLLM (its dev endpoints)."""
-        self._version += 1
-        folder = self._new_folder(f"grpo-{self._run}-full-v{self._version}")
-        seen, weights = set(), {}
-        for name, p in base_model(policy).state_dict().items():
-            if p.data_ptr() in seen:  # a tied copy (lm_head = embeddings)
-                continue
-            seen.add(p.data_ptr())
-            weights[name] = p.detach().cpu().contiguous()
-        save_file(weights, folder / "model.safetensors")
+    def _push_full(self, policy, world) -> tuple[str | None, int]:
+        """Every weight as safetensors files, one per part of the model (the embeddings, each decoder layer, the final
+        norm: HF's sharded layout and its index, read as vLLM's loader reads a checkpoint folder: every *.safetensors
+        file its index names), reloaded in place by vLLM (its dev endpoints). Rank 0 writes and calls the server. A
+        policy sharded over the ranks (trainer.fsdp) is gathered one weight at a time, every rank joining, and rank
+        0 holds one part on the host while it writes it (fsdp.whole_parts); the other ranks return (None, 0)."""
+        folder = None
+        if world.main:
+            self._version += 1
+            folder = self._new_folder(f"grpo-{self._run}-full-v{self._version}")
+        weight_map, sent = {}, 0
+        for number, count, part in whole_parts(base_model(policy), world.main):
+            if world.main:
+                file = f"model-{number:05d}-of-{count:05d}.safetensors"
+                save_file(part, folder / file, metadata={"format": "pt"})
+                weight_map.update(dict.fromkeys(part, file))
+                sent += sum(v.numel() * v.element_size() for v in part.values())
+        if not world.main:
+            return None, 0
+        index = {"metadata": {"total_size": sent}, "weight_map": weight_map}
+        (folder / WEIGHTS_INDEX).write_text(json.dumps(index, indent=1))
         self.post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}})
         self.post("/reset_prefix_cache", None, text=True)
         self._keep(folder)
-        return self.base_name, sum(v.numel() * v.element_size() for v in weights.values())
+        return self.base_name, sent
 
     def _new_folder(self, name: str) -> Path:
         """A new folder for one version's files, under sampler.adapter_dir or this process's temporary folder."""

@@ -18,7 +18,7 @@ from grpo_cli.errors import ConfigError, DataError, RunError
 from grpo_cli.policy import build_policy
 from grpo_cli.rollout.vllm_server import START, VLLMServerSampler
 from tests.fake_vllm import FakeVLLM
-from tests.helpers import LocalServer, sampler_settings, set_adapter, tiny_cfg
+from tests.helpers import LocalServer, needs_vllm, sampler_settings, set_adapter, tiny_cfg
 
 
 @pytest.fixture()
@@ -96,6 +96,53 @@ def test_the_adapter_is_pushed_as_a_peft_folder_under_a_new_name_per_version(pol
     key = next(k for k in saved if "lora_B" in k)
     assert torch.equal(saved[key], own[key.replace(".weight", ".default.weight")].detach())  # peft's own layout
     assert s.last_push["bytes"] == sum(v.numel() * 4 for v in saved.values())
+
+
+def _full_push(policy_and_tokenizer, folder: Path) -> FakeVLLM:
+    """A full-parameter tiny policy pushed at start, then again after its final norm moved; the stand-in server."""
+    scorer, tokenizer = policy_and_tokenizer  # the same seeded base
+    policy, _, _ = build_policy(tiny_cfg("model.finetune=full").model)
+    with FakeVLLM(scorer, eos=tokenizer.eos_token_id) as server:
+        s = sampler(server.base, adapter_dir=str(folder))
+        s.start(policy, None)
+        with torch.no_grad():
+            policy.model.norm.weight.add_(1.0)
+        s.sync(policy)
+    server.policy = policy
+    return server
+
+
+def test_full_weights_are_pushed_a_file_per_part_and_reloaded_in_place(policy_and_tokenizer, tmp_path):
+    server = _full_push(policy_and_tokenizer, tmp_path)
+    rpc = [b for p, b in server.requests if p == "/collective_rpc"]
+    assert [b["method"] for b in rpc] == ["reload_weights"] * 2 and server.paths().count("/reset_prefix_cache") == 2
+    folder = Path(rpc[-1]["kwargs"]["weights_path"])
+    # the embeddings (and the tied LM head), layer 0, layer 1, the final norm; HF's index names each weight's file
+    parts = [f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)]
+    assert sorted(f.name for f in folder.iterdir()) == [*parts, "model.safetensors.index.json"]
+    assert not Path(rpc[0]["kwargs"]["weights_path"]).exists()  # the version before is deleted once replaced
+    files, weights = server.reloaded[-1]
+    own = dict(server.policy.named_parameters())
+    assert files == parts and weights.keys() == own.keys()
+    assert all(torch.equal(weights[k], own[k].detach()) for k in own)
+    assert not torch.equal(server.reloaded[0][1]["model.norm.weight"], weights["model.norm.weight"])
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_vllms_own_loader_reads_the_pushed_folder(policy_and_tokenizer, tmp_path):
+    """What reload_weights reads of the folder (its default loader, as vLLM's server runs it): every weight."""
+    from types import SimpleNamespace
+
+    from vllm.config import LoadConfig
+    from vllm.model_executor.model_loader import get_model_loader
+
+    server = _full_push(policy_and_tokenizer, tmp_path)
+    folder = server.requests[-2][1]["kwargs"]["weights_path"]  # the last reload's, before its prefix-cache reset
+    config = SimpleNamespace(model=folder, revision=None)  # reload_weights points the model config at the folder
+    read = dict(get_model_loader(LoadConfig()).get_all_weights(config, torch.nn.Module()))
+    own = dict(server.policy.named_parameters())
+    assert read.keys() == own.keys() and all(torch.equal(read[k], own[k].detach()) for k in own)
 
 
 def test_a_server_with_another_model_is_refused(policy_and_tokenizer, tmp_path):
