@@ -37,7 +37,10 @@ def write_adapter(policy, folder: Path) -> int:
         raise NotImplementedError(f"the adapter push sends one active adapter, and the policy has {names}")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    weights = get_peft_model_state_dict(policy, adapter_name=names[0])
+    # the adapters' own weights, not policy.state_dict(): under trainer.fsdp that walks the sharded base and frees
+    # the layers this rank holds gathered, on this rank alone (rank 0 writes), so the ranks' next gathers differ
+    own = {name: p for name, p in policy.named_parameters() if "lora_" in name}
+    weights = get_peft_model_state_dict(policy, state_dict=own, adapter_name=names[0])
     save_file({k: v.detach().cpu().contiguous() for k, v in weights.items()}, folder / "adapter_model.safetensors")
     policy.peft_config[names[0]].save_pretrained(folder)
     return sum(v.numel() * v.element_size() for v in weights.values())
