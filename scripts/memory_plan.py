@@ -115,7 +115,8 @@ def options(gpus: int) -> list[tuple[str, dict]]:
     """Settings in the order the table prefers them: the exact model before the 4-bit one (QLoRA changes the
     numbers), and for each, vLLM awake, vLLM asleep during the update, then HF generate (the slowest rollout);
     plain LoRA, then gradient checkpointing; on several GPUs also vLLM tensor-parallel over them, and FSDP with
-    HF generate (FSDP with vLLM is refused today: the weight push reads whole weights)."""
+    HF generate (FSDP with in-process vLLM is refused: each rank's push reads whole weights; a vLLM server on GPUs of
+    its own, sampler=vllm_server, is outside this plan of the trainer's GPUs)."""
     exact = [("LoRA", {}), ("LoRA + checkpointing", {"checkpointing": True})]
     if gpus > 1:
         exact += [("LoRA + checkpointing", {"checkpointing": True, "tp": gpus}),

@@ -36,7 +36,7 @@ from grpo_cli.metrics.plots import plot_training
 from grpo_cli.metrics.run_files import check_logging
 from grpo_cli.policy import trainable_dtype
 from grpo_cli.recipe import Run, held_out, save, setup, step, with_section
-from grpo_cli.rollout.engine import AUTO, Choice, choose, run_refusal
+from grpo_cli.rollout.engine import AUTO, SERVER, Choice, choose, run_refusal
 from grpo_cli.runs import anchored, claim, read_saved, resume_config
 
 
@@ -175,10 +175,10 @@ def check_world(cfg: DictConfig, size: int) -> list[str]:
                       f"rank takes an equal share of whole groups; set trainer.prompts_per_step={fit}")
     if size > 1 and cfg.trainer.get("fsdp") is True:
         target = str(cfg.sampler.get("_target_", ""))
-        # sampler=auto picks HF generate here (engine.run_refusal)
-        if not target.startswith("grpo_cli.rollout.hf.") and target != AUTO:
-            errors.append(f"trainer.fsdp=true samples with HF generate on the gathered base; sampler {target} pushes "
-                          f"whole weights from the policy, which FSDP does not hold: set sampler=default, or "
+        # sampler=auto picks HF generate here (engine.run_refusal); the server's push gathers a layer at a time
+        if not target.startswith("grpo_cli.rollout.hf.") and target not in (AUTO, SERVER):
+            errors.append(f"trainer.fsdp=true cannot sample with {target}: its weight push reads whole weights on "
+                          f"every rank, which FSDP does not hold; set sampler=vllm_server, sampler=default, or "
                           f"trainer.fsdp=false")
         if cfg.model.get("quantization"):  # FSDP2 would shard bitsandbytes' packed 4-bit weights: never tried
             errors.append(f"trainer.fsdp=true with model.quantization={cfg.model.quantization} is not supported: "

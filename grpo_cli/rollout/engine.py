@@ -44,11 +44,13 @@ class Choice:
 
 def run_refusal(cfg: DictConfig, world_size: int) -> str | None:
     """Why `auto` keeps a training run on HF generate though vLLM is installed, or None: the one place that says
-    so. Under torchrun every rank runs its own engine (vllm.py), but trainer.fsdp=true shards the weights the push
-    reads whole; iterative RL would start another in-process engine at every iteration boundary (not built)."""
+    so. Under torchrun every rank runs its own engine (vllm.py), but trainer.fsdp=true shards the weights its push
+    reads whole on every rank (sampler=vllm_server gathers them a layer at a time for rank 0 to write); iterative RL
+    would start another in-process engine at every iteration boundary (not built)."""
     trainer = cfg.get("trainer") or {}
     if world_size > 1 and trainer.get("fsdp") is True:
-        return "trainer.fsdp=true under torchrun: vLLM's weight push reads whole weights, FSDP holds shards"
+        return ("trainer.fsdp=true under torchrun: the in-process vLLM engine's weight push reads whole weights, FSDP "
+                "holds shards; sampler=vllm_server samples from vLLM's server")
     iterations = (cfg.get("iterative") or {}).get("iterations")
     if iterations:
         return (f"iterative RL (iterative.iterations={iterations}): each iteration's reward-model sampling would "

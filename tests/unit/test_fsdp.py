@@ -118,8 +118,10 @@ def test_fsdp_config_checks_name_the_fix():
     cfg = compose("train", ["model=tiny", "trainer.fsdp=true", "trainer.gradient_checkpointing=true"])
     assert train.check_world(cfg, 2) == [] and train.check_world(cfg, 1) == []
     vllm = train.check_world(compose("train", ["model=tiny", "trainer.fsdp=true", "sampler=vllm"]), 2)
-    assert len(vllm) == 1 and vllm[0].endswith("set sampler=default, or trainer.fsdp=false")
+    assert len(vllm) == 1 and vllm[0].endswith("set sampler=vllm_server, sampler=default, or trainer.fsdp=false")
     assert train.check_world(compose("train", ["model=tiny", "sampler=vllm"]), 2) == []
+    # the server's push writes from rank 0 (LoRA: the whole adapter it holds; full: gathered one layer at a time)
+    assert train.check_world(compose("train", ["model=tiny", "trainer.fsdp=true", "sampler=vllm_server"]), 2) == []
     quant = train.check_world(compose("train", ["model=tiny", "trainer.fsdp=true", "model.quantization=4bit"]), 2)
     assert len(quant) == 1 and "set model.quantization=null" in quant[0]
     rule = next(c for c in train.CHECKS if getattr(c, "key", None) == "trainer.fsdp")
@@ -127,7 +129,7 @@ def test_fsdp_config_checks_name_the_fix():
         "trainer.fsdp (1) must be true or false; set trainer.fsdp=false"]
 
 
-def test_fsdp_of_a_full_parameter_policy_passes_the_checks_and_vllm_is_still_refused():
+def test_fsdp_of_a_full_parameter_policy_passes_the_checks_and_in_process_vllm_is_still_refused():
     from grpo_cli.commands import train
     from grpo_cli.config import compose
 
@@ -136,4 +138,6 @@ def test_fsdp_of_a_full_parameter_policy_passes_the_checks_and_vllm_is_still_ref
     assert train.check_world(compose("train", ["model=tiny", "model.finetune=full"]), 2) == []
     vllm = train.check_world(compose("train", ["model=tiny", "trainer.fsdp=true", "model.finetune=full",
                                                "sampler=vllm"]), 2)
-    assert len(vllm) == 1 and vllm[0].endswith("set sampler=default, or trainer.fsdp=false")
+    assert len(vllm) == 1 and vllm[0].endswith("set sampler=vllm_server, sampler=default, or trainer.fsdp=false")
+    assert train.check_world(compose("train", ["model=tiny", "trainer.fsdp=true", "model.finetune=full",
+                                               "sampler=vllm_server"]), 2) == []

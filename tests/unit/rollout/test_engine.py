@@ -71,8 +71,8 @@ def test_auto_under_torchrun_picks_vllm_but_not_with_fsdp_or_iterative(vllm_inst
     chosen = engine.choose(fsdp.sampler, refused=engine.run_refusal(fsdp, 2))
     assert chosen.section._target_ == engine.HF
     engine.say(HFSampler(**sampler_settings()), chosen.why)
-    assert said(capsys) == [f"{HF_LINE} (trainer.fsdp=true under torchrun: vLLM's weight push reads whole weights, "
-                            f"FSDP holds shards)"]
+    assert said(capsys) == [f"{HF_LINE} (trainer.fsdp=true under torchrun: the in-process vLLM engine's weight push "
+                            f"reads whole weights, FSDP holds shards; sampler=vllm_server samples from vLLM's server)"]
     assert engine.run_refusal(fsdp, 1) is None  # one process: trainer.fsdp does nothing
     iterative = compose("train", ["+recipe=iterative"])
     assert engine.run_refusal(iterative, 1).startswith("iterative RL (iterative.iterations=")
