@@ -27,6 +27,9 @@ Tasks:
   - `HFTask`: any dataset the `datasets` library reads (hub, files, save_to_disk), in TRL's prompt formats;
     every column but the prompt stays in the example (grpo_cli/data/hf.py). Its examples also carry
     `prompt` (the prompt as given), and an `answer` only where the dataset has one.
+  - `EnvTask`: rows without prompts (generated seeds, or a file's rows) for an environment class that writes each
+    prompt in `reset` (`data=env`, grpo_cli/data/env_rows.py); its examples carry `prompt: None` and an empty user
+    turn that the environment fills.
   - `MultiStepTask`: ArithmeticTask's problems as chains ("Compute 3 + 9 - 3 - 1."), solved one
     checkable `a op b = c` line per operation, for process supervision.
 
@@ -40,6 +43,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from grpo_cli.data.env_rows import EnvTask
 from grpo_cli.data.files import GSM8KTask, JsonlTask
 from grpo_cli.data.hf import HFTask
 from grpo_cli.data.procedural import ArithmeticTask, MultiStepTask, _Problem, solve
@@ -49,7 +53,7 @@ from grpo_cli.errors import ConfigError
 from grpo_cli.instantiate import build
 from grpo_cli.resources import CONF_DIR
 
-__all__ = ["ArithmeticTask", "Example", "GSM8KTask", "HFTask", "JsonlTask", "MultiStepTask", "PromptStream",
+__all__ = ["ArithmeticTask", "EnvTask", "Example", "GSM8KTask", "HFTask", "JsonlTask", "MultiStepTask", "PromptStream",
            "StreamShard", "_Problem", "build_task", "load_task", "solve"]
 
 

@@ -22,6 +22,7 @@ from grpo_cli.env.formats import CHATML_TOOLS_TEMPLATE, ToolFormat, choose
 from grpo_cli.env.limits import CHECKS as LIMIT_CHECKS
 from grpo_cli.env.limits import Limits
 from grpo_cli.env.tools import Tool, Toolbox, ToolsEnv
+from grpo_cli.errors import ConfigError
 from grpo_cli.instantiate import build
 
 __all__ = ["CHATML_TOOLS_TEMPLATE", "CHECKS", "ClassEnv", "Engine", "Episode", "Limits", "Tool", "ToolFormat",
@@ -48,23 +49,59 @@ def resolves(cfg: DictConfig) -> None:
         build(node)
 
 
-# the limits' ranges, then the tools or the environment class themselves: all before the model loads
-CHECKS = [*LIMIT_CHECKS, raised(resolves)]
+def owned_prompts(cfg: DictConfig) -> list[str]:
+    """data=env's rows have no prompt: only an environment class (env=class) writes one."""
+    data_present, data = get(cfg, "data._target_")
+    env_present, env = get(cfg, "env._target_")
+    if data_present and data == "grpo_cli.data.EnvTask" and not (env_present and env == "grpo_cli.env.ClassEnv"):
+        return ["data=env has no prompts: an environment class writes each one (its reset returns it); set "
+                "env=class env.factory=my_env.Game"]
+    return []
+
+
+# the limits' ranges, then the tools or the environment class themselves, and data=env's need of a class: all before
+# the model loads
+CHECKS = [*LIMIT_CHECKS, raised(resolves), owned_prompts]
 
 
 def prepare(env: ToolsEnv | ClassEnv, examples: list[dict]) -> tuple[list[list[dict]], list[Toolbox]]:
     """Each example's prompt messages and toolbox, the batch's earlier instances given back first (`begin`):
     `reset(**row)` gets the example's dataset row (`dataset_row`), and a first observation it returns is appended
     to the content of the prompt's last message, as TRL appends it. The messages are the example's `messages`
-    (what the chat template renders), else its `prompt` (a string is one user message)."""
+    (what the chat template renders), else its `prompt` (a string is one user message). A row without a prompt
+    (data=env: `prompt` None) gets its prompt from `reset` (`written`)."""
     env.begin()
     prompts, boxes = [], []
     for example in examples:
         given: Any = example["messages"] if "messages" in example else example["prompt"]
         messages = [{"role": "user", "content": given}] if isinstance(given, str) else [dict(m) for m in given]
         box, observation = env.start(dataset_row(example))
-        if observation is not None:
-            messages[-1]["content"] = messages[-1]["content"] + observation
+        if example.get("prompt", "") is None:
+            spec = getattr(env, "spec", None)  # a mapping of classes: name the one this row picked
+            messages = messages[:-1] + written(observation, spec if isinstance(spec, str)
+                                               else type(box.environment).__name__)
+        elif observation is not None:
+            messages[-1]["content"] = messages[-1]["content"] + str(observation)
         prompts.append(messages)
         boxes.append(box)
     return prompts, boxes
+
+
+def written(observation: Any, spec: Any) -> list[dict]:
+    """The turns an environment wrote in place of a row's missing prompt: a string is the user turn, a list of
+    {role, content} messages is used as it is (earlier turns, a demonstration, then the user's); ConfigError for
+    anything else, or messages that do not end with the user's turn."""
+    where = f"env.factory ({spec}): reset(**row) returned"
+    if isinstance(observation, str):
+        return [{"role": "user", "content": observation}]
+    is_messages = (isinstance(observation, list) and observation
+                   and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                           and isinstance(m.get("content"), str) for m in observation))
+    if not is_messages:
+        raise ConfigError(f"{where} {type(observation).__name__ if observation is not None else 'None'} on a row "
+                          f"without a prompt (data=env); return the prompt: a string (the user turn) or a list of "
+                          f"{{role, content}} messages")
+    if observation[-1]["role"] != "user":
+        raise ConfigError(f"{where} messages whose last has role {observation[-1]['role']!r}; the last must be "
+                          f"the user's turn the model answers")
+    return [dict(m) for m in observation]

@@ -15,7 +15,8 @@ runs here unchanged (docs/environments.md has the table, each row with the TRL s
 - `reset(**row)` receives the dataset row as the data gives it: every column as a keyword, the prompt as given
   (`prompt`), not grpo's own chat `messages` or `question`; for a built-in task, which has no prompt column,
   `prompt` is the problem's text (what reward functions get as `prompts`). A value it returns that is not None is
-  appended, as text, to the content of the prompt's last message;
+  appended, as text, to the content of the prompt's last message; a row without a prompt (data=env) gets none, and
+  what `reset` returns is its prompt (grpo_cli.env.prepare);
 - its public methods (bound methods whose name does not start with `_`), except the reserved `reset`,
   `get_reward` and `close`, are the episode's tools, each with the type hints and docstring a plain tool needs
   (grpo_cli.env.tools); `async def` methods run on the run's one event loop;
@@ -112,10 +113,14 @@ def bound_methods(instance: Any) -> dict[str, Callable]:
 
 def dataset_row(example: dict) -> dict:
     """The row `reset(**row)` receives: the example's dataset columns as the data gives them, the prompt as given;
-    a built-in task's example, which has no prompt column, gives its problem's text as `prompt`."""
+    a built-in task's example, which has no prompt column, gives its problem's text as `prompt`, and a row whose
+    prompt the environment writes (data=env: `prompt` None) gives no `prompt` at all, as TRL keeps its placeholder
+    prompt out of reset's keywords."""
     row = {k: v for k, v in example.items() if k not in OWN_KEYS}
     if "prompt" not in row and "question" in example:
         row["prompt"] = example["question"]
+    if row.get("prompt", "") is None:
+        del row["prompt"]
     return row
 
 
@@ -219,9 +224,9 @@ class ClassEnv:
                               f"env.factory")
         return self.kinds[name]
 
-    def start(self, row: dict) -> tuple[Toolbox, str | None]:
+    def start(self, row: dict) -> tuple[Toolbox, Any]:
         """An instance for one episode, from its kind's pool (built when none is idle) and reset on `row`:
-        (its toolbox, the first observation `reset(**row)` returned, or None)."""
+        (its toolbox, what `reset(**row)` returned: the first observation, or None)."""
         kind = self._kind(row)
         if kind.idle:
             instance = kind.idle.pop()
@@ -238,7 +243,7 @@ class ClassEnv:
         tools = {t.name: t for t in self.plain} | kind.bind(instance)
         box = Toolbox(tools, environment=instance, worker=self.worker,
                       reward=(lambda: score_environment(instance)) if kind.scored else None)
-        return box, None if observation is None else str(observation)
+        return box, observation
 
     def close(self) -> None:
         """The end of the run: close() once on every instance that defines it, and the tools' worker stopped."""

@@ -1,9 +1,12 @@
 """`grpo train env=class` with a TRL-style environment class, unchanged: an async tool, `get_reward` as the run's
 reward source (not a tool), pooled instances reset between episodes and closed at the end, the dataset row reaching
-`reset`. The tiny random model never writes a call by itself: the first turn of every episode is a scripted
-multiply(4, 3) call (tests.helpers.first_turn_calls); every later turn is the model's own."""
+`reset`; and an environment that writes its own prompts (data=env, no dataset file). The tiny random model never
+writes a call by itself: the first turn of every episode is a scripted multiply(4, 3) call
+(tests.helpers.first_turn_calls); every later turn is the model's own."""
 
 from __future__ import annotations
+
+import json
 
 from tests.helpers import TINY, first_turn_calls, metrics, run_cli
 
@@ -65,3 +68,60 @@ def test_a_trl_style_environment_trains_unchanged(tmp_path, monkeypatch):
     # every instance closed once at the end, those of the episodes and the ones only built for the checks
     closed = (tmp_path / "closed.txt").read_text().split()
     assert len(closed) == len(set(closed)) and instances <= set(closed)
+
+
+# an environment that owns its data (data=env): no dataset file, no prompt column; reset(seed) writes the prompt
+OWN_PROMPTS = '''
+class Multiplier:
+    def reset(self, seed, **row):
+        assert row == {}  # the row is its seed alone: no prompt, nor grpo's messages
+        self.seed, self.product = seed, None
+        with open("seeds.txt", "a") as f:
+            f.write(f"{seed}\\n")
+        return f"Game {seed}: multiply 4 by 3."
+
+    def multiply(self, a: int, b: int) -> int:
+        """Multiply two integers.
+
+        Args:
+            a: the first factor
+            b: the second factor
+        """
+        self.product = a * b
+        return self.product
+
+    def get_reward(self) -> float:
+        return 1.0 if self.product == 12 else 0.0
+
+
+def zero(prompts, completions, **kwargs):
+    return [0.0] * len(completions)
+'''
+
+
+def test_an_environment_that_writes_its_prompts_trains_without_a_dataset(tmp_path, monkeypatch):
+    from grpo_cli.rollout.hf import HFEngine
+
+    (tmp_path / "my_env.py").write_text(OWN_PROMPTS)
+    first_turn_calls(monkeypatch)
+    seen = []  # every sequence the engine continued, decoded
+    engine_turn = HFEngine.continue_batch
+    monkeypatch.setattr(HFEngine, "continue_batch", lambda self, sequences, max_new: seen.extend(
+        self.tokenizer.decode(s) for s in sequences) or engine_turn(self, sequences, max_new))
+    out = tmp_path / "run"
+    code, _, err = run_cli(["train", *TINY[:-2], "trainer.max_steps=2", f"hydra.run.dir={out}", "data=env",
+                            "data.size=50", "data.heldout_size=4", "trainer.eval_every=2", "trainer.eval_size=2",
+                            "env=class", "env.factory=my_env.Multiplier", "env.max_episode_tokens=100",
+                            "env.max_turns=2", "reward=custom", "reward.funcs=[my_env.zero]"], cwd=tmp_path)
+    assert code == 0, err
+    assert [r["reward"] for r in metrics(out)] == [1.0, 1.0]  # get_reward, every episode
+    seeds = [int(s) for s in (tmp_path / "seeds.txt").read_text().split()]
+    # the check's reset on row 0, 2 steps x 2 prompts x G=4 episodes on training seeds (0..49), then the in-run
+    # eval's greedy episodes on the first two held-out seeds (50, 51)
+    assert seeds[0] == 0 and all(s < 50 for s in seeds[1:17]) and seeds[17:] == [50, 51]
+    # each episode's prompt is what its reset returned, the whole user turn
+    assert all(any(f"<|im_start|>user\nGame {s}: multiply 4 by 3.<|im_end|>" in text for text in seen)
+               for s in seeds[1:])
+    rows = [json.loads(line) for line in (out / "evals" / "step_000002.jsonl").read_text().splitlines()]
+    assert [r["question"] for r in rows] == ['{"seed": 50}', '{"seed": 51}']
+    assert [r["greedy"]["reward"] for r in rows] == [1.0, 1.0]

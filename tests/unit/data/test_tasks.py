@@ -13,7 +13,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from grpo_cli.config import compose, validate
-from grpo_cli.data import ArithmeticTask, GSM8KTask, HFTask, JsonlTask, load_task, solve
+from grpo_cli.data import ArithmeticTask, EnvTask, GSM8KTask, HFTask, JsonlTask, load_task, solve
 from grpo_cli.errors import ConfigError, DataError
 from grpo_cli.resources import CONF_DIR
 
@@ -294,6 +294,15 @@ def test_empty_after_limit_or_filter(tmp_path):
 
 # ---- every conf/data/*.yaml builds ------------------------------------------------------------
 
+def write_game(folder):
+    """A file holding an environment class that writes its prompt from the row's seed (data=env's rows)."""
+    path = folder / "game.py"
+    path.write_text('class Game:\n    def reset(self, seed, **row):\n        return f"Game {seed}."\n\n'
+                    '    def guess(self, n: int) -> str:\n        """Guess.\n\n        Args:\n'
+                    '            n: the guess\n        """\n        return "lower"\n')
+    return path
+
+
 @pytest.mark.parametrize("name", sorted(p.stem for p in (CONF_DIR / "data").glob("*.yaml")))
 def test_every_data_config_instantiates(name, tmp_path, request):
     node = OmegaConf.load(CONF_DIR / "data" / f"{name}.yaml")
@@ -303,9 +312,13 @@ def test_every_data_config_instantiates(name, tmp_path, request):
     if name in ("jsonl", "hf"):
         rows = [{"question" if name == "jsonl" else "prompt": f"q{i}", "answer": i} for i in range(300)]
         node.path = str(write_jsonl(tmp_path / "p.jsonl", rows))
+    # data=env's rows have no prompt: it runs with an environment class (a real one, so its checks pass)
+    env = ["env=class", f"env.factory={write_game(tmp_path)}:Game"] if name == "env" else []
     # the keys are parameters of the class: `grpo train`'s own checks, before building anything, pass
-    validate(compose("train", [f"data={name}", *(f"data.{k}={v}" for k, v in node.items() if k in ("path", "limit"))]))
+    validate(compose("train", [f"data={name}", *env,
+                               *(f"data.{k}={v}" for k, v in node.items() if k in ("path", "limit"))]))
     task = instantiate(node)
-    assert isinstance(task, (ArithmeticTask, GSM8KTask, HFTask, JsonlTask)) and task.train and task.heldout
-    assert {"messages", "question", "answer"} <= set(task.train[0])
+    assert isinstance(task, (ArithmeticTask, EnvTask, GSM8KTask, HFTask, JsonlTask)) and task.train and task.heldout
+    # every example has its chat messages and question; an answer except data=env's (the environment scores)
+    assert {"messages", "question"} | ({"answer"} if name != "env" else set()) <= set(task.train[0])
     assert task.train[0]["messages"][-1]["role"] == "user"

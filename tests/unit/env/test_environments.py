@@ -68,6 +68,30 @@ class PickyReset(Counter):
         return None
 
 
+class Owner(Counter):
+    """Writes its own prompt (environment-owned data): reset(seed, **row) returns it."""
+
+    def reset(self, seed, **row):
+        self.row, self.value = {"seed": seed, **row}, 0
+        return f"Reach {seed * 2}."
+
+
+class Demonstrates(Counter):
+    """Writes its prompt as turns: a demonstrated call, its result, then the question."""
+
+    def reset(self, seed, **row):
+        self.row, self.value = {"seed": seed, **row}, 0
+        return [{"role": "user", "content": "Reach 1."},
+                {"role": "assistant", "content": '<tool_call>{"name": "add", "arguments": {"n": 1}}</tool_call>'},
+                {"role": "tool", "content": "1"},
+                {"role": "user", "content": f"Reach {seed}."}]
+
+
+class Chatty(Counter):
+    def reset(self, seed, **row):
+        return [{"role": "user", "content": "Reach 1."}, {"role": "assistant", "content": "Done."}]
+
+
 class Board(Counter):
     """A property that needs reset() first, as many TRL environments have: reading it before raises."""
 
@@ -157,3 +181,37 @@ def test_the_contract_check_reads_no_property(game_py):
     assert [t["function"]["name"] for t in board.schemas] == ["add", "rules"]  # the methods, as getmembers' order
     prompts, boxes = prepare(board, [{"prompt": "Count.", "target": 3}])
     assert list(boxes[0].tools) == ["add", "rules"] and boxes[0].environment.target == 3
+
+
+# ---- environment-owned prompts (data=env): the row has none, reset writes it -------------------------------------
+
+def owned(seed: int) -> dict:
+    """An example as data=env gives it: an empty user turn for the environment to fill, no prompt of its own."""
+    return {"messages": [{"role": "system", "content": "Play."}, {"role": "user", "content": ""}],
+            "question": f'{{"seed": {seed}}}', "prompt": None, "seed": seed}
+
+
+def test_an_environment_writes_the_whole_user_turn_of_a_row_without_a_prompt(game_py):
+    prompts, boxes = prepare(env("game.Owner"), [owned(3), owned(5)])
+    assert prompts == [[{"role": "system", "content": "Play."}, {"role": "user", "content": "Reach 6."}],
+                       [{"role": "system", "content": "Play."}, {"role": "user", "content": "Reach 10."}]]
+    # reset gets the row's own columns: no prompt (there is none), nor grpo's messages and question
+    assert [b.environment.row for b in boxes] == [{"seed": 3}, {"seed": 5}]
+
+
+def test_an_environment_may_write_its_prompt_as_turns(game_py):
+    prompts, _ = prepare(env("game.Demonstrates"), [owned(4)])
+    assert [m["role"] for m in prompts[0]] == ["system", "user", "assistant", "tool", "user"]
+    assert prompts[0][-1] == {"role": "user", "content": "Reach 4."}
+
+
+@pytest.mark.parametrize("factory, says", [
+    ("game.Quiet", "env.factory (game.Quiet): reset(**row) returned None on a row without a prompt (data=env); "
+                   "return the prompt: a string (the user turn) or a list of {role, content} messages"),
+    ("game.Chatty", "env.factory (game.Chatty): reset(**row) returned messages whose last has role "
+                    "'assistant'; the last must be the user's turn the model answers"),
+])
+def test_an_environment_that_writes_no_usable_prompt_is_one_line(game_py, factory, says):
+    with pytest.raises(ConfigError) as err:
+        prepare(env(factory), [owned(1)])
+    assert str(err.value) == says
