@@ -591,16 +591,16 @@ def chat_reply(content: str) -> str:
 TOOL_CALL = '<tool_call>{"name": "multiply", "arguments": {"a": 4, "b": 3}}</tool_call>'
 
 
-def first_turn_calls(monkeypatch) -> None:
-    """HF generate's episodes engine, except that a sequence with no TOOL_CALL yet is continued with TOOL_CALL and
+def first_turn_calls(monkeypatch, tool_call: str = TOOL_CALL) -> None:
+    """HF generate's episodes engine, except that a sequence with no `tool_call` yet is continued with `tool_call` and
     EOS (its ids enter the episode as if sampled); every later turn is the model's own."""
     from grpo_cli.rollout.hf import HFEngine, HFSampler
 
     class FirstTurnCalls(HFEngine):
         def continue_batch(self, sequences, max_new):
             new = super().continue_batch(sequences, max_new)
-            call = self.tokenizer(TOOL_CALL, add_special_tokens=False)["input_ids"] + [self.eos_token_id]
-            return [ids if TOOL_CALL in self.tokenizer.decode(seq) else call[:max_new]
+            call = self.tokenizer(tool_call, add_special_tokens=False)["input_ids"] + [self.eos_token_id]
+            return [ids if tool_call in self.tokenizer.decode(seq) else call[:max_new]
                     for seq, ids in zip(sequences, new)]
 
     monkeypatch.setattr(HFSampler, "engine", lambda self, policy, tokenizer, *, greedy, generator, temperature=None:
