@@ -76,11 +76,8 @@ def command(cfg: DictConfig) -> tuple[list[str], dict[str, str]]:
             "--generation-config", "vllm", "--enable-prefix-caching"]
     env = {}
     if finetune(model) == "lora":
-        rank = next((r for r in LORA_RANKS if r >= model.lora.r), None)
-        if rank is None:
-            raise ConfigError(f"model.lora.r ({model.lora.r}) is above vLLM's largest LoRA rank ({LORA_RANKS[-1]}); "
-                              f"set model.lora.r={LORA_RANKS[-1]} or less")
-        argv += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", str(sampler.max_loras)]
+        argv += ["--enable-lora", "--max-lora-rank", str(max_lora_rank(model.lora.r)), "--max-loras",
+                 str(sampler.max_loras)]
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
     else:
         env["VLLM_SERVER_DEV_MODE"] = "1"
@@ -96,6 +93,16 @@ def command(cfg: DictConfig) -> tuple[list[str], dict[str, str]]:
     else:
         argv += ["--gpu-memory-utilization", str(sampler.gpu_memory_utilization)]
     return argv, env
+
+
+def max_lora_rank(r: int) -> int:
+    """vLLM's `max_lora_rank` for adapters of rank `r`: its next allowed rank at or above `r` (the server's, and the
+    in-process engine's with sampler.weight_sync=adapter)."""
+    rank = next((allowed for allowed in LORA_RANKS if allowed >= r), None)
+    if rank is None:
+        raise ConfigError(f"model.lora.r ({r}) is above vLLM's largest LoRA rank ({LORA_RANKS[-1]}); "
+                          f"set model.lora.r={LORA_RANKS[-1]} or less")
+    return rank
 
 
 def usable_cores() -> int:
