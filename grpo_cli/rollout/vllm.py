@@ -51,7 +51,9 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import shutil
 import tempfile
+import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -61,10 +63,10 @@ from peft.tuners.lora import LoraLayer
 
 from grpo_cli import quantize
 from grpo_cli.distributed import world_size
-from grpo_cli.errors import DataError
+from grpo_cli.errors import ConfigError, DataError
 from grpo_cli.policy import trains_adapter
 from grpo_cli.rollout import Rollout, Sampler, SamplerSettings, encode_prompts, finish, pad_id, request_seeds
-from grpo_cli.rollout.adapter import active, lora_layers
+from grpo_cli.rollout.adapter import active, adapter_rank, lora_layers, write_adapter
 from grpo_cli.rollout.hf import HFSampler, check_prompts
 from grpo_cli.rollout.sizing import Job
 from grpo_cli.rollout.vllm_engine import (
@@ -81,6 +83,7 @@ from grpo_cli.rollout.vllm_engine import (
     say_fallback,
     sizes,
 )
+from grpo_cli.serving import max_lora_rank
 
 
 @dataclass
@@ -99,6 +102,8 @@ class VLLMSampler(Sampler):
     # the one fallback: a vLLM run saved before this key existed lacks it, and eval/sample/rm build the run's saved
     # sampler section; 1 is how those runs sampled (an engine per process)
     tensor_parallel_size: int = 1
+    # likewise for a run saved before sampler.weight_sync existed: those pushed merged weights
+    weight_sync: str = "merged"
 
     def __post_init__(self):
         self.llm = None  # the vLLM engine, once started
@@ -109,6 +114,13 @@ class VLLMSampler(Sampler):
         self._asleep = False
         self._failed = None  # an engine that started but cannot serve the model, kept under torchrun (`_ready`)
         self._job: Job | None = None  # what one engine call holds, for the sizes the config leaves null
+        # sampler.weight_sync=adapter: the LoRARequest engine calls name now (None: the base, or merged weights), the
+        # (fingerprint, LoRARequest) of the version the engine holds, versions pushed, and their folders
+        self._lora = None
+        self._adapter: tuple | None = None
+        self._version = 0
+        self._adapters: tempfile.TemporaryDirectory | None = None
+        self.last_push: dict = {}  # bytes and seconds of the newest push (scripts/push_cost.py)
 
     # ---- the contract ------------------------------------------------------------------------
 
@@ -184,7 +196,7 @@ class VLLMSampler(Sampler):
         engine holds is a DataError naming the settings."""
         try:
             with torch.random.fork_rng(devices=[]):  # vLLM's CPU sampler also draws from torch's generator
-                return self.llm.generate(requests, params, use_tqdm=False)
+                return self.llm.generate(requests, params, use_tqdm=False, lora_request=self._lora)
         except Exception as err:  # VLLMValidationError; config validation keeps lengths apart, this is a backstop
             if "maximum model length" not in str(err):
                 raise
@@ -219,13 +231,17 @@ class VLLMSampler(Sampler):
         on_cpu = next(policy.parameters()).device.type == "cpu"
         dtype = engine_dtype(self, policy)
         size = sizes(self, policy, dtype, self._job)
-        args = engine_args(self, self.model_folder(policy), dtype, size, on_cpu)
+        rank = self._lora_rank(policy)
+        args = engine_args(self, self.model_folder(policy), dtype, size, on_cpu, rank)
+        # with LoRA enabled vLLM's CPU platform runs the model uncompiled (platforms/cpu.py: CompilationMode.NONE),
+        # so its norms take the fused kernels as an eager engine's do
+        eager = self.enforce_eager or rank is not None
         try:
             with process_state_kept():
                 self.llm = vllm.LLM(**args)
-                self._packed = prepare(self.llm, fused_norms=on_cpu and self.enforce_eager)
+                self._packed = prepare(self.llm, fused_norms=on_cpu and eager)
                 self._push(policy)
-                probe(self.llm, vllm)
+                probe(self.llm, vllm, self._lora)
         except Exception as err:
             # under torchrun an engine that started and then failed (the one-token check) is kept, not shut down:
             # its shutdown destroys the default process group, the trainer's own, and the next collective fails
@@ -238,6 +254,16 @@ class VLLMSampler(Sampler):
             self.fallback = HFSampler(**vars(self.settings()))
             return False
         return True
+
+    def _lora_rank(self, policy) -> int | None:
+        """The engine's max LoRA rank with sampler.weight_sync=adapter (vLLM's next allowed rank at or above the
+        policy's largest adapter rank), else None (merged: no LoRA in the engine)."""
+        if self.weight_sync != "adapter":
+            return None
+        if not trains_adapter(policy):  # config.validate says so first; a sampler built by hand gets the same line
+            raise ConfigError("sampler.weight_sync=adapter pushes a LoRA adapter, and this policy trains every weight "
+                              "(model.finetune=full); set sampler.weight_sync=merged")
+        return max_lora_rank(adapter_rank(policy))
 
     def start(self, policy, section: DictConfig, job: Job | None = None) -> DictConfig:
         """Start the engine now (sized for `job` where the config leaves sizes null); on a model vLLM cannot serve,
@@ -261,14 +287,23 @@ class VLLMSampler(Sampler):
 
     @torch.no_grad()
     def _push(self, policy) -> None:
-        """Merged weights of every adapted layer into the engine, when they changed since the last push."""
+        """The policy's weights into the engine (`sampler.weight_sync`: merged layers, or the adapter), when they
+        changed since the last push; `last_push` says how many bytes it sent and in how long."""
         if self._asleep:
             self.llm.wake_up()
             self._asleep = False
         stamp = fingerprint(policy)
         if stamp == self._pushed:
             return
+        t = time.perf_counter()
+        sent = self._push_adapter(policy, stamp) if self.weight_sync == "adapter" else self._push_merged(policy)
+        self.last_push = {"bytes": sent, "seconds": time.perf_counter() - t}
+        self._pushed = stamp
+
+    def _push_merged(self, policy) -> int:
+        """Merged weights of every adapted layer (or every weight) into the engine's own; returns their bytes."""
         weights = merged_weights(policy, self._packed)
+        sent = sum(v.numel() * v.element_size() for v in weights.values())
         if on_gpu():
             self.llm.apply_model(lambda model: model.load_weights(weights.items()))
         else:
@@ -281,7 +316,37 @@ class VLLMSampler(Sampler):
             # threshold, so from the heap) free but held: back to the OS (how much: docs/speed.md)
             trim_heap()
         self.llm.reset_prefix_cache()
-        self._pushed = stamp
+        return sent
+
+    def _push_adapter(self, policy, stamp: tuple) -> int:
+        """sampler.weight_sync=adapter: the active adapter as a new LoRA version of the engine, whose base weights
+        stay as loaded; returns the adapter's bytes (0: nothing sent). Written as a peft folder (rollout/adapter.py,
+        as the server push writes it) and loaded under a new name and int id: vLLM caches an adapter by its id (the
+        same id would keep the old weights) and keys its prefix cache by its name, so no KV of an old version is
+        reused and the prefix cache needs no reset (the base pass's KV stays valid: the base never changes). The
+        version before is removed, its folder deleted (the engine read it at `add_lora`). Adapters off (eval's
+        base pass): calls name no adapter; back from it, the version the engine still holds."""
+        from vllm.lora.request import LoRARequest
+
+        if not stamp:
+            self._lora = None
+            return 0
+        if self._adapter is not None and self._adapter[0] == stamp:
+            self._lora = self._adapter[1]
+            return 0
+        self._version += 1
+        if self._adapters is None:
+            self._adapters = tempfile.TemporaryDirectory(prefix="grpo-adapter-")
+        folder = Path(self._adapters.name) / f"v{self._version}"
+        sent = write_adapter(policy, folder)
+        request = LoRARequest(f"grpo-v{self._version}", self._version, str(folder))
+        self.llm.llm_engine.add_lora(request)  # loaded now: a bad adapter fails at the push, not mid-rollout
+        if self._adapter is not None:
+            before = self._adapter[1]
+            self.llm.llm_engine.remove_lora(before.lora_int_id)
+            shutil.rmtree(before.lora_path, ignore_errors=True)
+        self._adapter, self._lora = (stamp, request), request
+        return sent
 
 
 @dataclass

