@@ -140,7 +140,9 @@ def whole_parts(model, main: bool) -> Iterator[tuple[int, int, dict[str, torch.T
     weight gathered; rank `main` holds one part on the host. Not sharded: the weights as they are, on the host."""
     for m in _modules(model):  # local: every rank's weights sharded alike, whatever it held gathered (root_gathered)
         m.reshard()
-    layer_of = {id(p): i for i, layer in enumerate(model.get_decoder().layers) for p in layer.parameters()}
+    # a model without decoder layers to find (no get_decoder, or no .layers) goes as one part
+    layers = getattr(model.get_decoder(), "layers", []) if hasattr(model, "get_decoder") else []
+    layer_of = {id(p): i for i, layer in enumerate(layers) for p in layer.parameters()}
     params = list(model.named_parameters())  # the same order on every rank
     parts = [list(group) for _, group in itertools.groupby(params, key=lambda item: layer_of.get(id(item[1])))]
     for number, part in enumerate(parts, 1):

@@ -88,6 +88,22 @@ def test_leaving_the_group_ends_its_threads(steps):
         assert json.loads((steps / f"threads_r{r}.json").read_text()) == [], r
 
 
+def test_whole_parts_are_the_embeddings_each_layer_and_the_rest():
+    from grpo_cli.policy import load_tiny_random
+
+    model, _ = load_tiny_random()
+    parts = [(n, count, list(part)) for n, count, part in fsdp.whole_parts(model, main=True)]
+    assert [(n, count) for n, count, _ in parts] == [(1, 4), (2, 4), (3, 4), (4, 4)]
+    assert parts[0][2] == ["model.embed_tokens.weight"] and parts[3][2] == ["model.norm.weight"]  # the head is tied
+    assert {n.split(".")[2] for n in parts[1][2]} == {"0"} and {n.split(".")[2] for n in parts[2][2]} == {"1"}
+    own = dict(model.named_parameters())
+    assert sum(len(names) for *_, names in parts) == len(own)  # every weight once
+    # no decoder layers to find: one part
+    assert [list(part) for *_, part in fsdp.whole_parts(torch.nn.Sequential(torch.nn.Linear(2, 2)), True)] == [
+        ["0.weight", "0.bias"]]
+    assert all(part == {} for *_, part in fsdp.whole_parts(model, main=False))  # another rank keeps nothing
+
+
 def test_one_process_is_not_sharded():
     policy, _ = _policy()
     assert fsdp.shard(policy, SINGLE).startswith("fsdp: one process, nothing to shard")
