@@ -23,6 +23,11 @@ computes with them is packed again: the tied LM head holds its own packed copy o
   - CUDA: `model.load_weights` with the merged weights under their HF names (vLLM stacks them), as TRL
     does; with `enable_sleep_mode` the engine sleeps (weights to host memory, KV cache freed) between
     rollouts, so the update has the GPU. What has run where (no GPU yet): docs/sampling-vllm.md.
+That is `sampler.weight_sync=merged`. With `adapter` (LoRA runs) the engine starts with vLLM's LoRA support on and
+keeps the base weights it loaded; a push writes the active adapter as a peft folder (rollout/adapter.py, the
+server push's writer) and loads it under a new name and id, which every engine call then names (`_push_adapter`).
+None of the CPU repacking above applies then: vLLM packs the base layers once at load, and its LoRA layers wrap
+them, computing the base through the same packed weights and adding the adapter's low-rank product beside it.
 
 Under torchrun every rank has its own engine (vllm_engine.py). With `sampler.tensor_parallel_size` 1 (the
 default) each rank's engine is whole and samples that rank's slice of the step's groups with the rank's own

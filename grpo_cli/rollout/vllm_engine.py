@@ -5,8 +5,9 @@ The engine starts at the first `sync` or `generate` (or at `VLLMSampler.start`, 
 this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), from the base model's folder (a model built in memory is
 written to a temporary folder first, and so is a 4-bit base, dequantized: vLLM holds full-precision weights),
 and keeps its own copy of the weights. Its model is compiled at the start (vLLM's default; after the first time
-on a machine, from inductor's cache: cli.VLLM_ENVIRONMENT) unless `sampler.enforce_eager`; an eager engine on a
-CPU runs its RMSNorms on its build's fused kernels (vllm_kernels.py). Its longest sequence and KV cache are
+on a machine, from inductor's cache: cli.VLLM_ENVIRONMENT) unless `sampler.enforce_eager` (or, on a CPU, LoRA is
+on: `sampler.weight_sync=adapter`, which vLLM's CPU platform runs uncompiled); an eager engine on a CPU runs its
+RMSNorms on its build's fused kernels (vllm_kernels.py). Its longest sequence and KV cache are
 the config's, or sized from the job (sizing.py). How long a start takes: docs/sampling-vllm.md.
 
 The start, in phases (`VLLMSampler._ready` calls them in this order): `import_checked` (vLLM, or the install
