@@ -278,7 +278,7 @@ def held_out(run: Run, record: StepRecord) -> dict:
     was_training = policy.training
     cuda = [run.device.index or 0] if run.device.type == "cuda" else []
     run.sampler.sync(policy)
-    with torch.random.fork_rng(devices=cuda), fsdp.whole(policy):
+    with torch.random.fork_rng(devices=cuda), run.sampler.gathered(policy):
         policy.eval()
         try:
             rows = greedy_rows(policy, run.tokenizer, run.sampler, record.reward, run.heldout, world, batch)
@@ -311,7 +311,7 @@ def _explore(run: Run, n: int, reward) -> tuple[Kept, list[Draw], float]:
         t = time.perf_counter()
         rollout = run.ahead.take(n)
         if rollout is None:
-            with fsdp.whole(run.policy):  # a sharded base gathered while sampling (trainer.fsdp); else nothing
+            with run.sampler.gathered(run.policy):  # a base sharded by trainer.fsdp gathered, unless a server samples
                 rollout = _sample(run, examples, n)
         run.ahead.launch(n, trainer.max_steps, run.sampler, run.policy, run.tokenizer,
                          lambda skip: run.prompts.peek(trainer.prompts_per_step, skip), algo.group_size,

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from grpo_cli import fsdp
 from grpo_cli.checks import Check, Rule, get, is_int, is_num
 from grpo_cli.errors import ConfigError, DataError
 from grpo_cli.policy import context_length
@@ -152,6 +153,12 @@ class Sampler(SamplerSettings):
 
     def sync(self, policy) -> None:
         """Nothing to push by default: the engine samples from the policy's own weights."""
+
+    def gathered(self, policy) -> contextlib.AbstractContextManager:
+        """The context a rollout runs in: the policy's base whole on every rank where trainer.fsdp shards it
+        (fsdp.whole), as an engine that samples from the policy's own weights needs; an engine with its own copy
+        of the weights (a server) needs nothing, and the ranks keep their shards."""
+        return fsdp.whole(policy)
 
     def start(self, policy, section, job=None):
         """Start the engine before the first rollout (`job`: a `sizing.Job`, what one call will hold, for engines

@@ -48,6 +48,7 @@ as they were (`grpo train resume=RUN` once it is back).
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import shutil
@@ -130,6 +131,11 @@ class VLLMServerSampler(Sampler):
 
     def sync(self, policy) -> None:
         self._push(policy)
+
+    def gathered(self, policy) -> contextlib.AbstractContextManager:
+        """Nothing gathered while sampling: the server holds its own weights (pushed by `sync`), so under
+        trainer.fsdp the ranks keep 1/N of the base throughout the rollout."""
+        return contextlib.nullcontext()
 
     def generate(self, model, tokenizer, prompts: list[str], n: int, **options) -> Rollout:
         self._push(model)

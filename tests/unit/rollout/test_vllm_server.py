@@ -5,6 +5,7 @@ embedded model: tests/integration/test_vllm_server.py."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
@@ -261,3 +262,21 @@ def test_a_command_line_naming_a_dead_server_stops_before_its_imports():
         assert one_line_error(out) == (f"error: sampler=vllm_server: no vLLM server answers at "
                                        f"http://127.0.0.1:{port} ([Errno 111] Connection refused); start one with: "
                                        f"{START}")
+
+
+def test_a_server_sampler_leaves_a_sharded_base_sharded_while_it_samples(monkeypatch):
+    """The rollout's context (what recipe.py samples in): engines that sample from the policy's own weights gather a
+    base sharded by trainer.fsdp (fsdp.whole, the whole base on every rank); the server holds its own copy, so the
+    ranks keep 1/N of the base while it samples (the point of FSDP with a server: a model no rank holds whole)."""
+    from grpo_cli import fsdp
+    from grpo_cli.rollout.episodes import EpisodeSampler
+    from grpo_cli.rollout.hf import HFSampler
+
+    gathered = []
+    monkeypatch.setattr(fsdp, "whole", lambda policy: gathered.append(policy) or contextlib.nullcontext())
+    with sampler("http://127.0.0.1:9").gathered("policy"):
+        assert gathered == []
+    with EpisodeSampler(sampler("http://127.0.0.1:9"), env=None).gathered("policy"):  # episodes on the server too
+        assert gathered == []
+    with HFSampler(**sampler_settings()).gathered("policy"):
+        assert gathered == ["policy"]
