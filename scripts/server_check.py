@@ -8,8 +8,7 @@
 3. `grpo eval` of that run (the base model and the step-4 checkpoint, 50 held-out problems, greedy) three times:
    sampler=vllm_server, sampler=vllm (in process) and sampler=default (HF generate); each pair of engines must give the
    same completion on at least 49 of the 50 problems, for the base and for the checkpoint.
-4. Bytes and seconds of one weight push of the step-4 policy: the adapter and the merged model to the server, the
-   merged layers into the in-process engine (OUT/push.json).
+(Bytes and seconds per weight push, each way: scripts/push_cost.py.)
 Each stage writes its files and is skipped when they are there, so the script can be stopped and run again.
 """
 
@@ -92,51 +91,6 @@ def completions(folder: Path) -> dict[tuple[str, str], str]:
     return {(str(r["checkpoint"]), str(r["index"])): r["greedy"]["text"] for r in rows}
 
 
-def push(url: str, out: Path) -> None:
-    """One push of the step-4 policy each way, timed (the server's adapter and merged pushes, the in-process one)."""
-    target = out / "push.json"
-    if target.exists():
-        return
-    sys.path.insert(0, str(REPO))
-    from grpo_cli.cli import setup_process
-
-    setup_process()  # what every grpo command sets first: the in-process engine in this process, quiet logs
-    from grpo_cli import checkpoint
-    from grpo_cli.config import compose
-    from grpo_cli.policy import build_policy
-    from grpo_cli.rollout.vllm import VLLMSampler
-    from grpo_cli.rollout.vllm_server import VLLMServerSampler
-    from tests.helpers import sampler_settings
-
-    policy, tokenizer, _ = build_policy(compose("train").model)
-    checkpoint.load_weights(policy, sorted((out / "run" / "checkpoints").iterdir())[-1])
-    results = {}
-    s = VLLMServerSampler(**sampler_settings("vllm_server", url=url))
-    s.connect(policy)
-    s._push(policy)  # the adapter: a peft folder, /v1/load_lora_adapter
-    results["server, adapter"] = s.last_push
-    merged = policy.merge_and_unload()  # every weight: /collective_rpc reload_weights needs VLLM_SERVER_DEV_MODE
-    full = VLLMServerSampler(**sampler_settings("vllm_server", url=url))
-    full.base_name = full.serving = s.base_name
-    try:
-        full._push(merged)
-        results["server, merged"] = full.last_push
-    except Exception as err:  # the LoRA server of step 1 runs without the dev endpoints
-        results["server, merged"] = {"error": str(err)[:200]}
-    policy, tokenizer, _ = build_policy(compose("train").model)
-    checkpoint.load_weights(policy, sorted((out / "run" / "checkpoints").iterdir())[-1])
-    engine = VLLMSampler(**sampler_settings("vllm"))
-    engine.start(policy, compose("train", ["sampler=vllm"]).sampler)
-    from grpo_cli.rollout.vllm import merged_weights
-
-    t = time.perf_counter()
-    engine._pushed = None
-    engine._push(policy)
-    sent = sum(v.numel() * v.element_size() for v in merged_weights(policy, engine._packed).values())
-    results["in-process, merged"] = {"bytes": sent, "seconds": time.perf_counter() - t}
-    target.write_text(json.dumps(results, indent=1))
-
-
 def report(out: Path) -> None:
     found = {e: completions(out / f"eval_{e}") for e in ENGINES if (out / f"eval_{e}" / "eval.json").exists()}
     print("| pair | checkpoint | same greedy completion |\n|---|---|---|")
@@ -151,10 +105,6 @@ def report(out: Path) -> None:
     for e in names:
         acc = json.loads((out / f"eval_{e}" / "eval.json").read_text())
         print(f"{e}: {json.dumps(acc)[:300]}")
-    if (out / "push.json").exists():
-        for how, r in json.loads((out / "push.json").read_text()).items():
-            print(f"push {how}: " + (f"{r['bytes'] / 2**20:.1f} MiB in {r['seconds']:.2f} s" if "bytes" in r
-                                     else r["error"]))
 
 
 def main() -> None:
@@ -170,7 +120,6 @@ def main() -> None:
         try:
             train(args.url, out)
             evaluate(args.url, out)
-            push(args.url, out)
         finally:
             if proc is not None:
                 proc.terminate()
