@@ -40,17 +40,24 @@ def launch(args: list[str], log: Path) -> subprocess.Popen:
                             start_new_session=True)
 
 
+def parent(pid: str) -> int:
+    return int((Path("/proc") / pid / "stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
 def rank_pid(proc: subprocess.Popen, rank: int) -> int | None:
-    """The pid of torchrun's worker with RANK=`rank` (a descendant of `proc`, found by its environment)."""
+    """The pid of torchrun's worker with RANK=`rank`: a descendant of `proc` (torchrun starts each worker in a session
+    of its own), found by its environment."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             environ = (entry / "environ").read_bytes().split(b"\0")
-            group = os.getpgid(int(entry.name))
-        except (OSError, ProcessLookupError):
+            ancestor = parent(entry.name)
+            while ancestor > 1 and ancestor != proc.pid:
+                ancestor = parent(str(ancestor))
+        except (OSError, ValueError, IndexError):
             continue
-        if group == proc.pid and f"RANK={rank}".encode() in environ and b"LOCAL_RANK=" + str(rank).encode() in environ:
+        if ancestor == proc.pid and f"RANK={rank}".encode() in environ:
             return int(entry.name)
     return None
 
