@@ -13,6 +13,11 @@ cannot change the math (how long to train, how often to save and log, where to r
 else it refuses with a line naming the key, so `grpo train resume=RUN` never continues a run with
 another model, group size or learning rate than it was trained with.
 
+`upgrade()` is the one place that reads a run saved before some of today's keys existed: each key its config lacks
+takes the value of the YAML of the group option the run was composed from (`conf/GROUP/OPTION.yaml`, as a command
+composes it), so no other module keeps a default of its own for old runs. Every command that reads a run folder gets
+its config through it (`read_saved`).
+
 A saved config is data, not code (`check_saved`): what eval, sample, resume, export and rm read back from a run
 folder may build only the components grpo_cli ships (the `_target_`s that conf/ and recipes/ name), unless the
 user trusts the run (`trust_run_config=true`) or gives the node on the command line; the reward files it names
@@ -30,14 +35,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from antlr4 import ParserRuleContext  # the runtime of OmegaConf's parser: its interpolation grammar's trees
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from omegaconf.grammar.gen.OmegaConfGrammarParser import OmegaConfGrammarParser as Grammar
 from omegaconf.grammar_parser import parse
 
 from grpo_cli import checkpoint, files, user_code
 from grpo_cli.algo import upgrade_loss_node
+from grpo_cli.config import compose
 from grpo_cli.errors import ConfigError
 from grpo_cli.metrics.console import console
+from grpo_cli.options import TRAIN_YAML, groups, missing_keys, option, option_of, read_yaml
 from grpo_cli.resources import CONF_DIR, RECIPES_DIR
 
 # settings a resumed run may change; everything else comes from the run's saved config
@@ -52,8 +59,10 @@ RESUMABLE = ("resume", "trainer.max_steps", "trainer.save_every", "trainer.keep_
              "trust_run_config")
 
 
-# sections whose settings added after a run was saved take today's default when it resumes
-NEWER_TAKE_TODAYS = ("trainer.", "iterative.", "rm.")
+# sections of plain settings, all of them grpo_cli's: a key missing at any depth is newer than the run (`upgrade`), and
+# one the command line gives on resume takes its value (`resume_config`). In the other sections only a key of the
+# section itself is newer than the run: one missing deeper (a reward function, a tool) is the run's own choice
+PLAIN = ("trainer", "iterative", "rm")
 
 
 class RunLock:
@@ -138,16 +147,15 @@ def _resumable(key: str) -> bool:
 
 
 def resume_config(cfg: DictConfig, saved: DictConfig, overrides: list[str] | None) -> DictConfig:
-    """The config a resumed run goes on with: the run's `saved` config plus the allowed changes.
+    """The config a resumed run goes on with: the run's `saved` config (as it saved it) made whole (`upgrade`), plus
+    the allowed changes.
 
     `overrides` are the command line's (`key=value`, `+key=value`, `group=option`): only those keys
     are compared with the saved run, so `grpo train resume=RUN` alone continues the run as it was.
     None (a library call) compares every key of `cfg`. A changed key that is not RESUMABLE is an
-    error naming it; trainer, iterative and rm settings the saved config lacks (newer than the run) keep cfg's
-    value; an `algo.loss` node that listed the loss settings names its class alone (`algo.upgrade_loss_node`).
+    error naming it; a key of the PLAIN sections that the run lacks (newer than it) takes the command line's value.
     """
-    saved = upgrade_loss_node(saved)
-    new, old = _flat(OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))), _flat(saved)
+    new, old = _flat(OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))), _flat(upgrade_loss_node(saved))
     names = sorted(new) if overrides is None else [o.lstrip("+~").split("=", 1)[0] for o in overrides]
     asked: set[str] = set()
     errors = []
@@ -163,17 +171,59 @@ def resume_config(cfg: DictConfig, saved: DictConfig, overrides: list[str] | Non
                           f"{', '.join(r for r in RESUMABLE if r != 'resume')})")
     if errors:
         raise ConfigError("\n".join(errors))
-    merged = saved.copy()
-    # settings newer than the run (absent from its config) in sections whose keys do not depend on a group option
-    # (trainer, iterative, rm: one option) take today's value; other absent keys belong to another group option
-    # (another model's loader) and stay out
-    # (a key under a section the run saved as null is not newer: the null was the run's setting, trainer.guard=null)
-    newer = {k for k in set(new) - set(old) if k.startswith(NEWER_TAKE_TODAYS)
+    merged = upgrade(saved)
+    # a key newer than the run (absent from its config) in a PLAIN section, given on the command line, is not a change
+    # of the run's setting (a key under a section the run saved as null is not newer: trainer.guard=null was its own)
+    newer = {k for k in set(new) - set(old) if k.split(".")[0] in PLAIN
              and not any(".".join(k.split(".")[:i]) in old for i in range(1, k.count(".") + 1))}
-    for key in sorted(asked | newer):
+    for key in sorted(asked):
         if _resumable(key) or key in newer:
             OmegaConf.update(merged, key, new[key], force_add=True)
     return merged
+
+
+# ---- a run saved before some of today's keys existed ------------------------------------------------------------
+
+def _newer_keys(plain: dict) -> tuple[dict[str, str], list[str]]:
+    """({group: option} the run was composed from, the dotted keys of today's YAML that its config lacks)."""
+    choices, missing = {}, []
+    for group, default in groups().items():
+        if group not in plain:  # a run saved before the group existed: its default, the only option there was then
+            choices[group] = default
+            missing.append(group)
+        elif isinstance(plain[group], dict) and (name := option_of(group, plain[group])) is not None:
+            choices[group] = name
+            missing += missing_keys(plain[group], option(group, name), f"{group}.", group in PLAIN)
+    own = {k: v for k, v in read_yaml(TRAIN_YAML).items() if k not in ("defaults", "hydra")}  # trainer, iterative, ...
+    missing += missing_keys(plain, own, "", True)
+    return choices, missing
+
+
+@functools.cache
+def _composed(choices: tuple[tuple[str, str], ...]) -> dict:
+    """The train config composed with these group options, plain and unresolved (composed once per process)."""
+    return OmegaConf.to_container(compose("train", [f"{g}={o}" for g, o in choices]), resolve=False)
+
+
+def upgrade(saved: DictConfig) -> DictConfig:
+    """`saved` (a run's config.yaml) with every key it lacks that today's YAML of its group options holds, at that
+    YAML's value as a command composes it (an interpolation, `${model.device}`, reads the run's own value): what a
+    run saved before the key existed runs with. Its `algo.loss` node, if it lists the loss settings, names its class
+    alone (`algo.upgrade_loss_node`). A config that lacks nothing comes back as it is, without composing anything."""
+    saved = upgrade_loss_node(saved)
+    plain = OmegaConf.to_container(saved, resolve=False)
+    choices, missing = _newer_keys(plain)
+    if not missing:
+        return saved
+    whole = OmegaConf.merge(OmegaConf.create(_composed(tuple(sorted(choices.items())))), saved)
+    out = saved.copy()
+    with open_dict(out):
+        for key in missing:
+            value = OmegaConf.select(whole, key, throw_on_missing=False)
+            value = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+            if value != "???":  # a value the command line must give (reward.funcs): every run gave one
+                OmegaConf.update(out, key, value, force_add=True)
+    return out
 
 
 # ---- a saved config read back: data, not code -------------------------------------------------------------------
@@ -414,10 +464,11 @@ def resolved(saved: DictConfig, file: Path) -> DictConfig:
     return OmegaConf.create(plain)
 
 
-def read_saved(ckpt: Path, sections, overrides: list[str] | None, trusted) -> DictConfig:
+def read_saved(ckpt: Path, sections, overrides: list[str] | None, trusted, upgraded: bool = True) -> DictConfig:
     """Checkpoint `ckpt`'s config.yaml read as data: no alias expanded (checkpoint.load_config), its interpolations
     resolved without resolvers (`resolved`), its relative paths anchored in the folder the run started in
-    (trainer_state.json's `started_in`), its `sections` (None: all) checked by check_saved."""
+    (trainer_state.json's `started_in`), its `sections` (None: all) checked by check_saved, and the keys it lacks
+    filled (`upgrade`; not when `upgraded` is false: resume_config reads the run's own keys, then upgrades)."""
     ckpt = Path(ckpt)
     saved = checkpoint.load_config(ckpt)
     if trusted is not True:  # before anything reads a value: reading one resolves it
@@ -428,7 +479,7 @@ def read_saved(ckpt: Path, sections, overrides: list[str] | None, trusted) -> Di
     if isinstance(state, dict) and isinstance(state.get("started_in"), str):
         saved = anchored(saved, Path(state["started_in"]))
     check_saved(saved, list(saved) if sections is None else sections, overrides or [], trusted, ckpt)
-    return saved
+    return upgrade(saved) if upgraded else saved
 
 
 # keys that hold a file or folder; a relative one is read against the folder the run started in

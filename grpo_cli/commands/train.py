@@ -61,7 +61,7 @@ def run(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) -> P
     if cfg.resume:
         ckpt = checkpoint.resolve(cfg.resume, warn=lambda line: console.print(f"[yellow]{line}"))
         # data, not code: only grpo_cli's own components unless trust_run_config=true (runs.check_saved)
-        saved = read_saved(ckpt, None, overrides, cfg.trust_run_config)
+        saved = read_saved(ckpt, None, overrides, cfg.trust_run_config, upgraded=False)  # resume_config upgrades it
         cfg = validate(resume_config(cfg, saved, overrides), *CHECKS)
         chosen = Choice(cfg.sampler, "this run's saved config")  # a resume samples as the run did
         run_dir = ckpt.parent.parent  # the same run goes on in its own folder: one metrics.jsonl, one checkpoints/

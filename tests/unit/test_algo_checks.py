@@ -138,15 +138,15 @@ def test_a_run_saved_with_the_settings_in_its_loss_node_resumes_with_them():
     assert build_loss(merged.algo).settings == dataclasses.replace(loss_settings(cfg.algo), beta=0.0)
 
 
-def test_a_run_saved_before_the_variants_settings_resumes_without_them():
-    # saved before cispo_cap and the sapo temperatures existed: absent from its section and its loss node; its
-    # loss_type never reads them
+def test_a_run_saved_before_the_variants_settings_resumes_with_their_yaml_values():
+    # saved before cispo_cap and the sapo temperatures existed: absent from its section and its loss node; they take
+    # conf/algo/grpo.yaml's values (runs.upgrade), which its loss_type never reads
     algo = OmegaConf.load(SAVED_ALGO).algo
     for key in ("cispo_cap", "sapo_temperature_pos", "sapo_temperature_neg"):
         del algo[key], algo.loss[key]
     merged = validate(resume_config(compose("train", ["resume=somewhere"]), _saved(algo), ["resume=somewhere"]))
     settings = build_loss(merged.algo).settings
-    assert (settings.cispo_cap, settings.sapo_temperature_pos, settings.sapo_temperature_neg) == (None, None, None)
+    assert (settings.cispo_cap, settings.sapo_temperature_pos, settings.sapo_temperature_neg) == (5.0, 1.0, 1.05)
     assert settings.loss_type == "grpo"
 
 

@@ -1,4 +1,4 @@
-"""runs.check_saved: what a saved config may build when a run folder is read back."""
+"""runs: what a saved config may build when a run folder is read back (check_saved), and what it lacks (upgrade)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from omegaconf import OmegaConf
 
 from grpo_cli import files
 from grpo_cli.errors import ConfigError
+from grpo_cli.resources import CONF_DIR as REPO_CONF
 from grpo_cli.runs import check_saved, resolved, shipped_targets
 
 
@@ -121,3 +122,93 @@ def test_a_section_the_run_saved_as_null_stays_off_on_resume():
     del saved.trainer["eval_every"]  # a key the run's config lacks (saved before it existed): today's value
     merged = resume_config(compose("train", ["resume=somewhere"]), saved, ["resume=somewhere"])
     assert merged.trainer.eval_every == compose("train").trainer.eval_every
+
+
+# ---- runs.upgrade: a run saved before some of today's keys existed ------------------------------------------------
+
+OLD_RUNS = Path(__file__).resolve().parents[1] / "data" / "old_runs"
+
+
+def _plain_leaves(node, prefix: str = "") -> dict:
+    """{dotted key: value}; an empty mapping is a leaf."""
+    plain = OmegaConf.to_container(node) if OmegaConf.is_config(node) else node
+    if not isinstance(plain, dict) or (not plain and prefix):
+        return {prefix.rstrip("."): plain}
+    return {k: v for key, value in plain.items() for k, v in _plain_leaves(value, f"{prefix}{key}.").items()}
+
+
+def _saved(*overrides: str):
+    from grpo_cli.config import compose
+
+    return OmegaConf.create(OmegaConf.to_container(compose("train", list(overrides)), resolve=True))
+
+
+def test_an_older_config_is_filled_from_its_group_options_yaml():
+    """tests/data/old_runs/older_config.yaml (the 2026-12-06 run's config, 22 keys deleted, the loss settings in its
+    loss node) comes back as that run saved it, but for the two keys the run set on its command line
+    (trainer.guard, trainer.eval_every), which an older run without them gets from conf/train.yaml."""
+    from grpo_cli import checkpoint
+    from grpo_cli.config import compose
+    from grpo_cli.runs import upgrade
+
+    saved = _plain_leaves(checkpoint.load_config(OLD_RUNS / "2026-12-06" / "checkpoints" / "step_000001"))
+    got = _plain_leaves(upgrade(OmegaConf.load(OLD_RUNS / "older_config.yaml")))
+    train_yaml = compose("train")
+    set_by_the_run = {"trainer.guard": None, "trainer.eval_every": None}
+    assert {k: v for k, v in saved.items() if k not in set_by_the_run} == \
+        {k: v for k, v in got.items() if not k.startswith(tuple(set_by_the_run))}
+    assert got["trainer.eval_every"] == train_yaml.trainer.eval_every == 10
+    assert got["trainer.guard.max_rewinds"] == train_yaml.trainer.guard.max_rewinds
+
+
+def test_each_section_is_filled_from_the_option_it_was_composed_from():
+    """A vLLM sampler and a process reward, saved before these keys: the vllm option's and gsm8k_process's values, as
+    the command composes them (reward.device, `${model.device}` in prm.yaml, reads the run's own model.device)."""
+    from grpo_cli.options import option_of
+    from grpo_cli.runs import upgrade
+
+    today = _saved("sampler=vllm", "reward=gsm8k_process", "sampler.max_new_tokens=7")
+    older = today.copy()
+    for section, key in (("sampler", "tensor_parallel_size"), ("sampler", "weight_sync"), ("reward", "credit"),
+                         ("reward", "process_weight"), ("reward", "worker")):
+        del older[section][key]
+    assert option_of("sampler", OmegaConf.to_container(older.sampler)) == "vllm"
+    assert option_of("reward", OmegaConf.to_container(older.reward)) == "gsm8k_process"
+    assert upgrade(older) == today
+    prm = _saved("reward=prm", "reward.name_or_path=x", "model=tiny")
+    del prm.reward["device"]
+    prm.model.device = "cuda:1"
+    assert upgrade(prm).reward.device == "cuda:1"
+
+
+def test_what_the_run_left_out_itself_stays_out():
+    """A reward function the run removed (~reward.functions.accuracy), a section it saved as null (trainer.guard=null),
+    a component of the user's own (no option has its _target_) and an option's key another option lacks: nothing
+    added. A config that lacks nothing comes back as it is."""
+    from grpo_cli.runs import upgrade
+
+    saved = _saved("~reward.functions.accuracy", "~reward.weights.accuracy", "trainer.guard=null",
+                   "+reward.functions.any={_target_:grpo_cli.rewards.outcome.format_reward,_partial_:true}")
+    assert upgrade(saved) is saved
+    own = saved.copy()
+    own.data = {"_target_": "my_data.Task", "seed": 0}
+    own.reward = {"_target_": "my_rewards.Reward"}
+    assert upgrade(own) == own
+    del saved.model["finetune"]
+    got = upgrade(saved)
+    assert got.model.finetune == "lora" and "accuracy" not in got.reward.functions and got.trainer.guard is None
+    assert "name_or_path" not in got.model  # model=hf's key: this run's model (smollm2_135m) has none
+
+
+def test_the_options_read_for_matching_are_what_hydra_composes():
+    """options.option merges an option over those its defaults list names, as Hydra does: for every option built on
+    another one, the composed section, key for key and value for value."""
+    from grpo_cli.config import compose
+    from grpo_cli.options import groups, option
+
+    chained = [(g, p.stem) for g in groups() for p in sorted((REPO_CONF / g).glob("*.yaml"))
+               if "defaults" in p.read_text()]
+    assert len(chained) >= 7
+    for group, name in chained:
+        assert option(group, name) == OmegaConf.to_container(compose("train", [f"{group}={name}"])[group]), \
+            f"{group}={name}"
