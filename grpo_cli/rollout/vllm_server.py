@@ -25,9 +25,12 @@ adapter switch):
     model (the embeddings, each decoder layer, the final norm) with HF's index, then vLLM's in-place reload
     (`/collective_rpc` `reload_weights` with its path: its loader reads every file the index names, and repacks
     the CPU build's layers too) and `/reset_prefix_cache`; these are vLLM's development endpoints
-    (VLLM_SERVER_DEV_MODE=1). vLLM's NCCL and CUDA-IPC transfer engines (`/init_weight_transfer_engine`,
-    `/update_weights`) move weights without a file between GPUs; they are not used here (no GPU has run them with
-    grpo-cli yet: docs/sampling-vllm.md).
+    (VLLM_SERVER_DEV_MODE=1). A tied LM head (SmolLM2: the head is the embeddings) is also written under its own
+    name, lm_head.weight: vLLM's CPU build computes the logits with the head's own packed copy of the embeddings
+    (vocab_parallel_embedding.py's process_weights_after_loading), which its reload repacks only for a layer the
+    folder names a weight of; without it the server's head stayed as it started. vLLM's NCCL and CUDA-IPC
+    transfer engines (`/init_weight_transfer_engine`, `/update_weights`) move weights without a file between GPUs;
+    they are not used here (no GPU has run them with grpo-cli yet: docs/sampling-vllm.md).
 A version is used only once the server said it loaded it, so a trainer killed mid-push leaves the server serving
 its last complete version, and the resumed run pushes again.
 
@@ -86,6 +89,10 @@ MAX_IN_FLIGHT = 64
 # the probe's tolerance: mean |log-prob difference| per token between the server's base model and the policy's base,
 # in nats; the same weights in fp32 differ by ~1e-4, bf16 by ~1e-2, another model by whole nats
 PROBE_TOLERANCE = 0.25
+# vLLM 0.32's models that compute a tied model's logits with the embedding layer itself (no LM head of their own):
+# their loader refuses a weight named for a head, and the embeddings' reload refreshes what computes the logits
+NO_HEAD = frozenset({"CohereForCausalLM", "Cohere2ForCausalLM", "Cohere2MoeForCausalLM", "Gemma2ForCausalLM",
+                     "Gemma3nForCausalLM"})
 
 
 @dataclass
@@ -319,8 +326,17 @@ class VLLMServerSampler(Sampler):
             self._version += 1
             folder = self._new_folder(f"grpo-{self._run}-full-v{self._version}")
         weight_map, sent = {}, 0
-        for number, count, part in whole_parts(base_model(policy), world.main):
+        base = base_model(policy)
+        tied, embeddings = tied_head(base), None
+        for number, count, part in whole_parts(base, world.main):
             if world.main:
+                if tied and tied[0] in part:
+                    embeddings = part[tied[0]]  # [vocab, hidden], on the host
+                if tied and number == count:
+                    # the tied head under its own name too, in the last file as an untied model's head (a copy:
+                    # safetensors keeps one name per storage). vLLM's CPU build computes the logits with the head's
+                    # own packed copy of the embeddings, which a reload repacks only when the folder names the head
+                    part[tied[1]] = embeddings.clone()
                 file = f"model-{number:05d}-of-{count:05d}.safetensors"
                 save_file(part, folder / file, metadata={"format": "pt"})
                 weight_map.update(dict.fromkeys(part, file))
@@ -458,6 +474,19 @@ class ServerEngine:
             logprobs.append(lps[:end])
         self.logprobs = logprobs
         return out
+
+
+def tied_head(model) -> tuple[str, str] | None:
+    """(the embeddings' weight name, the LM head's) of a causal LM whose head is its embeddings' Parameter
+    (tie_word_embeddings: the weight is written once, under the embeddings' name); None when the head is its own,
+    and for the models vLLM computes the logits of with the embedding layer itself (NO_HEAD)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None or type(model).__name__ in NO_HEAD:
+        return None
+    first = {id(p): name for name, p in model.named_parameters()}  # a tied Parameter under the first name it has
+    head_name = next(name for name, m in model.named_modules() if m is head) + ".weight"
+    name = first.get(id(head.weight))
+    return (name, head_name) if name is not None and name != head_name else None
 
 
 def _choice(choice: dict) -> tuple[list[int], list[float]]:

@@ -99,17 +99,18 @@ def test_the_adapter_is_pushed_as_a_peft_folder_under_a_new_name_per_version(pol
     assert s.last_push["bytes"] == sum(v.numel() * 4 for v in saved.values())
 
 
-def _full_push(policy_and_tokenizer, folder: Path) -> FakeVLLM:
-    """A full-parameter tiny policy pushed at start, then again after its final norm moved; the stand-in server."""
+def _full_push(policy_and_tokenizer, folder: Path, **fake) -> FakeVLLM:
+    """A full-parameter tiny policy pushed at start, then again after a step moved its final norm and its embeddings
+    (also its tied LM head: the tiny model ties them, as SmolLM2 does); the stand-in server, `fake` its settings."""
     scorer, tokenizer = policy_and_tokenizer  # the same seeded base
     policy, _, _ = build_policy(tiny_cfg("model.finetune=full").model)
-    with FakeVLLM(scorer, eos=tokenizer.eos_token_id) as server:
-        s = sampler(server.base, adapter_dir=str(folder))
-        s.start(policy, None)
+    with FakeVLLM(scorer, eos=tokenizer.eos_token_id, **fake) as server:
+        server.policy, server.sampler = policy, sampler(server.base, adapter_dir=str(folder))
+        server.sampler.start(policy, None)
         with torch.no_grad():
             policy.model.norm.weight.add_(1.0)
-        s.sync(policy)
-    server.policy = policy
+            policy.model.embed_tokens.weight.mul_(3.0)
+        server.sampler.sync(policy)
     return server
 
 
@@ -118,15 +119,44 @@ def test_full_weights_are_pushed_a_file_per_part_and_reloaded_in_place(policy_an
     rpc = [b for p, b in server.requests if p == "/collective_rpc"]
     assert [b["method"] for b in rpc] == ["reload_weights"] * 2 and server.paths().count("/reset_prefix_cache") == 2
     folder = Path(rpc[-1]["kwargs"]["weights_path"])
-    # the embeddings (and the tied LM head), layer 0, layer 1, the final norm; HF's index names each weight's file
+    # the embeddings, layer 0, layer 1, the final norm (and the tied LM head); HF's index names each weight's file
     parts = [f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)]
     assert sorted(f.name for f in folder.iterdir()) == [*parts, "model.safetensors.index.json"]
     assert not Path(rpc[0]["kwargs"]["weights_path"]).exists()  # the version before is deleted once replaced
     files, weights = server.reloaded[-1]
-    own = dict(server.policy.named_parameters())
-    assert files == parts and weights.keys() == own.keys()
+    own = dict(server.policy.named_parameters())  # a tied weight once: no lm_head.weight
+    assert files == parts and weights.keys() == {*own, "lm_head.weight"}
     assert all(torch.equal(weights[k], own[k].detach()) for k in own)
     assert not torch.equal(server.reloaded[0][1]["model.norm.weight"], weights["model.norm.weight"])
+
+
+def test_a_tied_lm_head_is_pushed_under_its_own_name_too(policy_and_tokenizer, tmp_path):
+    """vLLM's CPU build computes the logits with its own packed copy of the tied embeddings, which its reload
+    refreshes only from a weight named lm_head.weight (the stand-in does the same): the push writes the embeddings
+    under that name as well, so the server answers with the pushed head."""
+    server = _full_push(policy_and_tokenizer, tmp_path)
+    _, weights = server.reloaded[-1]
+    embeddings = server.policy.model.embed_tokens.weight.detach()
+    assert torch.equal(weights["lm_head.weight"], embeddings)
+    assert torch.equal(server.served.lm_head.weight.detach(), embeddings)  # the server's head moved with the push
+    own = dict(server.policy.named_parameters())
+    assert server.sampler.last_push["bytes"] == sum(v.numel() * 4 for v in own.values()) + embeddings.numel() * 4
+
+
+def test_the_tied_head_is_found_by_identity_and_left_out_where_vllm_has_none():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from grpo_cli.policy import load_tiny_random
+    from grpo_cli.rollout.vllm_server import tied_head
+
+    tied, _ = load_tiny_random()
+    assert tied_head(tied) == ("model.embed_tokens.weight", "lm_head.weight")
+    config = LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                         num_attention_heads=2, tie_word_embeddings=False)
+    assert tied_head(LlamaForCausalLM(config)) is None  # its own head: pushed under its name with every weight
+    # vLLM computes Gemma 2's logits with the embedding layer itself: no head there to take a weight
+    tied.__class__ = type("Gemma2ForCausalLM", (type(tied),), {})
+    assert tied_head(tied) is None
 
 
 @needs_vllm
@@ -144,6 +174,65 @@ def test_vllms_own_loader_reads_the_pushed_folder(policy_and_tokenizer, tmp_path
     read = dict(get_model_loader(LoadConfig()).get_all_weights(config, torch.nn.Module()))
     own = dict(server.policy.named_parameters())
     assert read.keys() == own.keys() and all(torch.equal(read[k], own[k].detach()) for k in own)
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_a_full_push_reaches_the_logits_of_vllms_cpu_build(tmp_path):
+    """SmolLM2 (tied embeddings), full parameters, every weight moved 2%: the folder the full push writes, reloaded by
+    vLLM's own worker method (`reload_weights`, what the server's /collective_rpc runs; here an in-process engine
+    answers the endpoints the push calls), gives the policy's log-probs, the LM head's included. Without the head
+    written under its own name, the CPU build's head kept its packed copy of the embeddings it started with: a mean
+    gap of ~0.2 nats on this text, up to ~0.6 on a token."""
+    from vllm import SamplingParams
+
+    from grpo_cli.instantiate import build
+    from grpo_cli.rollout import render_prompts
+    from tests.helpers import PROMPTS
+
+    policy, tokenizer, _ = build_policy(compose("train", ["model.finetune=full", "model.dtype=float32"]).model)
+    policy.eval()
+    engine = build(compose("train", ["sampler=vllm", "sampler.max_new_tokens=8",
+                                     "sampler.cpu_kv_cache_gb=0.5"]).sampler)
+    engine.sync(policy)  # the engine starts with the policy's weights
+
+    def prompt_logprobs(ids: list[int]) -> list[float]:
+        out = engine.llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                                  use_tqdm=False)[0]
+        return [entry[t].logprob for entry, t in zip(out.prompt_logprobs[1:], ids[1:])]
+
+    class InProcess(VLLMServerSampler):
+        """The server's endpoints that connect and the full push call, answered by the engine's own methods."""
+
+        def get(self, path):
+            longest = engine.llm.llm_engine.model_config.max_model_len
+            return {"data": [{"id": "base", "parent": None, "max_model_len": longest}]}
+
+        def post(self, path, body, *, text=False):
+            if path == "/collective_rpc":
+                return {"results": engine.llm.collective_rpc(body["method"], kwargs=body["kwargs"])}
+            if path == "/reset_prefix_cache":
+                return engine.llm.reset_prefix_cache()
+            assert path == "/v1/completions" and body["prompt_logprobs"] == 0, (path, body)  # the probe
+            lps = prompt_logprobs(body["prompt"])
+            return {"choices": [{"index": 0, "prompt_logprobs": [None] + [{str(t): {"logprob": v}}
+                                                                          for t, v in zip(body["prompt"][1:], lps)]}]}
+
+    server = InProcess(**sampler_settings("vllm_server", url="http://in-process", adapter_dir=str(tmp_path)))
+    server.start(policy, None)  # the model check, then the first push (the weights the engine holds)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in policy.parameters():  # the embeddings (and so the tied head) too
+            p.mul_(1 + 0.02 * torch.randn(p.shape, generator=g))
+    server.sync(policy)
+    text = render_prompts(tokenizer, PROMPTS)
+    ids = [i for t in text for i in tokenizer(t, add_special_tokens=False).input_ids]  # [P], every prompt in a row
+    with torch.no_grad():
+        logits = policy(input_ids=torch.tensor([ids])).logits[0, :-1].float()  # [P - 1, V]
+    ours = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]  # [P - 1]
+    gap = (ours - torch.tensor(prompt_logprobs(ids))).abs()
+    print(f"full push, reloaded: mean |vLLM - policy| log-prob {gap.mean():.2e}, max {gap.max():.2e}")
+    assert gap.mean() < 1e-3 and gap.max() < 1e-2  # fp32 on both sides: ~1e-5
 
 
 def test_a_server_with_another_model_is_refused(policy_and_tokenizer, tmp_path):
