@@ -28,7 +28,9 @@ adapter switch):
     (VLLM_SERVER_DEV_MODE=1). A tied LM head (SmolLM2: the head is the embeddings) is also written under its own
     name, lm_head.weight: vLLM's CPU build computes the logits with the head's own packed copy of the embeddings
     (vocab_parallel_embedding.py's process_weights_after_loading), which its reload repacks only for a layer the
-    folder names a weight of; without it the server's head stayed as it started. vLLM's NCCL and CUDA-IPC
+    folder names a weight of; without it the server's head stayed as it started. After the reload the server's
+    log-probs of a probe prompt are checked against the pushed policy's (`_check_push`): a reload that left a
+    weight behind stops the run in one line instead of sampling from another model. vLLM's NCCL and CUDA-IPC
     transfer engines (`/init_weight_transfer_engine`, `/update_weights`) move weights without a file between GPUs;
     they are not used here (no GPU has run them with grpo-cli yet: docs/sampling-vllm.md).
 A version is used only once the server said it loaded it, so a trainer killed mid-push leaves the server serving
@@ -74,7 +76,7 @@ from grpo_cli.checkpoint import WEIGHTS_INDEX
 from grpo_cli.checks import Check, Rule, get, is_num
 from grpo_cli.distributed import init_world
 from grpo_cli.errors import ConfigError, DataError, RunError
-from grpo_cli.fsdp import sharded, weights_stamp, whole_parts
+from grpo_cli.fsdp import root_gathered, sharded, weights_stamp, whole_parts
 from grpo_cli.policy import adapter_enabled, trains_adapter
 from grpo_cli.rollout import Rollout, Sampler, encode_prompts, finish, pad_id, render_prompts, request_seeds
 from grpo_cli.rollout.adapter import write_adapter
@@ -89,6 +91,12 @@ MAX_IN_FLIGHT = 64
 # the probe's tolerance: mean |log-prob difference| per token between the server's base model and the policy's base,
 # in nats; the same weights in fp32 differ by ~1e-4, bf16 by ~1e-2, another model by whole nats
 PROBE_TOLERANCE = 0.25
+# after a full push the server must answer the probe as the weights it was sent do: a mean gap of at most PUSH_FACTOR
+# times the start's (what the two sides' precisions cost on this model), and never less than PUSH_FLOOR nats.
+# SmolLM2, measured: vLLM and HF in fp32 ~1e-5; HF's bf16 forward against its fp32 one 0.10 at the start, 0.08-0.30
+# after random 2% moves of every weight; vLLM in fp32 with the LM head left as it started, after such a move, 0.21
+PUSH_FACTOR = 4
+PUSH_FLOOR = 0.01
 # vLLM 0.32's models that compute a tied model's logits with the embedding layer itself (no LM head of their own):
 # their loader refuses a weight named for a head, and the embeddings' reload refreshes what computes the logits
 NO_HEAD = frozenset({"CohereForCausalLM", "Cohere2ForCausalLM", "Cohere2MoeForCausalLM", "Gemma2ForCausalLM",
@@ -126,6 +134,7 @@ class VLLMServerSampler(Sampler):
         self._written: Path | None = None  # the folder of the version the server holds (deleted at the next push)
         self.last_push: dict = {}  # bytes and seconds of the newest push (docs/speed.md)
         self.held: list[str] = []  # versions that rollouts in flight name (Pending): unloaded only once taken
+        self._start_gap = 0.0  # the model check's mean log-prob gap: the two sides' precision, the push check's scale
         self._loaded: list[str] = []  # adapter versions this process loaded and has not unloaded
 
     # ---- the contract ------------------------------------------------------------------------
@@ -250,34 +259,56 @@ class VLLMServerSampler(Sampler):
     def _check_model(self, policy, served: dict) -> None:
         """Refuse a server whose model is not the policy's base: its vocabulary size, then the mean |difference|
         of the log-probs both give a probe prompt (prompt_logprobs, no sampling)."""
-        base = base_model(policy)
-        vocab = base.config.vocab_size
-        probe = [i % vocab for i in (1, 3, 7, 15, 31, 63, 127, 255, 511, 1023, 2047, 4095, 8191, 16383)]
-        body = {"model": self.base_name, "prompt": probe, "max_tokens": 1, "prompt_logprobs": 0, "logprobs": 0,
-                "temperature": 0.0, "return_token_ids": True}
-        device = next(policy.parameters()).device
-        ids = torch.tensor([probe], device=device)
         # a sharded base (trainer.fsdp) gathers each layer in this forward: every rank runs it (connect runs on every
         # rank), before any request that could fail on one rank alone
         with adapter_enabled(policy, False):
-            logits = policy(input_ids=ids).logits.float()  # [1, P, V]
-        ours = torch.log_softmax(logits[0, :-1], -1).gather(-1, ids[0, 1:, None])[:, 0].cpu()  # [P - 1]
-        out = self.post("/v1/completions", body)["choices"][0]
-        theirs = [_prompt_logprob(entry, tok) for entry, tok in zip(out["prompt_logprobs"][1:], probe[1:])]
-        gap = (ours - torch.tensor(theirs)).abs().mean().item()
+            probe, ours = _probe_logprobs(policy)
+        gap = self._probe_gap(probe, ours)
         if gap > PROBE_TOLERANCE or served.get("max_model_len") is None:
             raise ConfigError(f"the vLLM server at {self.url} serves another model than this run's "
                               f"({self.base_name}: log-probs of a probe prompt differ by {gap:.3g} nats on average "
                               f"from the policy's base, > {PROBE_TOLERANCE}); start the server for this model with: "
                               f"{START}")
+        self._start_gap = gap
+
+    @torch.no_grad()
+    def _check_push(self, policy, world) -> None:
+        """After a full push, the server answers the probe as the weights it was sent do, or the run stops in one line:
+        a reload that left a weight behind (vLLM's CPU build kept its LM head's packed copy of the embeddings before
+        the head was written under its own name) samples from another model without a sound. The policy's forward
+        runs on every rank that joined the push (a sharded policy gathers in it); rank 0 asks the server."""
+        # a sharded root keeps its weights gathered after a forward (FSDP's default): freed again at the end, so the
+        # update starts from the shards as it does without the check
+        with root_gathered(policy):
+            probe, ours = _probe_logprobs(policy)
+        if not world.main:
+            return
+        gap = self._probe_gap(probe, ours)
+        limit = max(PUSH_FLOOR, PUSH_FACTOR * self._start_gap)
+        self.last_push["gap"] = gap
+        if gap > limit:
+            raise RunError(f"the vLLM server at {self.url} answers a probe prompt {gap:.3g} nats on average from the "
+                           f"weights just pushed (> {limit:.3g}): its reload_weights left a weight behind (on vLLM's "
+                           f"CPU build: a layer's packed copy it did not refresh); sample a full-parameter run "
+                           f"with sampler=vllm, model.finetune=lora, or a server on a GPU; the run's checkpoints are "
+                           f"as they were")
+
+    def _probe_gap(self, probe: list[int], ours: torch.Tensor) -> float:
+        """Mean |our log-prob - the server's| over the probe's tokens after the first (the base model's name)."""
+        body = {"model": self.base_name, "prompt": probe, "max_tokens": 1, "prompt_logprobs": 0, "logprobs": 0,
+                "temperature": 0.0, "return_token_ids": True}
+        out = self.post("/v1/completions", body)["choices"][0]
+        theirs = [_prompt_logprob(entry, tok) for entry, tok in zip(out["prompt_logprobs"][1:], probe[1:])]
+        return (ours - torch.tensor(theirs)).abs().mean().item()
 
     @torch.no_grad()
     def _push(self, policy) -> None:
         """The policy's current weights to the server when they changed since the last push: the adapter (LoRA) or
         every weight (full); rank 0 pushes, every rank then samples the version it names. A full-parameter policy
         sharded over the ranks (trainer.fsdp) is gathered for the push by every rank, a layer at a time (a LoRA
-        policy's adapter is whole on rank 0). With adapters off (eval's base pass) requests name the base model, and
-        the adapter stays loaded for the pass after."""
+        policy's adapter is whole on rank 0), and the server's answer to the probe prompt checked after it
+        (`_check_push`). With adapters off (eval's base pass) requests name the base model, and the adapter stays
+        loaded for the pass after."""
         if self.base_name is None:
             self.connect(policy)
         world = init_world()
@@ -300,6 +331,8 @@ class VLLMServerSampler(Sampler):
                 name, sent = self._push_full(policy, world)
             if world.main:
                 self.last_push = {"bytes": sent, "seconds": time.perf_counter() - t, "name": name}
+            if not adapters:  # the server against what it was sent: a forward on every rank that pushed
+                self._check_push(policy, world)
         self.serving = world.broadcast(name)  # also: no rank samples before rank 0's push has finished
         self._pushed = stamp
 
@@ -487,6 +520,17 @@ def tied_head(model) -> tuple[str, str] | None:
     head_name = next(name for name, m in model.named_modules() if m is head) + ".weight"
     name = first.get(id(head.weight))
     return (name, head_name) if name is not None and name != head_name else None
+
+
+@torch.no_grad()
+def _probe_logprobs(policy) -> tuple[list[int], torch.Tensor]:
+    """The probe prompt (token ids spread over the vocabulary) and the policy's log-prob of each token after the
+    first, [P - 1] on the host: the policy's forward as it is now (the caller turns adapters off for the base)."""
+    vocab = base_model(policy).config.vocab_size
+    probe = [i % vocab for i in (1, 3, 7, 15, 31, 63, 127, 255, 511, 1023, 2047, 4095, 8191, 16383)]
+    ids = torch.tensor([probe], device=next(policy.parameters()).device)
+    logits = policy(input_ids=ids).logits.float()  # [1, P, V]
+    return probe, torch.log_softmax(logits[0, :-1], -1).gather(-1, ids[0, 1:, None])[:, 0].cpu()
 
 
 def _choice(choice: dict) -> tuple[list[int], list[float]]:

@@ -108,6 +108,7 @@ def test_fsdp_ranks_push_to_one_server_from_rank_0(tmp_path):
     assert not torch.equal(second[changed], first[changed])  # rank 1's shard moved: the push saw it
     head = whole["model.embed_tokens.weight"].numel() * 4
     assert full["last_push"]["bytes"] == sum(v.numel() * 4 for v in whole.values()) + head
+    assert full["last_push"]["gap"] < 1e-5  # the check after the push: the server answers as the gathered policy
     # the weights each rank holds as shards (gathered or not) are the same on both: FSDP's gathers pair up
     assert full["held"][0] == full["held"][1]
 

@@ -133,14 +133,29 @@ def test_full_weights_are_pushed_a_file_per_part_and_reloaded_in_place(policy_an
 def test_a_tied_lm_head_is_pushed_under_its_own_name_too(policy_and_tokenizer, tmp_path):
     """vLLM's CPU build computes the logits with its own packed copy of the tied embeddings, which its reload
     refreshes only from a weight named lm_head.weight (the stand-in does the same): the push writes the embeddings
-    under that name as well, so the server answers with the pushed head."""
+    under that name as well, so the server answers with the pushed head, and the check after the push passes."""
     server = _full_push(policy_and_tokenizer, tmp_path)
     _, weights = server.reloaded[-1]
     embeddings = server.policy.model.embed_tokens.weight.detach()
     assert torch.equal(weights["lm_head.weight"], embeddings)
     assert torch.equal(server.served.lm_head.weight.detach(), embeddings)  # the server's head moved with the push
+    # probes: the model check at the start, then one after each of the 2 pushes, each the policy's own (fp32 both)
+    probes = [b for p, b in server.requests if p == "/v1/completions" and b.get("prompt_logprobs") is not None]
+    assert len(probes) == 3 and server.sampler.last_push["gap"] < 1e-5
     own = dict(server.policy.named_parameters())
     assert server.sampler.last_push["bytes"] == sum(v.numel() * 4 for v in own.values()) + embeddings.numel() * 4
+
+
+def test_a_server_whose_reload_leaves_the_tied_head_behind_stops_the_run_in_one_line(policy_and_tokenizer, tmp_path):
+    """A server whose reload never refreshes its LM head's copy (vLLM's CPU build before the head was pushed under its
+    own name, or a model whose loader skips it): after the push its log-probs are another model's, and the run
+    stops with the problem and the fixes instead of sampling from a head that never moves."""
+    with pytest.raises(RunError) as err:
+        _full_push(policy_and_tokenizer, tmp_path, refreshes_head=False)
+    line = str(err.value)
+    assert line.startswith("the vLLM server at http://127.0.0.1:") and len(line.splitlines()) == 1
+    assert "nats on average from the weights just pushed" in line, line
+    assert "sampler=vllm, model.finetune=lora, or a server on a GPU" in line, line
 
 
 def test_the_tied_head_is_found_by_identity_and_left_out_where_vllm_has_none():
