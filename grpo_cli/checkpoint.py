@@ -481,7 +481,7 @@ def init_adapter_problems(cfg: DictConfig) -> list[str]:
         return []
     if not isinstance(folder, str) or not folder:
         return [f"model.init_adapter ({folder!r}) must be a folder path or null; set model.init_adapter=null"]
-    if OmegaConf.select(cfg, "model.finetune", default="lora") != "lora":
+    if OmegaConf.select(cfg, "model.finetune") == "full":
         return ["model.init_adapter starts a LoRA adapter, but model.finetune is full; set model.finetune=lora, "
                 "or model.init_adapter=null"]
     path = Path(folder).expanduser()

@@ -202,7 +202,7 @@ def why_eager(cfg, setting) -> str | None:
         return "compiling a decoder sharded by FSDP is not tried"
     if setting == "auto" and model.loader.get("_target_") == "grpo_cli.policy.load_tiny_random":
         return "model=tiny's update is too small to pay back a compile (trainer.compile=true compiles it)"
-    if setting == "auto" and model.get("quantization"):
+    if setting == "auto" and model.quantization:
         return "a 4-bit base's bitsandbytes layers are not compiled under auto (trainer.compile=true tries them)"
     return None
 

@@ -16,8 +16,8 @@ from grpo_cli import checkpoint
 from grpo_cli.config import validate
 from grpo_cli.errors import CheckpointError, ConfigError
 from grpo_cli.metrics.console import console
-from grpo_cli.policy import build_policy, finetune
-from grpo_cli.runs import read_saved
+from grpo_cli.policy import build_policy
+from grpo_cli.runs import read_saved, upgrade
 
 # what a checkpoint's config.yaml supplies to eval and sample unless the command line says otherwise (env: a run
 # trained with tools is evaluated with them)
@@ -159,12 +159,12 @@ _NOT_IDENTITY = ("cache_dir",)
 
 def _base_identity(model_cfg) -> dict:
     """{dotted key: value} of what decides the weights under a LoRA adapter and the adapter's shape."""
-    loader = OmegaConf.to_container(model_cfg.get("loader") or {}, resolve=True)
+    loader = OmegaConf.to_container(model_cfg.loader, resolve=True)
     out = {f"loader.{k}": v for k, v in loader.items() if k not in _NOT_IDENTITY}
-    out["finetune"] = finetune(model_cfg)
+    out["finetune"] = model_cfg.finetune
     if out["finetune"] == "full":  # every weight is in the checkpoint: no adapter shape to agree on
         return out
-    lora = model_cfg.get("lora") or {}
+    lora = model_cfg.lora
     out.update({f"lora.{k}": OmegaConf.to_container(lora[k]) if OmegaConf.is_list(lora[k]) else lora[k]
                 for k in ("r", "alpha", "target_modules") if k in lora})  # lora.dropout is off in eval
     return out
@@ -202,7 +202,7 @@ def inference_config(cfg, overrides: list[str], checkpoints: list, checks: tuple
         cfg = _iterative_reward(cfg, saved, Path(first), overrides)
         ours = _base_identity(cfg.model)
         for ckpt in (c for c in checkpoints if c is not None):
-            theirs = _base_identity(checkpoint.load_config(ckpt).model)
+            theirs = _base_identity(upgrade(checkpoint.load_config(ckpt)).model)
             key = next((k for k in sorted(ours.keys() | theirs.keys()) if ours.get(k) != theirs.get(k)), None)
             if key is not None:
                 raise ConfigError(f"{ckpt} was trained with model.{key}={theirs.get(key)!r}, not {ours.get(key)!r}: "

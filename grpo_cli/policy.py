@@ -318,11 +318,6 @@ def apply_lora(model, r: int, alpha: int, dropout: float, target_modules: list[s
 FINETUNE = ("lora", "full")
 
 
-def finetune(model_cfg) -> str:
-    """What trains: lora or full. A run saved before model.finetune existed has no such key: LoRA, as it had then."""
-    return model_cfg.get("finetune") or "lora"
-
-
 def trains_adapter(policy) -> bool:
     """The policy is a peft model (model.finetune=lora), not the plain causal LM of model.finetune=full."""
     return isinstance(policy, PeftModel)
@@ -335,16 +330,14 @@ def build_policy(model_cfg):
     The base loads onto the device before LoRA wraps it, so the adapter's weights are made there too.
     """
     device = resolve_device(model_cfg.device)
-    # a run saved before quantization existed has no such key: a full-precision base, as it had then
-    four_bit = model_cfg.get("quantization") == "4bit"
+    four_bit = model_cfg.quantization == "4bit"
     # a 4-bit base loads into host memory and each linear layer is quantized as it moves to the device
-    # a run saved before attn_implementation existed has no such key: transformers' choice, as it had then
     base, tokenizer = build(model_cfg.loader, dtype=resolve_dtype(model_cfg.dtype, device),
                             device=torch.device("cpu") if four_bit else device,
-                            attn_implementation=model_cfg.get("attn_implementation"))
+                            attn_implementation=model_cfg.attn_implementation)
     if four_bit:
         base = quantize.quantize_4bit(base, device)
-    if finetune(model_cfg) == "full":
+    if model_cfg.finetune == "full":
         return base.to(device).requires_grad_(True), tokenizer, device
     policy = apply_lora(base.to(device), **model_cfg.lora)
     return policy, tokenizer, device

@@ -159,8 +159,7 @@ def setup(cfg: DictConfig, run_dir: Path, world: World, why: str) -> Run:
     loss = build_loss(algo)
     policy, tokenizer, device = build_policy(cfg.model)
     use_chat_template(tokenizer, data.chat_template, data.chat_template_kwargs)
-    # a run saved before model.init_adapter existed has no such key: a fresh adapter, as it had then
-    if cfg.model.get("init_adapter"):  # before a resume, which loads the run's own adapter over it
+    if cfg.model.init_adapter:  # before a resume, which loads the run's own adapter over it
         console.print(checkpoint.start_from(policy, cfg.model.init_adapter, loss.needs_reference))
     frozen = keep_reference(policy, loss.needs_reference)  # model.finetune=full: the initial weights, if β > 0
     if frozen:

@@ -32,7 +32,7 @@ import urllib.parse
 from omegaconf import DictConfig
 
 from grpo_cli.errors import ConfigError
-from grpo_cli.policy import embedded_folder, finetune, resolve_device, resolve_dtype
+from grpo_cli.policy import embedded_folder, resolve_device, resolve_dtype
 
 # vLLM's LoRA ranks (its LoRAConfig.max_lora_rank accepts only these)
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -75,7 +75,7 @@ def command(cfg: DictConfig) -> tuple[list[str], dict[str, str]]:
             "--max-model-len", str(longest), "--seed", "0", "--logprobs-mode", "raw_logprobs",
             "--generation-config", "vllm", "--enable-prefix-caching"]
     env = {}
-    if finetune(model) == "lora":
+    if model.finetune == "lora":
         argv += ["--enable-lora", "--max-lora-rank", str(max_lora_rank(model.lora.r)), "--max-loras",
                  str(sampler.max_loras)]
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"

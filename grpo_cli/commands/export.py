@@ -50,7 +50,7 @@ from grpo_cli.config import validate
 from grpo_cli.errors import ConfigError, RunError
 from grpo_cli.inference import inherit, pick, say_checkpoint, warn
 from grpo_cli.metrics.console import console, progress
-from grpo_cli.policy import build_policy, finetune, resolve_device, resolve_dtype, trains_adapter
+from grpo_cli.policy import build_policy, resolve_device, resolve_dtype, trains_adapter
 from grpo_cli.runs import read_saved
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -132,7 +132,7 @@ def run(cfg: DictConfig, overrides: list[str] = ()) -> Path:
     cfg = inherit(cfg, OmegaConf.create({"model": saved.model}), list(overrides))
     cfg.model.device, cfg.model.dtype = "cpu", "float32"
     validate(cfg)
-    if finetune(cfg.model) == "full" and not export_cfg.merge:
+    if cfg.model.finetune == "full" and not export_cfg.merge:
         raise ConfigError(f"export.merge=false writes a LoRA adapter, and {ckpt} trained every weight "
                           f"(model.finetune=full): there is no adapter; drop export.merge=false")
     step = json.loads((ckpt / "trainer_state.json").read_text()).get("step")
@@ -174,7 +174,7 @@ def _write(cfg: DictConfig, ckpt: Path, out: Path, step, dtype: str) -> tuple[di
             # a 4-bit base (model.quantization=4bit): dequant(W) + ΔW in float32; peft's merge would quantize it again
             if full:
                 merged = policy
-            elif cfg.model.get("quantization"):
+            elif cfg.model.quantization:
                 merged = quantize.merge_dequantized(policy)
             else:
                 merged = policy.merge_and_unload()
@@ -191,7 +191,7 @@ def _write(cfg: DictConfig, ckpt: Path, out: Path, step, dtype: str) -> tuple[di
             (tmp / "README.md").unlink(missing_ok=True)  # peft's empty model card
         tokenizer.save_pretrained(tmp)
         record = {"checkpoint": str(ckpt.resolve()), "step": step, "merged": export_cfg.merge,
-                  "dtype": dtype, "quantization": cfg.model.get("quantization"), "finetune": finetune(cfg.model),
+                  "dtype": dtype, "quantization": cfg.model.quantization, "finetune": cfg.model.finetune,
                   "base_model": base,
                   "grpo_cli_version": __version__}
         (tmp / "export.json").write_text(json.dumps(record, indent=1) + "\n")

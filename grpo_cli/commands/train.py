@@ -180,7 +180,7 @@ def check_world(cfg: DictConfig, size: int) -> list[str]:
             errors.append(f"trainer.fsdp=true cannot sample with {target}: its weight push reads whole weights on "
                           f"every rank, which FSDP does not hold; set sampler=vllm_server, sampler=default, or "
                           f"trainer.fsdp=false")
-        if cfg.model.get("quantization"):  # FSDP2 would shard bitsandbytes' packed 4-bit weights: never tried
+        if cfg.model.quantization:  # FSDP2 would shard bitsandbytes' packed 4-bit weights: never tried
             errors.append(f"trainer.fsdp=true with model.quantization={cfg.model.quantization} is not supported: "
                           f"FSDP sharding of a 4-bit base has not been built or tested; set model.quantization=null "
                           f"(the base sharded in full precision) or trainer.fsdp=false (a 4-bit base on every rank)")
