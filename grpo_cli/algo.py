@@ -8,7 +8,8 @@
   that must agree.
 - `loss_settings(algo)`: the `LossSettings` record of the section; its fields are the keys that are loss settings,
   named once in grpo_cli/objective/settings.py. objective/ takes that record and scalars, never a config.
-- `upgrade_loss_node(cfg)`: a run saved when `algo.loss` listed the loss settings as its own keys, made to resume.
+- `upgrade_loss_node(cfg)`: a run saved when `algo.loss` listed the loss settings as its own keys, made to resume
+  (runs.upgrade calls it).
 """
 
 from __future__ import annotations
@@ -78,9 +79,9 @@ LOSS_CHECKS: list[Check] = [Rule(f"algo.{name}", *LOSS_RULES[name]) for name in 
 
 
 def loss_settings(algo: DictConfig | dict) -> LossSettings:
-    """The loss's settings, read once from the algo section. A key that a run saved before the setting existed
-    lacks takes the field's default, the value that turns it off (what that run trained with)."""
-    return LossSettings(**{name: algo[name] for name in LOSS_SETTINGS if name in algo})
+    """The loss's settings, read once from the algo section (a run saved before one of them existed has it from
+    runs.upgrade)."""
+    return LossSettings(**{name: algo[name] for name in LOSS_SETTINGS})
 
 
 def build_loss(algo: DictConfig, **changes: Any) -> Loss:

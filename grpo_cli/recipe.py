@@ -194,7 +194,7 @@ def setup(cfg: DictConfig, run_dir: Path, world: World, why: str) -> Run:
                              trainer.completions_max_mb)  # every rank gives its completions, rank 0 writes
     return Run(cfg, Path(run_dir), world, policy, tokenizer, device, sampler, rewards, prompts, keep, loss, optimizer,
                scheduler, torch.Generator(), log, samples, {"step": 0, "history": [], "dtype": dtype}, decoder,
-               heldout, Ahead(algo.get("max_staleness") or 0))
+               heldout, Ahead(algo.max_staleness))
 
 
 def resume(run: Run, ckpt: Path) -> None:
@@ -234,9 +234,8 @@ def step(run: Run, n: int) -> StepRecord:
     kept, draws, t_rollout = _explore(run, n, reward)
 
     # 4. advantages: normalized within each group of G
-    # a run saved before algo.advantage lacks it: GRPO's group mean, the only baseline then
     adv = advantages(kept.result, kept.rollout, run.tokenizer, algo.group_size, algo.advantage_scale,
-                     algo.advantage_std, world, estimator=algo.get("advantage", "grpo"))
+                     algo.advantage_std, world, estimator=algo.advantage)
 
     # 5. update: reference and old log-probs first, then μ passes of the clipped objective
     t1 = time.perf_counter()

@@ -4,8 +4,9 @@ Each field is the `algo` key of the same name (conf/algo/grpo.yaml holds its val
 grpo_cli/algo.py reads the record once from the section and checks every field before a model loads). The loss
 (`grpo_loss`, `GRPOLoss`) and the per-token terms (`surrogate.SURROGATES`) read their values from it.
 
-The defaults are DeepSeekMath's §4.1 values (β 0.04, ε 0.2, k3, the per-sequence mean), and for each setting added
-since, the value that turns it off: what a run saved before that setting existed trains with.
+A run's settings all come from its `algo` section (a run saved before one existed has it from runs.upgrade). The
+defaults serve code that builds a loss by hand (the tests, scripts/loss_vs_trl.py): DeepSeekMath's §4.1 values
+(β 0.04, ε 0.2, k3, the per-sequence mean), and for each setting added since, the value that turns it off.
 """
 
 from __future__ import annotations
