@@ -263,7 +263,11 @@ class VLLMServerSampler(Sampler):
         # rank), before any request that could fail on one rank alone
         with adapter_enabled(policy, False):
             probe, ours = _probe_logprobs(policy)
-        gap = self._probe_gap(probe, ours)
+        # rank 0 alone asks, and every rank takes its answer: vLLM 0.32's CPU build with LoRA on fails two
+        # prompt-logprob requests at once (its LoRA logits path sizes its indices by request, not by prompt token:
+        # the engine dies), which N ranks starting together sent
+        world = init_world()
+        gap = world.broadcast(self._probe_gap(probe, ours) if world.main else None)
         if gap > PROBE_TOLERANCE or served.get("max_model_len") is None:
             raise ConfigError(f"the vLLM server at {self.url} serves another model than this run's "
                               f"({self.base_name}: log-probs of a probe prompt differ by {gap:.3g} nats on average "

@@ -112,6 +112,12 @@ def test_fsdp_ranks_push_to_one_server_from_rank_0(tmp_path):
     # the weights each rank holds as shards (gathered or not) are the same on both: FSDP's gathers pair up
     assert full["held"][0] == full["held"][1]
 
+    # the model check at each start asks the server once, from rank 0 (two ranks asking at once crash vLLM 0.32's
+    # CPU build with LoRA on: its LoRA logits path sizes its indices by request, not by prompt token); the full
+    # case's two pushes each add one check of their own
+    probes = [b for p, b in server.requests if p == "/v1/completions" and b.get("prompt_logprobs") is not None]
+    assert len(probes) == 2 + 2, len(probes)
+
     # LoRA: rank 0 loads each version once; the base is held on every rank as on the others, after each push
     lora = json.loads((tmp_path / "lora.json").read_text())
     loads = [b for p, b in server.requests if p == "/v1/load_lora_adapter"]
