@@ -107,9 +107,14 @@ def episodes(folder: Path) -> tuple[list[dict], list[dict]]:
     return sampled, [r["greedy"] for r in rows]
 
 
+# what the game answers a guess (guess_game): any other result is an error, a call that did not run as a guess
+ANSWERS = ("higher", "lower", "correct", "wrong", "the game is over")
+
+
 def guesses(turns: list[dict]) -> list[tuple[int, str]]:
-    """(number guessed, the answer the model read) of each guess an episode made, in order. A turn whose calls did
-    not all parse (its results then outnumber its calls) is left out: its calls and results cannot be paired."""
+    """(number guessed, the answer the model read) of each guess an episode made, in order: a call of guess whose
+    result is the game's answer (not an error: a bad argument). A turn whose calls did not all parse (its results
+    then outnumber its calls) is left out: its calls and results cannot be paired."""
     out = []
     for k, message in enumerate(turns):
         if message["role"] != "assistant" or not message.get("tool_calls"):
@@ -124,7 +129,7 @@ def guesses(turns: list[dict]) -> list[tuple[int, str]]:
             continue
         for c, answer in zip(calls, results):
             n = c["function"]["arguments"].get("n") if isinstance(c["function"]["arguments"], dict) else None
-            if c["function"]["name"] == "guess" and isinstance(n, (int, float)):
+            if c["function"]["name"] == "guess" and isinstance(n, (int, float)) and answer in ANSWERS:
                 out.append((int(n), answer))
     return out
 
@@ -165,9 +170,13 @@ def summary(folder: Path) -> dict:
         per_game.setdefault(e["game"], []).append(w)
     moved, followed = hinted_moves([e.get("turns", []) for e in sampled])
     config = json.loads((folder / "eval.json").read_text())["config"]
+    # calls: episodes with a guess that ran (a call that parsed, named guess and gave a number); attempts: episodes
+    # with any call, malformed ones included
     return {"game": config["env"]["factory"], "episodes": len(sampled), "wins": sum(won),
             "success": sum(won) / len(won), "wilson": wilson_interval(sum(won), len(won)),
-            "bootstrap": cluster_bootstrap(per_game), "calls": sum(e.get("tool_calls", 0) > 0 for e in sampled),
+            "bootstrap": cluster_bootstrap(per_game), "calls": sum(bool(guesses(e.get("turns", []))) for e in sampled),
+            "attempts": sum(e.get("tool_calls", 0) > 0 for e in sampled),
+            "guesses": sum(len(guesses(e.get("turns", []))) for e in sampled),
             "moved": moved, "followed": followed, "greedy_wins": sum(bool(g["reward"]) for g in greedy),
             "greedy": len(greedy)}
 
@@ -183,7 +192,9 @@ def probe(args) -> dict:
     (args.out / "probe.json").write_text(json.dumps(result, indent=1))
     lines = [f"probe (base model, secrets 1-{args.top}, {args.demos} demonstrated game(s), {s['episodes']} episodes "
              f"at T={TEMPERATURE}):",
-             f"  episodes that call the tool: {s['calls']}/{s['episodes']} = {share:.3f} (gate >= {PROBE_CALLS})",
+             f"  episodes that call the tool (a guess that ran): {s['calls']}/{s['episodes']} = {share:.3f} "
+             f"(gate >= {PROBE_CALLS}); with any call, malformed ones included: {s['attempts']}/{s['episodes']}; "
+             f"guesses that ran: {s['guesses']}",
              f"  success: {s['wins']}/{s['episodes']} = {s['success']:.3f}, Wilson 95% "
              f"[{s['wilson'][0]:.3f}, {s['wilson'][1]:.3f}], bootstrap over secrets "
              f"[{s['bootstrap'][0]:.3f}, {s['bootstrap'][1]:.3f}] (gate {PROBE_SUCCESS[0]}-{PROBE_SUCCESS[1]})",

@@ -116,9 +116,9 @@ def tool(text: str) -> dict:
 def test_the_hinted_direction_share_counts_each_next_guess_after_a_hint():
     episode_a = [guess_turn(8), tool("higher"), guess_turn(12), tool("lower"), guess_turn(13), tool("correct")]
     # two calls in one turn pair with their two results in order; a turn whose calls did not all parse (one result
-    # more than its calls) is left out
+    # more than its calls) is left out, and so is a call whose result is an error (it did not run as a guess)
     episode_b = [guess_turn(5, 3), tool("lower"), tool("higher"), guess_turn(4), tool("error"), tool("lower"),
-                 guess_turn(2), tool("lower")]
+                 guess_turn(2), tool("lower"), guess_turn(6), tool("{'error': 'TypeError: ... argument m'}")]
     assert run.guesses(episode_a) == [(8, "higher"), (12, "lower"), (13, "correct")]
     assert run.guesses(episode_b) == [(5, "lower"), (3, "higher"), (2, "lower")]
     # a: 8 higher -> 12 (moved up: yes), 12 lower -> 13 (no); b: 5 lower -> 3 (yes), 3 higher -> 2 (no)
