@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -138,9 +138,7 @@ class SamplerSettings:
     top_k: int
     max_new_tokens: int
     max_prompt_tokens: int
-    # its one home is conf/sampler/*.yaml too; this fallback serves runs saved before the key existed, whose
-    # sampler section lacks it (keyword-only, so the engines' own required fields may follow it)
-    batch_size: int | None = field(default=None, kw_only=True)
+    batch_size: int | None
 
     def settings(self) -> SamplerSettings:
         """The shared settings alone (for a fallback engine built from another's)."""

@@ -104,11 +104,8 @@ class VLLMSampler(Sampler):
     cpu_kv_cache_gb: float | None
     gpu_memory_utilization: float
     enable_sleep_mode: bool
-    # the one fallback: a vLLM run saved before this key existed lacks it, and eval/sample/rm build the run's saved
-    # sampler section; 1 is how those runs sampled (an engine per process)
-    tensor_parallel_size: int = 1
-    # likewise for a run saved before sampler.weight_sync existed: those pushed merged weights
-    weight_sync: str = "merged"
+    tensor_parallel_size: int
+    weight_sync: str
 
     def __post_init__(self):
         self.llm = None  # the vLLM engine, once started
