@@ -64,9 +64,8 @@ class OutcomeReward:
     call on a batch, run where `worker` says (`guard.Guarded`).
     """
 
-    # worker keeps a fallback: a run saved before the key existed lacks it in its reward section (it gets today's)
     def __init__(self, functions: dict[str, Callable], weights: dict[str, float] | None, timeout_s: float | None,
-                 worker: str = "process"):
+                 worker: str):
         functions = dict(functions or {})
         if not functions:
             raise ConfigError("reward.functions is empty: add at least one, e.g. reward=arithmetic")
@@ -164,10 +163,8 @@ class ProcessReward:
     token's advantage gathers the steps after it, "sum" (the paper's) or "min" (PURE's).
     """
 
-    # process_weight, worker and credit keep a fallback: a process run saved before the key existed lacks it in its
-    # reward section (worker: it gets today's; credit: the sum it trained with)
     def __init__(self, scorer: Callable, outcome: dict[str, Callable] | None, timeout_s: float | None,
-                 process_weight: float | None = None, worker: str = "process", credit: str = "sum"):
+                 process_weight: float | None, worker: str, credit: str):
         if not callable(scorer):
             raise ConfigError("reward.scorer is not callable: give it a _target_ (and `_partial_: true` "
                               "for a plain function such as grpo_cli.rewards.steps.step_rewards)")

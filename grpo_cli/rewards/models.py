@@ -245,11 +245,10 @@ def outcome_reward_model(name_or_path: str | None, *, template: str, label: int,
 
 def process_reward_model(name_or_path: str | None, *, pattern: str | None, template: str, label: int,
                          sigmoid: bool, batch_size: int, device: str, dtype: str, trust_remote_code: bool,
-                         outcome: dict | None, timeout_s: float | None, revision: str | None = None, model=None,
-                         tokenizer=None, credit: str = "sum"):
+                         outcome: dict | None, timeout_s: float | None, credit: str, revision: str | None = None,
+                         model=None, tokenizer=None):
     """reward=prm: a `ProcessReward` over `TokenClassifierPRM`, from one flat config node
-    (`reward.name_or_path=...`); `outcome` functions are scored for metrics only. `credit` falls back to the sum
-    for a run saved before the key existed."""
+    (`reward.name_or_path=...`); `outcome` functions are scored for metrics only."""
     prm = TokenClassifierPRM(name_or_path, pattern=pattern, model=model, tokenizer=tokenizer, template=template,
                              label=label, sigmoid=sigmoid, batch_size=batch_size, device=device, dtype=dtype,
                              trust_remote_code=trust_remote_code, revision=revision)

@@ -87,8 +87,7 @@ class CustomReward(OutcomeReward):
     second function of the same name gets `_2`).
     """
 
-    # worker keeps a fallback: a run saved before the key existed lacks it in its reward section (it gets today's)
-    def __init__(self, funcs: Any, weights: Any, timeout_s: float | None, worker: str = "process"):
+    def __init__(self, funcs: Any, weights: Any, timeout_s: float | None, worker: str):
         specs = [funcs] if isinstance(funcs, str) else list(funcs or [])
         if not specs:
             raise ConfigError("reward.funcs is empty; name at least one function: reward.funcs=[my_rewards.fn]")

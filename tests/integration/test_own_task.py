@@ -283,7 +283,8 @@ def test_a_hub_name_without_network_fails_fast_with_the_local_fix(monkeypatch):
 
 def test_trl_documented_format_reward_runs_unchanged(tmp_path):
     (tmp_path / "trl_rewards.py").write_text(TRL_FORMAT_REWARD)
-    reward = CustomReward([f"{tmp_path}/trl_rewards.py:format_reward_func"], weights=None, timeout_s=None)
+    reward = CustomReward([f"{tmp_path}/trl_rewards.py:format_reward_func"], weights=None, timeout_s=None,
+                          worker="process")
     # the documentation's own test case, as our combiner hands it over: conversational prompts, text completions
     prompts = [[{"role": "assistant", "content": "What is the result of (1 + 2) * 4?"}],
                [{"role": "assistant", "content": "What is the result of (3 + 1) * 2?"}]]
@@ -300,7 +301,7 @@ def test_custom_reward_mixes_builtins_with_user_code_and_takes_async_functions(t
         "    return [1.0 if c.isupper() else 0.0 for c in completions]\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     reward = CustomReward(["mine.shout", "accuracy", "format", f"{tmp_path}/mine.py:shout"], [2.0, 1.0, 0.1, 1.0],
-                          timeout_s=None)
+                          timeout_s=None, worker="process")
     assert list(reward.weights) == ["shout", "accuracy", "format", "shout_2"]  # a second `shout` gets _2
     out = reward(["q", "q"], ["YES 7", "no 8"], {"answer": ["7", "7"]})
     # YES 7: 2 x 1 (shout) + 1 x 1 (accuracy) + 0.1 x 0 (format) + 1 x 1 (shout_2) = 4.0; no 8: 0 + 0 + 0 + 0
@@ -314,7 +315,7 @@ def test_a_reward_that_needs_a_missing_column_is_named():
         check_columns(load_reward("arithmetic"), answerless)
     check_columns(load_reward("arithmetic"), {**answerless, "answer": "1"})
     check_columns(OutcomeReward({"any": lambda prompts, completions, **_: [0.0] * len(completions)},
-                                weights=None, timeout_s=10.0), answerless)
+                                weights=None, timeout_s=10.0, worker="process"), answerless)
 
 
 def load_reward(name: str):

@@ -185,7 +185,7 @@ def test_process_weight_needs_an_outcome_function():
     from grpo_cli.rewards.steps import step_rewards
 
     with pytest.raises(ConfigError, match="reward.process_weight"):
-        ProcessReward(step_rewards, outcome=None, timeout_s=10.0, process_weight=1.0)
+        ProcessReward(step_rewards, outcome=None, timeout_s=10.0, process_weight=1.0, worker="process", credit="sum")
 
 
 # ---- issue #44: credit without an incentive to stop early or ramble to the cap -------------------------------------

@@ -28,7 +28,7 @@ def test_public_api_imports():
 
 def test_weighted_sum_and_none():
     reward = OutcomeReward({"a": constant(1.0, 0.0, None), "b": constant(0.5, None, None)},
-                           weights={"a": 2.0, "b": 1.0}, timeout_s=10.0)
+                           weights={"a": 2.0, "b": 1.0}, timeout_s=10.0, worker="process")
     result = reward(["p"] * 3, ["x", "y", "z"], {})
     # 2*1 + 1*0.5 = 2.5; 2*0 + (b gave None) = 0.0; nobody scored -> None
     assert result.rewards == [2.5, 0.0, None]
@@ -37,7 +37,8 @@ def test_weighted_sum_and_none():
 
 
 def test_missing_weight_is_one():
-    reward = OutcomeReward({"a": constant(1.0), "b": constant(2.0)}, weights={"a": 3.0}, timeout_s=10.0)
+    reward = OutcomeReward({"a": constant(1.0), "b": constant(2.0)}, weights={"a": 3.0}, timeout_s=10.0,
+                           worker="process")
     result = reward(["p"], ["x"], {})
     # 3*1 + 1*2 = 5
     assert result.rewards == [5.0]
@@ -65,7 +66,8 @@ def test_raising_function_costs_only_its_completions(caplog):
             raise ValueError("cannot score 'bad'")
         return [1.0] * len(completions)
 
-    reward = OutcomeReward({"picky": picky, "other": constant(0.5, 0.5, 0.5)}, weights=None, timeout_s=10.0)
+    reward = OutcomeReward({"picky": picky, "other": constant(0.5, 0.5, 0.5)}, weights=None, timeout_s=10.0,
+                           worker="process")
     with caplog.at_level(logging.WARNING, logger="grpo_cli.rewards"):
         result = reward(["p"] * 3, ["good", "bad", "good"], {})
         reward(["p"] * 3, ["good", "bad", "good"], {})
@@ -81,7 +83,8 @@ def test_always_raising_function():
     def broken(prompts, completions, **_):
         raise RuntimeError("boom")
 
-    result = OutcomeReward({"broken": broken}, weights=None, timeout_s=10.0)(["p", "p"], ["x", "y"], {})
+    reward = OutcomeReward({"broken": broken}, weights=None, timeout_s=10.0, worker="process")
+    result = reward(["p", "p"], ["x", "y"], {})
     assert result.rewards == [None, None] and result.failures == 1
 
 
@@ -125,19 +128,22 @@ def test_a_hung_call_in_a_worker_process_costs_that_call_only(tmp_path):
 
 
 def test_malformed_output_is_a_failure():
-    nan = OutcomeReward({"nan": constant(math.nan, 1.0)}, weights=None, timeout_s=10.0)(["p", "p"], ["x", "y"], {})
+    nan = OutcomeReward({"nan": constant(math.nan, 1.0)}, weights=None, timeout_s=10.0,
+                        worker="process")(["p", "p"], ["x", "y"], {})
     # NaN is no score, not a failure
     assert nan.rewards == [None, 1.0] and nan.failures == 0
-    short = OutcomeReward({"short": constant(1.0)}, weights=None, timeout_s=10.0)(["p", "p"], ["x", "y"], {})
+    short = OutcomeReward({"short": constant(1.0)}, weights=None, timeout_s=10.0,
+                          worker="process")(["p", "p"], ["x", "y"], {})
     # one score for two completions: the batch call fails; one by one, each single call returns 1.0
     assert short.failures == 1 and short.rewards == [1.0, 1.0]
-    text = OutcomeReward({"text": constant("high", "low")}, weights=None, timeout_s=10.0)(["p", "p"], ["x", "y"], {})
+    text = OutcomeReward({"text": constant("high", "low")}, weights=None, timeout_s=10.0,
+                         worker="process")(["p", "p"], ["x", "y"], {})
     assert text.rewards == [None, None] and text.failures == 1
 
 
 def test_inline_without_timeout():
     # timeout_s null: called on this thread, so math-verify may use its own signal timeouts
-    reward = OutcomeReward({"accuracy": accuracy}, weights=None, timeout_s=None)
+    reward = OutcomeReward({"accuracy": accuracy}, weights=None, timeout_s=None, worker="process")
     result = reward(["p"], ["\\boxed{\\sqrt{4}}"], {"answer": ["2"]})
     assert result.rewards == [1.0]
 
@@ -157,13 +163,13 @@ def test_math_verify_in_a_worker(worker):
 ])
 def test_outcome_config_errors(kwargs, message):
     with pytest.raises(ConfigError, match=message):
-        OutcomeReward(**{"weights": None, "timeout_s": 10.0, **kwargs})
+        OutcomeReward(**{"weights": None, "timeout_s": 10.0, "worker": "process", **kwargs})
 
 
 def test_config_error_inside_a_function_stops_the_run():
     # a bad option fails on every call: the user gets the fix, not a run with no rewards
     reward = OutcomeReward({"length": functools.partial(length_penalty, max_length=10, buffer=0)}, weights=None,
-                           timeout_s=10.0)
+                           timeout_s=10.0, worker="process")
     with pytest.raises(ConfigError, match="buffer"):
         reward(["p"], ["x"], {"completion_length": [3]})
 
@@ -171,13 +177,16 @@ def test_config_error_inside_a_function_stops_the_run():
 def test_misspelt_option_is_caught():
     # format_reward takes **_ (unknown columns), which would swallow a typo such as `mach`
     with pytest.raises(ConfigError, match="reward.functions.format.mach is not a parameter of format_reward"):
-        OutcomeReward({"format": functools.partial(format_reward, mach=1.0)}, weights=None, timeout_s=10.0)
+        OutcomeReward({"format": functools.partial(format_reward, mach=1.0)}, weights=None, timeout_s=10.0,
+                      worker="process")
     with pytest.raises(ConfigError, match="reward.scorer.corect is not a parameter"):
-        ProcessReward(functools.partial(step_rewards, corect=1.0), outcome=None, timeout_s=10.0)
+        ProcessReward(functools.partial(step_rewards, corect=1.0), outcome=None, timeout_s=10.0,
+                      process_weight=None, worker="process", credit="sum")
 
 
 def test_process_reward_sums_steps():
-    reward = ProcessReward(step_rewards, outcome={"accuracy": accuracy}, timeout_s=10.0)
+    reward = ProcessReward(step_rewards, outcome={"accuracy": accuracy}, timeout_s=10.0, process_weight=None,
+                           worker="process", credit="sum")
     completions = ["2 + 2 = 4\n#### 4", "2 + 2 = 5\nso\n#### 5", ""]
     result = reward(["p"] * 3, completions, {"answer": ["4", "4", "4"]})
     assert isinstance(result, RewardResult)
@@ -199,33 +208,40 @@ def test_process_reward_scorer_failures():
         raise RuntimeError("boom")
 
     for scorer in (outside, broken):
-        result = ProcessReward(scorer, outcome=None, timeout_s=10.0)(["p"], ["abc"], {})
+        result = ProcessReward(scorer, outcome=None, timeout_s=10.0, process_weight=None, worker="process",
+                               credit="sum")(["p"], ["abc"], {})
         assert result.steps == [[]] and result.rewards == [None] and result.failures == 1
 
 
 def test_process_reward_sorts_steps():
-    reward = ProcessReward(lambda prompts, completions, **_: [[(3, 0.5), (1, 0.25)]], outcome=None, timeout_s=10.0)
+    reward = ProcessReward(lambda prompts, completions, **_: [[(3, 0.5), (1, 0.25)]], outcome=None, timeout_s=10.0,
+                           process_weight=None, worker="process", credit="sum")
     result = reward(["p"], ["abc"], {})
     assert result.steps == [[(1, 0.25), (3, 0.5)]] and result.rewards == [0.75]
 
 
 def test_process_config_errors():
     with pytest.raises(ConfigError, match="reward.scorer is not callable"):
-        ProcessReward("step_rewards", outcome=None, timeout_s=10.0)
+        ProcessReward("step_rewards", outcome=None, timeout_s=10.0, process_weight=None, worker="process",
+                      credit="sum")
     with pytest.raises(ConfigError, match="reward.outcome.steps"):
-        ProcessReward(step_rewards, outcome={"steps": accuracy}, timeout_s=10.0)
+        ProcessReward(step_rewards, outcome={"steps": accuracy}, timeout_s=10.0, process_weight=None,
+                      worker="process", credit="sum")
 
 
 def test_combiners_name_their_scores_and_the_columns_they_need():
     # accuracy(prompts, completions, answer, ...) cannot score without `answer`; format_reward needs nothing;
     # step_rewards takes `answer` with a default (None: no answer step), so it needs nothing either
-    outcome = OutcomeReward({"accuracy": accuracy, "format": format_reward}, weights=None, timeout_s=10.0)
+    outcome = OutcomeReward({"accuracy": accuracy, "format": format_reward}, weights=None, timeout_s=10.0,
+                            worker="process")
     assert outcome.names() == ["accuracy", "format"]
     assert outcome.needs() == {"accuracy": ["answer"], "format": []}
-    process = ProcessReward(step_rewards, outcome={"accuracy": accuracy}, timeout_s=10.0)
+    process = ProcessReward(step_rewards, outcome={"accuracy": accuracy}, timeout_s=10.0, process_weight=None,
+                            worker="process", credit="sum")
     assert process.names() == ["steps", "accuracy"]  # `steps`: each completion's mean step reward
     assert process.needs() == {"scorer": [], "accuracy": ["answer"]}
-    assert ProcessReward(step_rewards, outcome=None, timeout_s=10.0).names() == ["steps"]
+    assert ProcessReward(step_rewards, outcome=None, timeout_s=10.0, process_weight=None, worker="process",
+                         credit="sum").names() == ["steps"]
 
 
 @pytest.mark.parametrize("overrides", [["reward.weights.accuracy=nan"],

@@ -21,7 +21,7 @@ def exits(prompts, completions, **_):
 
 @pytest.mark.parametrize("timeout_s", [None, 5.0], ids=["inline", "worker-thread"])
 def test_system_exit_in_a_reward_is_a_failure(timeout_s, caplog):
-    reward = OutcomeReward({"exits": exits}, weights=None, timeout_s=timeout_s)
+    reward = OutcomeReward({"exits": exits}, weights=None, timeout_s=timeout_s, worker="process")
     with caplog.at_level(logging.WARNING, logger="grpo_cli.rewards"):
         result = reward(["p"] * 3, ["good", "bad", "good"], {})
     # the batch call exits; retried one by one, only "bad" loses its score
@@ -34,7 +34,7 @@ def test_system_exit_on_every_completion(timeout_s):
     def always(prompts, completions, **_):
         raise SystemExit
 
-    reward = OutcomeReward({"always": always}, weights=None, timeout_s=timeout_s)
+    reward = OutcomeReward({"always": always}, weights=None, timeout_s=timeout_s, worker="process")
     assert reward(["p", "p"], ["x", "y"], {}).rewards == [None, None]
 
 
@@ -46,6 +46,6 @@ def test_ctrl_c_and_config_errors_still_pass_through():
         raise ConfigError("reward.functions.x.pattern is broken; fix it")
 
     with pytest.raises(KeyboardInterrupt):
-        OutcomeReward({"i": interrupted}, weights=None, timeout_s=None)(["p"], ["x"], {})
+        OutcomeReward({"i": interrupted}, weights=None, timeout_s=None, worker="process")(["p"], ["x"], {})
     with pytest.raises(ConfigError, match="pattern is broken"):
-        OutcomeReward({"m": misconfigured}, weights=None, timeout_s=5.0)(["p"], ["x"], {})
+        OutcomeReward({"m": misconfigured}, weights=None, timeout_s=5.0, worker="process")(["p"], ["x"], {})
