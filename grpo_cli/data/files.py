@@ -259,7 +259,7 @@ class GSM8KTask(_RecordTask):
 
     def __init__(self, *, path: str | None, split: str, heldout_size: int | str, limit: int | None, seed: int,
                  system_prompt: str | None, instruction: str, few_shot: int,
-                 chat_template: str | None = None, chat_template_kwargs: dict | None = None) -> None:
+                 chat_template: str | None, chat_template_kwargs: dict | None) -> None:
         if not isinstance(split, str) or not split:
             raise ConfigError(f"data.split ({split!r}) must be a split name; set data.split=train")
         train, test, source = _hub_gsm8k(split) if path is None else read_local(str(path), split)
@@ -283,7 +283,7 @@ class JsonlTask(_RecordTask):
     def __init__(self, *, path: str, question_field: str, answer_field: str, solution_field: str | None,
                  answer_regex: str | None, heldout_size: int | str, limit: int | None, seed: int,
                  system_prompt: str | None, instruction: str, few_shot: int,
-                 chat_template: str | None = None, chat_template_kwargs: dict | None = None) -> None:
+                 chat_template: str | None, chat_template_kwargs: dict | None) -> None:
         if not path:
             raise ConfigError("data.path is required; set data.path=/path/to/problems.jsonl")
         for name, value in (("question_field", question_field), ("answer_field", answer_field)):

@@ -207,7 +207,7 @@ class HFTask(_Task):
 
     def __init__(self, *, path: str, name: str | None, split: str, test_split: str | None, prompt_field: str,
                  heldout_size: int | str, limit: int | None, seed: int, system_prompt: str | None,
-                 chat_template: str | None = None, chat_template_kwargs: dict | None = None) -> None:
+                 chat_template: str | None, chat_template_kwargs: dict | None) -> None:
         super().__init__(seed=seed, heldout_size=heldout_size, system_prompt=system_prompt, instruction="{question}",
                          few_shot=0, chat_template=chat_template, chat_template_kwargs=chat_template_kwargs)
         _check_int("limit", limit, 1, 1000, nullable=True)

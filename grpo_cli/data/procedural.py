@@ -75,7 +75,7 @@ class ArithmeticTask(_Task):
     def __init__(self, *, num_operands: int, min_digits: int, max_digits: int, operators: Sequence[str],
                  style: str, seed: int, train_size: int, heldout_size: int, system_prompt: str | None,
                  instruction: str, few_shot: int,
-                 chat_template: str | None = None, chat_template_kwargs: dict | None = None) -> None:
+                 chat_template: str | None, chat_template_kwargs: dict | None) -> None:
         if heldout_size == "auto":  # a share of a stream of made-up problems would be a share of train_size
             raise ConfigError("data.heldout_size=auto is for data read from files (a share of its rows); a generated "
                               "task needs a number: set data.heldout_size=500")
@@ -186,7 +186,7 @@ class MultiStepTask(ArithmeticTask):
     def __init__(self, *, num_operands: int, min_digits: int, max_digits: int, operators: Sequence[str],
                  nonnegative: bool, seed: int, train_size: int, heldout_size: int, system_prompt: str | None,
                  instruction: str, few_shot: int,
-                 chat_template: str | None = None, chat_template_kwargs: dict | None = None) -> None:
+                 chat_template: str | None, chat_template_kwargs: dict | None) -> None:
         if not isinstance(nonnegative, bool):
             raise ConfigError(f"data.nonnegative ({nonnegative!r}) must be true or false; set data.nonnegative=true")
         # read by _draw, which the parent's constructor already calls

@@ -96,9 +96,8 @@ class _Task:
     train: Sequence[Example]
     heldout: Sequence[Example]
 
-    # the chat template settings keep a default: a run saved before them lacks their keys in its data section
     def __init__(self, *, seed: int, heldout_size: int | str, system_prompt: str | None, instruction: str,
-                 few_shot: int, chat_template: str | None = None, chat_template_kwargs: dict | None = None) -> None:
+                 few_shot: int, chat_template: str | None, chat_template_kwargs: dict | None) -> None:
         _check_int("seed", seed, 0, 0)
         if heldout_size != "auto" and (not isinstance(heldout_size, int) or isinstance(heldout_size, bool)
                                        or heldout_size < 1):
