@@ -81,6 +81,14 @@ from grpo_cli.policy import adapter_enabled, trains_adapter
 from grpo_cli.rollout import Rollout, Sampler, encode_prompts, finish, pad_id, render_prompts, request_seeds
 from grpo_cli.rollout.adapter import write_adapter
 from grpo_cli.rollout.hf import check_prompts
+from grpo_cli.rollout.server_probe import (
+    PROBE_TOLERANCE,
+    PUSH_FACTOR,
+    PUSH_FLOOR,
+    probe_logprobs,
+    prompt_logprob,
+    tied_head,
+)
 from grpo_cli.rollout.vllm import fingerprint
 from grpo_cli.rollout.vllm_engine import base_model
 
@@ -88,19 +96,6 @@ from grpo_cli.rollout.vllm_engine import base_model
 START = server_url.START
 # at most this many requests in flight at once (one per prompt): the server batches what arrives together
 MAX_IN_FLIGHT = 64
-# the probe's tolerance: mean |log-prob difference| per token between the server's base model and the policy's base,
-# in nats; the same weights in fp32 differ by ~1e-4, bf16 by ~1e-2, another model by whole nats
-PROBE_TOLERANCE = 0.25
-# after a full push the server must answer the probe as the weights it was sent do: a mean gap of at most PUSH_FACTOR
-# times the start's (what the two sides' precisions cost on this model), and never less than PUSH_FLOOR nats.
-# SmolLM2, measured: vLLM and HF in fp32 ~1e-5; HF's bf16 forward against its fp32 one 0.10 at the start, 0.08-0.30
-# after random 2% moves of every weight; vLLM in fp32 with the LM head left as it started, after such a move, 0.21
-PUSH_FACTOR = 4
-PUSH_FLOOR = 0.01
-# vLLM 0.32's models that compute a tied model's logits with the embedding layer itself (no LM head of their own):
-# their loader refuses a weight named for a head, and the embeddings' reload refreshes what computes the logits
-NO_HEAD = frozenset({"CohereForCausalLM", "Cohere2ForCausalLM", "Cohere2MoeForCausalLM", "Gemma2ForCausalLM",
-                     "Gemma3nForCausalLM"})
 
 
 @dataclass
@@ -262,7 +257,7 @@ class VLLMServerSampler(Sampler):
         # a sharded base (trainer.fsdp) gathers each layer in this forward: every rank runs it (connect runs on every
         # rank), before any request that could fail on one rank alone
         with adapter_enabled(policy, False):
-            probe, ours = _probe_logprobs(policy)
+            probe, ours = probe_logprobs(policy)
         # rank 0 alone asks, and every rank takes its answer: vLLM 0.32's CPU build with LoRA on fails two
         # prompt-logprob requests at once (its LoRA logits path sizes its indices by request, not by prompt token:
         # the engine dies), which N ranks starting together sent
@@ -284,7 +279,7 @@ class VLLMServerSampler(Sampler):
         # a sharded root keeps its weights gathered after a forward (FSDP's default): freed again at the end, so the
         # update starts from the shards as it does without the check
         with root_gathered(policy):
-            probe, ours = _probe_logprobs(policy)
+            probe, ours = probe_logprobs(policy)
         if not world.main:
             return
         gap = self._probe_gap(probe, ours)
@@ -302,7 +297,7 @@ class VLLMServerSampler(Sampler):
         body = {"model": self.base_name, "prompt": probe, "max_tokens": 1, "prompt_logprobs": 0, "logprobs": 0,
                 "temperature": 0.0, "return_token_ids": True}
         out = self.post("/v1/completions", body)["choices"][0]
-        theirs = [_prompt_logprob(entry, tok) for entry, tok in zip(out["prompt_logprobs"][1:], probe[1:])]
+        theirs = [prompt_logprob(entry, tok) for entry, tok in zip(out["prompt_logprobs"][1:], probe[1:])]
         return (ours - torch.tensor(theirs)).abs().mean().item()
 
     @torch.no_grad()
@@ -513,40 +508,10 @@ class ServerEngine:
         return out
 
 
-def tied_head(model) -> tuple[str, str] | None:
-    """(the embeddings' weight name, the LM head's) of a causal LM whose head is its embeddings' Parameter
-    (tie_word_embeddings: the weight is written once, under the embeddings' name); None when the head is its own,
-    and for the models vLLM computes the logits of with the embedding layer itself (NO_HEAD)."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if head is None or type(model).__name__ in NO_HEAD:
-        return None
-    first = {id(p): name for name, p in model.named_parameters()}  # a tied Parameter under the first name it has
-    head_name = next(name for name, m in model.named_modules() if m is head) + ".weight"
-    name = first.get(id(head.weight))
-    return (name, head_name) if name is not None and name != head_name else None
-
-
-@torch.no_grad()
-def _probe_logprobs(policy) -> tuple[list[int], torch.Tensor]:
-    """The probe prompt (token ids spread over the vocabulary) and the policy's log-prob of each token after the
-    first, [P - 1] on the host: the policy's forward as it is now (the caller turns adapters off for the base)."""
-    vocab = base_model(policy).config.vocab_size
-    probe = [i % vocab for i in (1, 3, 7, 15, 31, 63, 127, 255, 511, 1023, 2047, 4095, 8191, 16383)]
-    ids = torch.tensor([probe], device=next(policy.parameters()).device)
-    logits = policy(input_ids=ids).logits.float()  # [1, P, V]
-    return probe, torch.log_softmax(logits[0, :-1], -1).gather(-1, ids[0, 1:, None])[:, 0].cpu()
-
-
 def _choice(choice: dict) -> tuple[list[int], list[float]]:
     """(token ids, raw log-prob of each) of one completion choice."""
     tokens = list(choice["token_ids"])
     return tokens, [float(x) for x in choice["logprobs"]["token_logprobs"]][:len(tokens)]
-
-
-def _prompt_logprob(entry: dict, token: int) -> float:
-    """The log-prob of `token` in one position of vLLM's `prompt_logprobs` ({token id: {logprob, ...}})."""
-    value = entry.get(str(token), entry.get(token))
-    return float(value["logprob"] if isinstance(value, dict) else value)
 
 
 def _server_reason(err: urllib.error.HTTPError) -> str:

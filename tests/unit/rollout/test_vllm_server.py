@@ -162,7 +162,7 @@ def test_the_tied_head_is_found_by_identity_and_left_out_where_vllm_has_none():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from grpo_cli.policy import load_tiny_random
-    from grpo_cli.rollout.vllm_server import tied_head
+    from grpo_cli.rollout.server_probe import tied_head
 
     tied, _ = load_tiny_random()
     assert tied_head(tied) == ("model.embed_tokens.weight", "lm_head.weight")
