@@ -58,18 +58,18 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from grpo_cli.distributed import World
-from grpo_cli.policy import frozen_reference, trains_adapter
+from grpo_cli.policy import trains_adapter
 
 
-def shard(policy, world: World) -> str:
+def shard(policy, world: World, frozen=None) -> str:
     """Shard `policy` over the ranks, in place: a LoRA policy's base (its LoRA weights left whole), or a full-parameter
-    policy's every weight and its frozen reference; the line that says how much each rank holds."""
+    policy's every weight and `frozen`, its reference (policy.keep_reference); the line that says how much each rank
+    holds."""
     if world.size == 1:
         return "fsdp: one process, nothing to shard (trainer.fsdp takes effect under torchrun)"
     mesh = init_device_mesh(world.device.split(":")[0], (world.size,))
     if not trains_adapter(policy):  # model.finetune=full: every weight, its gradient and AdamW state sharded
         _shard_model(policy, mesh, ignored=set())
-        frozen = frozen_reference(policy)
         if frozen is not None:  # the reference: the same layout, frozen
             _shard_model(frozen, mesh, ignored=set())
         held, whole_bytes = resident_bytes(policy)

@@ -24,6 +24,7 @@ import json
 import os
 import string
 from pathlib import Path
+from typing import Any
 
 import torch
 from huggingface_hub import try_to_load_from_cache
@@ -349,30 +350,21 @@ def adapter_enabled(policy, enabled: bool = True):
     return contextlib.nullcontext() if enabled or not trains_adapter(policy) else policy.disable_adapter()
 
 
-# where a full-parameter policy keeps its frozen reference: in the instance's __dict__, not as a submodule, so that
-# parameters(), state_dict() and the checkpoint hold the policy's weights only
-_FROZEN = "grpo_frozen_reference"
-
-
-def keep_reference(policy, needed: bool) -> str | None:
-    """With model.finetune=full, the reference policy: a frozen copy of the weights as they are now (the initial
-    ones: call it before a resume loads a checkpoint), made only when `needed` (the loss reads the reference:
-    β > 0). Returns the line that says which; None for a LoRA policy (its reference is the adapter switched off)."""
+def keep_reference(policy, needed: bool) -> tuple[Any, str | None]:
+    """With model.finetune=full, the reference policy: (a frozen copy of the weights as they are now, the line that
+    says so). The initial weights: call it before a resume loads a checkpoint. The copy is made only when `needed`
+    (the loss reads the reference: β > 0), else (None, the line); (None, None) for a LoRA policy, whose reference is
+    the adapter switched off. The caller holds the copy (recipe.Run.reference) and hands it to `reference`: kept
+    apart from the policy, parameters(), state_dict() and the checkpoint hold the policy's weights only."""
     if trains_adapter(policy):
-        return None
+        return None, None
     count = sum(p.numel() for p in policy.parameters())
     if not needed:
-        return f"model.finetune=full: {count / 1e6:.3g} M weights train; reference: none (algo.beta=0)"
+        return None, f"model.finetune=full: {count / 1e6:.3g} M weights train; reference: none (algo.beta=0)"
     frozen = copy.deepcopy(policy).requires_grad_(False).eval()
-    policy.__dict__[_FROZEN] = frozen
     size = sum(p.numel() * p.element_size() for p in frozen.parameters())
-    return (f"model.finetune=full: {count / 1e6:.3g} M weights train; reference: a frozen copy of the initial "
-            f"weights ({size / 2**20:.3g} MB)")
-
-
-def frozen_reference(policy):
-    """The frozen copy `keep_reference` made of a full-parameter policy; None when it made none (or a LoRA policy)."""
-    return policy.__dict__.get(_FROZEN)
+    return frozen, (f"model.finetune=full: {count / 1e6:.3g} M weights train; reference: a frozen copy of the "
+                    f"initial weights ({size / 2**20:.3g} MB)")
 
 
 # the peft adapter that holds the reference policy once `set_reference` has run (iterative RL)
@@ -398,14 +390,15 @@ def set_reference(policy) -> None:
 
 
 @contextlib.contextmanager
-def reference(policy):
+def reference(policy, frozen=None):
     """Context yielding the reference policy. The `reference` adapter when `set_reference` made one, else the
-    base model (adapter off, the initial policy: LoRA B starts at zero); with model.finetune=full the frozen copy
-    `keep_reference` made."""
+    base model (adapter off, the initial policy: LoRA B starts at zero); with model.finetune=full `frozen`, the
+    copy `keep_reference` made."""
     if not trains_adapter(policy):
-        if _FROZEN not in policy.__dict__:
-            raise RuntimeError("a full-parameter policy has no reference: keep_reference(policy, needed=True) first")
-        yield policy.__dict__[_FROZEN]
+        if frozen is None:
+            raise RuntimeError("a full-parameter policy has no reference: pass the copy keep_reference(policy, "
+                               "needed=True) made")
+        yield frozen
         return
     if REFERENCE not in policy.peft_config:
         with policy.disable_adapter():

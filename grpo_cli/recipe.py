@@ -89,6 +89,9 @@ class Run:
     heldout: list = field(default_factory=list)  # the problems each in-run eval scores (trainer.eval_size); []: off
     # rollouts in flight for the next steps (algo.max_staleness = K); K = 0: none, the synchronous loop
     ahead: Ahead = field(default_factory=lambda: Ahead(0))
+    # model.finetune=full with β > 0: the frozen copy of the initial weights the KL term reads (policy.keep_reference);
+    # None: the reference is the LoRA adapter switched off (or the iteration's `reference` adapter)
+    reference: Any = None
 
 
 @dataclass(frozen=True)
@@ -161,9 +164,9 @@ def setup(cfg: DictConfig, run_dir: Path, world: World, why: str) -> Run:
     use_chat_template(tokenizer, data.chat_template, data.chat_template_kwargs)
     if cfg.model.init_adapter:  # before a resume, which loads the run's own adapter over it
         console.print(checkpoint.start_from(policy, cfg.model.init_adapter, loss.needs_reference))
-    frozen = keep_reference(policy, loss.needs_reference)  # model.finetune=full: the initial weights, if β > 0
-    if frozen:
-        console.print(frozen)
+    frozen, line = keep_reference(policy, loss.needs_reference)  # model.finetune=full: the initial weights, if β > 0
+    if line:
+        console.print(line)
     if early is None:
         check_lengths(cfg, data, tokenizer)
     world.copy_from_main([p for p in policy.parameters() if p.requires_grad])  # one adapter init on every rank
@@ -172,7 +175,7 @@ def setup(cfg: DictConfig, run_dir: Path, world: World, why: str) -> Run:
     # the frozen base sharded over the ranks (model.finetune=full: every weight and the frozen reference); prints how
     # much each rank holds
     if trainer.fsdp:
-        console.print(fsdp.shard(policy, world))
+        console.print(fsdp.shard(policy, world, frozen))
     decoder = compiled.for_update(policy, cfg, say=console.print)  # compiled at the first update
     # every rank advances the stream alike and keeps its own slice
     prompts = PromptStream(data.train, trainer.seed).shard(world.rank, world.size)
@@ -194,7 +197,7 @@ def setup(cfg: DictConfig, run_dir: Path, world: World, why: str) -> Run:
                              trainer.completions_max_mb)  # every rank gives its completions, rank 0 writes
     return Run(cfg, Path(run_dir), world, policy, tokenizer, device, sampler, rewards, prompts, keep, loss, optimizer,
                scheduler, torch.Generator(), log, samples, {"step": 0, "history": [], "dtype": dtype}, decoder,
-               heldout, Ahead(algo.max_staleness))
+               heldout, Ahead(algo.max_staleness), frozen)
 
 
 def resume(run: Run, ckpt: Path) -> None:
@@ -240,7 +243,7 @@ def step(run: Run, n: int) -> StepRecord:
     # 5. update: reference and old log-probs first, then μ passes of the clipped objective
     t1 = time.perf_counter()
     batch = prepare(run.policy, kept.rollout, adv, run.loss, algo.num_iterations, trainer.micro_batch_size,
-                    algo.mask_truncated_completions, world, trainer.bucket_tokens)
+                    algo.mask_truncated_completions, world, trainer.bucket_tokens, run.reference)
     stats = update(run.policy, run.optimizer, run.scheduler, batch, max_grad_norm=trainer.max_grad_norm,
                    decoder=run.decoder)
     synchronize(run.device)

@@ -151,10 +151,11 @@ def micro_batches(rows: list[int], size: int) -> list[list[int]]:
 @torch.no_grad()
 def prepare(policy, rollout: Rollout, advantages: torch.Tensor, loss: Loss, num_iterations: int,
             micro_batch_size: int, mask_truncated_completions: bool, world: World = SINGLE,
-            bucket_tokens: int | None = None) -> Batch:
+            bucket_tokens: int | None = None, frozen=None) -> Batch:
     """The Batch for `rollout`: masks, active rows, what `loss` declares it reads (reference and old log-probs, the
     entropy threshold; dropout off), and the rows per update bucket for `bucket_tokens` (`bucket_rows_for`, from the
-    longest padded completion of all ranks); `num_iterations` (μ) and `micro_batch_size` travel with it."""
+    longest padded completion of all ranks); `num_iterations` (μ) and `micro_batch_size` travel with it. `frozen`: a
+    full-parameter policy's reference (policy.keep_reference)."""
     device = rollout.completion_ids.device
     advantages = advantages.to(device)
     # [N, T]; 1 on the sampled tokens up to and including EOS: an episode's environment tokens are context only, out
@@ -168,7 +169,7 @@ def prepare(policy, rollout: Rollout, advantages: torch.Tensor, loss: Loss, num_
     ref_logp = None
     if loss.needs_reference:
         # the base model (adapter off), the adapter copied at the iteration's start, or full's frozen copy
-        with reference(policy) as ref:
+        with reference(policy, frozen) as ref:
             ref_logp = torch.cat([sequence_logprobs(ref, rollout.select(b)).logp
                                   for b in micro_batches(list(range(n)), micro_batch_size)])
     # rows with zero advantage everywhere carry no gradient when β = 0: skip their forward/backward

@@ -26,21 +26,21 @@ def _setup(world: World):
     torch.manual_seed(0)
     policy, tokenizer = load_tiny_random()
     policy.requires_grad_(True)
-    keep_reference(policy, needed=True)
-    line = fsdp.shard(policy, world)
+    frozen, _ = keep_reference(policy, needed=True)
+    line = fsdp.shard(policy, world, frozen)
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    return policy, tokenizer, optimizer, scheduler, line
+    return policy, tokenizer, optimizer, scheduler, line, frozen
 
 
-def _steps(world: World, policy, tokenizer, optimizer, scheduler, steps: range) -> list[dict]:
+def _steps(world: World, policy, tokenizer, optimizer, scheduler, steps: range, frozen) -> list[dict]:
     """Optimizer steps on this rank's share of the fixed 16-row batch (the same rows every step)."""
     rollout, result = _local(*_batch("mixed"), world)
     loss = GRPOLoss(LossSettings(beta=0.04, kl_estimator="k3", loss_type="dapo", epsilon_low=0.2, epsilon_high=None))
     out = []
     for _ in steps:
         adv = update.advantages(result, rollout, tokenizer, G, "group", "population", world)
-        batch = update.prepare(policy, rollout, adv, loss, 1, MICRO, True, world)
+        batch = update.prepare(policy, rollout, adv, loss, 1, MICRO, True, world, frozen=frozen)
         out.append(update.update(policy, optimizer, scheduler, batch, max_grad_norm=1.0).metrics())
     return out
 
@@ -58,11 +58,11 @@ def _save(world: World, folder: Path, policy, optimizer, scheduler, step: int) -
 def _run(world: World, out: str) -> None:
     """4 steps straight (a checkpoint after 2 and 4); sharded, then 2 more from the step-2 checkpoint in a fresh
     policy (one process resumes exactly: tests/integration/test_full_parameter_training.py)."""
-    policy, tokenizer, optimizer, scheduler, line = _setup(world)
+    policy, tokenizer, optimizer, scheduler, line, frozen = _setup(world)
     tag = f"w{world.size}"
-    stats = _steps(world, policy, tokenizer, optimizer, scheduler, range(2))
+    stats = _steps(world, policy, tokenizer, optimizer, scheduler, range(2), frozen)
     _save(world, Path(out, tag), policy, optimizer, scheduler, 2)
-    stats += _steps(world, policy, tokenizer, optimizer, scheduler, range(2))
+    stats += _steps(world, policy, tokenizer, optimizer, scheduler, range(2), frozen)
     _save(world, Path(out, tag), policy, optimizer, scheduler, 4)
     resumed = []
     if fsdp.sharded_weights(policy.parameters()):
@@ -74,10 +74,10 @@ def _run(world: World, out: str) -> None:
 
 
 def _resume(world: World, out: str, tag: str) -> list[dict]:
-    policy, tokenizer, optimizer, scheduler, _ = _setup(world)  # resumed: the step-2 checkpoint loaded, sharded
+    policy, tokenizer, optimizer, scheduler, _, frozen = _setup(world)  # resumed: step 2 loaded, sharded
     checkpoint.load_weights(policy, checkpoint.checkpoint_dir(Path(out, tag), 2))
     checkpoint.load_training_state(checkpoint.checkpoint_dir(Path(out, tag), 2), optimizer, scheduler)
-    resumed = _steps(world, policy, tokenizer, optimizer, scheduler, range(2))
+    resumed = _steps(world, policy, tokenizer, optimizer, scheduler, range(2), frozen)
     _save(world, Path(out, f"{tag}_resumed"), policy, optimizer, scheduler, 4)
     return resumed
 

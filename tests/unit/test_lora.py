@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 from grpo_cli import lora
-from grpo_cli.policy import apply_lora, load_tiny_random, reference, set_reference
+from grpo_cli.policy import apply_lora, keep_reference, load_tiny_random, reference, set_reference
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -95,3 +96,22 @@ def test_a_base_in_another_precision_takes_peft_s_forward_and_runs_the_base_once
     with torch.no_grad():
         assert torch.equal(layer(x), twin(x))
     assert calls == [1]
+
+
+def test_a_full_parameter_policys_frozen_reference_is_held_apart_from_it():
+    # model.finetune=full with β > 0: the caller holds the frozen copy and hands it to `reference`; transformers'
+    # object gets no attribute of ours, so parameters(), state_dict() and the checkpoint are the policy's alone
+    policy, _ = load_tiny_random()
+    policy.requires_grad_(True)
+    attributes, weights = set(vars(policy)), set(policy.state_dict())
+    frozen, line = keep_reference(policy, needed=True)
+    assert set(vars(policy)) == attributes and set(policy.state_dict()) == weights
+    assert line.startswith("model.finetune=full") and "frozen copy" in line
+    assert not any(p.requires_grad for p in frozen.parameters())
+    with reference(policy, frozen) as ref:
+        assert ref is frozen
+    with pytest.raises(RuntimeError, match="no reference"), reference(policy):
+        pass
+    # β = 0: no copy, said so; a LoRA policy: its reference is the adapter switched off, nothing to keep
+    assert keep_reference(policy, needed=False)[0] is None
+    assert keep_reference(apply_lora(load_tiny_random()[0], 4, 8, 0.0, ["q_proj"]), needed=True) == (None, None)
