@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
 
@@ -251,17 +252,25 @@ class ChatPrompt(str):
 _MARK = re.compile("\ue000(\\d+)\ue001")
 
 
+# data.chat_template_kwargs of each tokenizer `use_chat_template` saw, kept here rather than set on transformers'
+# object; weak, so a tokenizer's entry goes with it. Here and not passed along: every caller of render_prompts (each
+# sampler engine, eval, the reward model's labelers, the prompt-length checks) holds the tokenizer and not the config
+_TEMPLATE_KWARGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def use_chat_template(tokenizer, template: str | None, kwargs: dict | None) -> None:
     """Make `tokenizer` render prompts (`render_prompts`) with `template`, the text of data.chat_template, in place
-    of its own (None: keep its own), and `kwargs`, data.chat_template_kwargs, as the template's variables."""
+    of its own (None: keep its own; transformers' own `chat_template` attribute holds it), and `kwargs`,
+    data.chat_template_kwargs, as the template's variables."""
     if template is not None:
         tokenizer.chat_template = template
-    tokenizer.grpo_chat_template_kwargs = dict(kwargs or {})
+    _TEMPLATE_KWARGS[tokenizer] = dict(kwargs or {})
 
 
 def template_kwargs(tokenizer) -> dict:
-    # set by use_chat_template; a tokenizer it never saw (a test's, a reward model's) renders with none
-    return getattr(tokenizer, "grpo_chat_template_kwargs", {})
+    """The variables `use_chat_template` gave `tokenizer`'s template; none for a tokenizer it never saw (a test's, a
+    reward model's)."""
+    return _TEMPLATE_KWARGS.get(tokenizer, {})
 
 
 def render_prompts(tokenizer, conversations: list[list[dict]]) -> list[str]:

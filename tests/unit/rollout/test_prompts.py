@@ -9,7 +9,7 @@ import pytest
 
 from grpo_cli.errors import ConfigError, DataError
 from grpo_cli.policy import CHATML_TEMPLATE
-from grpo_cli.rollout import encode_prompts, render_prompts, use_chat_template
+from grpo_cli.rollout import encode_prompts, render_prompts, template_kwargs, use_chat_template
 from grpo_cli.rollout.hf import HFSampler
 from tests.helpers import sampler_settings
 
@@ -97,3 +97,13 @@ def test_a_template_and_its_kwargs_render_every_prompt(tiny):
     assert render_prompts(tokenizer, [[{"role": "user", "content": "2+2?"}]]) == ["hi:2+2?>"]
     use_chat_template(tokenizer, None, {"greeting": "yo"})      # None keeps the template it has
     assert render_prompts(tokenizer, [[{"role": "user", "content": "1"}]]) == ["yo:1>"]
+
+
+def test_the_template_kwargs_are_kept_beside_the_tokenizer_not_on_it(tiny):
+    # transformers' object gets no attribute of ours: its own chat_template only, which use_chat_template leaves
+    # as it is when given no template
+    tokenizer, other = copy.deepcopy(tiny[1]), copy.deepcopy(tiny[1])
+    before = dict(vars(tokenizer))
+    use_chat_template(tokenizer, None, {"greeting": "hi"})
+    assert vars(tokenizer).keys() == before.keys()
+    assert template_kwargs(tokenizer) == {"greeting": "hi"} and template_kwargs(other) == {}  # another: none
