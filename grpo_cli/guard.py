@@ -170,8 +170,9 @@ class GuardState:
     is_correction_cap: float | None = None  # its cap
 
     @staticmethod
-    def of(state: dict) -> GuardState:
-        return GuardState(**state["guard"]) if "guard" in state else GuardState()
+    def of(guard: dict | None) -> GuardState:
+        """The state trainer_state's `guard` holds (TrainerState.guard); the start where it holds none."""
+        return GuardState(**guard) if guard is not None else GuardState()
 
 
 @dataclass(frozen=True)
@@ -257,7 +258,7 @@ def fired(run: recipe.Run) -> Trip | None:
     guard = run.cfg.trainer.get("guard")
     if not guard:
         return None
-    return check(guard, run.state["history"], GuardState.of(run.state))
+    return check(guard, run.state.history, GuardState.of(run.state.guard))
 
 
 def rewind(run: recipe.Run, trip: Trip) -> tuple[recipe.Run, Path, bool]:
@@ -265,12 +266,12 @@ def rewind(run: recipe.Run, trip: Trip) -> tuple[recipe.Run, Path, bool]:
     one console line. Returns (the run, now at that checkpoint; its folder; whether the run stops there). With no
     checkpoint that passed, a RunError (its line, the decision written)."""
     world, guard = run.world, run.cfg.trainer.guard
-    state = GuardState.of(run.state)
+    state = GuardState.of(run.state.guard)
     gated = guard.get("heldout_drop") is not None and bool(run.heldout)
     target = None
     if world.main:
         found = [checkpoint.step_of(p) for p in checkpoint.list_checkpoints(run.run_dir)]
-        target = rewind_target(found, run.state["history"], trip.step, gated)
+        target = rewind_target(found, run.state.history, trip.step, gated)
     target = world.broadcast(target)
     decision = decide(trip, guard[trip.tripwire], state, guard.max_rewinds, target, run.cfg.algo.is_correction_cap)
     line = dataclasses.asdict(decision)
@@ -286,10 +287,10 @@ def rewind(run: recipe.Run, trip: Trip) -> tuple[recipe.Run, Path, bool]:
         run.log.truncate(target)
         run.samples.truncate(target)
         write_decision(run.run_dir, line, state.decisions)
-    run.state.pop("guard", None)  # the checkpoint's own (absent before its run's first decision) comes back
+    run.state.guard = None  # the checkpoint's own (absent before its run's first decision) comes back
     with quiet():  # the guard's one line says it
         recipe.resume(run, ckpt)
-    run = apply(run, GuardState.of(run.state), after(state, line))
+    run = apply(run, GuardState.of(run.state.guard), after(state, line))
     console.print(f"[yellow]guard: step {trip.step}: {trip.why}; {said(line)}", highlight=False)
     return run, ckpt, decision.remedy == "stop"
 
@@ -312,12 +313,12 @@ def said(decision: dict) -> str:
 def resume(run: recipe.Run, ckpt: Path) -> recipe.Run:
     """`recipe.resume` for `grpo train resume=`, with the guard's state: the checkpoint's, and the decisions made after
     it (`pending`); guard.jsonl keeps the lines of the branch that goes on."""
-    run.state.pop("guard", None)
+    run.state.guard = None
     recipe.resume(run, ckpt)
-    loaded = GuardState.of(run.state)
+    loaded = GuardState.of(run.state.guard)
     lines = read_decisions(run.run_dir)
     state = loaded
-    for decision in pending(lines, loaded.decisions, run.state["step"]):
+    for decision in pending(lines, loaded.decisions, run.state.step):
         state = after(state, decision)
     if state != loaded:
         console.print(f"guard: {state.decisions - loaded.decisions} decision(s) made after this checkpoint: "
@@ -340,7 +341,7 @@ def apply(run: recipe.Run, loaded: GuardState, state: GuardState) -> recipe.Run:
         # the schedule multiplies base_lrs (LambdaLR); _last_lr is the lr the step's record logs
         run.scheduler.base_lrs = [lr * ratio for lr in run.scheduler.base_lrs]
         run.scheduler._last_lr = [lr * ratio for lr in run.scheduler.get_last_lr()]
-    run.state["guard"] = dataclasses.asdict(state)
+    run.state.guard = dataclasses.asdict(state)
     if state.is_correction is None:
         return run
     loss = build_loss(run.cfg.algo, is_correction=state.is_correction, is_correction_cap=state.is_correction_cap)

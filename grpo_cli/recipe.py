@@ -61,6 +61,7 @@ from grpo_cli.rollout.engine import say
 from grpo_cli.rollout.episodes import early_format, reward_column_example, reward_columns, with_env
 from grpo_cli.rollout.sizing import Job
 from grpo_cli.runs import keep_chat_template
+from grpo_cli.trainer_state import TrainerState
 from grpo_cli.update import advantages, prepare, update
 
 
@@ -84,7 +85,7 @@ class Run:
     generator: torch.Generator  # the completions' randomness, reseeded each step
     log: MetricsLog             # RUN/metrics.jsonl and the trackers (rank 0 writes)
     samples: CompletionsLog     # RUN/completions.jsonl and the console's tables
-    state: dict                 # trainer_state.json: step, history, prompt-stream position, rng, ...
+    state: TrainerState         # trainer_state.json: step, history, prompt-stream position, rng, ...
     decoder: Any = None         # the update's compiled decoder (trainer.compile, grpo_cli.compiled); None: eager
     heldout: list = field(default_factory=list)  # the problems each in-run eval scores (trainer.eval_size); []: off
     # rollouts in flight for the next steps (algo.max_staleness = K); K = 0: none, the synchronous loop
@@ -196,7 +197,7 @@ def setup(cfg: DictConfig, run_dir: Path, world: World, why: str) -> Run:
     samples = CompletionsLog(run_dir, trainer.log_completions_every, trainer.num_completions_to_print,
                              trainer.completions_max_mb)  # every rank gives its completions, rank 0 writes
     return Run(cfg, Path(run_dir), world, policy, tokenizer, device, sampler, rewards, prompts, keep, loss, optimizer,
-               scheduler, torch.Generator(), log, samples, {"step": 0, "history": [], "dtype": dtype}, decoder,
+               scheduler, torch.Generator(), log, samples, TrainerState(step=0, history=[], dtype=dtype), decoder,
                heldout, Ahead(algo.max_staleness), frozen)
 
 
@@ -209,7 +210,7 @@ def resume(run: Run, ckpt: Path) -> None:
     run.rewards.load_state_dict(state, run.policy, ckpt)
     if "rng" in state:  # dropout's draws (model.lora.dropout > 0) continue where they stopped
         torch.set_rng_state(torch.tensor(state["rng"]["torch"], dtype=torch.uint8))
-    run.state.update({**state, "dtype": run.state["dtype"]})
+    run.state.load(state)
     run.ahead.load_state_dict(state.get("ahead"), run.sampler, run.tokenizer, run.device)  # those in flight
     console.print(f"resumed from {ckpt} at step {state['step']}")
     saved_world = state.get("world_size", 1)
@@ -228,7 +229,7 @@ def step(run: Run, n: int) -> StepRecord:
     run.generator.manual_seed(step_seed(trainer.seed, n, world.rank))  # a function of (seed, step, rank)
     # 0. the step's reward (iterative RL, at an iteration's first step: retrain the reward model, reference <- policy)
     reward, tags = run.rewards.begin(n, run.policy, run.tokenizer)
-    run.state.update(run.rewards.state_dict())
+    run.state.iterative = run.rewards.state_dict().get("iterative")
     synchronize(run.device)  # the timers below count GPU work, not just its queueing
     reset_peak_memory(run.device)
     t0 = time.perf_counter()
@@ -260,9 +261,9 @@ def step(run: Run, n: int) -> StepRecord:
                # every draw's tokens: dynamic sampling samples more than it keeps
                "tokens_per_s": sum(record_tokens(world, d.rollout) for d in draws) / max(t_rollout, 1e-9),
                "peak_memory_mb": peak_memory_mb(run.device), **step_memory(run.device)}
-    metrics.update(run.rewards.after(metrics, run.state["history"]))
-    run.state.update(step=n, world_size=world.size, data=run.prompts.state_dict())
-    run.state["history"].append({k: v for k, v in metrics.items() if not k.startswith("time/")})
+    metrics.update(run.rewards.after(metrics, run.state.history))
+    run.state.step, run.state.world_size, run.state.data = n, world.size, run.prompts.state_dict()
+    run.state.history.append({k: v for k, v in metrics.items() if not k.startswith("time/")})
     return StepRecord(n, metrics, kept, adv, bool(stats.nonfinite_skipped), reward)
 
 
@@ -291,7 +292,7 @@ def held_out(run: Run, record: StepRecord) -> dict:
         files.write_text(run.run_dir / "evals" / f"step_{record.step:06d}.jsonl",
                          "".join(json.dumps(row) + "\n" for row in rows))
     console.print(eval_line(record.step, scores, len(rows)), highlight=False)
-    run.state["history"][-1].update(scores)  # the guard's held-out tripwire reads the evals there (grpo_cli.guard)
+    run.state.history[-1].update(scores)  # the guard's held-out tripwire reads the evals there (grpo_cli.guard)
     scores["time/eval_s"] = time.perf_counter() - t
     record.metrics.update(scores)
     return scores
@@ -378,13 +379,13 @@ def save(run: Run, n: int) -> Path:
     """Checkpoint step `n` (rank 0 writes; every rank holds the same weights, or with a sharded full-parameter
     policy every rank gives its shards and rank 0 writes them whole, as one process would); its folder, on every
     rank."""
-    run.state["rng"] = {"torch": torch.get_rng_state().tolist()}  # dropout's (sampling's is reseeded per step)
-    run.state.update(run.ahead.saved())  # the rollouts in flight, waited for: a resume trains on them as this run will
+    run.state.rng = {"torch": torch.get_rng_state().tolist()}  # dropout's (sampling's is reseeded per step)
+    run.state.ahead = run.ahead.saved().get("ahead")  # the rollouts in flight, waited for: a resume trains on them
     gathered = None
     if fsdp.sharded_weights(run.policy.parameters()):  # a collective: every rank, before rank 0 writes
         gathered = fsdp.gather_state(run.policy, run.optimizer, run.world.main)
     last = None
     if run.world.main:
-        last = checkpoint.save(run.run_dir, n, run.policy, run.optimizer, run.scheduler, run.state, run.cfg,
+        last = checkpoint.save(run.run_dir, n, run.policy, run.optimizer, run.scheduler, run.state.to_json(), run.cfg,
                                run.cfg.trainer.keep_last, gathered=gathered)
     return run.world.broadcast(last)

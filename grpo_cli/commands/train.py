@@ -80,7 +80,7 @@ def run(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) -> P
         # line, also when FSDP's own gathers inside a forward or backward are the collectives that break
         with quiet(not world.main), world.lost_rank(collective=False):
             training = setup(cfg, run_dir, world, chosen.why)
-            training.state["started_in"] = str(Path.cwd())  # a resume keeps the run's own (recipe.resume)
+            training.state.started_in = str(Path.cwd())  # a resume keeps the run's own (recipe.resume)
             if ckpt is not None:
                 training = guard.resume(training, ckpt)  # recipe.resume, and the guard's decisions made since
             return train(training)
@@ -93,13 +93,13 @@ def train(run: Run) -> Path:
     """Algorithm 1's outer loop: a GRPO step, its record and completions, a checkpoint every save_every steps."""
     trainer, world, last, nonfinite = run.cfg.trainer, run.world, None, 0
     if world.main:  # the files read as one run: lines of steps after the one resumed from are dropped
-        run.log.truncate(run.state["step"])
-        run.samples.truncate(run.state["step"])
+        run.log.truncate(run.state.step)
+        run.samples.truncate(run.state.step)
     console.print(f"run dir: {run.run_dir}")
     # leaving the block (also on an error) closes the trackers' run and puts the signal handlers back
     with progress("train") as bar, run.log, StopFlag() as stop:
-        task = bar.add_task("train", total=trainer.max_steps, completed=run.state["step"], info="")
-        while (n := run.state["step"] + 1) <= trainer.max_steps:  # a guard's rewind sets the step back
+        task = bar.add_task("train", total=trainer.max_steps, completed=run.state.step, info="")
+        while (n := run.state.step + 1) <= trainer.max_steps:  # a guard's rewind sets the step back
             record = step(run, n)
             scores = held_out(run, record) if evaluates(run, n) else {}  # held-out eval, after the update
             nonfinite = nonfinite + 1 if record.nonfinite_skipped else 0

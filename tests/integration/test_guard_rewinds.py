@@ -35,11 +35,11 @@ def planted(lowered_cures: bool = True):
 
     def held_out(run, record):
         scores = real(run, record)
-        lowered = GuardState.of(run.state).lr_scale < 1
+        lowered = GuardState.of(run.state.guard).lr_scale < 1
         accuracy = {2: 0.9, 4: 0.85 if lowered and lowered_cures else 0.0}.get(record.step, 0.85)
         low, high = wilson_interval(round(accuracy * 20), 20)  # as if of 20 problems: 0.9 is 0.70-0.97, 0 is 0-0.16
         fake = {"eval/accuracy": accuracy, "eval/accuracy_low": low, "eval/accuracy_high": high}
-        for numbers in (scores, record.metrics, run.state["history"][-1]):
+        for numbers in (scores, record.metrics, run.state.history[-1]):
             numbers.update(fake)
         return scores
 

@@ -15,6 +15,7 @@ from grpo_cli.config import compose, validate
 from grpo_cli.errors import ConfigError
 from grpo_cli.guard import GuardState, after, decide, pending, rewind_target
 from grpo_cli.metrics.stats import wilson_interval
+from grpo_cli.trainer_state import TrainerState
 
 
 def _eval(step: int, correct: int, n: int = 200) -> dict:
@@ -189,7 +190,7 @@ def test_apply_scales_the_learning_rate_by_the_state_s_scale_over_the_checkpoint
 
     class Run:  # what `apply` reads of a recipe.Run
         def __init__(self):
-            self.optimizer, self.scheduler, self.state = optimizer, scheduler, {}
+            self.optimizer, self.scheduler, self.state = optimizer, scheduler, TrainerState(step=0, history=[])
 
     run = Run()
     # the checkpoint was written with scale 0.5 (its files hold lr 0.1 as written then); the run goes on at 0.25
@@ -198,7 +199,7 @@ def test_apply_scales_the_learning_rate_by_the_state_s_scale_over_the_checkpoint
     optimizer.step()
     scheduler.step()  # the schedule goes on from the scaled base: 0.05 x lambda 1.0
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.05)
-    assert out is run and run.state["guard"]["lr_scale"] == 0.25
+    assert out is run and run.state.guard["lr_scale"] == 0.25
 
 
 def test_apply_rebuilds_the_loss_with_the_correction_in_force():
@@ -206,7 +207,7 @@ def test_apply_rebuilds_the_loss_with_the_correction_in_force():
 
     cfg = compose("train")
     run = dataclasses.make_dataclass("R", ["cfg", "loss", "optimizer", "scheduler", "state"])(
-        cfg, build_loss(cfg.algo), None, None, {})
+        cfg, build_loss(cfg.algo), None, None, TrainerState(step=0, history=[]))
     out = guard.apply(run, GuardState(), GuardState(decisions=1, rewinds=1, is_correction="sequence_mask",
                                                     is_correction_cap=3.0))
     assert (out.loss.settings.is_correction, out.loss.settings.is_correction_cap) == ("sequence_mask", 3.0)
