@@ -2,8 +2,8 @@
 prompt it writes itself (`data=env`: the rows hold only the secret).
 
     reset(secret, **row)   the row's secret (1-15 by default; `top` in the row sets another range, `demos` the
-                           number of demonstrated games): returns the conversation, the demonstrated game(s) on
-                           another range and then the question
+                           number of demonstrated games, `misses` their wrong guesses before the hit): returns the
+                           conversation, the demonstrated game(s) on another range and then the question
     guess(n)               the tool: "higher" (the secret is larger), "lower" or "correct"; at most 4 guesses count
 
 Three kinds of feedback, one class each, so a run picks its game with env.factory alone:
@@ -19,14 +19,16 @@ from __future__ import annotations
 # feedback wins at most 4 of the 15 secrets whatever it guesses
 MAX_GUESSES = 4
 # the demonstrated games: another range than the real one, each won at the first guess, so they show how a call is
-# written and what comes back, and nothing about where to guess next (the number guessed is not the middle)
-DEMO_GAMES = [(20, 24, 23), (30, 36, 31), (40, 44, 41)]
+# written and what comes back, and nothing about where to guess next (the number guessed is not the middle); with
+# misses (the row's `misses`), that many wrong guesses come first, in a game that answers only wrong or correct, so
+# they show that a miss is followed by another guess and still nothing about which way to go
+DEMO_GAMES = [(20, 24, 23, [21, 24]), (30, 36, 31, [34, 36]), (40, 44, 41, [43, 40])]
 
 
-def question(low: int, high: int) -> str:
+def question(low: int, high: int, hints: bool = True) -> str:
+    answers = "higher (my number is larger), lower (my number is smaller) or correct" if hints else "wrong or correct"
     return (f"I am thinking of a whole number from {low} to {high}. Find it with the guess tool: it answers "
-            f"higher (my number is larger), lower (my number is smaller) or correct. You have at most "
-            f"{MAX_GUESSES} guesses.")
+            f"{answers}. You have at most {MAX_GUESSES} guesses.")
 
 
 def call(n: int) -> str:
@@ -34,23 +36,26 @@ def call(n: int) -> str:
     return f'<tool_call>\n{{"name": "guess", "arguments": {{"n": {n}}}}}\n</tool_call>'
 
 
-def demonstrated(games: int) -> list[dict]:
-    """`games` demonstrated games as turns: the question, the assistant's call, the tool's answer, its reply."""
+def demonstrated(games: int, misses: int = 0) -> list[dict]:
+    """`games` demonstrated games as turns: the question, the assistant's calls (`misses` wrong ones first, answered
+    "wrong"), the tool's answers, its reply."""
     turns = []
-    for low, high, secret in DEMO_GAMES[:games]:
-        turns += [{"role": "user", "content": question(low, high)}, {"role": "assistant", "content": call(secret)},
-                  {"role": "tool", "content": "correct"}, {"role": "assistant", "content": f"It is {secret}."}]
+    for low, high, secret, wrong in DEMO_GAMES[:games]:
+        turns.append({"role": "user", "content": question(low, high, hints=not misses)})
+        for n, answer in [*((m, "wrong") for m in wrong[:misses]), (secret, "correct")]:
+            turns += [{"role": "assistant", "content": call(n)}, {"role": "tool", "content": answer}]
+        turns.append({"role": "assistant", "content": f"It is {secret}."})
     return turns
 
 
 class GuessNumber:
     """One game: the secret from the row, up to MAX_GUESSES guesses, won at the first correct one."""
 
-    def reset(self, secret, top=15, demos=1, **row):
+    def reset(self, secret, top=15, demos=1, misses=0, **row):
         self.secret, self.top = int(secret), int(top)
         self.guesses: list[int] = []
         self.won = False
-        return [*demonstrated(int(demos)), {"role": "user", "content": question(1, self.top)}]
+        return [*demonstrated(int(demos), int(misses)), {"role": "user", "content": question(1, self.top)}]
 
     def guess(self, n: int) -> str:
         """Guess the secret number.

@@ -45,16 +45,17 @@ ARMS = {"main": "GuessNumber", "uninformative": "Uninformative"}
 
 
 def data_path(args) -> Path:
-    """data/ (secrets 1-15, one demonstrated game), or OUT/data for a variant: every row carries its range and its
-    number of demonstrated games (guess_game.GuessNumber.reset reads both); train and held-out rows are the same
+    """data/ (secrets 1-15, one demonstrated game), or OUT/data for a variant: every row carries its range, its
+    number of demonstrated games and their misses (guess_game.GuessNumber.reset reads them); train and held-out rows
+    are the same
     secrets, since the prompt is the same for every secret and nothing in it can be memorized per secret."""
-    if (args.top, args.demos) == (15, 1):
+    if (args.top, args.demos, args.misses) == (15, 1, 0):
         return HERE / "data"
     folder = args.out / "data"
     if not (folder / "test.jsonl").exists():
         folder.mkdir(parents=True, exist_ok=True)
-        rows = "".join(json.dumps({"secret": s, "top": args.top, "demos": args.demos}) + "\n"
-                       for s in range(1, args.top + 1))
+        variant = {"top": args.top, "demos": args.demos} | ({"misses": args.misses} if args.misses else {})
+        rows = "".join(json.dumps({"secret": s, **variant}) + "\n" for s in range(1, args.top + 1))
         for split in ("train", "test"):
             (folder / f"{split}.jsonl").write_text(rows)
     return folder
@@ -188,10 +189,10 @@ def probe(args) -> dict:
     s = summary(evaluate(args, "base", None, "GuessNumber"))
     share = s["calls"] / s["episodes"]
     clears = share >= PROBE_CALLS and PROBE_SUCCESS[0] <= s["success"] <= PROBE_SUCCESS[1]
-    result = {**s, "call_share": share, "clears": clears, "top": args.top, "demos": args.demos}
+    result = {**s, "call_share": share, "clears": clears, "top": args.top, "demos": args.demos, "misses": args.misses}
     (args.out / "probe.json").write_text(json.dumps(result, indent=1))
-    lines = [f"probe (base model, secrets 1-{args.top}, {args.demos} demonstrated game(s), {s['episodes']} episodes "
-             f"at T={TEMPERATURE}):",
+    lines = [f"probe (base model, secrets 1-{args.top}, {args.demos} demonstrated game(s) with {args.misses} miss(es) "
+             f"each, {s['episodes']} episodes at T={TEMPERATURE}):",
              f"  episodes that call the tool (a guess that ran): {s['calls']}/{s['episodes']} = {share:.3f} "
              f"(gate >= {PROBE_CALLS}); with any call, malformed ones included: {s['attempts']}/{s['episodes']}; "
              f"guesses that ran: {s['guesses']}",
@@ -271,12 +272,15 @@ def main() -> None:
     parser.add_argument("stage", choices=["probe", "train", "report"])
     parser.add_argument("--demos", type=int, default=1, help="demonstrated games before the question (1 to 3)")
     parser.add_argument("--top", type=int, default=15, help="secrets 1..TOP (15: binary search wins in 4 guesses)")
+    parser.add_argument("--misses", type=int, default=0,
+                        help="wrong guesses (answered only 'wrong') before each demonstrated game's hit (0 to 2)")
     parser.add_argument("--steps", type=int, default=None, help="training steps of each arm (default 60; smoke 2)")
     parser.add_argument("--smoke", action="store_true", help="the tiny random model: the plumbing only")
     args = parser.parse_args()
     args.steps = args.steps or (2 if args.smoke else 60)
-    default = (args.top, args.demos) == (15, 1)
-    args.out = HERE / ("runs_smoke" if args.smoke else "runs" if default else f"runs_demos{args.demos}_top{args.top}")
+    variant = f"runs_demos{args.demos}_top{args.top}" + (f"_misses{args.misses}" if args.misses else "")
+    default = (args.top, args.demos, args.misses) == (15, 1, 0)
+    args.out = HERE / ("runs_smoke" if args.smoke else "runs" if default else variant)
     args.out.mkdir(exist_ok=True)
     {"probe": probe, "train": train_arms, "report": report}[args.stage](args)
 

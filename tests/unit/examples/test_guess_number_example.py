@@ -84,7 +84,7 @@ def test_reset_writes_the_demonstrated_game_and_then_the_question():
     turns = env.reset(secret=4)
     assert [m["role"] for m in turns] == ["user", "assistant", "tool", "assistant", "user"]
     assert turns[-1]["content"].startswith("I am thinking of a whole number from 1 to 15.")
-    low, high, secret = game.DEMO_GAMES[0]
+    low, high, secret, _ = game.DEMO_GAMES[0]
     assert turns[0]["content"].startswith(f"I am thinking of a whole number from {low} to {high}.")
     # the demonstrated call is read as an episode reads the model's calls, names the tool, and wins its own game
     [call] = ToolFormat("chatml", CHATML_TOOLS_TEMPLATE).parse(turns[1]["content"])
@@ -94,8 +94,25 @@ def test_reset_writes_the_demonstrated_game_and_then_the_question():
     assert demo.guess(**call.arguments) == turns[2]["content"] == "correct"
     # no strategy shown: every demonstrated game is won at once, by a number that is not its range's middle, on a
     # range apart from the real one
-    assert all(s != (lo + hi) // 2 and lo > 15 for lo, hi, s in game.DEMO_GAMES)
+    assert all(s != (lo + hi) // 2 and lo > 15 for lo, hi, s, _ in game.DEMO_GAMES)
     assert [m["role"] for m in game.GuessNumber().reset(secret=1, top=7, demos=2)].count("tool") == 2
+
+
+def test_demonstrated_misses_are_answered_only_wrong_and_follow_no_hint():
+    turns = game.GuessNumber().reset(secret=4, demos=2, misses=2)
+    # per game: its question, 2 missed calls answered "wrong", the hit, the reply; then the real question
+    assert [m["role"] for m in turns] == ["user", *["assistant", "tool"] * 3, "assistant"] * 2 + ["user"]
+    assert [m["content"] for m in turns if m["role"] == "tool"] == ["wrong", "wrong", "correct"] * 2
+    # the demonstrated games say they answer only wrong or correct; the real one keeps its hints
+    assert "it answers wrong or correct." in turns[0]["content"] and "higher" not in turns[0]["content"]
+    assert "higher (my number is larger)" in turns[-1]["content"]
+    fmt = ToolFormat("chatml", CHATML_TOOLS_TEMPLATE)
+    for (low, high, secret, wrong), start in zip(game.DEMO_GAMES, (0, 8)):
+        calls = [fmt.parse(turns[start + k]["content"])[0].arguments["n"] for k in (1, 3, 5)]
+        assert calls == [*wrong, secret] and all(low <= n <= high for n in calls)
+        demo = game.Uninformative()  # the demonstrated answers are the uninformative game's, true for its secret
+        demo.reset(secret=secret)
+        assert [demo.guess(n) for n in calls] == ["wrong", "wrong", "correct"]
 
 
 def test_the_rows_load_as_data_env_every_secret_in_both_splits():
@@ -137,7 +154,7 @@ def test_the_bootstrap_resamples_whole_games():
 
 @pytest.mark.parametrize("top, demos, folder", [(15, 1, "data"), (7, 2, "runs_demos2_top7/data")])
 def test_a_variant_writes_its_own_rows(tmp_path, top, demos, folder):
-    args = type("Args", (), {"top": top, "demos": demos, "out": tmp_path / "runs_demos2_top7"})()
+    args = type("Args", (), {"top": top, "demos": demos, "misses": 0, "out": tmp_path / "runs_demos2_top7"})()
     path = run.data_path(args)
     assert path == (HERE / "data" if folder == "data" else tmp_path / folder)
     if folder != "data":
