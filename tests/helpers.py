@@ -153,7 +153,7 @@ def run_cli(argv: Sequence[str], cwd: Path | str | None = None, env: dict[str, s
     An exception that escapes the command ends as the interpreter would end it: its traceback on stderr, exit 1.
     What a command changes in the process is put back: sys.argv, sys.path, the working directory, the environment
     (`env` is added to it for the call; HYDRA_FULL_ERROR is dropped, as for a user), signal handlers, the root
-    logger's handlers and level, torch's thread count, the modules the command imported from `cwd` (a user's
+    logger's handlers and level, which loggers are disabled, torch's thread count, the modules the command imported from `cwd` (a user's
     reward file that the next call's folder holds under the same name), and the process groups of an in-process
     vLLM engine the command started (`release_vllm_groups`)."""
     cwd = Path(cwd or REPO).resolve()
@@ -161,6 +161,10 @@ def run_cli(argv: Sequence[str], cwd: Path | str | None = None, env: dict[str, s
     saved_signals = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     root = logging.getLogger()
     saved_handlers, saved_level = root.handlers[:], root.level
+    # Hydra's job_logging=disabled (grpo serve, a rank other than 0) disables every logger that exists: the later
+    # tests' warnings would reach no caplog
+    saved_disabled = {name: lg.disabled for name, lg in logging.root.manager.loggerDict.items()
+                      if isinstance(lg, logging.Logger)}
     saved_modules = set(sys.modules)
     torch = sys.modules.get("torch")
     saved_threads = torch.get_num_threads() if torch else None
@@ -194,6 +198,8 @@ def run_cli(argv: Sequence[str], cwd: Path | str | None = None, env: dict[str, s
             signal.signal(s, handler)
         root.handlers[:] = saved_handlers
         root.setLevel(saved_level)
+        for name, disabled in saved_disabled.items():
+            logging.getLogger(name).disabled = disabled
         for name in set(sys.modules) - saved_modules:
             if _users_module(getattr(sys.modules[name], "__file__", None), cwd):
                 del sys.modules[name]

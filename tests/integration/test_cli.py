@@ -121,10 +121,12 @@ class Game:
 @pytest.mark.parametrize("group,option", GROUPS)
 def test_every_group_option_composes(group, option, gsm8k_path, monkeypatch, tmp_path):
     overrides = [f"{group}={option}"]
-    if group == "env":  # the tools and the class are built by the checks: they must exist
+    if group == "env" or (group, option) == ("data", "env"):  # the checks build the tools and the class
         (tmp_path / "my_env.py").write_text(MY_ENV)
         overrides += {"tools": [f"env.tools=[{tmp_path / 'my_env.py'}:multiply]"],
                       "class": [f"env.factory={tmp_path / 'my_env.py'}:Game"]}.get(option, [])
+    if (group, option) == ("data", "env"):  # environment-owned data: the class writes each prompt
+        overrides += ["env=class", f"env.factory={tmp_path / 'my_env.py'}:Game"]
     if group == "sampler" and option.startswith("vllm"):  # vLLM installed or not (test_vllm_sampler)
         monkeypatch.setattr("grpo_cli.rollout.vllm_engine.installed", lambda: True)
     server = LocalServer(AnswersGet)  # sampler=vllm_server's check asks a server before anything loads: a stand-in

@@ -10,12 +10,13 @@ from grpo_cli.errors import ConfigError
 
 
 def test_load_function_resolves_a_file_a_module_and_a_built_in(tmp_path, monkeypatch):
-    (tmp_path / "mine.py").write_text("def fn(prompts, completions, **kwargs):\n    return [1.0]\n")
+    # a name no other test's file has: a module imported once stays in sys.modules for the rest of the process
+    (tmp_path / "lf_rewards.py").write_text("def fn(prompts, completions, **kwargs):\n    return [1.0]\n")
     monkeypatch.chdir(tmp_path)
-    name, fn = user_code.load_function(f"{tmp_path / 'mine.py'}:fn", "reward.funcs[0]")
+    name, fn = user_code.load_function(f"{tmp_path / 'lf_rewards.py'}:fn", "reward.funcs[0]")
     assert (name, fn(prompts=[], completions=[])) == ("fn", [1.0])
-    name, fn = user_code.load_function("mine.fn", "reward.funcs[0]")  # the working folder's own module
-    assert (name, fn.__module__) == ("fn", "mine")
+    name, fn = user_code.load_function("lf_rewards.fn", "reward.funcs[0]")  # the working folder's own module
+    assert (name, fn.__module__) == ("fn", "lf_rewards")
 
     def given(**_):
         return [0.5]
