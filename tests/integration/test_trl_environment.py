@@ -13,16 +13,21 @@ from tests.helpers import TINY, first_turn_calls, metrics, run_cli
 MY_ENV = '''
 import asyncio
 import os
+import uuid
 
 
 class Multiplier:
     """Scores itself: 1 when the episode's call returned 12."""
 
+    def __init__(self):
+        # its name in the files below: id() is reused once an instance is collected, a uuid never
+        self.name = uuid.uuid4().hex
+
     def reset(self, **row):
         assert "messages" not in row and "question" not in row and "answer" in row  # the row, as the data gives it
         self.product = None
         with open("resets.txt", "a") as f:
-            f.write(f"{os.getpid()} {id(self)}\\n")
+            f.write(f"{os.getpid()} {self.name}\\n")
 
     async def multiply(self, a: int, b: int) -> int:
         """Multiply two integers.
@@ -40,7 +45,7 @@ class Multiplier:
 
     def close(self) -> None:
         with open("closed.txt", "a") as f:
-            f.write(f"{id(self)}\\n")
+            f.write(f"{self.name}\\n")
 
 
 def zero(prompts, completions, **kwargs):
