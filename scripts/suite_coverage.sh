@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Line coverage of grpo_cli/ by a tree's `make test` selection, subprocesses and xdist workers included
+# Line coverage of grpo_cli/ by a tree's CI selection (make test + make test-ci), subprocesses and xdist workers included
 # (coverage's patch=subprocess; pytest-cov is not used: under xdist with that patch it recorded no line).
 #   scripts/suite_coverage.sh TREE OUT [pytest args, e.g. -n 2 --dist loadfile]
 # TREE has its own .venv with coverage>=7.10 installed (pip install --no-deps coverage); OUT gets report.txt, cov.json.

@@ -160,15 +160,20 @@ def tmpfs(tmp_path):
 SYSTEM_LIMIT = 15  # tests/system holds only the cases whose subject is the process itself (docs/development.md)
 
 
-@pytest.hookimpl(tryfirst=True)
+@pytest.hookimpl(wrapper=True)
 def pytest_collection_modifyitems(config, items):
-    """Refuse a 16th system case (parametrized cases count), before -m or -k deselects any."""
+    """Refuse a 16th system case (parametrized cases count), before -m or -k deselects any; then, once they have
+    deselected, put the longest modules first."""
     system = [item.nodeid for item in items if item.nodeid.startswith("tests/system/")]
     if len(system) > SYSTEM_LIMIT:
         raise pytest.UsageError(f"tests/system holds {len(system)} cases, more than {SYSTEM_LIMIT}: keep there only "
                                 f"what needs its own process (docs/development.md, The test suite)")
-    # the longest modules first (make test's workers take whole modules in this order, --no-loadscope-reorder):
-    # started last, one of them would keep one worker busy for a minute while the other stands idle
-    long_modules = {item.path for item in items
-                    if item.nodeid.startswith("tests/system/") or item.get_closest_marker("ci")}
-    items.sort(key=lambda item: item.path not in long_modules)
+    result = yield
+    # the longest modules first (the workers take whole modules in this order, --no-loadscope-reorder): started
+    # last, one of them would keep one worker busy for a minute while the other stands idle. Judged by the tests
+    # that run, after -m: in `make test` (the fast tier) a module that also holds a ci test is no longer long; in
+    # `make test-ci` every module is a ci one, and tests/system's (torchrun, a vLLM process: the longest) go first
+    system_modules = {item.path for item in items if item.nodeid.startswith("tests/system/")}
+    ci_modules = {item.path for item in items if item.get_closest_marker("ci")}
+    items.sort(key=lambda item: (item.path not in system_modules, item.path not in ci_modules))
+    return result
