@@ -2,12 +2,13 @@
 
 Pure functions of tensors and scalars: no model, no config object, no I/O (the `algo` settings they take
 come as scalars or as `LossSettings`, a frozen record of them, read and checked once in grpo_cli/algo.py before a
-model loads). The trainer calls them in the order a step
-walks: `outcome_advantages` / `process_advantages` on the rewards of a rollout, then `grpo_loss` (through
-`GRPOLoss`) on the policy's log-probs (`logprobs`, through the kernels of `kernels`).
+model loads). The trainer calls them in the order a step walks: `outcome_advantages` /
+`sparse_process_advantages` on the rewards a rollout's tokens carry (grpo_cli.credit puts them there), then
+`grpo_loss` (through `GRPOLoss`) on the policy's log-probs (`logprobs`, through the kernels of `kernels`).
 
 The modules, one part of DeepSeekMath's §4.1 (arXiv 2402.03300) each; each docstring says where it departs:
-  advantages    outcome and process advantages, the std and scale options, RLOO's baseline
+  advantages    outcome and process advantages (the step rewards as a sparse [N, T] or as lists), the std and scale
+                options, RLOO's baseline
   kl            the KL estimators k1, k2, k3
   surrogate     the importance ratio ρ (per token, or GSPO's per sequence), the per-token term of each loss_type
                 (PPO's clipped one; CISPO's, SAPO's, GMPO's), clip fractions
@@ -36,6 +37,8 @@ from grpo_cli.objective.advantages import (
     UNSCALED_ESTIMATORS,
     outcome_advantages,
     process_advantages,
+    sparse_process_advantages,
+    step_coordinates,
 )
 from grpo_cli.objective.aggregation import (
     AGGREGATIONS,
@@ -81,6 +84,7 @@ from grpo_cli.objective.surrogate import (
 
 __all__ = [
     "ADVANTAGE_SCALES", "SCALES", "STD_DDOF", "STDS", "outcome_advantages", "process_advantages",
+    "sparse_process_advantages", "step_coordinates",
     "ADVANTAGE_ESTIMATORS", "ESTIMATORS", "UNSCALED_ESTIMATORS", "CREDIT_FORMS", "CREDITS",
     "KL_ESTIMATES", "KL_ESTIMATORS", "kl_divergence",
     "GSPO_EPSILON_HIGH", "GSPO_EPSILON_LOW", "IMPORTANCE_RATIOS", "IMPORTANCE_SAMPLING_LEVELS", "importance_ratio",

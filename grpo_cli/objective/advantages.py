@@ -144,38 +144,22 @@ CREDIT_FORMS: dict[str, Callable[..., torch.Tensor]] = {"sum": _sum_of_steps_aft
 CREDITS = tuple(CREDIT_FORMS)
 
 
-def process_advantages(
+def step_coordinates(
     step_rewards: Sequence[Sequence[float]],
     step_ends: Sequence[Sequence[int]],
-    group_size: int,
     length: int,
-    *,
-    eps: float = 1e-4,
-    credit: str = "sum",
-) -> torch.Tensor:
-    """Per-step rewards of N completions -> [N, length] per-token advantages (DeepSeekMath §4.1.3).
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-completion step rewards and end tokens -> the batch's steps as a sparse [N, length] in coordinate form:
+    (rows [S], tokens [S], rewards [S]), S = all steps, in row then text order; step s's reward sits on token
+    tokens[s] of completion rows[s]. Several steps may share a token and each stays an entry of its own (a dense
+    [N, length] could not hold them apart).
 
-    `step_rewards[i]` are the K_i step rewards of completion i, `step_ends[i]` the completion-token
-    index of the last token of each step (non-decreasing, < length: several steps may end on one token,
-    each counted on its own in the group's mean and std, e.g. a final answer's step and the reference
-    steps a completion never wrote, all at its last token). Within each group every
-    step reward is normalized by the mean and population std of all step rewards of the group;
-    token t of completion i gets the sum of its normalized step rewards whose step ends at or after
-    t, so tokens after the last step end get 0 (`credit="sum"`, the paper's); `credit="min"`: the minimum of
-    them instead (PURE). NaN step rewards are left out like NaN outcome rewards (normalized to 0 in the sum,
-    no candidate for the minimum). Returns float32 (the default dtype) on the CPU.
+    `step_rewards[i]` are the K_i step rewards of completion i, `step_ends[i]` the completion-token index of the last
+    token of each step (non-decreasing, in [0, length)). rewards float32 (the default dtype), NaN = no score; all on
+    the CPU.
     """
-    gather = choose("credit", credit, CREDIT_FORMS)
-    n = len(step_rewards)
-    if len(step_ends) != n:
-        raise ValueError(f"step_rewards has {n} completions but step_ends has {len(step_ends)}")
-    if group_size < 1:
-        raise ValueError(f"group_size ({group_size}) must be >= 1")
-    if n % group_size:
-        raise ValueError(
-            f"number of completions ({n}) is not a multiple of group_size ({group_size}): "
-            "each prompt needs exactly group_size completions, stored contiguously"
-        )
+    if len(step_ends) != len(step_rewards):
+        raise ValueError(f"step_rewards has {len(step_rewards)} completions but step_ends has {len(step_ends)}")
     if length < 0:
         raise ValueError(f"length ({length}) must be >= 0")
     rows, ends, values = [], [], []
@@ -193,14 +177,44 @@ def process_advantages(
         rows += [i] * len(rs)
         ends += [int(e) for e in es]
         values += [float(v) for v in rs]
-
     dtype = torch.get_default_dtype()
-    out = torch.zeros(n, length, dtype=dtype)            # [N, length]
-    if not values:
-        return out
-    row = torch.tensor(rows)                             # [S]; S = all steps of the batch
-    end = torch.tensor(ends)                             # [S]
-    r = torch.tensor(values, dtype=dtype)                # [S]
+    return (torch.tensor(rows, dtype=torch.long), torch.tensor(ends, dtype=torch.long),
+            torch.tensor(values, dtype=dtype))
+
+
+def sparse_process_advantages(
+    rewards: torch.Tensor,
+    rows: torch.Tensor,
+    tokens: torch.Tensor,
+    shape: tuple[int, int],
+    group_size: int,
+    *,
+    eps: float = 1e-4,
+    credit: str = "sum",
+) -> torch.Tensor:
+    """Step rewards as a sparse [N, T] in coordinate form (`step_coordinates`: rewards, rows, tokens [S]) ->
+    [N, T] per-token advantages (DeepSeekMath §4.1.3), `shape` = (N, T).
+
+    Within each group of `group_size` contiguous completions every step reward is normalized by the mean and
+    population std of all step rewards of the group (a step sharing its token with another counts on its own);
+    token t of completion i gets the sum of its normalized step rewards whose step ends at or after t, so tokens
+    after the last step end get 0 (`credit="sum"`, the paper's); `credit="min"`: the minimum of them instead
+    (PURE). NaN step rewards are left out like NaN outcome rewards (normalized to 0 in the sum, no candidate for
+    the minimum). Returns rewards' dtype on the CPU.
+    """
+    gather = choose("credit", credit, CREDIT_FORMS)
+    n, length = shape
+    if group_size < 1:
+        raise ValueError(f"group_size ({group_size}) must be >= 1")
+    if n % group_size:
+        raise ValueError(
+            f"number of completions ({n}) is not a multiple of group_size ({group_size}): "
+            "each prompt needs exactly group_size completions, stored contiguously"
+        )
+    dtype = rewards.dtype
+    if not rewards.numel():
+        return torch.zeros(n, length, dtype=dtype)      # [N, T]
+    r, row, end = rewards.cpu(), rows.cpu(), tokens.cpu()   # [S] each
     group = row // group_size                            # [S]
     groups = n // group_size
 
@@ -213,3 +227,31 @@ def process_advantages(
     normalized = centered / (var.sqrt()[group] + eps)                                # [S]
     # each normalized step reward at its last token, then gathered over the steps ending at or after each token
     return gather(torch.where(valid, normalized, float("nan")), row, end, n, length)
+
+
+def process_advantages(
+    step_rewards: Sequence[Sequence[float]],
+    step_ends: Sequence[Sequence[int]],
+    group_size: int,
+    length: int,
+    *,
+    eps: float = 1e-4,
+    credit: str = "sum",
+) -> torch.Tensor:
+    """Per-step rewards of N completions -> [N, length] per-token advantages (DeepSeekMath §4.1.3): the lists'
+    form of `sparse_process_advantages`.
+
+    `step_rewards[i]` are the K_i step rewards of completion i, `step_ends[i]` the completion-token
+    index of the last token of each step (non-decreasing, < length: several steps may end on one token,
+    each counted on its own in the group's mean and std, e.g. a final answer's step and the reference
+    steps a completion never wrote, all at its last token). Within each group every
+    step reward is normalized by the mean and population std of all step rewards of the group;
+    token t of completion i gets the sum of its normalized step rewards whose step ends at or after
+    t, so tokens after the last step end get 0 (`credit="sum"`, the paper's); `credit="min"`: the minimum of
+    them instead (PURE). NaN step rewards are left out like NaN outcome rewards (normalized to 0 in the sum,
+    no candidate for the minimum). Returns float32 (the default dtype) on the CPU.
+    """
+    choose("credit", credit, CREDIT_FORMS)
+    rows, tokens, rewards = step_coordinates(step_rewards, step_ends, length)
+    return sparse_process_advantages(rewards, rows, tokens, (len(step_rewards), length), group_size, eps=eps,
+                                     credit=credit)

@@ -27,6 +27,8 @@ from grpo_cli.objective import (
     masked_mean,
     outcome_advantages,
     process_advantages,
+    sparse_process_advantages,
+    step_coordinates,
     truncated_is_weight,
 )
 from tests.helpers import is_correction_batch as sampler_batch
@@ -184,6 +186,26 @@ def test_process_several_steps_on_one_token():
     # Merged into one step per token (A: [1, -2]; rewards 1, -2, 1: mean 0, std sqrt(2)) A's t=0 would be -0.70706
     adv = process_advantages([[1.0, -1.0, -1.0], [1.0]], [[0, 2, 2], [2]], 2, 3)
     assert close(adv, [[-0.99990, -1.99980, -1.99980], [0.99990] * 3], tol=1e-5)
+
+
+def test_process_advantages_from_coordinates():
+    # test_process_several_steps_on_one_token's group as a sparse [2, 3] in coordinate form: A's steps 1, -1, -1 on
+    # tokens 0, 2, 2 and B's 1 on token 2 -> rows [0, 0, 0, 1], tokens [0, 2, 2, 2]: the two steps on A's token 2
+    # stay two entries (merged, A's t=0 would be -0.70706, not -0.99990)
+    rows, tokens, rewards = step_coordinates([[1.0, -1.0, -1.0], [1.0]], [[0, 2, 2], [2]], 3)
+    assert rows.tolist() == [0, 0, 0, 1] and tokens.tolist() == [0, 2, 2, 2]
+    assert rewards.tolist() == [1.0, -1.0, -1.0, 1.0] and rewards.dtype == torch.float32
+    adv = sparse_process_advantages(rewards, rows, tokens, (2, 3), 2)
+    assert close(adv, [[-0.99990, -1.99980, -1.99980], [0.99990] * 3], tol=1e-5)
+    # the order of the entries does not matter: B's step first
+    order = torch.tensor([3, 0, 1, 2])
+    assert close(sparse_process_advantages(rewards[order], rows[order], tokens[order], (2, 3), 2), adv, tol=1e-6)
+    # no steps at all: zeros of the shape
+    rows, tokens, rewards = step_coordinates([[], []], [[], []], 4)
+    assert torch.equal(sparse_process_advantages(rewards, rows, tokens, (2, 4), 1), torch.zeros(2, 4))
+    rows, tokens, rewards = step_coordinates([[1.0, -1.0, -1.0], [1.0]], [[0, 2, 2], [2]], 3)
+    with pytest.raises(ValueError, match="not a multiple of group_size"):
+        sparse_process_advantages(rewards, rows, tokens, (3, 3), 2)
 
 
 def test_process_errors():
