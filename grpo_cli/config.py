@@ -27,12 +27,26 @@ from grpo_cli.rewards import models as reward_models
 from grpo_cli.rollout import vllm_engine, vllm_server
 from grpo_cli.user_code import import_targets
 
+# the recipe files (name, size, mtime) that this process's ConfigStore holds, as register_recipes stored them
+_registered: tuple = ()
+
 
 def register_recipes() -> None:
-    """Store every recipes/*.yaml as `recipe/NAME` with package _global_, for `+recipe=NAME`."""
+    """Store every recipes/*.yaml as `recipe/NAME` with package _global_, for `+recipe=NAME`.
+
+    Once a process, and again only when a recipe file has changed: a command registers at import (hydra_app) and
+    before each compose (its early check of the overrides), and each registration parsed and stored all the files
+    anew. The ConfigStore is a process-wide singleton that keeps what was stored in it."""
+    global _registered
+    paths = sorted(RECIPES_DIR.glob("*.yaml"))
+    files = tuple((p.name, st.st_size, st.st_mtime_ns) for p in paths for st in (p.stat(),))
     store = ConfigStore.instance()
-    for path in sorted(RECIPES_DIR.glob("*.yaml")):
+    stored = store.repo.get("recipe", {})
+    if files == _registered and all(f"{p.stem}.yaml" in stored for p in paths):
+        return
+    for path in paths:
         store.store(group="recipe", name=path.stem, node=OmegaConf.load(path), package="_global_")
+    _registered = files
 
 
 def compose(config_name: str, overrides: list[str] | None = None) -> DictConfig:
