@@ -118,7 +118,7 @@ def _check_unscaled_advantage(algo) -> list[str]:
             f"algo.advantage_scale=none, or use algo={algo.advantage}"]
 
 
-# the rewards whose step rewards make process advantages, normalized as in the paper (update.advantages); with
+# the rewards whose step rewards make process advantages, normalized as in the paper (grpo_cli.credit); with
 # reward.process_weight their outcome half takes algo.advantage
 PROCESS_REWARDS = ("grpo_cli.rewards.ProcessReward", "grpo_cli.rewards.models.process_reward_model")
 

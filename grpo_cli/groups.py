@@ -95,7 +95,7 @@ def concat_results(parts: list[RewardResult]) -> RewardResult:
 
 def _turns(parts: list[RewardResult]) -> list[list[float | None]] | None:
     """The per-turn rewards of the parts' rows; a part scored per episode gives each its reward as its last turn's
-    (`update.advantages` aligns a short row with the episode's last turns). None when no part is per-turn."""
+    (`credit.token_rewards` aligns a short row with the episode's last turns). None when no part is per-turn."""
     if all(p.turns is None for p in parts):
         return None
     return [t for p in parts for t in (p.turns or [[] if r is None else [r] for r in p.rewards])]

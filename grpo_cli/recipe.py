@@ -37,6 +37,7 @@ from transformers import get_scheduler
 
 from grpo_cli import checkpoint, compiled, files, fsdp
 from grpo_cli.algo import build_loss
+from grpo_cli.credit import advantages, token_rewards
 from grpo_cli.data import PromptStream
 from grpo_cli.data.lengths import check_prompt_lengths
 from grpo_cli.distributed import World
@@ -62,7 +63,7 @@ from grpo_cli.rollout.episodes import early_format, reward_column_example, rewar
 from grpo_cli.rollout.sizing import Job
 from grpo_cli.runs import keep_chat_template
 from grpo_cli.trainer_state import TrainerState
-from grpo_cli.update import advantages, prepare, update
+from grpo_cli.update import prepare, update
 
 
 @dataclass(frozen=True)
@@ -237,9 +238,10 @@ def step(run: Run, n: int) -> StepRecord:
     # 1-3. prompts -> G completions each -> rewards (with dynamic sampling, until enough groups carry signal)
     kept, draws, t_rollout = _explore(run, n, reward)
 
-    # 4. advantages: normalized within each group of G
-    adv = advantages(kept.result, kept.rollout, run.tokenizer, algo.group_size, algo.advantage_scale,
-                     algo.advantage_std, world, estimator=algo.advantage)
+    # 4. advantages: the rewards on the tokens they pay (outcome, steps, turns), then normalized within each group of G
+    on_tokens = token_rewards(kept.result, kept.rollout, run.tokenizer)
+    adv = advantages(on_tokens, algo.group_size, algo.advantage_scale, algo.advantage_std, world,
+                     estimator=algo.advantage)
 
     # 5. update: reference and old log-probs first, then μ passes of the clipped objective
     t1 = time.perf_counter()

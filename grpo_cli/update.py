@@ -12,17 +12,15 @@ gradient, the reference log-probs (adapter off, or its frozen copy in iterative 
 old-policy log-probs (only when μ > 1) and, with `algo.top_entropy_quantile` < 1, the batch's entropy threshold
 (over all ranks, from the policy before the update: one more forward when μ = 1), all with dropout off, so that the
 update only loops over micro-batches and their losses add up to the batch's whatever micro_batch_size and the
-number of ranks. The `Batch` carries the loss, μ and the micro-batch size with it. `advantages` turns
-a reward result into the [N] outcome or [N, T] process advantages the loss reads.
+number of ranks. The `Batch` carries the loss, μ and the micro-batch size with it. The advantages it takes
+([N] outcome or [N, T] process) come from grpo_cli.credit, which puts the rewards on the tokens.
 
-Where it departs from the paper: a process-supervised completion's final step ends at its last
-token (its EOS), not at the last character of its text, so the choice to stop gets the final
-step's advantage; rows whose advantage is zero everywhere are skipped when β = 0
+Where it departs from the paper: rows whose advantage is zero everywhere are skipped when β = 0
 (they carry no gradient, so this changes time, not numbers); LoRA adapters instead of full weights.
 
 With N ranks (grpo_cli.distributed) each rank holds its slice of the batch; the counts the loss
-divides by and the outcome rewards the advantages normalize over are the whole batch's, and the
-gradients are summed once per optimizer step, so N ranks take the 1-rank step on the same batch.
+divides by (and, in grpo_cli.credit, the outcome rewards the advantages normalize over) are the whole batch's, and
+the gradients are summed once per optimizer step, so N ranks take the 1-rank step on the same batch.
 With the base sharded (trainer.fsdp, grpo_cli.fsdp) every rank also runs as many rows as the busiest one, its
 spare rows masked out of the loss (`Batch.fillers`): FSDP's per-layer gathers need the same passes everywhere.
 """
@@ -34,75 +32,22 @@ from dataclasses import dataclass, field
 
 import torch
 
+from grpo_cli import credit
 from grpo_cli.distributed import SINGLE, World
 from grpo_cli.fsdp import local, lockstep, sharded, sharded_weights, whole_tensor
 from grpo_cli.logprobs import BUCKET_ROWS, buckets, sequence_logprobs
-from grpo_cli.objective import Loss, high_entropy_threshold, masked_mean, outcome_advantages, process_advantages
+from grpo_cli.objective import Loss, high_entropy_threshold, masked_mean
 from grpo_cli.policy import reference
-from grpo_cli.rollout import Rollout, char_ends_to_token_index
+from grpo_cli.rollout import Rollout
 
 
 def advantages(result, rollout: Rollout, tokenizer, group_size: int, scale: str, std: str,
                world: World = SINGLE, *, estimator: str = "grpo") -> torch.Tensor:
-    """[N] outcome advantages, or [N, T] process advantages from step rewards at their end tokens (or from per-turn
-    rewards at their turns' last tokens).
-
-    Outcome rewards of every rank are gathered first (scale=batch reads them all) and this rank's
-    slice of the advantages is returned; process rewards are normalized per group, on this rank.
-    A process reward with a finite `process_weight` λ also carries outcome rewards: A = A_outcome + λ·A_process,
-    each normalized on its own within the group (PRIME, arXiv 2502.01456; PURE, 2504.15275). `estimator`
-    (algo.advantage: grpo, rloo) is the outcome rewards' baseline; step rewards keep the paper's.
-    """
-    if result.turns is not None:
-        return _by_turn(result.turns, rollout, group_size)
-    if result.steps is None:
-        return _outcome(result.rewards, group_size, scale, std, world, estimator)
-    step_rewards, step_ends = [], []
-    completion_ids, keep = rollout.completion_ids.cpu(), rollout.completion_mask.cpu().bool()  # one host copy
-    for row, steps in enumerate(result.steps):
-        ids = completion_ids[row][keep[row]].tolist()
-        text_end = len(rollout.texts[row])
-        # a step at char_end len(text) + 1 ends with the completion: on its last token (its EOS), the decision to
-        # stop; the others on the token holding their last character. Several steps may share a token (the
-        # answer's step and the unwritten slots): each stays a step of its own in the group's mean and std
-        inside = [end for end, _ in steps if end <= text_end]
-        ends = char_ends_to_token_index(tokenizer, ids, inside) if inside else []
-        ends += [len(ids) - 1] * (len(steps) - len(inside))
-        if ends and len(inside) == len(steps):
-            # no step ends with the completion: the last one does (with any sharing its token). At its last
-            # character instead, the EOS after it got advantage 0, so stopping was never penalized while writing on
-            # was (docs/process-supervision.md)
-            last = ends[-1]
-            ends = [len(ids) - 1 if t == last else t for t in ends]
-        step_ends.append(ends)
-        step_rewards.append([r for _, r in steps])
-    process = process_advantages(step_rewards, step_ends, group_size, rollout.completion_ids.shape[1],
-                                 credit=result.credit)  # [N, T]
-    if result.process_weight is None:  # process only: the paper's form (ProcessReward turns inf into None)
-        return process
-    outcome = _outcome(result.outcome, group_size, scale, std, world, estimator)  # [N], every token alike
-    return outcome[:, None] + result.process_weight * process
-
-
-def _by_turn(turns: list[list[float | None]], rollout: Rollout, group_size: int) -> torch.Tensor:
-    """[N, T] process advantages with an episode's assistant turns as its steps: each turn's reward at the turn's
-    last sampled token (`Episode.turn_ends`), normalized over all turns of the group; the environment's tokens
-    carry none (they are context, never scored). A row with fewer rewards than turns holds its last turns' (an
-    episode's one number: its last turn)."""
-    rewards = [[math.nan if r is None else r for r in row] for row in turns]
-    ends = [episode.turn_ends[len(episode.turn_ends) - len(row):] if row else []
-            for episode, row in zip(rollout.episodes, turns, strict=True)]
-    process = process_advantages(rewards, ends, group_size, rollout.completion_ids.shape[1])  # [N, T]
-    return process * rollout.sampled_mask.cpu().to(process.dtype)
-
-
-def _outcome(rewards: list[float | None], group_size: int, scale: str, std: str, world: World,
-             estimator: str) -> torch.Tensor:
-    """[N] group-normalized outcome advantages of this rank's rows (None: no score)."""
-    mine = torch.tensor([math.nan if r is None else r for r in rewards], dtype=torch.float32)
-    everyone = world.cat(mine)  # [N · world size], rank order
-    adv = outcome_advantages(everyone, group_size, scale=scale, std=std, estimator=estimator)
-    return adv[world.slice(everyone.numel())]
+    """`credit.advantages(credit.token_rewards(result, rollout, tokenizer), ...)`: recipe.step's two calls in one,
+    for the callers that still reach them here (tests/helpers.py, the multi-rank and CUDA tests); new code calls
+    grpo_cli.credit."""
+    return credit.advantages(credit.token_rewards(result, rollout, tokenizer), group_size, scale, std, world,
+                             estimator=estimator)
 
 
 @dataclass

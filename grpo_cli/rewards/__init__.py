@@ -3,7 +3,7 @@
 The contract. The `reward` config group builds one reward; the trainer calls it once per rollout:
 
     result = build(cfg.reward)(prompts, completions, columns)   # -> RewardResult
-    advantages = outcome_advantages(result.rewards) if result.steps is None else process_advantages(...)
+    advantages = credit.advantages(credit.token_rewards(result, rollout, tokenizer), ...)   # grpo_cli.credit
 
 `prompts` are the examples' questions and `completions` the sampled texts, one per completion; `columns`
 holds the examples' other fields as lists in the same order (`answer`, a dataset's columns, ...) plus what

@@ -26,7 +26,7 @@ class RewardResult:
         exclusive (several steps may share one); [] when the completion has no scored step. None for
         outcome rewards.
     outcome: process rewards combined with outcome ones: per completion, the outcome functions' sum.
-    process_weight: λ of A = A_outcome + λ·A_process (`update.advantages`); None: process only.
+    process_weight: λ of A = A_outcome + λ·A_process (`credit.advantages`); None: process only.
     turns: per-turn rewards only: per episode, one reward (None: unscored) per assistant turn, in turn order; each
         sits on its turn's last sampled token. None when no function scored turns.
     credit: process rewards only: how a token's advantage gathers the steps after it, "sum" (the paper's) or

@@ -349,31 +349,6 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return pos.masked_fill(attention_mask == 0, 0)
 
 
-def char_ends_to_token_index(tokenizer, completion_ids: list[int], char_ends: list[int]) -> list[int]:
-    """Index of the completion token that holds each character end (exclusive end -> its last char).
-
-    Exact: it decodes token prefixes the same way the completion text was decoded, so a multi-byte
-    or multi-character token maps correctly. Binary search keeps it at O(K log T) decodes.
-    """
-    cache: dict[int, int] = {}
-
-    def text_len(j: int) -> int:  # characters decoded from tokens [0, j]
-        if j not in cache:
-            cache[j] = len(tokenizer.decode(completion_ids[: j + 1], skip_special_tokens=True))
-        return cache[j]
-
-    out = []
-    for end in char_ends:
-        lo, hi = 0, len(completion_ids) - 1
-        while lo < hi:  # first token whose prefix covers `end` characters
-            mid = (lo + hi) // 2
-            if text_len(mid) >= end:
-                hi = mid
-            else:
-                lo = mid + 1
-        out.append(lo)
-    return out
-
 # ---- config checks: this module's settings, collected by config.validate --------------------------------
 
 def check_lengths(cfg) -> list[str]:

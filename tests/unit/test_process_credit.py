@@ -1,6 +1,7 @@
 """Process credit without a length term (issue #27): properties of the step scoring on random groups, through the
-trainer's own path (conf/reward/multistep_process.yaml -> score -> update.advantages, a character tokenizer so
-token t is character t and the EOS is the last token), and the outcome + λ·process combination worked by hand."""
+trainer's own path (conf/reward/multistep_process.yaml -> score -> credit.token_rewards -> credit.advantages, a
+character tokenizer so token t is character t and the EOS is the last token), and the outcome + λ·process
+combination worked by hand."""
 
 from __future__ import annotations
 
@@ -11,12 +12,12 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
+from grpo_cli.credit import advantages, token_rewards
 from grpo_cli.data import load_task
 from grpo_cli.policy import char_tokenizer
 from grpo_cli.resources import CONF_DIR
 from grpo_cli.rewards import RewardResult, extract_answer
 from grpo_cli.rollout import Rollout
-from grpo_cli.update import advantages
 
 TOK = char_tokenizer()
 # lines without a claim and without a digit (so the text's final number, its answer, stays what it was)
@@ -44,7 +45,7 @@ def group_advantages(texts: list[str], example: dict, truncated: list[bool] | No
     columns = {"answer": [example["answer"]] * len(texts), "solution": [example["solution"]] * len(texts),
                "truncated": list(truncated)}
     result = reward(process_weight)(["q"] * len(texts), list(texts), columns)
-    return advantages(result, rollout, TOK, len(texts), "group", "population"), result
+    return advantages(token_rewards(result, rollout, TOK), len(texts), "group", "population"), result
 
 
 def random_completion(rng: random.Random, example: dict, task) -> list[str]:
@@ -269,7 +270,7 @@ def test_min_credit_through_the_trainer():
                       [False, False])
     result = instantiate(cfg)(["q"] * 2, texts, {"answer": ["4"] * 2, "solution": [EX["solution"]] * 2,
                                                   "truncated": [False] * 2})
-    adv = advantages(result, rollout, TOK, 2, "group", "population")
+    adv = advantages(token_rewards(result, rollout, TOK), 2, "group", "population")
     down = -0.5 / (0.75 ** 0.5 + 1e-4)
     assert result.credit == "min"
     assert adv[1, :9].tolist() == pytest.approx([down] * 9, abs=1e-5)
@@ -309,6 +310,6 @@ def test_at_end_gives_every_token_the_same_sum():
     mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
     rollout = Rollout(torch.ones(3, 1, dtype=torch.long), torch.ones(3, 1, dtype=torch.long), ids, mask, texts,
                       [False] * 3)
-    flat = advantages(at_end, rollout, TOK, 3, "group", "population")
+    flat = advantages(token_rewards(at_end, rollout, TOK), 3, "group", "population")
     for i, t in enumerate(texts):
         assert flat[i, :len(t) + 1].tolist() == pytest.approx([adv[i, 0].item()] * (len(t) + 1), abs=1e-5)

@@ -238,10 +238,10 @@ def test_the_final_step_ends_at_eos_so_stopping_gets_its_advantage():
     learned to stop after one line)."""
     import torch
 
+    from grpo_cli.credit import advantages, token_rewards
     from grpo_cli.policy import char_tokenizer
     from grpo_cli.rewards import RewardResult
     from grpo_cli.rollout import Rollout
-    from grpo_cli.update import advantages
 
     tok = char_tokenizer()
     eos = tok.eos_token_id
@@ -253,7 +253,7 @@ def test_the_final_step_ends_at_eos_so_stopping_gets_its_advantage():
     rollout = Rollout(torch.ones(2, 1, dtype=torch.long), torch.ones(2, 1, dtype=torch.long), ids, mask,
                       ["ab\ncd", "ab"], [False, False])
     result = RewardResult(rewards=[0.0, -2.0], per_function={}, steps=[[(2, 1.0), (5, -1.0)], [(2, -2.0)]])
-    adv = advantages(result, rollout, tok, 2, "group", "population")
+    adv = advantages(token_rewards(result, rollout, tok), 2, "group", "population")
     # step rewards 1, -1, -2: mean -2/3, population std sqrt(((5/3)^2 + (1/3)^2 + (4/3)^2) / 3) = sqrt(14)/3
     sd = 14 ** 0.5 / 3
     n1, n2, n3 = (1 + 2 / 3) / sd, (-1 + 2 / 3) / sd, (-2 + 2 / 3) / sd

@@ -8,9 +8,10 @@ import math
 import pytest
 import torch
 
-from grpo_cli import update
+from grpo_cli import credit
 from grpo_cli.objective import ADVANTAGE_ESTIMATORS, outcome_advantages
 from grpo_cli.rewards.result import RewardResult
+from grpo_cli.rollout import Rollout
 
 
 def close(x, expected, tol=1e-9):
@@ -74,7 +75,9 @@ def test_rloo_has_no_std_to_scale_by():
 
 
 def test_the_update_gathers_rloo_advantages():
-    # the trainer's path (update.advantages, as recipe.step calls it with algo.advantage): [1, 0, 0, 1] -> ±2/3
+    # the trainer's path (grpo_cli.credit, as recipe.step calls it with algo.advantage): [1, 0, 0, 1] -> ±2/3
     result = RewardResult(rewards=[1.0, 0.0, 0.0, 1.0], per_function={})
-    adv = update.advantages(result, None, None, 4, "none", "population", estimator="rloo")
+    ones = torch.ones(4, 1, dtype=torch.long)  # a one-token completion per row
+    rollout = Rollout(ones, ones, ones, ones, ["a"] * 4, [False] * 4)
+    adv = credit.advantages(credit.token_rewards(result, rollout, None), 4, "none", "population", estimator="rloo")
     assert close(adv, [2 / 3, -2 / 3, -2 / 3, 2 / 3], tol=1e-6)

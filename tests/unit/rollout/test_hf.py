@@ -17,7 +17,6 @@ from grpo_cli.policy import (
 )
 from grpo_cli.rollout import (
     Rollout,
-    char_ends_to_token_index,
     encode_prompts,
     finish,
     render_prompts,
@@ -91,22 +90,6 @@ def test_training_logprobs_equal_the_sampling_distribution(policy):
         ours = sequence_logprobs(model, rollout).logp
     m = rollout.completion_mask.bool()
     assert torch.allclose(ours[m], at_sampling[m], atol=1e-5)
-
-
-class WordTokenizer:
-    """Tokens of several characters: 'The', ' answer', ' is', ' 4', '2', '.'"""
-
-    pieces = ["The", " answer", " is", " 4", "2", "."]
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(self.pieces[i] for i in ids)
-
-
-def test_char_ends_map_to_the_token_holding_the_last_character():
-    ids = list(range(6))  # "The answer is 42."
-    # char_end 3 -> "The" (token 0); 10 -> " answer" ends at 10 (token 1); 15 -> "4" of " 4" (token 3);
-    # 16 -> "2" (token 4); 17 -> "." (token 5); 11 -> " " of " is", inside token 2
-    assert char_ends_to_token_index(WordTokenizer(), ids, [3, 10, 11, 15, 16, 17]) == [0, 1, 2, 3, 4, 5]
 
 
 def test_hf_loader_reads_a_local_folder(tmp_path):
