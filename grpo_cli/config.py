@@ -27,7 +27,7 @@ from grpo_cli.rewards import models as reward_models
 from grpo_cli.rollout import vllm_engine, vllm_server
 from grpo_cli.user_code import import_targets
 
-# the recipe files (name, size, mtime) that this process's ConfigStore holds, as register_recipes stored them
+# the recipe files (name, text) that this process's ConfigStore holds, as register_recipes stored them
 _registered: tuple = ()
 
 
@@ -36,10 +36,11 @@ def register_recipes() -> None:
 
     Once a process, and again only when a recipe file has changed: a command registers at import (hydra_app) and
     before each compose (its early check of the overrides), and each registration parsed and stored all the files
-    anew. The ConfigStore is a process-wide singleton that keeps what was stored in it."""
+    anew. The ConfigStore is a process-wide singleton that keeps what was stored in it. The texts are read each
+    time (microseconds; a size and mtime could miss an edit within the clock's tick), the parse and store kept."""
     global _registered
     paths = sorted(RECIPES_DIR.glob("*.yaml"))
-    files = tuple((p.name, st.st_size, st.st_mtime_ns) for p in paths for st in (p.stat(),))
+    files = tuple((p.name, p.read_text(encoding="utf-8")) for p in paths)
     store = ConfigStore.instance()
     stored = store.repo.get("recipe", {})
     if files == _registered and all(f"{p.stem}.yaml" in stored for p in paths):
