@@ -1,4 +1,4 @@
-"""Credit: which tokens a step's rewards pay, as one typed record, `TokenRewards`, and the advantages it gives.
+"""Credit: which tokens a rollout's rewards pay, as one typed record, `TokenRewards`, and the advantages it gives.
 
     rewards = token_rewards(result, rollout, tokenizer)     # right after scoring: text-level -> token-level
     adv = advantages(rewards, group_size, scale, std, world, estimator=...)   # [N] outcome or [N, T] process
