@@ -80,13 +80,29 @@ PLAIN_SECTIONS = {"trainer": "train.yaml", "iterative": "train.yaml", "algo": "a
                   "sample": "sample.yaml"}
 
 
+# {(file, its text): {a section: its keys}} of the PLAIN_SECTIONS files: each text parsed once a process
+_FILE_KEYS: dict[tuple[str, str], dict[str, frozenset]] = {}
+
+
+def _known_keys(file: str, section: str) -> frozenset:
+    """The keys conf/FILE defines for `section` (its top-level keys where FILE has no such section). Each validate
+    parsed each section's file, train.yaml twice (it holds trainer and iterative); the text is read each time (an
+    edited file is parsed anew), the parse kept."""
+    text = (CONF_DIR / file).read_text(encoding="utf-8")
+    cached = _FILE_KEYS.setdefault((file, text), {})
+    if section not in cached:
+        plain = OmegaConf.to_container(OmegaConf.create(text), resolve=False)  # ??? and ${..} values as they are
+        cached.update({str(k): frozenset(v) for k, v in plain.items() if isinstance(v, dict)})
+        cached.setdefault(section, frozenset(plain))
+    return cached[section]
+
+
 def _unknown_keys(cfg: DictConfig) -> list[str]:
     errors = []
     for section, file in PLAIN_SECTIONS.items():
         if section not in cfg or not isinstance(cfg[section], DictConfig):
             continue
-        known_node = OmegaConf.load(CONF_DIR / file)
-        known = set((known_node[section] if section in known_node else known_node).keys())
+        known = _known_keys(file, section)
         for key in cfg[section]:
             if key not in known:
                 close = difflib.get_close_matches(str(key), sorted(known), n=1)
