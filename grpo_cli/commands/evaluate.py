@@ -242,10 +242,11 @@ def _label(checkpoint_path: str | None) -> str:
 
 
 def plot_accuracy(results: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """PATH (accuracy.png): the greedy accuracy (and pass@k) of each run's checkpoints against the step, the base
+    model at step 0. Drawn once: matplotlib's object API (no pyplot, no process-wide backend) and margins fixed in
+    inches, where tight_layout measured the figure and left it a layout engine, for which savefig drew it again."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     # a dataset without reference answers has no accuracy: its mean reward is plotted instead
     key = "accuracy" if any(r["accuracy"] is not None for r in results) else "mean_reward"
@@ -254,7 +255,12 @@ def plot_accuracy(results: list[dict], path: Path) -> None:
     for r in results:
         if r["checkpoint"] is not None:
             runs.setdefault(str(Path(r["checkpoint"]).parent.parent), []).append(r)
-    fig, ax = plt.subplots(figsize=(6, 4))
+    width, height = 6.0, 4.0
+    fig = Figure(figsize=(width, height))
+    FigureCanvasAgg(fig)  # the PNG renderer, attached to this figure only (fig.canvas)
+    # inches: y tick labels and the y label at the left, x tick labels and the x label below
+    fig.subplots_adjust(left=0.75 / width, right=1 - 0.15 / width, bottom=0.55 / height, top=1 - 0.15 / height)
+    ax = fig.subplots()
     for run, rows in runs.items():
         rows = base + sorted(rows, key=lambda r: r["step"])  # the base model is step 0 of every run
         name = "" if len(runs) == 1 else f"{Path(run).name}: "
@@ -266,9 +272,7 @@ def plot_accuracy(results: list[dict], path: Path) -> None:
     ax.set_ylabel(f"held-out {key.replace('_', ' ')}")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    fig.savefig(path, dpi=120)  # no figure registry to close it in: it goes with its last reference
 
 
 # eval's settings that change a row (eval.limit, eval.k and eval.include_base only pick rows or summarize them)
