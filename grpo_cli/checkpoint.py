@@ -21,6 +21,8 @@ back as data (`read_best`); `keep_last` never deletes that checkpoint.
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import math
 import re
@@ -99,8 +101,8 @@ def verify(path: Path) -> None:
                 if problem:
                     raise CheckpointError(f"{file} has the wrong shape: {problem}; grpo train did not write it so "
                                           f"(edited or damaged): use an earlier checkpoint")
-            else:
-                OmegaConf.create(files.checked_yaml(file))  # no alias expanded, bounded: data from anyone
+            else:  # no alias expanded, bounded: data from anyone; kept for the command's next read (load_config)
+                _parsed_config(files.read_small(file, files.YAML_MAX_BYTES).decode(errors="replace"))
         except CheckpointError:
             raise
         except Exception as err:  # safetensors, JSON and YAML each raise their own kinds
@@ -462,13 +464,21 @@ def load_training_state(path: Path, optimizer, scheduler) -> dict:
 
 def load_config(path: Path) -> DictConfig:
     """A checkpoint's config.yaml, read as data: refused before it is built when it holds an alias or is too large
-    (files.checked_yaml)."""
+    (files.checked_yaml). The caller's own copy: it may change it."""
     file = Path(path) / "config.yaml"
     try:
-        return OmegaConf.create(files.checked_yaml(file))
+        return copy.deepcopy(_parsed_config(files.read_small(file, files.YAML_MAX_BYTES).decode(errors="replace")))
     except Exception as err:  # the check's ValueError, or YAML's own
         raise CheckpointError(f"{file} cannot be read ({str(err).splitlines()[0][:200]}); "
                               f"use an earlier checkpoint") from None
+
+
+# eval and sample read a checkpoint's config.yaml up to three times (verify, the saved config they inherit, the
+# base-model check), and each read parsed its ~1000 YAML nodes twice (the alias check's event stream, then
+# OmegaConf's): the configs of the last few texts are kept, keyed by the text read, so an edited file is parsed anew
+@functools.lru_cache(maxsize=4)
+def _parsed_config(text: str) -> DictConfig:
+    return OmegaConf.create(files.check_yaml_text(text))
 
 
 # ---- model.init_adapter: a training run that starts from a saved adapter --------------------------------

@@ -134,7 +134,12 @@ def checked_yaml(path: str | Path) -> str:
     regular file, is over YAML_MAX_BYTES, has over YAML_MAX_NODES nodes or holds an alias (`*name`): OmegaConf
     expands every alias into a copy, so ten nested lists of ten aliases are 10^10 nodes from a few hundred bytes.
     grpo train writes no aliases (OmegaConf.save writes each node out), so an alias was written by someone else."""
-    text = read_small(path, YAML_MAX_BYTES).decode(errors="replace")
+    return check_yaml_text(read_small(path, YAML_MAX_BYTES).decode(errors="replace"))
+
+
+def check_yaml_text(text: str) -> str:
+    """`text`, refused as checked_yaml refuses a file's (over YAML_MAX_NODES nodes, an alias), for a caller that read
+    the file itself (read_small)."""
     nodes = 0
     for event in yaml.parse(text, Loader=yaml.SafeLoader):  # events stream: nothing is built or expanded
         if isinstance(event, yaml.AliasEvent):

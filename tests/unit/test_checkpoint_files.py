@@ -68,3 +68,15 @@ def test_a_file_of_the_wrong_shape_is_named(ckpt, case):
         checkpoint.verify(ckpt)
     line = str(err.value)
     assert "\n" not in line and str(ckpt / name) in line and re.search(expected, line), line
+
+
+def test_a_config_read_again_is_the_callers_own_and_an_edited_one_is_read_anew(ckpt):
+    checkpoint.verify(ckpt)  # reads config.yaml, as eval and sample do before they read it again
+    first = checkpoint.load_config(ckpt)
+    first.trainer.max_steps = 99  # a caller changes its copy (read_saved anchors paths, upgrade fills keys)
+    assert checkpoint.load_config(ckpt).trainer.max_steps == 2
+    file = ckpt / "config.yaml"
+    file.write_text(file.read_text() + "a: &x [1]\nb: *x\n")  # an alias now: refused, not the config kept before
+    for read in (checkpoint.load_config, checkpoint.verify):
+        with pytest.raises(CheckpointError, match=r"config.yaml cannot be read \(it holds a YAML alias"):
+            read(ckpt)
