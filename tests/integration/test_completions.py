@@ -21,7 +21,7 @@ from grpo_cli.metrics.stats import mean
 TINY = ["+reward.functions.digit={_target_:grpo_cli.rewards.outcome.format_reward,_partial_:true,pattern:'[0-9]'}",
         "+reward.weights.digit=1.0", "model=tiny", "sampler.max_new_tokens=8", "algo.group_size=4",
         "trainer.prompts_per_step=2", "trainer.micro_batch_size=4", "optimizer.lr=0.05", "trainer.warmup_steps=0",
-        "trainer.report_to=[]"]
+        "trainer.report_to=[]", "trainer.eval_every=null"]
 
 
 def read(path: Path) -> list[dict]:

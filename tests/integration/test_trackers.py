@@ -26,7 +26,7 @@ from tests.helpers import REPO, run_cli
 TINY = ["+reward.functions.digit={_target_:grpo_cli.rewards.outcome.format_reward,_partial_:true,pattern:'[0-9]'}",
         "+reward.weights.digit=1.0", "model=tiny", "sampler.max_new_tokens=8", "algo.group_size=4",
         "trainer.prompts_per_step=2", "trainer.micro_batch_size=4", "trainer.max_steps=2",
-        "trainer.log_completions_every=null"]
+        "trainer.log_completions_every=null", "trainer.eval_every=null"]
 
 
 def needs(*packages: str):

@@ -12,7 +12,8 @@ from tests.helpers import metrics, one_line_error, run_cli
 
 # the tiny model, one prompt x G=2 for 2 steps: enough to call a reward twice
 TINY = ["model=tiny", "sampler.max_new_tokens=8", "algo.group_size=2", "trainer.prompts_per_step=1",
-        "trainer.micro_batch_size=2", "trainer.warmup_steps=0", "trainer.report_to=[]", "trainer.max_steps=2"]
+        "trainer.micro_batch_size=2", "trainer.warmup_steps=0", "trainer.report_to=[]", "trainer.max_steps=2",
+        "trainer.eval_every=null"]
 
 # a file that leaves a mark and breaks whatever imports it in place of the library module of its name
 IMPOSTOR = ("import pathlib\npathlib.Path('{name}.RAN').touch()\n"
