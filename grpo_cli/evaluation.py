@@ -23,10 +23,10 @@ from grpo_cli.distributed import World
 from grpo_cli.errors import ConfigError
 from grpo_cli.metrics.console import console
 from grpo_cli.metrics.stats import mean, wilson_interval
-from grpo_cli.rewards.call import score, token_ids
+from grpo_cli.rewards.call import score
 from grpo_cli.rewards.outcome import answers_match, extract_answer, reference_answer
-from grpo_cli.rollout import render_prompts
-from grpo_cli.rollout.episodes import episode_fields, reward_columns
+from grpo_cli.rollout import Rollout, pad_id, render_prompts
+from grpo_cli.rollout.episodes import episode_fields
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -55,18 +55,13 @@ def score_batch(policy, tokenizer, sampler, reward_fn, batch: list[dict], settin
                             generator=generator)
     sampled = (sampler.sample(policy, tokenizer, batch, n, max_new_tokens=max_new_tokens,
                               temperature=settings.temperature, generator=generator) if n else None)
-    texts = greedy.texts + (sampled.texts if sampled else [])
-    # episodes (env=tools or class): each completion's turns for the file, its messages and calls for the reward
-    turns = episode_fields(greedy) + (episode_fields(sampled) if sampled else [])
-    columns = reward_columns(greedy)
-    if sampled:
-        columns = {k: v + reward_columns(sampled)[k] for k, v in columns.items()}
-    # rewards for every completion: greedy ones first, then n samples per problem
-    owners = list(range(len(batch))) + [i for i in range(len(batch)) for _ in range(n)]
-    lengths = greedy.lengths + (sampled.lengths if sampled else [])
-    truncated = greedy.truncated + (sampled.truncated if sampled else [])
-    ids = token_ids(greedy) + (token_ids(sampled) if sampled else [])
-    rewards = score(reward_fn, batch, owners, texts, lengths, truncated, ids, columns).rewards
+    # every completion in one rollout, scored in one call: the greedy ones first, then n samples per problem, each
+    # row the example it answers
+    both = Rollout.concat([greedy, sampled] if sampled else [greedy], pad_id(tokenizer))
+    rewards = score(reward_fn, batch + [p for p in batch for _ in range(n)], both).rewards
+    texts, lengths, truncated = both.texts, both.lengths, both.truncated
+    # episodes (env=tools or class): each completion's turns for the file
+    turns = episode_fields(both)
     rows = []
     for i, problem in enumerate(batch):
         ref = reference_answer(problem.get("answer"))  # None: a prompt without a reference answer

@@ -37,29 +37,26 @@ from transformers import get_scheduler
 
 from grpo_cli import checkpoint, compiled, files, fsdp
 from grpo_cli.algo import build_loss
+from grpo_cli.components import assemble
 from grpo_cli.credit import advantages, token_rewards
 from grpo_cli.data import PromptStream
 from grpo_cli.data.lengths import check_prompt_lengths
 from grpo_cli.distributed import World
-from grpo_cli.env import from_config
 from grpo_cli.errors import RunError
 from grpo_cli.evaluation import eval_line, eval_metrics, eval_problems, greedy_rows
 from grpo_cli.groups import Draw, GroupFilter, Kept
 from grpo_cli.instantiate import build
-from grpo_cli.iterative import IterativeRL, RewardModelTrainer
 from grpo_cli.metrics.console import console
 from grpo_cli.metrics.memory import peak_memory_mb, reset_peak_memory, step_memory, synchronize
 from grpo_cli.metrics.run_files import CompletionsLog, MetricsLog, check_logging
 from grpo_cli.metrics.stats import rollout_metrics
 from grpo_cli.objective import Loss
 from grpo_cli.policy import build_policy, context_length, keep_reference, load_tokenizer
-from grpo_cli.reward_schedule import FixedReward, RewardSchedule
-from grpo_cli.rewards.call import score, token_ids
+from grpo_cli.reward_schedule import RewardSchedule
+from grpo_cli.rewards.call import score
 from grpo_cli.rewards.shaping import overlong_lengths, shape
-from grpo_cli.rollout import pad_id, use_chat_template
+from grpo_cli.rollout import pad_id
 from grpo_cli.rollout.ahead import Ahead
-from grpo_cli.rollout.engine import say
-from grpo_cli.rollout.episodes import early_format, reward_column_example, reward_columns, with_env
 from grpo_cli.rollout.sizing import Job
 from grpo_cli.runs import keep_chat_template
 from grpo_cli.trainer_state import TrainerState
@@ -117,19 +114,6 @@ def with_section(cfg: DictConfig, key: str, section: DictConfig) -> DictConfig:
     return out
 
 
-def reward_schedule(cfg: DictConfig, run_dir: Path, data) -> RewardSchedule:
-    """The run's reward: `reward` for every step, or iterative RL's retrained reward models."""
-    if not cfg.iterative.iterations:
-        return FixedReward(build(cfg.reward))
-    temperature = cfg.iterative.temperature
-    return IterativeRL(
-        cfg.iterative, cfg.rm, run_dir=run_dir, seed=cfg.trainer.seed, labeler=build(cfg.labeler),
-        problems=data.train, sampler=build(cfg.sampler, **({"temperature": temperature} if temperature else {})),
-        reward_model=lambda path: build(cfg.reward, name_or_path=path),
-        trainer=RewardModelTrainer(cfg.rm, cfg.model.loader, cfg.model.dtype),
-        start=cfg.reward.get("name_or_path"))
-
-
 def check_lengths(cfg: DictConfig, data, tokenizer) -> None:
     """Every prompt of a user's data within sampler.max_prompt_tokens, or one DataError naming a row."""
     sampler = cfg.sampler
@@ -145,25 +129,20 @@ def setup(cfg: DictConfig, run_dir: Path, world: World, why: str) -> Run:
     """
     trainer, algo = cfg.trainer, cfg.algo
     report_to = check_logging(trainer)  # a missing tracker package stops here, before the model loads
-    data = build(cfg.data)
+    # the data, the environment, the reward schedule and the dynamic-sampling filter, their columns checked
+    parts = assemble(cfg, "train", run_dir=run_dir, why=why)
+    data = parts.data
     heldout = eval_problems(data, trainer.eval_every, trainer.eval_size)  # a split too small for eval_size stops here
-    env = from_config(cfg)  # env=tools or class: multi-turn episodes (the tools resolve here, before the model)
-    tool_format = early_format(env, cfg.model, data)  # and the tool format fits the chat template
-    rewards = reward_schedule(cfg, run_dir, data)
-    keep = GroupFilter(algo.dynamic_sampling, algo.filter_metric, algo.max_generation_batches)
-    # the columns a reward may read: the data's, and the episodes' (env=tools or class; for class, an environment
-    # built and reset on the first row, which must reach a reward function in a worker process)
-    rewards.check({**data.train[0], **reward_column_example(env, data.train[0])}, keep)
     # a user's data: every prompt measured before the model loads, where its tokenizer loads without it
     early = load_tokenizer(cfg.model) if data.prompt_rows() else None
     if early is not None:
-        use_chat_template(early, data.chat_template, data.chat_template_kwargs)
+        parts.template(early)
         check_lengths(cfg, data, early)
     cfg = keep_chat_template(cfg, run_dir, data.chat_template, world.main)
     torch.manual_seed(trainer.seed)
     loss = build_loss(algo)
     policy, tokenizer, device = build_policy(cfg.model)
-    use_chat_template(tokenizer, data.chat_template, data.chat_template_kwargs)
+    parts.template(tokenizer)
     if cfg.model.init_adapter:  # before a resume, which loads the run's own adapter over it
         console.print(checkpoint.start_from(policy, cfg.model.init_adapter, loss.needs_reference))
     frozen, line = keep_reference(policy, loss.needs_reference)  # model.finetune=full: the initial weights, if β > 0
@@ -181,15 +160,13 @@ def setup(cfg: DictConfig, run_dir: Path, world: World, why: str) -> Run:
     decoder = compiled.for_update(policy, cfg, say=console.print)  # compiled at the first update
     # every rank advances the stream alike and keeps its own slice
     prompts = PromptStream(data.train, trainer.seed).shard(world.rank, world.size)
-    sampler = with_env(build(cfg.sampler), env, tool_format)  # samples episodes when the run has an environment
     optimizer = build(cfg.optimizer)(params=[p for p in policy.parameters() if p.requires_grad])
     optimizer.zero_grad(set_to_none=False)  # zero (not absent) grads: a step with every row skipped is still a step
     scheduler = get_scheduler(trainer.lr_scheduler, optimizer, num_warmup_steps=trainer.warmup_steps,
                               num_training_steps=trainer.max_steps * algo.num_iterations)
     # the engine starts before the first rollout, sized for one step's prompts x group_size on this rank where the
     # config leaves its sizes null; the section it returns (a fallback's) is what the run saves
-    section = sampler.start(policy, cfg.sampler, Job(trainer.prompts_per_step // world.size, algo.group_size))
-    say(sampler, why)
+    sampler, section = parts.start(policy, Job(trainer.prompts_per_step // world.size, algo.group_size))
     cfg = with_section(cfg, "sampler", section)
     # the precision the base weights ran in (model.dtype=auto depends on the machine): export.dtype=auto writes it
     dtype = str(policy.get_input_embeddings().weight.dtype).removeprefix("torch.")
@@ -197,9 +174,9 @@ def setup(cfg: DictConfig, run_dir: Path, world: World, why: str) -> Run:
                      writes=world.main)  # rank 0 writes the files; the other ranks' writers do nothing
     samples = CompletionsLog(run_dir, trainer.log_completions_every, trainer.num_completions_to_print,
                              trainer.completions_max_mb)  # every rank gives its completions, rank 0 writes
-    return Run(cfg, Path(run_dir), world, policy, tokenizer, device, sampler, rewards, prompts, keep, loss, optimizer,
-               scheduler, torch.Generator(), log, samples, TrainerState(step=0, history=[], dtype=dtype), decoder,
-               heldout, Ahead(algo.max_staleness), frozen)
+    return Run(cfg, Path(run_dir), world, policy, tokenizer, device, sampler, parts.reward, prompts, parts.keep, loss,
+               optimizer, scheduler, torch.Generator(), log, samples, TrainerState(step=0, history=[], dtype=dtype),
+               decoder, heldout, Ahead(algo.max_staleness), frozen)
 
 
 def resume(run: Run, ckpt: Path) -> None:
@@ -325,9 +302,7 @@ def _explore(run: Run, n: int, reward) -> tuple[Kept, list[Draw], float]:
 
         # 3. score: one reward per completion, or step rewards (process supervision); then shaped: the reward
         #    schedule's floor for truncated completions, DAPO's soft overlong punishment (algo.overlong_buffer)
-        owners = [i for i in range(len(examples)) for _ in range(algo.group_size)]
-        result = score(reward, examples, owners, rollout.texts, rollout.lengths, rollout.truncated,
-                       token_ids(rollout), reward_columns(rollout))
+        result = score(reward, examples, rollout)
         lengths, cap = overlong_lengths(rollout, run.cfg.sampler.max_new_tokens,
                                         OmegaConf.select(run.cfg, "env.max_episode_tokens"))  # an episode's budget
         result = shape(result, lengths=lengths, truncated=rollout.truncated, completions=rollout.texts,

@@ -41,19 +41,14 @@ from rich.table import Table
 from grpo_cli import checkpoint, files
 from grpo_cli.app import command_line_overrides, hydra_app
 from grpo_cli.checks import Check, Rule, is_int, is_num
+from grpo_cli.components import assemble
 from grpo_cli.distributed import World, init_world
-from grpo_cli.env import from_config
 from grpo_cli.errors import ConfigError
 from grpo_cli.evaluation import score_batch, summarize
 from grpo_cli.inference import inference_config, inference_policy, named_pick, take_checkpoint
-from grpo_cli.instantiate import build
 from grpo_cli.metrics.console import console, progress, quiet
 from grpo_cli.metrics.stats import mean
 from grpo_cli.policy import adapter_enabled
-from grpo_cli.rewards.call import check_columns
-from grpo_cli.rollout import use_chat_template
-from grpo_cli.rollout.engine import choose, say
-from grpo_cli.rollout.episodes import early_format, reward_column_example, with_env
 from grpo_cli.rollout.sizing import Job
 
 
@@ -133,20 +128,15 @@ def _evaluate(cfg: DictConfig, out_dir: Path, overrides: list[str], world: World
     if eval_cfg.include_base and None not in checkpoints:
         checkpoints = [None, *checkpoints]
     cfg = inference_config(cfg, list(overrides), checkpoints, CHECKS)
-    data = build(cfg.data)  # the data and the reward before the model: a bad path, column or function stops here
-    reward_fn = build(cfg.reward)
-    env = from_config(cfg)  # env=tools or class (or the run's own): episodes, as train runs them
-    tool_format = early_format(env, cfg.model, data)  # the tool format fits the chat template, before the model
-    check_columns(reward_fn, {**data.heldout[0], **reward_column_example(env, data.heldout[0])})
-    chosen = choose(cfg.sampler)  # sampler=auto: vLLM when installed and usable (a checkpoint's own sampler as it is)
-    cfg.sampler = chosen.section
+    # the data, the environment (or the run's own: episodes, as train runs them) and the reward before the model: a
+    # bad path, column or function stops here; and which engine samples
+    parts = assemble(cfg, "eval")
+    data, reward_fn = parts.data, parts.reward
     policy, tokenizer = inference_policy(cfg)
-    use_chat_template(tokenizer, data.chat_template, data.chat_template_kwargs)
-    sampler = with_env(build(cfg.sampler), env, tool_format)
+    parts.template(tokenizer)
     # eval.json and the rows' digests say what sampled; an engine is sized for one scoring batch
-    job = Job(eval_cfg.batch_size, max(1, eval_cfg.num_samples), eval_cfg.max_new_tokens)
-    cfg.sampler = sampler.start(policy, cfg.sampler, job)
-    say(sampler, chosen.why)
+    sampler, cfg.sampler = parts.start(policy, Job(eval_cfg.batch_size, max(1, eval_cfg.num_samples),
+                                                   eval_cfg.max_new_tokens))
     # eval.limit caps the held-out problems; data.limit (when set) caps them too, as users expect
     limits = [n for n in (eval_cfg.limit, cfg.data.get("limit")) if n]
     problems = list(data.heldout)[: min(limits)] if limits else list(data.heldout)

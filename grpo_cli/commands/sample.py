@@ -21,18 +21,15 @@ from rich.text import Text
 from grpo_cli import checkpoint
 from grpo_cli.app import command_line_overrides, hydra_app
 from grpo_cli.checks import Check, Rule, is_int
-from grpo_cli.env import from_config
+from grpo_cli.components import assemble
 from grpo_cli.errors import ConfigError
 from grpo_cli.inference import inference_config, inference_policy, take_checkpoint
-from grpo_cli.instantiate import build
 from grpo_cli.metrics.console import console
 from grpo_cli.metrics.run_files import turns_text
 from grpo_cli.policy import adapter_enabled
-from grpo_cli.rewards.call import check_columns, score, token_ids
+from grpo_cli.rewards.call import score
 from grpo_cli.rewards.outcome import answers_match, extract_answer, reference_answer
-from grpo_cli.rollout import use_chat_template
-from grpo_cli.rollout.engine import choose, say
-from grpo_cli.rollout.episodes import early_format, episode_fields, reward_column_example, reward_columns, with_env
+from grpo_cli.rollout.episodes import episode_fields
 from grpo_cli.rollout.sizing import Job
 
 
@@ -50,33 +47,26 @@ def run(cfg: DictConfig, overrides: list[str] = ()) -> list[dict]:
     # a run folder's best checkpoint (its evals recorded one), else its newest whose files read; RUN/best, RUN/last
     ckpt = take_checkpoint(cfg.checkpoint) if cfg.checkpoint else None
     cfg = inference_config(cfg, list(overrides), [ckpt], CHECKS)
-    # the reward and the data before the model: a bad path, column or reward function stops here in seconds
-    reward_fn = build(cfg.reward)
-    data = build(cfg.data)  # its prompts, and its chat template for a prompt of the command line too
-    env = from_config(cfg)  # env=tools or class (or the run's own): episodes, as train runs them
-    tool_format = early_format(env, cfg.model, data)  # the tool format fits the chat template, before the model
+    # the data (its prompts, and its chat template for a prompt of the command line too), the environment (or the
+    # run's own: episodes, as train runs them) and the reward before the model: a bad path, column or reward
+    # function stops here in seconds; a prompt of the command line has no columns to check
+    parts = assemble(cfg, "sample" if prompt is None else "prompt")
     if prompt is not None:
         problems = [{"messages": [{"role": "user", "content": prompt}], "question": prompt}]
     else:
-        problems = list(data.heldout[: sample_cfg.num_prompts])
-        check_columns(reward_fn, {**problems[0], **reward_column_example(env, problems[0])})
-    chosen = choose(cfg.sampler)  # sampler=auto: vLLM when installed and usable (a checkpoint's own sampler as it is)
+        problems = list(parts.data.heldout[: sample_cfg.num_prompts])
     policy, tokenizer = inference_policy(cfg)
-    use_chat_template(tokenizer, data.chat_template, data.chat_template_kwargs)
+    parts.template(tokenizer)
     if ckpt is not None:
         checkpoint.load_weights(policy, ckpt)
-    sampler = with_env(build(chosen.section), env, tool_format)
     # before the first prompt (a model vLLM cannot serve says so here), sized for this one call
-    sampler.start(policy, chosen.section, Job(len(problems), sample_cfg.n))
-    say(sampler, chosen.why)
+    sampler, _ = parts.start(policy, Job(len(problems), sample_cfg.n))
     with adapter_enabled(policy, ckpt is not None):
         rollout = sampler.sample(policy, tokenizer, problems, sample_cfg.n,
                                  generator=torch.Generator().manual_seed(sample_cfg.seed))
     owners = [i for i in range(len(problems)) for _ in range(sample_cfg.n)]
-    result = None
-    if prompt is None:  # the data's problems, whose columns the reward reads; a free prompt has none
-        result = score(reward_fn, problems, owners, rollout.texts, rollout.lengths, rollout.truncated,
-                       token_ids(rollout), reward_columns(rollout))
+    # the data's problems, whose columns the reward reads; a free prompt has none
+    result = score(parts.reward, problems, rollout) if prompt is None else None
     turns = episode_fields(rollout)  # episodes: each one's turns, calls and why it ended
     records = []
     for j, text in enumerate(rollout.texts):

@@ -1,9 +1,12 @@
 """Calling a built reward from a command: its columns from the examples and the rollout, and the checks
 made before any model loads.
 
+    result = score(reward, examples, rollout)   # examples [B], rollout [B * G rows]: one RewardResult
+
 `score` hands a reward each example's question as `prompts` and its other fields (`answer`, a dataset's
 columns, ...) as columns, plus what the rollout knows: `completion_length` (tokens, list[int]),
-`truncated` (list[bool]) and `completion_ids` (list[list[int]], `token_ids`). `check_columns` and
+`truncated` (list[bool]), `completion_ids` (list[list[int]], `token_ids`) and, for episodes, their
+messages, tool-call counts and environments (`reward_columns`). `check_columns` (on `column_example`) and
 `function_names` read a reward's own `needs()` and `names()` (`combine`); a reward of another kind,
 without them, is its own business. Nothing here is in the paper: it is the glue between a rollout and
 the reward contract (`grpo_cli.rewards`).
@@ -12,8 +15,10 @@ the reward contract (`grpo_cli.rewards`).
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 from grpo_cli import workers
+from grpo_cli.env import ClassEnv, environment_rewards, prepare
 from grpo_cli.errors import ConfigError
 from grpo_cli.rewards.result import RewardResult
 
@@ -30,26 +35,59 @@ _TRL_ONLY = {"trainer_state": "TRL's TrainerState (global_step, max_steps, ...)"
 ENVIRONMENT_REWARD = "environment_reward"
 
 
-def score(reward_fn, examples: list[dict], owners: list[int], texts: list[str], lengths: list[int],
-          truncated: list[bool], completion_ids: list[list[int]] | None = None,
-          episodes: dict[str, list] | None = None) -> RewardResult:
-    """Call a built reward on completions; completion j answers examples[owners[j]].
+def score(reward_fn, examples: list[dict], rollout) -> RewardResult:
+    """Call a built reward on a rollout's completions, rows grouped by example: row j answers
+    examples[j // (rows / len(examples))] (G completions each; eval hands the greedy row and the samples of each
+    problem as examples of their own).
 
-    The reward sees each example's question as `prompts` and its other fields (`answer`, a dataset's
-    columns, ...) as columns, in the order of the completions, plus the completions' token lengths,
-    truncation flags and (when given) token ids, and for multi-turn episodes the columns
-    `grpo_cli.rollout.episodes.reward_columns` makes (their messages, tool-call counts, environments). An
-    environment's own score (`ENVIRONMENT_REWARD`) is added to the result as one more source (`with_environment`).
+    The reward sees each example's question as `prompts` and its other fields (`answer`, a dataset's columns,
+    ...) as columns, in the order of the completions, plus what the rollout knows: the completions' token lengths,
+    truncation flags and token ids, and for multi-turn episodes the columns `reward_columns` makes (their
+    messages, tool-call counts, environments). An environment's own score (`ENVIRONMENT_REWARD`) is added to the
+    result as one more source (`with_environment`).
     """
+    rows = len(rollout.texts)
+    if not examples or rows % len(examples):
+        raise ValueError(f"{rows} completions do not group evenly under {len(examples)} examples")
+    per = rows // len(examples)
+    owners = [i for i in range(len(examples)) for _ in range(per)]
     keys = [k for k in examples[0] if k not in _NOT_COLUMNS]
     columns = {k: [examples[i].get(k) for i in owners] for k in keys}
-    rollout = {"completion_length": lengths, "truncated": truncated}
-    if completion_ids is not None:
-        rollout["completion_ids"] = completion_ids
-    episodes = dict(episodes or {})
+    known = {"completion_length": rollout.lengths, "truncated": rollout.truncated,
+             "completion_ids": token_ids(rollout)}
+    episodes = reward_columns(rollout)
     own = episodes.pop(ENVIRONMENT_REWARD, None)
-    result = reward_fn([examples[i]["question"] for i in owners], texts, {**columns, **rollout, **episodes})
+    result = reward_fn([examples[i]["question"] for i in owners], rollout.texts, {**columns, **known, **episodes})
     return result if own is None else with_environment(result, own)
+
+
+def reward_columns(rollout) -> dict[str, list]:
+    """What a reward reads of episodes, as TRL passes it: each completion's messages (the assistant and tool turns;
+    a user's function gets them as `completions`), its tool-call count and, for env=class, its environment
+    instance (`environments`); {} for plain completions."""
+    if rollout.episodes is None:
+        return {}
+    columns = {"completion_messages": [e.messages for e in rollout.episodes],
+               "tool_call_count": [e.tool_calls for e in rollout.episodes]}
+    if any(e.environment is not None for e in rollout.episodes):
+        columns["environments"] = [e.environment for e in rollout.episodes]
+        # an environment's get_reward: a reward source of its own (`score` adds it)
+        columns[ENVIRONMENT_REWARD] = environment_rewards(rollout.episodes)
+    return columns
+
+
+def column_example(env, example: dict) -> dict[str, Any]:
+    """`example` with the columns `reward_columns` adds for a run with `env`, with one completion's values, for the
+    checks made before the model loads (`check_columns`): a reward function's needs are checked against their
+    names, and a function in a worker process must be able to receive their values. For env=class the environment
+    is one built and reset on `example`'s row, as its first episode's will be (an instance that opens a file in
+    reset() does not pickle from then on)."""
+    if env is None:
+        return dict(example)
+    columns: dict[str, Any] = {"completion_messages": [], "tool_call_count": 0}
+    if isinstance(env, ClassEnv):
+        columns["environments"] = prepare(env, [example])[1][0].environment
+    return {**example, **columns}
 
 
 def with_environment(result: RewardResult, own: list[tuple[str, float | None, bool] | None]) -> RewardResult:

@@ -13,16 +13,14 @@ and failures, turns, the `env=class` instance) for the rewards, the metrics and 
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
 
 import torch
 
-from grpo_cli.env import ClassEnv, ToolFormat, choose, environment_rewards, prepare, run_episodes
+from grpo_cli.env import ToolFormat, choose, prepare, run_episodes
 from grpo_cli.env.episode import encode
 from grpo_cli.errors import DataError
 from grpo_cli.metrics.console import console
 from grpo_cli.policy import load_tokenizer
-from grpo_cli.rewards.call import ENVIRONMENT_REWARD
 from grpo_cli.rollout import Rollout, pad_id, template_kwargs, use_chat_template
 from grpo_cli.rollout.sizing import Job
 
@@ -52,35 +50,6 @@ def said(fmt: ToolFormat) -> ToolFormat:
     if fmt.note:
         console.print(f"tools: {fmt.note}", markup=False, highlight=False, soft_wrap=True)
     return fmt
-
-
-def reward_column_example(env, example: dict) -> dict[str, Any]:
-    """The columns `reward_columns` adds for a run with `env`, with one completion's values, for the checks made
-    before the model loads (grpo_cli.rewards.call.check_columns): a reward function's needs are checked against
-    their names, and a function in a worker process must be able to receive their values. For env=class the
-    environment is one built and reset on `example`'s row, as its first episode's will be (an instance that opens
-    a file in reset() does not pickle from then on)."""
-    if env is None:
-        return {}
-    columns: dict[str, Any] = {"completion_messages": [], "tool_call_count": 0}
-    if isinstance(env, ClassEnv):
-        columns["environments"] = prepare(env, [example])[1][0].environment
-    return columns
-
-
-def reward_columns(rollout: Rollout) -> dict[str, list]:
-    """What a reward reads of episodes, as TRL passes it: each completion's messages (the assistant and tool turns;
-    a user's function gets them as `completions`), its tool-call count and, for env=class, its environment
-    instance (`environments`); {} for plain completions."""
-    if rollout.episodes is None:
-        return {}
-    columns = {"completion_messages": [e.messages for e in rollout.episodes],
-               "tool_call_count": [e.tool_calls for e in rollout.episodes]}
-    if any(e.environment is not None for e in rollout.episodes):
-        columns["environments"] = [e.environment for e in rollout.episodes]
-        # an environment's get_reward: a reward source of its own (grpo_cli.rewards.call.score)
-        columns[ENVIRONMENT_REWARD] = environment_rewards(rollout.episodes)
-    return columns
 
 
 def episode_fields(rollout: Rollout) -> list[dict]:

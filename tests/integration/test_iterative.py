@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from grpo_cli import checkpoint, iterative, recipe
+from grpo_cli import checkpoint, components, iterative
 from grpo_cli import rm as T
 from grpo_cli.commands import train
 from grpo_cli.config import compose, validate
@@ -42,7 +42,7 @@ def cfg(*overrides: str):
 
 def schedule(config, run_dir: Path) -> iterative.IterativeRL:
     """The reward schedule `grpo train` builds for an iterative config."""
-    return recipe.reward_schedule(config, run_dir, build(config.data))
+    return components.reward_schedule(config, run_dir, build(config.data))
 
 
 def iterations(run_dir: Path) -> list[dict]:

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 from grpo_cli.data import build_task, load_task
@@ -28,6 +29,7 @@ from grpo_cli.resources import CONF_DIR
 from grpo_cli.rewards import OutcomeReward
 from grpo_cli.rewards.call import check_columns, score
 from grpo_cli.rewards.user import CustomReward
+from grpo_cli.rollout import Rollout
 from tests.helpers import grpo_process, run_cli
 
 # the tiny model, two steps of 2 prompts x G=2, 8 new tokens; no in-run eval, so a reward function's calls are the
@@ -291,7 +293,10 @@ def test_trl_documented_format_reward_runs_unchanged(tmp_path):
     texts = ["<think>The sum of 1 and 2 is 3, which we multiply by 4 to get 12.</think><answer>(1 + 2) * 4 = 12"
              "</answer>", "The sum of 3 and 1 is 4, which we multiply by 2 to get 8. So (3 + 1) * 2 = 8."]
     examples = [{"messages": p, "question": p[-1]["content"], "prompt": p} for p in prompts]
-    result = score(reward, examples, [0, 1], texts, [20, 22], [False, False], [[1] * 20, [2] * 22])
+    ids = torch.tensor([[1] * 20 + [0, 0], [2] * 22])  # [2, 22]: 20 and 22 tokens, the first right-padded
+    mask = torch.tensor([[1] * 20 + [0, 0], [1] * 22])
+    prompt = torch.ones(2, 1, dtype=torch.long)
+    result = score(reward, examples, Rollout(prompt, prompt, ids, mask, texts, [False, False]))
     assert result.per_function == {"format_reward_func": [1.0, 0.0]} and result.failures == 0  # as TRL's docs say
 
 

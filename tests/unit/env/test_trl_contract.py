@@ -176,11 +176,9 @@ def test_get_reward_is_a_reward_source_summed_with_the_reward_functions(game):
     def half(prompts, completions, columns):  # the run's own reward: 0.5 for every completion
         return RewardResult([0.5] * len(completions), {"half": [0.5] * len(completions)})
 
-    from grpo_cli.rollout.episodes import as_rollout, reward_columns
+    from grpo_cli.rollout.episodes import as_rollout
 
-    rollout = as_rollout(episodes, TOK)
-    result = score(half, examples, [0, 1], rollout.texts, rollout.lengths, rollout.truncated,
-                   episodes=reward_columns(rollout))
+    result = score(half, examples, as_rollout(episodes, TOK))
     # TRL's rule: the environment's score is one more reward source, weight 1, named after its class
     assert result.rewards == [1.5, 0.5]
     assert result.per_function == {"half": [0.5, 0.5], "Secret": [1.0, 0.0]}
@@ -240,16 +238,16 @@ def test_two_batches_sampled_before_they_are_scored_keep_their_own_instances(gam
 
 
 def test_the_environments_scores_of_two_rollouts_join_as_one_column(game):
-    from grpo_cli.rollout.episodes import as_rollout, reward_columns
+    from grpo_cli.rollout import Rollout, pad_id
+    from grpo_cli.rollout.episodes import as_rollout
 
     secret = env("trl_game.Secret")
     first = as_rollout(run(secret, [example("apple")], {"the word.": [guess_call("apple"), "done"]}), TOK)
     second = as_rollout(run(secret, [example("apple")], {"the word.": [guess_call("plum"), "done"]}), TOK)
-    columns = {k: v + reward_columns(second)[k] for k, v in reward_columns(first).items()}  # as grpo eval joins them
+    both = Rollout.concat([first, second], pad_id(TOK))  # as grpo eval joins its greedy and sampled rollouts
 
     def nothing(prompts, completions, columns):
         return RewardResult([None] * len(completions), {})
 
-    result = score(nothing, [example("apple")], [0, 0], first.texts + second.texts, first.lengths + second.lengths,
-                   first.truncated + second.truncated, episodes=columns)
+    result = score(nothing, [example("apple")], both)
     assert result.rewards == [1.0, 0.0] and result.per_function == {"Secret": [1.0, 0.0]}

@@ -186,8 +186,7 @@ def test_a_prompt_longer_than_max_prompt_tokens_with_the_tools_shown_is_one_line
 def test_a_reward_per_turn_lands_on_each_turns_last_sampled_token(policy, tmp_path, monkeypatch):
     from grpo_cli.credit import advantages, token_rewards
     from grpo_cli.rewards import OutcomeReward
-    from grpo_cli.rewards.call import score, token_ids
-    from grpo_cli.rollout.episodes import reward_columns
+    from grpo_cli.rewards.call import score
 
     model, tokenizer = policy
     sampler = HFSampler(**sampler_settings(max_new_tokens=12))
@@ -201,9 +200,7 @@ def test_a_reward_per_turn_lands_on_each_turns_last_sampled_token(policy, tmp_pa
         return [[1.0, 0.0], [0.0, 1.0], 2.0, 1.0, 0.0, [5.0]]
 
     reward = OutcomeReward({"per_turn": per_turn}, None, None, worker="thread")
-    owners = [0, 0, 0, 1, 1, 1]
-    result = score(reward, EXAMPLES, owners, rollout.texts, rollout.lengths, rollout.truncated, token_ids(rollout),
-                   reward_columns(rollout))
+    result = score(reward, EXAMPLES, rollout)  # rows 0-2 answer EXAMPLES[0], rows 3-5 EXAMPLES[1]
     assert result.rewards == [1.0, 1.0, 2.0, 1.0, 0.0, None]  # each episode's sum of its turns
     adv = advantages(token_rewards(result, rollout, tokenizer), 3, "group", "population")  # [6, T]
     first, last = rollout.episodes[0].turn_ends  # each turn's last sampled id (its EOS)
