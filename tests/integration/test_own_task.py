@@ -393,6 +393,8 @@ def test_a_hub_name_without_network_is_one_line_in_seconds(workdir):
     assert time.perf_counter() - start < 60  # the hub client alone retries for ~25 s; we check for 3 s at most
 
 
+@pytest.mark.slow  # the installed console script, a process (~12 s): make test-ci
+@pytest.mark.ci
 def test_the_console_script_imports_reward_modules_from_the_working_directory(workdir):
     script = Path(sys.executable).with_name("grpo")
     if not script.exists():

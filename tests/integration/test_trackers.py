@@ -86,6 +86,8 @@ def test_mlflow_writes_a_sqlite_store_in_the_run_folder(tmp_path, monkeypatch):
     assert [m.value for m in history] == pytest.approx([r["reward"] for r in records])
 
 
+@pytest.mark.slow  # a fresh process: trackio reads TRACKIO_DIR at import (~15 s): make test-ci
+@pytest.mark.ci
 @needs("trackio")
 def test_trackio_writes_its_local_store(tmp_path):
     # trackio reads TRACKIO_DIR once, at import: a fresh process points it at tmp_path, through the CLI

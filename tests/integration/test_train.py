@@ -254,6 +254,8 @@ def test_process_rewards_give_per_token_advantages(tmp_path, monkeypatch):
     assert any(len(set(row[row != 0].tolist())) > 1 for row in rows)
 
 
+@pytest.mark.slow  # SIGTERM to a grpo process (~13 s): make test-ci
+@pytest.mark.ci
 def test_sigterm_checkpoints_and_prints_the_resume_command(tmp_path):
     import signal
     import subprocess

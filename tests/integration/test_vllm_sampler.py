@@ -407,6 +407,8 @@ def _shared_rank(rank: int, size: int, rendezvous: str, out: str) -> None:
         torch.distributed.destroy_process_group()
 
 
+@pytest.mark.slow  # 2 rank processes and a vLLM engine (~14 s): make test-ci
+@pytest.mark.ci
 @needs_vllm
 def test_ranks_of_one_engine_submit_every_rank_requests_and_keep_their_own(tmp_path):
     import json

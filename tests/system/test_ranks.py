@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 
@@ -29,6 +30,8 @@ def _dying_worker(rank: int, port: int, out: str) -> None:
     assert init_world() is world  # the broken world stays this process's: no new group is joined
 
 
+@pytest.mark.slow  # kill -9 of a rank process (~7 s): make test-ci
+@pytest.mark.ci
 def test_a_killed_rank_ends_the_others_with_one_line_naming_it(tmp_path):
     import multiprocessing
     import socket

@@ -18,6 +18,8 @@ from grpo_cli import checkpoint
 from tests.helpers import REPO, TINY, metrics, run_cli
 
 
+@pytest.mark.slow  # SIGINT to a grpo process (~11 s): make test-ci
+@pytest.mark.ci
 def test_ctrl_c_during_the_model_load_is_one_line(tmp_path):
     # a loader that signals when it starts, then takes its time: Ctrl-C lands inside the model load
     (tmp_path / "slowload.py").write_text(
@@ -45,6 +47,8 @@ def test_ctrl_c_during_the_model_load_is_one_line(tmp_path):
     assert "Traceback" not in err and err.strip().splitlines()[-1] == "interrupted"
 
 
+@pytest.mark.slow  # two SIGTERMs to a grpo process (~13 s): make test-ci
+@pytest.mark.ci
 def test_a_second_sigterm_stops_a_step_stuck_in_a_reward_without_timeout(tmp_path):
     (tmp_path / "hang.py").write_text(
         "import pathlib, time\n"

@@ -216,6 +216,8 @@ def test_a_dict_of_factories_is_chosen_per_row_by_a_column(game):
     assert "has no column 'environment'" in str(err.value)
 
 
+@pytest.mark.slow  # a fresh interpreter's exit (~6 s): make test-ci
+@pytest.mark.ci
 def test_every_instance_is_closed_when_the_command_ends_without_an_explicit_close(game, tmp_path):
     script = ("import trl_game\nfrom grpo_cli.env import ClassEnv, prepare\n"
               "trl_game.Secret.close = lambda self: open('closed.txt', 'a').write('closed\\n')\n"

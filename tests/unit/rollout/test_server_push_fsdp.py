@@ -11,6 +11,7 @@ import json
 import os
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor
@@ -84,6 +85,8 @@ def _lora(world, url: str, out: Path) -> None:
         (out / "lora.json").write_text(json.dumps({"held": held, "serving": sampler.serving}))
 
 
+@pytest.mark.slow  # 2 FSDP rank processes (~13 s): make test-ci
+@pytest.mark.ci
 def test_fsdp_ranks_push_to_one_server_from_rank_0(tmp_path):
     scorer, tokenizer, _ = build_policy(tiny_cfg().model)  # the ranks' base: the same seeded tiny model
     initial = {n: p.detach() for n, p in load_tiny_random()[0].named_parameters()}  # model=tiny; a tied weight once
