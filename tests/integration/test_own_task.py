@@ -381,12 +381,15 @@ def test_eval_and_sample_check_the_data_and_reward_before_the_model_loads(workdi
         assert not (workdir / "LOADED").exists()
 
 
-def test_a_hub_name_without_network_is_one_line_in_seconds(workdir):
+def test_a_hub_name_without_network_is_one_line_in_seconds(workdir, monkeypatch):
+    from huggingface_hub import constants
+
     start = time.perf_counter()
-    # an endpoint that refuses at once stands for "no network" wherever the test runs
-    out = grpo("train", *TINY, "data=hf", "data.path=openai/gsm8k", "data.name=main", "hydra.run.dir=run",
-               cwd=workdir, env={"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "0",
-                                 "HF_DATASETS_OFFLINE": "0"})
+    # an endpoint that refuses at once stands for "no network" wherever the test runs; set where the hub client keeps
+    # it (it reads HF_ENDPOINT once, at import), so the command runs in this process rather than a child
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    out = run_cli(["train", *TINY, "data=hf", "data.path=openai/gsm8k", "data.name=main", "hydra.run.dir=run"],
+                  cwd=workdir, env={"HF_HUB_OFFLINE": "0", "HF_DATASETS_OFFLINE": "0"})
     line = one_line_error(out)
     assert "openai/gsm8k is not a local file or folder, and the hub (http://127.0.0.1:9) cannot be reached" in line
     assert "set data.path=DIR" in line
