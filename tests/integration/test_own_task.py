@@ -30,7 +30,7 @@ from grpo_cli.rewards import OutcomeReward
 from grpo_cli.rewards.call import check_columns, score
 from grpo_cli.rewards.user import CustomReward
 from grpo_cli.rollout import Rollout
-from tests.helpers import grpo_process, run_cli
+from tests.helpers import run_cli
 
 # the tiny model, two steps of 2 prompts x G=2, 8 new tokens; no in-run eval, so a reward function's calls are the
 # steps' (tests/integration/test_heldout_eval.py scores the in-run eval with the run's reward)
@@ -67,10 +67,8 @@ def no_kwargs(prompts, completions):
 '''
 
 
-def grpo(*args: str, cwd: Path, env: dict | None = None, timeout: int = 300):
-    """`grpo ARGS` from `cwd`, in this process; with `env`, in a child (the hub client reads it at import)."""
-    if env:
-        return grpo_process(*args, cwd=cwd, env={**os.environ, **env}, timeout=timeout)
+def grpo(*args: str, cwd: Path):
+    """`grpo ARGS` from `cwd`, in this process."""
     return run_cli(args, cwd=cwd)
 
 
