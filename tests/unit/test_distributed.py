@@ -59,6 +59,8 @@ def steps(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow  # 2 gloo rank processes, every case: make test-ci
+@pytest.mark.ci
 @pytest.mark.parametrize("case", CASES, ids=_name)
 def test_two_ranks_take_the_one_rank_step(steps, case):
     one, one_stats = _step(case, SINGLE)
@@ -206,6 +208,8 @@ def _collectives(world: World, out: str) -> None:
     Path(out, f"collectives_r{rank}.json").write_text(json.dumps(got))
 
 
+@pytest.mark.slow  # 2 gloo rank processes: make test-ci
+@pytest.mark.ci
 def test_collectives_and_agreed_stop_on_two_ranks(steps):
     import json
 
@@ -273,6 +277,8 @@ def _slow_death_worker(rank: int, size: int, init_method: str, out: str) -> None
         Path(out, "rank0.txt").write_text(str(err))
 
 
+@pytest.mark.slow  # 2 gloo rank processes: make test-ci
+@pytest.mark.ci
 def test_a_rank_that_dies_slowly_is_named_not_another_rank(tmp_path):
     two_ranks(_slow_death_worker, tmp_path)
     line = (tmp_path / "rank0.txt").read_text()
@@ -296,6 +302,8 @@ def _fsdp_death_worker(rank: int, size: int, init_method: str, out: str) -> None
         Path(out, "rank0.txt").write_text(str(err))
 
 
+@pytest.mark.slow  # 2 gloo rank processes: make test-ci
+@pytest.mark.ci
 def test_fsdp_a_dead_rank_is_one_line_naming_it(tmp_path):
     two_ranks(_fsdp_death_worker, tmp_path)
     line = (tmp_path / "rank0.txt").read_text()
@@ -310,6 +318,8 @@ def _environment_worker(rank: int, size: int, init_method: str, out: str) -> Non
     Path(out, f"rank{rank}.txt").write_text(f"{os.environ.get('GRPO_TWO_RANKS_MARK')} {threads}")
 
 
+@pytest.mark.slow  # 2 rank processes: make test-ci
+@pytest.mark.ci
 def test_two_ranks_run_fresh_under_the_callers_environment_of_the_call(tmp_path, monkeypatch):
     # a variable set after the fork server may have started (an earlier two_ranks call) still reaches the ranks
     monkeypatch.setenv("GRPO_TWO_RANKS_MARK", f"set-{tmp_path.name}")

@@ -51,6 +51,8 @@ def steps(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow  # 2 FSDP rank processes, every case: make test-ci
+@pytest.mark.ci
 @pytest.mark.parametrize("case", CASES, ids=_name)
 def test_sharded_base_takes_the_one_process_step(steps, case):
     one, one_stats = _step(case, SINGLE)
@@ -68,6 +70,8 @@ def test_sharded_base_takes_the_one_process_step(steps, case):
         assert stats[key].item() == pytest.approx(float(one_stats[key]), rel=1e-5, abs=1e-7), key
 
 
+@pytest.mark.slow  # 2 FSDP rank processes: make test-ci
+@pytest.mark.ci
 def test_each_rank_holds_half_the_base(steps):
     got = [json.loads((steps / f"memory_r{r}.json").read_text()) for r in range(2)]
     whole = got[0]["whole"]
@@ -82,6 +86,8 @@ def test_each_rank_holds_half_the_base(steps):
         assert g["line"].startswith("fsdp: base sharded over 2 ranks, ") and g["line"].endswith(" MB per rank")
 
 
+@pytest.mark.slow  # 2 FSDP rank processes: make test-ci
+@pytest.mark.ci
 def test_leaving_the_group_ends_its_threads(steps):
     # FSDP's device mesh still holds the group after it is destroyed; its threads must end with it all the same
     for r in range(2):

@@ -111,6 +111,8 @@ def _stats(runs: Path, tag: str) -> dict:
     return json.loads((runs / f"{tag}.json").read_text())
 
 
+@pytest.mark.slow  # 2 FSDP rank processes: make test-ci
+@pytest.mark.ci
 def test_sharded_full_policy_takes_the_one_process_steps(runs):
     two, one = _stats(runs, "w2"), _stats(runs, "w1")
     # the same losses, KL, clip ratios, entropy and global gradient norm as one process, step by step. Not bit for
@@ -136,6 +138,8 @@ def test_sharded_full_policy_takes_the_one_process_steps(runs):
     assert sum(v.numel() for k, v in o1.items() if k.endswith("exp_avg")) == sum(v.numel() for v in w1.values())
 
 
+@pytest.mark.slow  # 2 FSDP rank processes: make test-ci
+@pytest.mark.ci
 def test_resume_under_fsdp_is_exact(runs):
     # 2 steps, the whole state written by rank 0, read by both ranks into a fresh sharded policy, 2 steps: the
     # weights, AdamW state and metrics of 4 straight, bit for bit
@@ -147,6 +151,8 @@ def test_resume_under_fsdp_is_exact(runs):
     assert straight[2] == resumed[2]
 
 
+@pytest.mark.slow  # 2 FSDP rank processes: make test-ci
+@pytest.mark.ci
 def test_each_rank_holds_half_of_every_weight(runs):
     got = _stats(runs, "w2")
     # the tiny model's 23840 weights x 4 bytes (test_fsdp.py counts them), every one sharded: dim 0 split in two
