@@ -78,7 +78,9 @@ def main() -> None:
     kill(server)
     _, err = b.communicate()
     lines = err.strip().splitlines()
-    print(f"server killed after step 1's checkpoint: exit {b.returncode}, {len(lines)} stderr line(s): {lines[-1:]}")
+    print(f"server killed after step 1's checkpoint: exit {b.returncode}, {len(lines)} stderr line(s):")
+    for line in lines:  # all of them: the console's own lines (the sampler, the run folder) and the error
+        print(f"  {line}")
     server = start(url, out / "serve.log")
     try:
         subprocess.run([*GRPO, "train", f"resume={out / 'B'}"], cwd=REPO, check=True, capture_output=True)
