@@ -57,7 +57,7 @@ def score_batch(policy, tokenizer, sampler, reward_fn, batch: list[dict], settin
                               temperature=settings.temperature, generator=generator) if n else None)
     # every completion in one rollout, scored in one call: the greedy ones first, then n samples per problem, each
     # row the example it answers
-    both = Rollout.concat([greedy, sampled] if sampled else [greedy], pad_id(tokenizer))
+    both = Rollout.cat([greedy, sampled] if sampled else [greedy], pad=pad_id(tokenizer))
     rewards = score(reward_fn, batch + [p for p in batch for _ in range(n)], both).rewards
     texts, lengths, truncated = both.texts, both.lengths, both.truncated
     # episodes (env=tools or class): each completion's turns for the file

@@ -2,9 +2,9 @@
 
     keep = GroupFilter(enabled, filter_metric, max_generation_batches)
     draws = []
-    while not keep.done(draws, prompts_per_step, world):          # the trainer's steps 1-3, repeated
-        draws.append(Draw(examples, positions, rollout, result))  # prompts -> G completions -> rewards
-    kept = keep.select(draws, prompts_per_step, group_size, pad, world)
+    while not keep.done(draws, prompts_per_step, world):                # the trainer's steps 1-3, repeated
+        draws.append(Groups(examples, positions, rollout, result, G))   # prompts -> G completions -> rewards
+    kept, metrics = keep.select(draws, prompts_per_step, pad, world)    # Groups again; dynamic/... metrics
 
 Dynamic sampling is DAPO's (arXiv 2503.14476, §3.2): a group whose G rewards are all equal has
 advantage 0 on every completion and so carries no policy gradient; the step draws fresh prompts until
@@ -33,29 +33,22 @@ from dataclasses import dataclass, replace
 
 from grpo_cli.distributed import SINGLE, World
 from grpo_cli.errors import ConfigError
+from grpo_cli.records import Rows, first, nested, row, whole
 from grpo_cli.rewards import RewardResult
 from grpo_cli.rollout import Rollout
 
 
 @dataclass
-class Draw:
-    """One generation batch of one rank: its prompts, their G completions each, and their rewards."""
+class Groups(Rows):
+    """Prompts and their G completions each, with the completions' rewards: a generation batch of one rank, or what
+    a step trains on. Its rows are the groups: `take(groups)` picks examples[g] with rollout and result rows
+    g*G .. g*G+G-1, `cat` joins draws (grpo_cli.records)."""
 
-    examples: list[dict]
-    positions: list[int]  # each example's position in the prompt stream (its prompt_id)
-    rollout: Rollout  # rows grouped by example: rows i*G .. i*G+G-1 answer examples[i]
-    result: RewardResult
-
-
-@dataclass
-class Kept:
-    """What the step trains on (this rank's share) and how the filter got there."""
-
-    examples: list[dict]
-    positions: list[int]
-    rollout: Rollout
-    result: RewardResult
-    metrics: dict[str, float]  # dynamic/...; empty when the filter is off
+    examples: list[dict] = row()
+    positions: list[int] = row()  # each example's position in the prompt stream (its prompt_id)
+    rollout: Rollout = nested("size")  # [B * G rows] grouped by example: rows i*G .. i*G+G-1 answer examples[i]
+    result: RewardResult = nested("size")  # [B * G rows], as the rollout's
+    size: int = whole(first)  # G, the completions per prompt
 
 
 def has_signal(scores: list[float | None], group_size: int) -> list[bool]:
@@ -68,37 +61,6 @@ def has_signal(scores: list[float | None], group_size: int) -> list[bool]:
         values = [s for s in scores[g:g + group_size] if s is not None and not math.isnan(s)]
         out.append(len(values) >= 2 and max(values) - min(values) > 1e-8)
     return out
-
-
-def select_result(result: RewardResult, rows: list[int]) -> RewardResult:
-    """The rows `rows` of a reward result (failures are the batch's and stay with it)."""
-    def pick(values: list | None) -> list | None:
-        return None if values is None else [values[i] for i in rows]
-
-    # every per-completion field picked, the rest (failures, process_weight) kept as they are
-    return replace(result, rewards=pick(result.rewards), steps=pick(result.steps), turns=pick(result.turns),
-                   outcome=pick(result.outcome), per_function={k: pick(v) for k, v in result.per_function.items()})
-
-
-def concat_results(parts: list[RewardResult]) -> RewardResult:
-    names = list(parts[0].per_function) if parts else []
-    return RewardResult(rewards=[r for p in parts for r in p.rewards],
-                        per_function={k: [v for p in parts for v in p.per_function[k]] for k in names},
-                        failures=sum(p.failures for p in parts),
-                        steps=None if not parts or parts[0].steps is None else [s for p in parts for s in p.steps],
-                        outcome=None if not parts or parts[0].outcome is None else [
-                            o for p in parts for o in p.outcome],
-                        process_weight=parts[0].process_weight if parts else None,
-                        turns=_turns(parts),
-                        credit=parts[0].credit if parts else "sum")
-
-
-def _turns(parts: list[RewardResult]) -> list[list[float | None]] | None:
-    """The per-turn rewards of the parts' rows; a part scored per episode gives each its reward as its last turn's
-    (`credit.token_rewards` aligns a short row with the episode's last turns). None when no part is per-turn."""
-    if all(p.turns is None for p in parts):
-        return None
-    return [t for p in parts for t in (p.turns or [[] if r is None else [r] for r in p.rewards])]
 
 
 class GroupFilter:
@@ -122,19 +84,19 @@ class GroupFilter:
             self.check_metric(list(result.per_function))
         return result.per_function[self.metric]
 
-    def _signal(self, draws: list[Draw], group_size: int, world: World) -> list[list[list[bool]]]:
+    def _signal(self, draws: list[Groups], world: World) -> list[list[list[bool]]]:
         """[draw][rank][group]: which groups have signal, every rank's (the same lists on every rank)."""
-        mine = [has_signal(self._scores(d.result), group_size) for d in draws]
+        mine = [has_signal(self._scores(d.result), d.size) for d in draws]
         ranks = world.gather(mine)  # [rank][draw][group]
         return [[ranks[r][d] for r in range(world.size)] for d in range(len(draws))]
 
-    def done(self, draws: list[Draw], prompts_per_step: int, group_size: int, world: World = SINGLE) -> bool:
+    def done(self, draws: list[Groups], prompts_per_step: int, world: World = SINGLE) -> bool:
         """Whether to stop drawing: one draw when off; else enough groups with signal, or the bound reached."""
         if not draws:
             return False
         if not self.enabled or len(draws) >= self.max_batches:
             return True
-        kept = sum(sum(flags) for draw in self._signal(draws, group_size, world) for flags in draw)
+        kept = sum(sum(flags) for draw in self._signal(draws, world) for flags in draw)
         return kept >= prompts_per_step
 
     def state(self, metrics: dict) -> str:
@@ -150,13 +112,13 @@ class GroupFilter:
         return (f"dynamic sampling: {varied} of the {wanted} groups wanted varied on {self.metric} {bound}; trained "
                 f"on {int(metrics['dynamic/groups_trained'])}")
 
-    def select(self, draws: list[Draw], prompts_per_step: int, group_size: int, pad: int,
-               world: World = SINGLE) -> Kept:
-        """This rank's share of the groups to train on (module docstring), with the filter's metrics."""
+    def select(self, draws: list[Groups], prompts_per_step: int, pad: int,
+               world: World = SINGLE) -> tuple[Groups, dict[str, float]]:
+        """This rank's share of the groups to train on (module docstring), and the filter's metrics (dynamic/...;
+        none when it is off)."""
         if not self.enabled:
-            d = draws[0]
-            return Kept(d.examples, d.positions, d.rollout, d.result, {})
-        signal = self._signal(draws, group_size, world)
+            return draws[0], {}
+        signal = self._signal(draws, world)
         # (draw, rank, group) of every kept group, in the order every rank sees alike
         order = [(d, r, g) for d in range(len(draws)) for r in range(world.size)
                  for g, ok in enumerate(signal[d][r]) if ok]
@@ -167,25 +129,16 @@ class GroupFilter:
                    "dynamic/batch_full": float(take == prompts_per_step), "dynamic/unfiltered": float(take == 0),
                    "dynamic/groups_trained": take}
         if take == 0:  # nothing with signal within the bound: the last draw as it is
-            d = draws[-1]
-            return Kept(d.examples, d.positions, d.rollout, d.result, metrics)
+            return draws[-1], metrics
         chosen = order[:take]
-        # each rank's kept groups as plain CPU pieces, gathered so that every rank can take its share
-        pieces = {}
-        for d, r, g in chosen:
-            if r == world.rank:
-                draw, rows = draws[d], list(range(g * group_size, (g + 1) * group_size))
-                part = draw.rollout.select(rows)
-                pieces[(d, r, g)] = (draw.examples[g], draw.positions[g], part.to("cpu"),
-                                     select_result(draw.result, rows))
+        # each rank's kept groups as CPU records of one group, gathered so that every rank can take its share
+        pieces = {(d, r, g): draws[d].take([g]).to("cpu") for d, r, g in chosen if r == world.rank}
         everyone = {}
         for part in world.gather(pieces) if world.size > 1 else [pieces]:
             everyone.update(part)
         share = take // world.size
-        mine = [everyone[key] for key in chosen[world.rank * share:(world.rank + 1) * share]]
-        device = draws[0].rollout.completion_ids.device
-        rollout = Rollout.concat([m[2] for m in mine], pad).to(device)
-        result = concat_results([m[3] for m in mine])
-        # the failures of every draw on this rank (the per-row selection above repeated each batch's count)
-        result.failures = sum(d.result.failures for d in draws)
-        return Kept([m[0] for m in mine], [m[1] for m in mine], rollout, result, metrics)
+        kept = Groups.cat([everyone[key] for key in chosen[world.rank * share:(world.rank + 1) * share]], pad=pad)
+        kept = kept.to(draws[0].rollout.completion_ids.device)
+        # the failures of every draw on this rank (each group picked above carried its batch's count)
+        result = replace(kept.result, failures=sum(d.result.failures for d in draws))
+        return replace(kept, result=result), metrics

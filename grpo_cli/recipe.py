@@ -28,7 +28,6 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -44,7 +43,7 @@ from grpo_cli.data.lengths import check_prompt_lengths
 from grpo_cli.distributed import World
 from grpo_cli.errors import RunError
 from grpo_cli.evaluation import eval_line, eval_metrics, eval_problems, greedy_rows
-from grpo_cli.groups import Draw, GroupFilter, Kept
+from grpo_cli.groups import GroupFilter, Groups
 from grpo_cli.instantiate import build
 from grpo_cli.metrics.console import console
 from grpo_cli.metrics.memory import peak_memory_mb, reset_peak_memory, step_memory, synchronize
@@ -53,9 +52,10 @@ from grpo_cli.metrics.stats import rollout_metrics
 from grpo_cli.objective import Loss
 from grpo_cli.policy import build_policy, context_length, keep_reference, load_tokenizer
 from grpo_cli.reward_schedule import RewardSchedule
+from grpo_cli.rewards import RewardResult
 from grpo_cli.rewards.call import score
 from grpo_cli.rewards.shaping import overlong_lengths, shape
-from grpo_cli.rollout import pad_id
+from grpo_cli.rollout import Tally, pad_id
 from grpo_cli.rollout.ahead import Ahead
 from grpo_cli.rollout.sizing import Job
 from grpo_cli.runs import keep_chat_template
@@ -100,7 +100,7 @@ class StepRecord:
 
     step: int
     metrics: dict[str, Any]
-    kept: Kept
+    kept: Groups                # this rank's share of the groups the step trained on
     advantages: torch.Tensor    # [N] outcome or [N, T] process, this rank's rows
     nonfinite_skipped: bool     # a non-finite loss or gradient: no optimizer step was taken
     reward: Any = None
@@ -213,12 +213,11 @@ def step(run: Run, n: int) -> StepRecord:
     t0 = time.perf_counter()
 
     # 1-3. prompts -> G completions each -> rewards (with dynamic sampling, until enough groups carry signal)
-    kept, draws, t_rollout = _explore(run, n, reward)
+    kept, filtered, draws, t_rollout = _explore(run, n, reward)
 
     # 4. advantages: the rewards on the tokens they pay (outcome, steps, turns), then normalized within each group of G
     on_tokens = token_rewards(kept.result, kept.rollout, run.tokenizer)
-    adv = advantages(on_tokens, algo.group_size, algo.advantage_scale, algo.advantage_std, world,
-                     estimator=algo.advantage)
+    adv = advantages(on_tokens, kept.size, algo.advantage_scale, algo.advantage_std, world, estimator=algo.advantage)
 
     # 5. update: reference and old log-probs first, then μ passes of the clipped objective
     t1 = time.perf_counter()
@@ -232,8 +231,8 @@ def step(run: Run, n: int) -> StepRecord:
         console.print(line)
 
     # 6. the step's record: rewards, lengths, the update's numbers, time and memory
-    metrics = {"step": n, **tags, **rollout_metrics(*_everyone(world, kept.result, kept.rollout), algo.group_size),
-               **kept.metrics, **stats.metrics(), "learning_rate": run.scheduler.get_last_lr()[0],
+    metrics = {"step": n, **tags, **rollout_metrics(*_everyone(world, kept), kept.size), **filtered,
+               **stats.metrics(), "learning_rate": run.scheduler.get_last_lr()[0],
                "time/rollout_s": t_rollout, "time/update_s": now - t1, "time/step_s": now - t0,
                # updates between the policy that sampled the step's rollouts and the one it updates
                **run.ahead.metrics(),
@@ -277,13 +276,14 @@ def held_out(run: Run, record: StepRecord) -> dict:
     return scores
 
 
-def _explore(run: Run, n: int, reward) -> tuple[Kept, list[Draw], float]:
+def _explore(run: Run, n: int, reward) -> tuple[Groups, dict, list[Groups], float]:
     """Steps 1-3 once, or with dynamic sampling (algo.dynamic_sampling) on fresh prompts until prompts_per_step
-    groups whose rewards vary are kept (grpo_cli.groups): (what the step trains on, every draw, rollout seconds)."""
+    groups whose rewards vary are kept (grpo_cli.groups): (what the step trains on, the filter's dynamic/...
+    metrics, every draw, rollout seconds)."""
     trainer, algo, world = run.cfg.trainer, run.cfg.algo, run.world
     run.sampler.sync(run.policy)
     draws, t_rollout = [], 0.0
-    while not run.keep.done(draws, trainer.prompts_per_step, algo.group_size, world):
+    while not run.keep.done(draws, trainer.prompts_per_step, world):
         # 1. prompts: the next prompts_per_step examples of the seeded, resumable stream (this rank's slice)
         examples = run.prompts.next(trainer.prompts_per_step)
 
@@ -308,9 +308,9 @@ def _explore(run: Run, n: int, reward) -> tuple[Kept, list[Draw], float]:
         result = shape(result, lengths=lengths, truncated=rollout.truncated, completions=rollout.texts,
                        max_length=cap, overlong_buffer=algo.overlong_buffer,
                        overlong_penalty=algo.overlong_penalty, truncated_reward=run.rewards.truncated_reward)
-        draws.append(Draw(examples, run.prompts.positions, rollout, result))
-    kept = run.keep.select(draws, trainer.prompts_per_step, algo.group_size, pad_id(run.tokenizer), world)
-    return kept, draws, t_rollout
+        draws.append(Groups(examples, run.prompts.positions, rollout, result, algo.group_size))
+    kept, filtered = run.keep.select(draws, trainer.prompts_per_step, pad_id(run.tokenizer), world)
+    return kept, filtered, draws, t_rollout
 
 
 def _sample(run: Run, examples: list[dict], n: int):
@@ -326,20 +326,13 @@ def _sample(run: Run, examples: list[dict], n: int):
         raise
 
 
-def _everyone(world: World, result, rollout):
-    """(result, rollout)-likes holding every rank's completions, for the step's reward and episode metrics."""
+def _everyone(world: World, kept: Groups) -> tuple[RewardResult, Tally]:
+    """The rewards and the rollout's tally (lengths, truncation, episodes' counts: what pickles) of every rank's
+    completions, joined in rank order, for the step's reward and episode metrics."""
     if world.size == 1:
-        return result, rollout
-    # an episode's counts, not its record: its toolbox (an env=class instance) need not pickle
-    counts = [SimpleNamespace(tool_calls=e.tool_calls, tool_failures=e.tool_failures, turns=e.turns,
-                              sampled=e.sampled) for e in rollout.episodes or []]
-    parts = world.gather((result.rewards, result.per_function, result.failures, rollout.lengths, rollout.truncated,
-                          counts))
-    per_function = {name: [v for p in parts for v in p[1].get(name, [None] * len(p[0]))] for name in parts[0][1]}
-    merged = SimpleNamespace(rewards=[r for p in parts for r in p[0]], per_function=per_function,
-                             failures=sum(p[2] for p in parts))
-    lengths, truncated = [n for p in parts for n in p[3]], [t for p in parts for t in p[4]]
-    return merged, SimpleNamespace(lengths=lengths, truncated=truncated, episodes=[e for p in parts for e in p[5]])
+        return kept.result, kept.rollout.tally()
+    parts = world.gather((kept.result, kept.rollout.tally()))
+    return RewardResult.cat([p[0] for p in parts]), Tally.cat([p[1] for p in parts])
 
 
 def record_tokens(world: World, rollout) -> int:

@@ -115,7 +115,7 @@ def prepare(policy, rollout: Rollout, advantages: torch.Tensor, loss: Loss, num_
     if loss.needs_reference:
         # the base model (adapter off), the adapter copied at the iteration's start, or full's frozen copy
         with reference(policy, frozen) as ref:
-            ref_logp = torch.cat([sequence_logprobs(ref, rollout.select(b)).logp
+            ref_logp = torch.cat([sequence_logprobs(ref, rollout.take(b)).logp
                                   for b in micro_batches(list(range(n)), micro_batch_size)])
     # rows with zero advantage everywhere carry no gradient when β = 0: skip their forward/backward
     if loss.needs_reference:
@@ -133,7 +133,7 @@ def prepare(policy, rollout: Rollout, advantages: torch.Tensor, loss: Loss, num_
     if (old_needed or top_entropy) and run:
         old_logp = torch.zeros_like(mask) if old_needed else None
         for b in micro_batches(run, micro_batch_size):
-            scored = sequence_logprobs(policy, rollout.select(b), with_entropy=top_entropy)
+            scored = sequence_logprobs(policy, rollout.take(b), with_entropy=top_entropy)
             if old_logp is not None:
                 old_logp[b] = scored.logp
             if top_entropy:
@@ -251,7 +251,7 @@ def update(policy, optimizer, scheduler, batch: Batch, *, max_grad_norm: float |
     for _ in range(num_iterations):
         losses = []
         for rows in micro_batches(rows_run, batch.micro_batch_size):
-            sub, index = batch.rollout.select(rows), torch.tensor(rows, device=batch.mask.device)
+            sub, index = batch.rollout.take(rows), torch.tensor(rows, device=batch.mask.device)
             # forward and backward bucket by bucket: the peak holds one bucket's activations, not the micro-batch's
             for bucket in buckets(policy, sub, with_entropy=True, grad=True, entropy_grad=entropy_grad,
                                   bucket_rows=batch.bucket_rows, decoder=decoder):

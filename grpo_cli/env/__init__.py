@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 
 from grpo_cli.checks import get, raised
 from grpo_cli.env.environments import ClassEnv, dataset_row
-from grpo_cli.env.episode import Engine, Episode, environment_rewards, run_episodes
+from grpo_cli.env.episode import Engine, Episode, EpisodeCounts, environment_rewards, run_episodes
 from grpo_cli.env.formats import CHATML_TOOLS_TEMPLATE, ToolFormat, choose
 from grpo_cli.env.limits import CHECKS as LIMIT_CHECKS
 from grpo_cli.env.limits import Limits
@@ -25,9 +25,9 @@ from grpo_cli.env.tools import Tool, Toolbox, ToolsEnv
 from grpo_cli.errors import ConfigError
 from grpo_cli.instantiate import build
 
-__all__ = ["CHATML_TOOLS_TEMPLATE", "CHECKS", "ClassEnv", "Engine", "Episode", "Limits", "Tool", "ToolFormat",
-           "Toolbox", "ToolsEnv", "choose", "dataset_row", "environment_rewards", "from_config", "prepare",
-           "run_episodes"]
+__all__ = ["CHATML_TOOLS_TEMPLATE", "CHECKS", "ClassEnv", "Engine", "Episode", "EpisodeCounts", "Limits", "Tool",
+           "ToolFormat", "Toolbox", "ToolsEnv", "choose", "dataset_row", "environment_rewards", "from_config",
+           "prepare", "run_episodes"]
 
 
 def from_config(cfg: DictConfig) -> ToolsEnv | ClassEnv | None:

@@ -42,6 +42,17 @@ class Engine(Protocol):
     def continue_batch(self, sequences: list[list[int]], max_new: int) -> list[list[int]]: ...
 
 
+@dataclass(frozen=True)
+class EpisodeCounts:
+    """What the step's metrics read of an episode (grpo_cli.metrics.stats.episode_metrics): its counts, which pickle
+    where the episode's environment instance need not, so every rank's can be gathered."""
+
+    tool_calls: int
+    tool_failures: int
+    turns: int
+    sampled: list[int]  # [T] 1 where the model sampled the id, 0 where the environment added it
+
+
 @dataclass
 class Episode:
     """One episode's record: the ids the engine saw and who wrote each."""
@@ -73,6 +84,9 @@ class Episode:
     @property
     def turns(self) -> int:
         return len(self.turn_ends)
+
+    def counts(self) -> EpisodeCounts:
+        return EpisodeCounts(self.tool_calls, self.tool_failures, self.turns, list(self.sampled))
 
     @property
     def environment(self) -> Any:

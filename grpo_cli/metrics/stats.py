@@ -27,7 +27,8 @@ def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, flo
 
 
 def rollout_metrics(result, rollout, group_size: int) -> dict:
-    """Reward and completion statistics, named as TRL names them."""
+    """Reward and completion statistics, named as TRL names them; `rollout`: a Rollout, or its Tally (every rank's
+    rows: lengths, truncation, episodes' counts)."""
     # [B, G]; NaN = no score
     rewards = torch.tensor([math.nan if r is None else float(r) for r in result.rewards]).view(-1, group_size)
     group_std = torch.stack([row[~row.isnan()].std(unbiased=False) if (~row.isnan()).sum() > 1
@@ -42,7 +43,7 @@ def rollout_metrics(result, rollout, group_size: int) -> dict:
         out[f"rewards/{name}/no_score"] = sum(v is None for v in values)
     out.update({"completions/mean_length": sum(lengths) / len(lengths), "completions/max_length": max(lengths),
                 "completions/clipped_ratio": sum(rollout.truncated) / len(lengths)})
-    episodes = getattr(rollout, "episodes", None)  # multi-turn episodes (env=tools or class); None otherwise
+    episodes = rollout.episodes  # multi-turn episodes (env=tools or class) or their counts; None otherwise
     if episodes:
         out.update(episode_metrics(episodes))
     return out

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from grpo_cli.records import Rows, first, keyed, row, whole
+
 
 @dataclass
-class RewardResult:
-    """What one reward call gives the trainer.
+class RewardResult(Rows):
+    """What one reward call gives the trainer; its rows are picked and joined by the fields' declarations
+    (grpo_cli.records: take, cat).
 
     rewards: per completion; None = no score (every function gave None or failed).
     per_function: raw (unweighted) scores per function name, for `rewards/<name>/mean` metrics; a
@@ -33,11 +36,14 @@ class RewardResult:
         "min" (PURE's; `objective.process_advantages`).
     """
 
-    rewards: list[float | None]
-    per_function: dict[str, list[float | None]]
-    failures: int = 0
-    steps: list[list[tuple[int, float]]] | None = None
-    outcome: list[float | None] | None = None
-    process_weight: float | None = None
-    turns: list[list[float | None]] | None = None
-    credit: str = "sum"
+    rewards: list[float | None] = row()
+    per_function: dict[str, list[float | None]] = keyed()
+    failures: int = whole(sum, default=0)  # a batch's: kept by take, summed by cat
+    steps: list[list[tuple[int, float]]] | None = row(default=None)
+    outcome: list[float | None] | None = row(default=None)
+    process_weight: float | None = whole(first, default=None)
+    # a part scored per episode joins a per-turn one with each reward as its last turn's (credit.token_rewards aligns
+    # a short row with the episode's last turns)
+    turns: list[list[float | None]] | None = row(absent=lambda part: [[] if r is None else [r] for r in part.rewards],
+                                                 default=None)
+    credit: str = whole(first, default="sum")

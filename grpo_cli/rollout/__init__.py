@@ -35,28 +35,31 @@ from grpo_cli import fsdp
 from grpo_cli.checks import Check, Rule, get, is_int, is_num
 from grpo_cli.errors import ConfigError, DataError
 from grpo_cli.policy import context_length
+from grpo_cli.records import PAD, Rows, row
 
 
 @dataclass
-class Rollout:
-    """N = B * G sequences; row i belongs to prompt i // G."""
+class Rollout(Rows):
+    """N = B * G sequences; row i belongs to prompt i // G. Rows are picked, joined and moved by the fields'
+    declarations (grpo_cli.records: take, cat with the tokenizer's pad id, to)."""
 
-    prompt_ids: torch.Tensor  # [N, P] left-padded
-    prompt_mask: torch.Tensor  # [N, P] 1 on real prompt tokens
-    completion_ids: torch.Tensor  # [N, T] right-padded with pad_token_id
-    completion_mask: torch.Tensor  # [N, T] 1 up to and including the EOS token
-    texts: list[str]  # N decoded completions, special tokens skipped
-    truncated: list[bool]  # N: no EOS within max_new_tokens
+    prompt_ids: torch.Tensor = row(pad=PAD, side="left")  # [N, P] left-padded
+    prompt_mask: torch.Tensor = row(side="left")  # [N, P] 1 on real prompt tokens
+    completion_ids: torch.Tensor = row(pad=PAD)  # [N, T] right-padded with pad_token_id
+    completion_mask: torch.Tensor = row()  # [N, T] 1 up to and including the EOS token
+    texts: list[str] = row()  # N decoded completions, special tokens skipped
+    truncated: list[bool] = row()  # N: no EOS within max_new_tokens
     # [N, T] the engine's log-prob of each sampled token under the policy's plain softmax (temperature 1,
     # no top-p/top-k: what the trainer scores), 0 on pad; engines with their own copy of the weights
-    # return it (vLLM); None for HF generate, which samples from the trainer's own policy
-    sampling_logp: torch.Tensor | None = None
+    # return it (vLLM); None for HF generate, which samples from the trainer's own policy (joined with a part
+    # without it: None)
+    sampling_logp: torch.Tensor | None = row(default=None)
     # [N, T] 1 where the model sampled the id, 0 where an environment added it (a tool result, the template's turn
     # markers: context for attention and positions, never scored); None for plain completions, every id sampled
-    sampled_mask: torch.Tensor | None = None
+    sampled_mask: torch.Tensor | None = row(absent=lambda part: part.completion_mask, default=None)
     # N episode records (grpo_cli.env.Episode: messages, tool calls and failures, turns, the env=class instance),
     # one per row, when the rows are multi-turn episodes; None for plain completions
-    episodes: list | None = None
+    episodes: list | None = row(absent=lambda part: [None] * len(part.texts), default=None)
 
     @property
     def loss_mask(self) -> torch.Tensor:
@@ -78,50 +81,24 @@ class Rollout:
             return self.completion_mask.shape[1]
         return int(self.loss_mask.sum(1).max()) if self.loss_mask.shape[0] else 0
 
-    @staticmethod
-    def concat(parts: list[Rollout], pad: int) -> Rollout:
-        """Rows of several rollouts in order: prompts re-padded on the left, completions on the right."""
-        if len(parts) == 1:
-            return parts[0]
-        width_p = max(r.prompt_ids.shape[1] for r in parts)
-        width_t = max(r.completion_ids.shape[1] for r in parts)
-
-        def left(x, width, value):  # [n, w] -> [n, width], padding before the prompt
-            return torch.nn.functional.pad(x, (width - x.shape[1], 0), value=value)
-
-        def right(x, width, value):  # [n, w] -> [n, width], padding after the completion
-            return torch.nn.functional.pad(x, (0, width - x.shape[1]), value=value)
-
-        logp = sampled = episodes = None
-        if all(r.sampling_logp is not None for r in parts):
-            logp = torch.cat([right(r.sampling_logp, width_t, 0.0) for r in parts])
-        if any(r.sampled_mask is not None for r in parts):  # a plain part: every id sampled
-            sampled = torch.cat([right(r.completion_mask if r.sampled_mask is None else r.sampled_mask, width_t, 0)
-                                 for r in parts])
-        if any(r.episodes is not None for r in parts):
-            episodes = [e for r in parts for e in (r.episodes or [None] * len(r.texts))]
-        return Rollout(torch.cat([left(r.prompt_ids, width_p, pad) for r in parts]),
-                       torch.cat([left(r.prompt_mask, width_p, 0) for r in parts]),
-                       torch.cat([right(r.completion_ids, width_t, pad) for r in parts]),
-                       torch.cat([right(r.completion_mask, width_t, 0) for r in parts]),
-                       [t for r in parts for t in r.texts], [t for r in parts for t in r.truncated], logp, sampled,
-                       episodes)
-
-    def to(self, device) -> Rollout:
-        """The same rows with every tensor on `device`."""
-        return Rollout(self.prompt_ids.to(device), self.prompt_mask.to(device), self.completion_ids.to(device),
-                       self.completion_mask.to(device), self.texts, self.truncated,
-                       None if self.sampling_logp is None else self.sampling_logp.to(device),
-                       None if self.sampled_mask is None else self.sampled_mask.to(device), self.episodes)
+    def tally(self) -> Tally:
+        """What the step's metrics read of these rows, without tensors or environments: it pickles, so every rank's
+        can be gathered (an env=class instance need not pickle)."""
+        episodes = None if self.episodes is None else [e.counts() for e in self.episodes]
+        return Tally(self.lengths, list(self.truncated), episodes)
 
     def select(self, rows: torch.Tensor | list[int]) -> Rollout:
-        rows = torch.as_tensor(rows, dtype=torch.long)
-        pick = rows.tolist()
-        return Rollout(self.prompt_ids[rows], self.prompt_mask[rows], self.completion_ids[rows],
-                       self.completion_mask[rows], [self.texts[i] for i in pick], [self.truncated[i] for i in pick],
-                       None if self.sampling_logp is None else self.sampling_logp[rows],
-                       None if self.sampled_mask is None else self.sampled_mask[rows],
-                       None if self.episodes is None else [self.episodes[i] for i in pick])
+        """`take` under its older name (tests/helpers.py's)."""
+        return self.take(rows)
+
+
+@dataclass
+class Tally(Rows):
+    """A rollout's rows as the step's metrics read them (grpo_cli.metrics.stats.rollout_metrics)."""
+
+    lengths: list[int] = row()  # N sampled tokens per completion
+    truncated: list[bool] = row()  # N
+    episodes: list | None = row(default=None)  # N episodes' counts (grpo_cli.env.EpisodeCounts); None: plain
 
 
 def pad_id(tokenizer) -> int:
@@ -178,7 +155,7 @@ class Sampler(SamplerSettings):
                                 max_new_tokens=max_new_tokens or self.max_new_tokens,
                                 temperature=temperature or self.temperature, generator=generator)
                  for i in range(0, len(prompts), per_call)]
-        return Rollout.concat(parts, pad_id(tokenizer))
+        return Rollout.cat(parts, pad=pad_id(tokenizer))
 
     def _generate(self, policy, tokenizer, prompts: list[str], n: int, *, greedy: bool, max_new_tokens: int,
                   temperature: float, generator: torch.Generator | None) -> Rollout:
@@ -323,9 +300,9 @@ def encode_prompts(tokenizer, prompts: list[str]) -> tuple[torch.Tensor, torch.T
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), pad, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
-        mask[i, width - len(row):] = 1
+    for i, prompt_row in enumerate(rows):
+        ids[i, width - len(prompt_row):] = torch.tensor(prompt_row, dtype=torch.long)
+        mask[i, width - len(prompt_row):] = 1
     return ids, mask
 
 

@@ -476,7 +476,7 @@ class Pending:
 
     def result(self) -> Rollout:
         parts = [self.sampler.build(c, a) for c, a in zip(self.calls, self.answers())]
-        return Rollout.concat(parts, pad_id(self.calls[0].tokenizer))
+        return Rollout.cat(parts, pad=pad_id(self.calls[0].tokenizer))
 
 
 @dataclass

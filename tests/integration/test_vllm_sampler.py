@@ -371,7 +371,7 @@ def test_two_vllm_ranks_sample_their_own_groups_and_take_the_one_process_step(tm
     assert not torch.equal(parts[0].prompt_ids[0], parts[1].prompt_ids[0])  # each rank its own prompts
     policy, tokenizer, _ = _adapted_smollm2()
     # one process, the same 16 completions: the update both ranks took together
-    one = _one_update(policy, tokenizer, Rollout.concat(parts, pad_id(tokenizer)), SINGLE)
+    one = _one_update(policy, tokenizer, Rollout.cat(parts, pad=pad_id(tokenizer)), SINGLE)
     ranks = [load_file(str(tmp_path / f"r{r}.safetensors")) for r in range(2)]
     start, _, _ = _adapted_smollm2()
     before = {n: p for n, p in start.named_parameters() if p.requires_grad}

@@ -11,7 +11,7 @@ import torch
 
 from grpo_cli.distributed import World
 from grpo_cli.errors import ConfigError
-from grpo_cli.groups import Draw, GroupFilter, has_signal
+from grpo_cli.groups import GroupFilter, Groups, has_signal
 from grpo_cli.rewards import RewardResult
 from grpo_cli.rollout import Rollout
 from tests.helpers import two_ranks
@@ -19,7 +19,7 @@ from tests.helpers import two_ranks
 G = 2
 
 
-def _draw(first: int, scores: list[float | None], tag: str = "") -> Draw:
+def _draw(first: int, scores: list[float | None], tag: str = "") -> Groups:
     """A draw of len(scores) // G groups; group i is example `first + i`, its rows' completion ids carry the id."""
     n = len(scores)
     groups = n // G
@@ -29,8 +29,8 @@ def _draw(first: int, scores: list[float | None], tag: str = "") -> Draw:
     rollout = Rollout(ones, ones, ids, torch.ones(n, 2, dtype=torch.long), texts, [False] * n)
     result = RewardResult(rewards=[0.0 if s is None else s + 10 for s in scores], per_function={"accuracy": scores},
                           failures=1)
-    return Draw([{"question": f"q{first + g}"} for g in range(groups)], list(range(first, first + groups)), rollout,
-                result)
+    return Groups([{"question": f"q{first + g}"} for g in range(groups)], list(range(first, first + groups)), rollout,
+                  result, G)
 
 
 def test_has_signal_by_hand():
@@ -42,38 +42,39 @@ def test_has_signal_by_hand():
 def test_off_keeps_the_one_draw_as_it_is():
     keep = GroupFilter(False, "accuracy", 3)
     draw = _draw(0, [1.0, 1.0, 0.0, 1.0])
-    assert not keep.done([], 2, G) and keep.done([draw], 2, G)
-    kept = keep.select([draw], 2, G, 0)
-    assert kept.rollout is draw.rollout and kept.metrics == {}
+    assert not keep.done([], 2) and keep.done([draw], 2)
+    kept, metrics = keep.select([draw], 2, 0)
+    assert kept.rollout is draw.rollout and metrics == {}
 
 
 def test_draws_until_the_batch_is_full_and_keeps_the_first_groups_with_signal():
     keep = GroupFilter(True, "accuracy", 5)
     first = _draw(0, [1.0, 1.0, 0.0, 1.0, 0.0, 0.0])      # groups 0 (tie), 1 (signal), 2 (tie)
     second = _draw(3, [0.0, 1.0, 1.0, 1.0, 1.0, 0.0])     # groups 3 (signal), 4 (tie), 5 (signal)
-    assert not keep.done([first], 2, G)                    # 1 kept of 2 wanted
-    assert keep.done([first, second], 2, G)                # 3 kept
-    kept = keep.select([first, second], 2, G, 0)
+    assert not keep.done([first], 2)                       # 1 kept of 2 wanted
+    assert keep.done([first, second], 2)                   # 3 kept
+    kept, metrics = keep.select([first, second], 2, 0)
     # the first 2 groups with signal in draw order: 1, then 3; group 5 is left out
     assert kept.positions == [1, 3] and [e["question"] for e in kept.examples] == ["q1", "q3"]
     assert kept.rollout.completion_ids[:, 0].tolist() == [1, 1, 3, 3]
     assert kept.result.per_function["accuracy"] == [0.0, 1.0, 0.0, 1.0]
     assert kept.result.rewards == [10.0, 11.0, 10.0, 11.0] and kept.result.failures == 2  # one per draw
     # 3 of the 6 groups drawn had signal; 2 draws; full: the 2 wanted trained
-    assert kept.metrics == {"dynamic/generation_batches": 2, "dynamic/prompts_drawn": 6, "dynamic/kept_share": 0.5,
-                            "dynamic/batch_full": 1.0, "dynamic/unfiltered": 0.0, "dynamic/groups_trained": 2}
+    assert kept.size == G and metrics == {"dynamic/generation_batches": 2, "dynamic/prompts_drawn": 6,
+                                          "dynamic/kept_share": 0.5, "dynamic/batch_full": 1.0,
+                                          "dynamic/unfiltered": 0.0, "dynamic/groups_trained": 2}
 
 
 def test_the_bound_trains_on_what_was_kept_or_on_the_last_draw_when_nothing_was():
     keep = GroupFilter(True, "accuracy", 2)
     ties = [_draw(0, [1.0, 1.0, 0.0, 0.0]), _draw(2, [0.0, 0.0, 1.0, 1.0])]
-    assert keep.done(ties, 2, G)  # the bound: 2 draws
-    kept = keep.select(ties, 2, G, 0)
-    assert kept.positions == [2, 3] and kept.metrics["dynamic/unfiltered"] == 1.0  # the last draw as it is
-    one = keep.select([ties[0], _draw(2, [0.0, 1.0, 1.0, 1.0])], 2, G, 0)
-    assert one.positions == [2] and one.metrics["dynamic/batch_full"] == 0.0 and one.metrics["dynamic/unfiltered"] == 0
+    assert keep.done(ties, 2)  # the bound: 2 draws
+    kept, metrics = keep.select(ties, 2, 0)
+    assert kept.positions == [2, 3] and metrics["dynamic/unfiltered"] == 1.0  # the last draw as it is
+    one, metrics = keep.select([ties[0], _draw(2, [0.0, 1.0, 1.0, 1.0])], 2, 0)
+    assert one.positions == [2] and metrics["dynamic/batch_full"] == 0.0 and metrics["dynamic/unfiltered"] == 0
     # the sum of the rewards as the metric: here the same ties
-    assert GroupFilter(True, "reward", 2).select(ties, 2, G, 0).metrics["dynamic/unfiltered"] == 1.0
+    assert GroupFilter(True, "reward", 2).select(ties, 2, 0)[1]["dynamic/unfiltered"] == 1.0
 
 
 def test_a_metric_the_reward_does_not_report_is_named():
@@ -83,7 +84,7 @@ def test_a_metric_the_reward_does_not_report_is_named():
     GroupFilter(False, "acc", 3).check_metric(["accuracy"])  # off: not read
     GroupFilter(True, "acc", 3).check_metric(None)  # not known before the reward runs: checked when it has
     with pytest.raises(ConfigError, match="filter_metric"):
-        GroupFilter(True, "acc", 3).done([_draw(0, [1.0, 0.0])], 1, G)
+        GroupFilter(True, "acc", 3).done([_draw(0, [1.0, 0.0])], 1)
 
 
 # ---- 2 ranks ---------------------------------------------------------------------------------------------
@@ -101,10 +102,10 @@ def _rank_worker(rank: int, size: int, init_method: str, out: str) -> None:
         keep = GroupFilter(True, "accuracy", 3)
         # the stream's positions: draw d holds prompts 4d..4d+3, rank r the 2 from 4d + 2r
         draws = [_draw(4 * d + 2 * rank, RANK_SCORES[rank][d], tag=f"r{rank}:") for d in range(2)]
-        done = [keep.done(draws[:k], 4, G, world) for k in (1, 2)]
-        kept = keep.select(draws, 4, G, 0, world)
+        done = [keep.done(draws[:k], 4, world) for k in (1, 2)]
+        kept, metrics = keep.select(draws, 4, 0, world)
         Path(out, f"rank{rank}.json").write_text(json.dumps(
-            {"done": done, "positions": kept.positions, "texts": kept.rollout.texts, "metrics": kept.metrics,
+            {"done": done, "positions": kept.positions, "texts": kept.rollout.texts, "metrics": metrics,
              "accuracy": kept.result.per_function["accuracy"]}))
     finally:
         torch.distributed.barrier()
@@ -127,14 +128,14 @@ def test_two_ranks_agree_on_what_is_kept_and_take_equal_shares(tmp_path):
 def test_the_state_is_said_when_the_batch_is_not_full_or_every_group_tied():
     keep = GroupFilter(True, "accuracy", 2)
     # 2 draws of 2 groups each, every group tied: the step trains on the last draw as it is
-    tied = keep.select([_draw(0, [1.0, 1.0, 0.0, 0.0]), _draw(2, [1.0, 1.0, 1.0, 1.0])], 2, G, 0)
-    assert keep.state(tied.metrics) == ("dynamic sampling: every group tied on accuracy in 2 draws "
+    _, tied = keep.select([_draw(0, [1.0, 1.0, 0.0, 0.0]), _draw(2, [1.0, 1.0, 1.0, 1.0])], 2, 0)
+    assert keep.state(tied) == ("dynamic sampling: every group tied on accuracy in 2 draws "
                                         "(algo.max_generation_batches=2); trained on the last draw as it is")
     # 1 group of the 2 wanted varied (group 1 of the first draw)
-    short = keep.select([_draw(0, [1.0, 1.0, 0.0, 1.0]), _draw(2, [0.0, 0.0, 1.0, 1.0])], 2, G, 0)
-    assert keep.state(short.metrics) == ("dynamic sampling: 1 of the 2 groups wanted varied on accuracy in 2 draws "
+    _, short = keep.select([_draw(0, [1.0, 1.0, 0.0, 1.0]), _draw(2, [0.0, 0.0, 1.0, 1.0])], 2, 0)
+    assert keep.state(short) == ("dynamic sampling: 1 of the 2 groups wanted varied on accuracy in 2 draws "
                                          "(algo.max_generation_batches=2); trained on 1")
-    full = keep.select([_draw(0, [1.0, 0.0, 0.0, 1.0])], 2, G, 0)
-    assert keep.state(full.metrics) == ""  # a full batch: nothing to say
+    _, full = keep.select([_draw(0, [1.0, 0.0, 0.0, 1.0])], 2, 0)
+    assert keep.state(full) == ""  # a full batch: nothing to say
     off = GroupFilter(False, "accuracy", 2)
-    assert off.state(off.select([_draw(0, [1.0, 1.0, 1.0, 1.0])], 2, G, 0).metrics) == ""
+    assert off.state(off.select([_draw(0, [1.0, 1.0, 1.0, 1.0])], 2, 0)[1]) == ""

@@ -246,7 +246,7 @@ def test_the_environments_scores_of_two_rollouts_join_as_one_column(game):
     secret = env("trl_game.Secret")
     first = as_rollout(run(secret, [example("apple")], {"the word.": [guess_call("apple"), "done"]}), TOK)
     second = as_rollout(run(secret, [example("apple")], {"the word.": [guess_call("plum"), "done"]}), TOK)
-    both = Rollout.concat([first, second], pad_id(TOK))  # as grpo eval joins its greedy and sampled rollouts
+    both = Rollout.cat([first, second], pad=pad_id(TOK))  # as grpo eval joins its greedy and sampled rollouts
 
     def nothing(prompts, completions, columns):
         return RewardResult([None] * len(completions), {})

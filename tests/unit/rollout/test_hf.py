@@ -179,7 +179,7 @@ def _ragged_rollout(tokenizer, order):
         comp[i, :k] = torch.randint(3, 90, (k,), generator=g)
     cmask = (torch.arange(width)[None] < torch.tensor(lengths)[:, None]).long()
     rollout = Rollout(ids.repeat_interleave(4, 0), mask.repeat_interleave(4, 0), comp, cmask, [""] * n, [False] * n)
-    return rollout.select(order)
+    return rollout.take(order)
 
 
 def _adapted_tiny():
