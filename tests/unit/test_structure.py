@@ -8,6 +8,7 @@ availability check (vLLM, the trackers, plotting, `datasets`/parquet readers).
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -30,12 +31,19 @@ def modules() -> dict[str, Path]:
     return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 
 
+@functools.cache
+def parsed(source: str) -> ast.Module:
+    """`source`'s syntax tree, parsed once per test process: each test reads the whole package (keyed by the text, so
+    an edited module is parsed anew; nothing here changes a tree)."""
+    return ast.parse(source)
+
+
 def imports(path: Path, known: set[str]) -> list[tuple[str, bool, int]]:
     """(imported module, inside a function?, line) for each import of `path`, grpo_cli or not.
 
     `from grpo_cli.x import y` counts as importing grpo_cli.x.y when that is a module, else grpo_cli.x.
     """
-    tree = ast.parse(path.read_text())
+    tree = parsed(path.read_text())
     name = module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     in_function = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
@@ -57,6 +65,15 @@ def imports(path: Path, known: set[str]) -> list[tuple[str, bool, int]]:
 
 
 def graph() -> dict[str, set[str]]:
+    """{module: the grpo_cli modules it imports}, worked out once per test process for the package's current text
+    (eleven tests read it); each caller gets its own sets."""
+    edges = _graph(tuple((str(path), path.read_text()) for path in modules().values()))
+    return {name: set(targets) for name, targets in edges.items()}
+
+
+@functools.cache
+def _graph(sources: tuple[tuple[str, str], ...]) -> dict[str, set[str]]:
+    # `sources` (each module's path and text) is the cache's key: an edited package is read anew
     known = set(modules())
     edges: dict[str, set[str]] = {}
     for name, path in modules().items():
@@ -149,7 +166,7 @@ def test_rooms_stay_small_and_the_loop_fits_on_a_screen():
         where = path.relative_to(PACKAGE.parent)
         if len(source.splitlines()) > 550:
             big.append(f"{where}: {len(source.splitlines())} lines")
-        for node in ast.walk(ast.parse(source)):
+        for node in ast.walk(parsed(source)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 length = node.end_lineno - node.lineno + 1
                 if length > 80:
