@@ -40,6 +40,8 @@ print(libc.mallinfo2().hblkhd - mapped)
 """
 
 
+@pytest.mark.slow  # a fresh interpreter's heap (~3 s, torch imported): make test-ci
+@pytest.mark.ci
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
 def test_the_heap_serves_activation_sized_blocks_and_maps_the_large_ones():
     # the CLI's mmap threshold (64 MiB): a 6 MiB tensor comes from the heap (reused, no page faults on every
