@@ -153,9 +153,9 @@ def run_cli(argv: Sequence[str], cwd: Path | str | None = None, env: dict[str, s
     An exception that escapes the command ends as the interpreter would end it: its traceback on stderr, exit 1.
     What a command changes in the process is put back: sys.argv, sys.path, the working directory, the environment
     (`env` is added to it for the call; HYDRA_FULL_ERROR is dropped, as for a user), signal handlers, the root
-    logger's handlers and level, which loggers are disabled, torch's thread count, the modules the command imported from `cwd` (a user's
-    reward file that the next call's folder holds under the same name), and the process groups of an in-process
-    vLLM engine the command started (`release_vllm_groups`)."""
+    logger's handlers and level, which loggers are disabled, torch's thread count, the modules the command imported
+    from `cwd` (a user's reward file that the next call's folder holds under the same name), and the process groups
+    of an in-process vLLM engine the command started (`release_vllm_groups`)."""
     cwd = Path(cwd or REPO).resolve()
     saved_argv, saved_path, saved_cwd, saved_env = sys.argv[:], sys.path[:], os.getcwd(), dict(os.environ)
     saved_signals = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
