@@ -115,6 +115,8 @@ def _metrics_worker(rank: int, size: int, init_method: str, out: str) -> None:
         torch.distributed.destroy_process_group()
 
 
+@pytest.mark.slow  # 2 rank processes (the fork server starts for it alone: ~9 s): make test-ci
+@pytest.mark.ci
 def test_two_ranks_metrics_count_every_ranks_completions(tmp_path):
     two_ranks(_metrics_worker, tmp_path)
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
