@@ -32,22 +32,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from grpo_cli import credit
 from grpo_cli.distributed import SINGLE, World
 from grpo_cli.fsdp import local, lockstep, sharded, sharded_weights, whole_tensor
 from grpo_cli.logprobs import BUCKET_ROWS, buckets, sequence_logprobs
 from grpo_cli.objective import Loss, high_entropy_threshold, masked_mean
 from grpo_cli.policy import reference
 from grpo_cli.rollout import Rollout
-
-
-def advantages(result, rollout: Rollout, tokenizer, group_size: int, scale: str, std: str,
-               world: World = SINGLE, *, estimator: str = "grpo") -> torch.Tensor:
-    """`credit.advantages(credit.token_rewards(result, rollout, tokenizer), ...)`: recipe.step's two calls in one,
-    for the callers that still reach them here (tests/helpers.py, the multi-rank and CUDA tests); new code calls
-    grpo_cli.credit."""
-    return credit.advantages(credit.token_rewards(result, rollout, tokenizer), group_size, scale, std, world,
-                             estimator=estimator)
 
 
 @dataclass

@@ -32,7 +32,7 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
-from grpo_cli import recipe, update
+from grpo_cli import credit, recipe, update
 from grpo_cli.cli import main as grpo_main
 from grpo_cli.commands import train as train_command
 from grpo_cli.config import compose, validate
@@ -415,7 +415,7 @@ def _batch(kind: str) -> tuple[Rollout, RewardResult]:
 
 def _local(rollout: Rollout, result: RewardResult, world: World) -> tuple[Rollout, RewardResult]:
     rows = list(range(ROWS))[world.slice(ROWS)]
-    return rollout.select(rows), RewardResult(rewards=[result.rewards[i] for i in rows], per_function={})
+    return rollout.take(rows), RewardResult(rewards=[result.rewards[i] for i in rows], per_function={})
 
 
 def _step(case, world: World, fsdp: bool = False) -> tuple[dict, dict]:
@@ -434,7 +434,7 @@ def _step(case, world: World, fsdp: bool = False) -> tuple[dict, dict]:
     params = [p for p in policy.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(params, lr=0.5)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    adv = update.advantages(result, rollout, tokenizer, G, scale, "population", world)
+    adv = credit.advantages(credit.token_rewards(result, rollout, tokenizer), G, scale, "population", world)
     batch = update.prepare(policy, rollout, adv, loss, mu, MICRO, True, world)
     stats = update.update(policy, optimizer, scheduler, batch, max_grad_norm=1.0).metrics()
     weights = {n: p.detach().clone() for n, p in policy.named_parameters() if p.requires_grad}

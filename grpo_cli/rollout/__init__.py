@@ -87,10 +87,6 @@ class Rollout(Rows):
         episodes = None if self.episodes is None else [e.counts() for e in self.episodes]
         return Tally(self.lengths, list(self.truncated), episodes)
 
-    def select(self, rows: torch.Tensor | list[int]) -> Rollout:
-        """`take` under its older name (tests/helpers.py's)."""
-        return self.take(rows)
-
 
 @dataclass
 class Tally(Rows):

@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 import torch
 
-from grpo_cli import update
+from grpo_cli import credit, update
 from grpo_cli.objective import GRPOLoss, LossSettings
 from grpo_cli.policy import apply_lora, load_tiny_random
 from grpo_cli.rewards import RewardResult
@@ -43,7 +43,7 @@ def _syncs(rows: int, process: bool) -> Counter:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            adv = update.advantages(result, rollout, tokenizer, 4, "group", "population")
+            adv = credit.advantages(credit.token_rewards(result, rollout, tokenizer), 4, "group", "population")
             batch = update.prepare(policy, rollout, adv, loss, 2, 4, False)
             update.update(policy, optimizer, scheduler, batch, max_grad_norm=1.0)
         finally:

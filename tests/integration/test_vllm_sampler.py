@@ -300,14 +300,15 @@ def _rewards(rollout):
 
 def _one_update(policy, tokenizer, rollout, world) -> dict[str, torch.Tensor]:
     """One GRPO update of `policy` on this rank's `rollout` (SGD, so the step is a plain sum of gradients)."""
-    from grpo_cli import update
+    from grpo_cli import credit, update
     from grpo_cli.objective import GRPOLoss, LossSettings
 
     loss = GRPOLoss(LossSettings(beta=0.04, epsilon_low=0.2, epsilon_high=None, kl_estimator="k3", loss_type="grpo"))
     params = [p for p in policy.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(params, lr=0.5)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    adv = update.advantages(_rewards(rollout), rollout, tokenizer, G, "group", "population", world)
+    rewards = credit.token_rewards(_rewards(rollout), rollout, tokenizer)
+    adv = credit.advantages(rewards, G, "group", "population", world)
     # micro-batches of 4 (one group each); truncated rows train too (8 tokens: nearly all are truncated)
     batch = update.prepare(policy, rollout, adv, loss, 1, 4, False, world)
     update.update(policy, optimizer, scheduler, batch, max_grad_norm=1.0)

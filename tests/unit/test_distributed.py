@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from grpo_cli import update
+from grpo_cli import credit, update
 from grpo_cli.distributed import SINGLE, World
 from grpo_cli.objective import GRPOLoss, LossSettings
 from tests.helpers import (
@@ -80,12 +80,12 @@ def test_two_ranks_take_the_one_rank_step(steps, case):
 
 def test_dead_rank_case_really_has_no_active_row_on_rank_1():
     rollout, result = _local(*_batch("dead_rank"), World(1, 2, 1))
-    adv = update.advantages(result, rollout, None, G, "group", "population")
+    adv = credit.advantages(credit.token_rewards(result, rollout, None), G, "group", "population")
     loss = GRPOLoss(LossSettings(beta=0.0, epsilon_low=0.2, epsilon_high=None, kl_estimator="k3", loss_type="grpo"))
     policy, _ = _policy()
     assert update.prepare(policy, rollout, adv, loss, 1, MICRO, True).active == []
     rollout, result = _local(*_batch("dead_rank"), World(0, 2, 0))
-    adv = update.advantages(result, rollout, None, G, "group", "population")
+    adv = credit.advantages(credit.token_rewards(result, rollout, None), G, "group", "population")
     assert update.prepare(policy, rollout, adv, loss, 1, MICRO, True).active != []
 
 

@@ -12,7 +12,7 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from grpo_cli import checkpoint, fsdp, update
+from grpo_cli import checkpoint, credit, fsdp, update
 from grpo_cli.distributed import SINGLE, World, destroy_groups
 from grpo_cli.objective import GRPOLoss, LossSettings
 from grpo_cli.policy import keep_reference, load_tiny_random
@@ -39,7 +39,7 @@ def _steps(world: World, policy, tokenizer, optimizer, scheduler, steps: range, 
     loss = GRPOLoss(LossSettings(beta=0.04, kl_estimator="k3", loss_type="dapo", epsilon_low=0.2, epsilon_high=None))
     out = []
     for _ in steps:
-        adv = update.advantages(result, rollout, tokenizer, G, "group", "population", world)
+        adv = credit.advantages(credit.token_rewards(result, rollout, tokenizer), G, "group", "population", world)
         batch = update.prepare(policy, rollout, adv, loss, 1, MICRO, True, world, frozen=frozen)
         out.append(update.update(policy, optimizer, scheduler, batch, max_grad_norm=1.0).metrics())
     return out
