@@ -83,7 +83,7 @@ test-ci: install ## the slow tests marked ci, every folder (CI runs them after m
 test-unit: install ## tests/unit, fast tier: the library's pieces on the tiny model
 	$(PYTEST) $(FAST) tests/unit $(ARGS)
 
-test-integration: install ## tests/integration, fast tier: the commands, run in-process through run_cli (tests/helpers.py)
+test-integration: install ## tests/integration, fast tier: the commands, run in-process through run_cli (tests/helpers/cli.py)
 	$(PYTEST) $(FAST) tests/integration $(ARGS)
 
 test-system: install ## tests/system, fast tier: the process itself (console script, signals, ranks)

@@ -1,5 +1,6 @@
 """Shared fixtures: a tiny seeded random Llama + character tokenizer (no files, no network), and one trained tiny run
-that the integration tests of eval/sample/export/rm/resume read. The helpers behind them live in tests/helpers.py."""
+that the integration tests of eval/sample/export/rm/resume read. The helpers behind them live in tests/helpers/, one
+module a subject."""
 
 from __future__ import annotations
 
@@ -24,19 +25,11 @@ setup_process()
 os.environ.setdefault("GRPO_NO_VLLM", "1")
 
 # after the process setup
-from tests.helpers import (  # noqa: E402
-    EVAL_TINY,
-    GSM8K,
-    REPO,
-    TINY,
-    copy_run,
-    parse_each_yaml_text_once,
-    release_vllm_groups,
-    run_cli,
-    tiny_cfg,
-)
+from tests.helpers import GSM8K, REPO  # noqa: E402
+from tests.helpers.cli import parse_each_yaml_text_once, release_vllm_groups, run_cli  # noqa: E402
+from tests.helpers.runs import EVAL_TINY, TINY, copy_run, tiny_cfg  # noqa: E402
 
-# the suite composes ~770 configs: each YAML text parsed once (tests.helpers.parse_each_yaml_text_once)
+# the suite composes ~770 configs: each YAML text parsed once (tests.helpers.cli.parse_each_yaml_text_once)
 parse_each_yaml_text_once()
 
 __all__ = ["REPO", "GSM8K"]
@@ -69,8 +62,8 @@ def gsm8k_path() -> Path:
 
 @pytest.fixture(scope="session")
 def trained_run(tmp_path_factory) -> Path:
-    """One finished `grpo train` run of the tiny model (tests.helpers.TINY, 2 steps, a checkpoint at each), made once
-    per session through the command itself. Tests read it; a test that resumes or damages a run works on
+    """One finished `grpo train` run of the tiny model (tests.helpers.runs.TINY, 2 steps, a checkpoint at each), made
+    once per session through the command itself. Tests read it; a test that resumes or damages a run works on
     `trained_run_copy`."""
     folder = tmp_path_factory.mktemp("trained") / "run"
     code, _, err = run_cli(["train", *TINY, "trainer.max_steps=2", "trainer.save_every=1",
@@ -79,18 +72,18 @@ def trained_run(tmp_path_factory) -> Path:
     return folder
 
 
-# `four_step_run`'s settings on top of tests.helpers.TINY
+# `four_step_run`'s settings on top of tests.helpers.runs.TINY
 FOUR_STEPS = ["trainer.max_steps=4", "trainer.save_every=1", "trainer.keep_last=null",
               "trainer.log_completions_every=1", "trainer.num_completions_to_print=0"]
 
 
 @pytest.fixture(scope="session")
 def four_step_run(tmp_path_factory) -> Path:
-    """One finished 4-step tiny run (tests.helpers.TINY) with a checkpoint at every step, none removed, and every
+    """One finished 4-step tiny run (tests.helpers.runs.TINY) with a checkpoint at every step, none removed, and every
     step's completions in completions.jsonl, made once per session: the straight run that exact-resume tests
     compare a split run with (metrics, weights, completions), and the run that resume and guard tests read. Checkpoints
     and logging change no number of a run, so one run serves them all. Tests that resume or damage it work on a copy
-    (tests.helpers.copy_run)."""
+    (tests.helpers.runs.copy_run)."""
     from grpo_cli.commands import train
 
     folder = tmp_path_factory.mktemp("four_steps") / "run"
@@ -110,7 +103,7 @@ def _eval_run(folder: Path, *overrides: str) -> Path:
 
 @pytest.fixture(scope="session")
 def eval_run(tmp_path_factory) -> Path:
-    """A 2-step tiny run (tests.helpers.EVAL_TINY) with checkpoints at steps 1 and 2, for eval and sample to read.
+    """A 2-step tiny run (tests.helpers.runs.EVAL_TINY) with checkpoints at steps 1 and 2, for eval and sample to read.
     Tests copy it before they change anything."""
     return _eval_run(tmp_path_factory.mktemp("eval_run"))
 

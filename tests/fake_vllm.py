@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import LocalServer, send_json
+from tests.helpers.judge import LocalServer, send_json
 
 
 class FakeVLLM(LocalServer):

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from tests.helpers import TINY, run_cli
+from tests.helpers.cli import run_cli
+from tests.helpers.runs import TINY
 
 
 def first_step(tmp_path, name, *overrides):

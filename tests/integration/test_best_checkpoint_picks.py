@@ -13,7 +13,8 @@ from grpo_cli import checkpoint
 from grpo_cli.commands import evaluate, export, sample, train
 from grpo_cli.config import compose
 from grpo_cli.errors import ConfigError
-from tests.helpers import EVAL_TINY, copy_run, metrics, one_line_error, run_cli, tiny_cfg
+from tests.helpers.cli import one_line_error, run_cli
+from tests.helpers.runs import EVAL_TINY, copy_run, metrics, tiny_cfg
 
 BEST_LINE = "(the best by eval/accuracy 0.655; RUN/last takes the newest)"
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 
-from tests.helpers import EVAL_TINY, TINY, one_line_error, run_cli
+from tests.helpers.cli import one_line_error, run_cli
+from tests.helpers.runs import EVAL_TINY, TINY
 
 # prints the kwarg it is given, then the messages as the tiny model's own template does
 TEMPLATE = ("[{{ mode }}|thinking={{ enable_thinking }}]{% for m in messages %}<|im_start|>{{ m['role'] }}\n"

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from grpo_cli import checkpoint, recipe
-from tests.helpers import one_line_error, run_cli
+from tests.helpers.cli import one_line_error, run_cli
 
 # (file, change, what the error line says)
 CASES = {

@@ -13,7 +13,9 @@ from grpo_cli.commands import train
 from grpo_cli.config import compose, validate
 from grpo_cli.errors import ConfigError
 from grpo_cli.resources import CONF_DIR, RECIPES_DIR
-from tests.helpers import MULTIPLY_TOOL, LocalServer, run_cli
+from tests.helpers.cli import run_cli
+from tests.helpers.judge import LocalServer
+from tests.helpers.tools import MULTIPLY_TOOL
 
 
 def test_help_lists_subcommands():

@@ -9,7 +9,10 @@ import pytest
 
 from grpo_cli.config import compose, validate
 from grpo_cli.errors import ConfigError
-from tests.helpers import REPO, TINY, needs_vllm, one_line_error, run_cli, stopped
+from tests.helpers import REPO
+from tests.helpers.cli import one_line_error, run_cli, stopped
+from tests.helpers.engines import needs_vllm
+from tests.helpers.runs import TINY
 
 
 @pytest.mark.parametrize("overrides, line", [

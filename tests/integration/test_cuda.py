@@ -38,7 +38,7 @@ from grpo_cli.policy import (
 from grpo_cli.rewards.models import SequenceClassifierReward, TokenClassifierPRM
 from grpo_cli.rollout import render_prompts
 from grpo_cli.rollout.hf import HFSampler
-from tests.helpers import metrics, sampler_settings, tiny_cfg
+from tests.helpers.runs import metrics, sampler_settings, tiny_cfg
 
 CONVERSATIONS = [[{"role": "user", "content": "What is 2+3?"}], [{"role": "user", "content": "Hi"}]]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -13,7 +13,8 @@ from safetensors.torch import load_file
 from grpo_cli import recipe
 from grpo_cli.commands import train
 from grpo_cli.errors import ConfigError
-from tests.helpers import TINY, deterministic, metrics, run_cli, tiny_cfg
+from tests.helpers.cli import run_cli
+from tests.helpers.runs import TINY, deterministic, metrics, tiny_cfg
 
 # the digit reward (1 when the completion has a digit) on the tiny random model: some groups tie, some do not
 DYNAMIC = ["algo.dynamic_sampling=true", "algo.filter_metric=digit", "algo.max_generation_batches=4",

@@ -10,7 +10,9 @@ from omegaconf import OmegaConf
 from grpo_cli.commands import train
 from grpo_cli.config import compose
 from grpo_cli.errors import ConfigError, DataError
-from tests.helpers import copy_run, digests, metrics, needs_vllm, one_line_error, run_cli, sampler_settings, tiny_cfg
+from tests.helpers.cli import one_line_error, run_cli
+from tests.helpers.engines import needs_vllm
+from tests.helpers.runs import copy_run, digests, metrics, sampler_settings, tiny_cfg
 
 
 class FakeVLLM:

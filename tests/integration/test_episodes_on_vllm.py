@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from grpo_cli.config import compose
-from tests.helpers import MULTIPLY_TOOL, needs_vllm, sampler_settings
+from tests.helpers.engines import needs_vllm
+from tests.helpers.runs import sampler_settings
+from tests.helpers.tools import MULTIPLY_TOOL
 
 pytestmark = [needs_vllm, pytest.mark.slow, pytest.mark.ci]
 

@@ -9,7 +9,7 @@ import pytest
 from grpo_cli.commands import evaluate, sample
 from grpo_cli.config import compose
 from grpo_cli.errors import ConfigError
-from tests.helpers import EVAL_TINY
+from tests.helpers.runs import EVAL_TINY
 
 
 def test_eval_of_a_run_writes_consistent_files(eval_run, tmp_path):

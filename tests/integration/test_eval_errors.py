@@ -13,7 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from grpo_cli.commands import evaluate, sample
 from grpo_cli.config import compose
-from tests.helpers import EVAL_TINY, eval_cfg, run_cli, snapshot, stopped
+from tests.helpers.cli import run_cli, stopped
+from tests.helpers.runs import EVAL_TINY, eval_cfg, snapshot
 
 
 @pytest.mark.parametrize("override, setting", [

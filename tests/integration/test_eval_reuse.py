@@ -9,7 +9,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from grpo_cli.commands import evaluate
-from tests.helpers import eval_cfg, eval_rows, snapshot
+from tests.helpers.runs import eval_cfg, eval_rows, snapshot
 
 
 def test_rerun_with_the_same_settings_reuses_every_row(eval_run, tmp_path):

@@ -15,7 +15,7 @@ from grpo_cli.commands import export
 from grpo_cli.config import compose
 from grpo_cli.errors import ConfigError
 from grpo_cli.policy import build_policy, load_tiny_random
-from tests.helpers import run_cli
+from tests.helpers.cli import run_cli
 
 # the digit reward gives the tiny model's random text mixed rewards in a group, so the adapter moves
 PROMPT = [{"role": "user", "content": "What is 2 + 3?"}]

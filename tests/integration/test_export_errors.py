@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 
-from tests.helpers import copy_run, digests, one_line_error, run_cli
+from tests.helpers.cli import one_line_error, run_cli
+from tests.helpers.runs import copy_run, digests
 
 
 def test_export_names_the_damaged_checkpoint_it_skips(trained_run, tmp_path):

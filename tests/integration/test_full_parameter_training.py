@@ -14,7 +14,8 @@ from grpo_cli import checkpoint
 from grpo_cli.commands import export, train
 from grpo_cli.config import compose
 from grpo_cli.policy import build_policy, load_tiny_random
-from tests.helpers import EVAL_TINY, TINY, copy_run, deterministic, metrics, run_cli, stopped, tiny_cfg
+from tests.helpers.cli import run_cli, stopped
+from tests.helpers.runs import EVAL_TINY, TINY, copy_run, deterministic, metrics, tiny_cfg
 
 FULL = ["model.finetune=full", "optimizer.lr=0.01"]
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 
 from grpo_cli.commands import train
-from tests.helpers import metrics, tiny_cfg
+from tests.helpers.runs import metrics, tiny_cfg
 
 GOLDEN = [
     {"step": 1, "loss": -0.002714260946959257, "reward": 0.875, "kl": 0.0011169631034135818,

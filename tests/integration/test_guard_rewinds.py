@@ -21,7 +21,8 @@ from grpo_cli.commands import train
 from grpo_cli.config import compose
 from grpo_cli.guard import GuardState
 from grpo_cli.metrics.stats import wilson_interval
-from tests.helpers import TINY, deterministic, metrics, one_line_error, run_cli
+from tests.helpers.cli import one_line_error, run_cli
+from tests.helpers.runs import TINY, deterministic, metrics
 
 # TINY with the default guard on (its heuristic tripwires wait for 10 steps, longer than these runs; HF generate logs
 # no sampler/logp_gap), 4 steps, an eval of 4 held-out problems and a checkpoint every 2

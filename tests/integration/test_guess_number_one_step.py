@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import json
 
-from tests.helpers import REPO, TINY, first_turn_calls, metrics, run_cli
+from tests.helpers import REPO
+from tests.helpers.cli import run_cli
+from tests.helpers.runs import TINY, metrics
+from tests.helpers.tools import first_turn_calls
 
 HERE = REPO / "examples" / "guess_number"
 GUESS_8 = '<tool_call>\n{"name": "guess", "arguments": {"n": 8}}\n</tool_call>'

@@ -15,7 +15,8 @@ from grpo_cli import recipe
 from grpo_cli.commands import evaluate, train
 from grpo_cli.config import compose, validate
 from grpo_cli.errors import ConfigError
-from tests.helpers import TINY, deterministic, metrics, one_line_error, run_cli, tiny_cfg
+from tests.helpers.cli import one_line_error, run_cli
+from tests.helpers.runs import TINY, deterministic, metrics, tiny_cfg
 
 # 2 steps, an eval after each on the first 8 held-out problems (TINY's arithmetic: 500 held out), a checkpoint
 # only at the last step unless an eval writes one

@@ -24,7 +24,8 @@ from grpo_cli.errors import CheckpointError, ConfigError
 from grpo_cli.instantiate import build
 from grpo_cli.policy import reference
 from grpo_cli.rm import OutcomeLabeler
-from tests.helpers import TINY, copy_run, deterministic, metrics, run_cli
+from tests.helpers.cli import run_cli
+from tests.helpers.runs import TINY, copy_run, deterministic, metrics
 
 # 3 iterations x 2 steps; per boundary 4 problems x 2 samples = 8 rows, 0.25 x 4 prompts = 1 held out (2 rows).
 # No gate: the tiny model is never right, so no held-out prompt has both labels and the gate would keep iteration

@@ -7,7 +7,9 @@ import json
 
 import pytest
 
-from tests.helpers import TINY, JudgeServer, chat_reply, one_line_error, run_cli
+from tests.helpers.cli import one_line_error, run_cli
+from tests.helpers.judge import JudgeServer, chat_reply
+from tests.helpers.runs import TINY
 
 KEY = "sk-judge-secret-4242"
 

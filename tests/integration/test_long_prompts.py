@@ -9,7 +9,7 @@ import re
 import pytest
 
 from grpo_cli import recipe
-from tests.helpers import one_line_error, run_cli
+from tests.helpers.cli import one_line_error, run_cli
 
 TINY = ["model=tiny", "sampler.max_new_tokens=8", "algo.group_size=2", "trainer.prompts_per_step=2",
         "trainer.micro_batch_size=4", "trainer.warmup_steps=0", "trainer.report_to=[]", "trainer.max_steps=1"]

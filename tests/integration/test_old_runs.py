@@ -1,6 +1,6 @@
 """Old run folders: a run saved by an earlier grpo-cli resumes and evaluates today.
 
-tests/data/old_runs/ holds a run folder as `grpo train` saved it on 2026-12-06 (tests.helpers.TINY, one step: its
+tests/data/old_runs/ holds a run folder as `grpo train` saved it on 2026-12-06 (tests.helpers.runs.TINY, one step: its
 checkpoint's files, metrics.jsonl) and that run's config with the keys added to grpo-cli over time deleted
 (older_config.yaml, whose header names them). runs.upgrade fills what a saved config lacks from the YAML of the run's
 group option, in the one place every command reads a run folder (runs.read_saved)."""
@@ -13,7 +13,9 @@ from omegaconf import OmegaConf
 
 from grpo_cli import checkpoint
 from grpo_cli.config import compose
-from tests.helpers import REPO, copy_run, deterministic, eval_rows, metrics, run_cli
+from tests.helpers import REPO
+from tests.helpers.cli import run_cli
+from tests.helpers.runs import copy_run, deterministic, eval_rows, metrics
 
 OLD_RUNS = REPO / "tests" / "data" / "old_runs"
 SAVED = OLD_RUNS / "2026-12-06"
@@ -54,7 +56,7 @@ def test_a_run_older_than_its_keys_resumes_with_them_filled_and_trains_as_todays
     today = copy_run(SAVED, tmp_path / "today")
     older = copy_run(SAVED, tmp_path / "older")
     shutil.copy(OLDER, older / STEP_1 / "config.yaml")
-    # the 2026-12-06 run set these two (tests.helpers.TINY); a run without them takes the YAML's, so this resume
+    # the 2026-12-06 run set these two (tests.helpers.runs.TINY); a run without them takes the YAML's, so this resume
     # sets them as that run did (a key newer than the run may be given on resume)
     off = ["trainer.guard=null", "trainer.eval_every=null"]
     assert deterministic(_resume_and_eval(older, tmp_path / "a", *off)[1]) == \

@@ -30,7 +30,7 @@ from grpo_cli.rewards import OutcomeReward
 from grpo_cli.rewards.call import check_columns, score
 from grpo_cli.rewards.user import CustomReward
 from grpo_cli.rollout import Rollout
-from tests.helpers import run_cli
+from tests.helpers.cli import run_cli
 
 # the tiny model, two steps of 2 prompts x G=2, 8 new tokens; no in-run eval, so a reward function's calls are the
 # steps' (tests/integration/test_heldout_eval.py scores the in-run eval with the run's reward)

@@ -24,7 +24,8 @@ from grpo_cli.errors import ConfigError
 from grpo_cli.instantiate import build
 from grpo_cli.policy import build_policy, load_tiny_random
 from grpo_cli.rollout.vllm import VLLMSampler, merged_weights
-from tests.helpers import PROMPTS, hf_greedy, metrics, needs_vllm, sampler_settings, set_adapter, tiny_cfg
+from tests.helpers.engines import PROMPTS, hf_greedy, needs_vllm, set_adapter
+from tests.helpers.runs import metrics, sampler_settings, tiny_cfg
 
 needs_bnb = pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None,
                                reason="bitsandbytes is not installed: pip install -e '.[qlora]'")

@@ -23,7 +23,8 @@ from grpo_cli.errors import CheckpointError, ConfigError, RunError
 from grpo_cli.metrics.run_files import truncate_jsonl
 from grpo_cli.objective import outcome_advantages
 from grpo_cli.runs import RunLock
-from tests.helpers import EVAL_TINY, TINY, copy_run, metrics, one_line_error, run_cli, snapshot, tiny_cfg
+from tests.helpers.cli import one_line_error, run_cli
+from tests.helpers.runs import EVAL_TINY, TINY, copy_run, metrics, snapshot, tiny_cfg
 
 
 @pytest.fixture()

@@ -16,7 +16,8 @@ from grpo_cli.config import compose
 from grpo_cli.errors import ConfigError
 from grpo_cli.instantiate import build
 from grpo_cli.rewards import answers_match, extract_answer
-from tests.helpers import EVAL_TINY, letters, run_cli, write_jsonl
+from tests.helpers.cli import run_cli
+from tests.helpers.runs import EVAL_TINY, letters, write_jsonl
 
 TINY = EVAL_TINY  # the rm tests' tiny settings
 

@@ -12,7 +12,8 @@ import pytest
 
 from grpo_cli.policy import build_policy
 from tests.fake_vllm import FakeVLLM
-from tests.helpers import TINY, metrics, run_cli, tiny_cfg
+from tests.helpers.cli import run_cli
+from tests.helpers.runs import TINY, metrics, tiny_cfg
 
 
 @pytest.fixture()

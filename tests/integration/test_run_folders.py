@@ -7,7 +7,8 @@ import pytest
 
 from grpo_cli.commands import train
 from grpo_cli.errors import ConfigError
-from tests.helpers import TINY, copy_run, digests, one_line_error, run_cli, tiny_cfg
+from tests.helpers.cli import one_line_error, run_cli
+from tests.helpers.runs import TINY, copy_run, digests, tiny_cfg
 
 
 # each case runs the command in-process (under a second), so every command is in the fast suite

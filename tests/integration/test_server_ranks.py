@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import TORCHRUN_TINY, G, torchrun
+from tests.helpers.batches import G
+from tests.helpers.ranks import TORCHRUN_TINY, torchrun
 
 
 @pytest.mark.slow
@@ -19,7 +20,7 @@ def test_torchrun_two_ranks_share_one_server_and_only_rank_0_pushes(tmp_path):
     loads each adapter version, and every rank's requests name the version loaded for its step (the broadcast)."""
     from grpo_cli.policy import build_policy
     from tests.fake_vllm import FakeVLLM
-    from tests.helpers import tiny_cfg
+    from tests.helpers.runs import tiny_cfg
 
     scorer, tokenizer, _ = build_policy(tiny_cfg().model)  # the ranks' base: the same seeded tiny model
     with FakeVLLM(scorer, eos=tokenizer.eos_token_id) as server:
@@ -55,7 +56,7 @@ def test_torchrun_fsdp_lora_samples_from_the_server_and_a_resume_pushes_again(tm
 
     from grpo_cli.policy import build_policy
     from tests.fake_vllm import FakeVLLM
-    from tests.helpers import tiny_cfg
+    from tests.helpers.runs import tiny_cfg
 
     scorer, tokenizer, _ = build_policy(tiny_cfg().model)
     run = tmp_path / "run"
@@ -86,7 +87,7 @@ def test_torchrun_fsdp_full_pushes_every_weight_gathered_a_layer_at_a_time(tmp_p
 
     from grpo_cli.policy import build_policy, load_tiny_random
     from tests.fake_vllm import FakeVLLM
-    from tests.helpers import tiny_cfg
+    from tests.helpers.runs import tiny_cfg
 
     scorer, tokenizer, _ = build_policy(tiny_cfg().model)
     run = tmp_path / "run"

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from tests.helpers import LocalServer, one_line_error, run_cli
+from tests.helpers.cli import one_line_error, run_cli
+from tests.helpers.judge import LocalServer
 
 SECRET = "GRPO_TEST_DOOR_SECRET"
 # the sections each command reads back from a run (inference.INHERITED, export's model, rm's model/data/sampler)

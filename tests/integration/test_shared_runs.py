@@ -10,7 +10,8 @@ import pytest
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from tests.helpers import TINY, metrics, one_line_error, run_cli, write_jsonl
+from tests.helpers.cli import one_line_error, run_cli
+from tests.helpers.runs import TINY, metrics, write_jsonl
 
 
 def _write(file: Path, text: str) -> dict:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 
-from tests.helpers import EVAL_TINY, MULTIPLY_TOOL, first_turn_calls, run_cli
+from tests.helpers.cli import run_cli
+from tests.helpers.runs import EVAL_TINY
+from tests.helpers.tools import MULTIPLY_TOOL, first_turn_calls
 
 EVAL_TOOLS = MULTIPLY_TOOL + '''
 

@@ -20,7 +20,8 @@ from grpo_cli.commands import train
 from grpo_cli.config import compose
 from grpo_cli.errors import ConfigError
 from grpo_cli.metrics import trackers
-from tests.helpers import REPO, run_cli
+from tests.helpers import REPO
+from tests.helpers.cli import run_cli
 
 # the digit reward gives the tiny model's random text rewards that differ from step to step
 TINY = ["+reward.functions.digit={_target_:grpo_cli.rewards.outcome.format_reward,_partial_:true,pattern:'[0-9]'}",

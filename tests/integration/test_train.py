@@ -16,17 +16,8 @@ from grpo_cli.commands import train
 from grpo_cli.config import compose
 from grpo_cli.instantiate import build
 from grpo_cli.policy import build_policy
-from tests.helpers import (  # noqa: F401 (shared)
-    DIGIT_REWARD,
-    MULTIPLY_TOOL,
-    TINY,
-    TOOL_CALL,
-    deterministic,
-    first_turn_calls,
-    metrics,
-    tiny_cfg,
-    tiny_run,
-)
+from tests.helpers.runs import TINY, deterministic, metrics, tiny_cfg, tiny_run
+from tests.helpers.tools import MULTIPLY_TOOL, TOOL_CALL, first_turn_calls
 
 
 def test_two_steps_move_lora_only_and_checkpoint_reloads(tmp_path):

@@ -15,7 +15,9 @@ import pytest
 
 from grpo_cli import recipe
 from grpo_cli.commands import evaluate, sample
-from tests.helpers import EVAL_TINY, MULTIPLY_TOOL, TINY, first_turn_calls, metrics, one_line_error, run_cli
+from tests.helpers.cli import one_line_error, run_cli
+from tests.helpers.runs import EVAL_TINY, TINY, metrics
+from tests.helpers.tools import MULTIPLY_TOOL, first_turn_calls
 
 MY_TOOLS = MULTIPLY_TOOL + '''
 

@@ -2,13 +2,15 @@
 reward source (not a tool), pooled instances reset between episodes and closed at the end, the dataset row reaching
 `reset`; and an environment that writes its own prompts (data=env, no dataset file). The tiny random model never
 writes a call by itself: the first turn of every episode is a scripted multiply(4, 3) call
-(tests.helpers.first_turn_calls); every later turn is the model's own."""
+(tests.helpers.tools.first_turn_calls); every later turn is the model's own."""
 
 from __future__ import annotations
 
 import json
 
-from tests.helpers import TINY, first_turn_calls, metrics, run_cli
+from tests.helpers.cli import run_cli
+from tests.helpers.runs import TINY, metrics
+from tests.helpers.tools import first_turn_calls
 
 MY_ENV = '''
 import asyncio

@@ -8,7 +8,8 @@ import pytest
 
 from grpo_cli import recipe
 from grpo_cli.commands import evaluate, sample
-from tests.helpers import EVAL_TINY, TINY, one_line_error, run_cli
+from tests.helpers.cli import one_line_error, run_cli
+from tests.helpers.runs import EVAL_TINY, TINY
 
 MY_ENV = '''
 class Logbook:

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import metrics, one_line_error, run_cli
+from tests.helpers.cli import one_line_error, run_cli
+from tests.helpers.runs import metrics
 
 # the tiny model, one prompt x G=2 for 2 steps: enough to call a reward twice
 TINY = ["model=tiny", "sampler.max_new_tokens=8", "algo.group_size=2", "trainer.prompts_per_step=1",

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import TRL_ACCURACY, metrics, run_cli
+from tests.helpers.cli import run_cli
+from tests.helpers.runs import metrics
+from tests.helpers.tools import TRL_ACCURACY
 
 # a reward whose first call never returns (an endless loop, holding the CPU); its later calls score 0.5
 HANGS_ONCE = '''

@@ -9,7 +9,7 @@ import torch
 
 from grpo_cli.config import compose, validate
 from grpo_cli.errors import ConfigError
-from tests.helpers import PROMPTS, hf_greedy, needs_vllm, set_adapter
+from tests.helpers.engines import PROMPTS, hf_greedy, needs_vllm, set_adapter
 
 # --------------------------------------------------------------------------- config, with or without vLLM
 

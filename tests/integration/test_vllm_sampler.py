@@ -13,7 +13,10 @@ import torch
 
 from grpo_cli.config import compose, validate
 from grpo_cli.errors import ConfigError
-from tests.helpers import HAS_VLLM, PROMPTS, REPO, hf_greedy, needs_vllm, sampler_settings, set_adapter, two_ranks
+from tests.helpers import REPO
+from tests.helpers.engines import HAS_VLLM, PROMPTS, hf_greedy, needs_vllm, set_adapter
+from tests.helpers.ranks import gloo_rank, two_ranks
+from tests.helpers.runs import sampler_settings
 
 # --------------------------------------------------------------------------- config, with or without vLLM
 
@@ -393,8 +396,7 @@ def _shared_rank(rank: int, size: int, rendezvous: str, out: str) -> None:
 
     from grpo_cli.rollout.vllm import VLLMSampler
 
-    torch.distributed.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=size)
-    try:
+    with gloo_rank(rank, size, rendezvous):
         # vLLM's tensor-parallel group of an engine over both ranks (what the external launcher makes of them)
         group = type("Group", (), {"world_size": size, "rank_in_group": rank, "cpu_group": None})
         parallel_state.get_tp_group = lambda: group
@@ -403,9 +405,6 @@ def _shared_rank(rank: int, size: int, rendezvous: str, out: str) -> None:
         requests, params, where = sampler.share_requests(mine, [f"seed {rank}.{i}" for i in range(2 + rank)])
         assert requests[where] == mine
         Path(out, f"shared_r{rank}.json").write_text(json.dumps([requests, params, [where.start, where.stop]]))
-    finally:
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
 
 
 @pytest.mark.slow  # 2 rank processes and a vLLM engine (~14 s): make test-ci

@@ -8,7 +8,8 @@ import json
 from safetensors.torch import load_file
 
 from grpo_cli.commands import train
-from tests.helpers import TINY, metrics, one_line_error, run_cli, tiny_cfg
+from tests.helpers.cli import one_line_error, run_cli
+from tests.helpers.runs import TINY, metrics, tiny_cfg
 
 
 def test_a_run_starts_from_a_saved_adapter_and_keeps_it_as_its_reference(tmp_path):

@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 from grpo_cli import checkpoint
-from tests.helpers import TORCHRUN_TINY, deterministic, torchrun
+from tests.helpers.ranks import TORCHRUN_TINY, torchrun
+from tests.helpers.runs import deterministic
 
 FULL = [*TORCHRUN_TINY, "model.finetune=full", "optimizer.lr=0.01", "trainer.max_steps=4"]
 

@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from grpo_cli.rollout import engine
-from tests.helpers import REPO, needs_vllm
+from tests.helpers import REPO
+from tests.helpers.engines import needs_vllm
 
 
 def test_importing_the_cli_does_not_load_torch():

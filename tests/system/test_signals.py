@@ -15,7 +15,9 @@ import torch
 from safetensors.torch import load_file
 
 from grpo_cli import checkpoint
-from tests.helpers import REPO, TINY, metrics, run_cli
+from tests.helpers import REPO
+from tests.helpers.cli import run_cli
+from tests.helpers.runs import TINY, metrics
 
 
 @pytest.mark.slow  # SIGINT to a grpo process (~11 s): make test-ci

@@ -10,7 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import SCRIPTED_TOOLS, SCRIPTED_TOOLS_ARGS, TORCHRUN_TINY, G, needs_vllm, run_cli, torchrun
+from tests.helpers.batches import G
+from tests.helpers.cli import run_cli
+from tests.helpers.engines import needs_vllm
+from tests.helpers.ranks import TORCHRUN_TINY, torchrun
+from tests.helpers.tools import SCRIPTED_TOOLS, SCRIPTED_TOOLS_ARGS
 
 
 @pytest.mark.slow

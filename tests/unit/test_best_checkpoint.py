@@ -100,7 +100,7 @@ def test_a_best_json_that_grpo_train_did_not_write_names_no_checkpoint(run, case
 def test_keep_last_never_deletes_the_best_checkpoint(tmp_path):
     from grpo_cli.config import compose
     from grpo_cli.policy import build_policy
-    from tests.helpers import TINY
+    from tests.helpers.runs import TINY
 
     cfg = compose("train", TINY)
     policy, _, _ = build_policy(cfg.model)

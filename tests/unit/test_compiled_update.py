@@ -15,7 +15,7 @@ from grpo_cli.errors import ConfigError
 from grpo_cli.instantiate import build
 from grpo_cli.policy import build_policy
 from grpo_cli.rollout import Rollout
-from tests.helpers import tiny_cfg
+from tests.helpers.runs import tiny_cfg
 
 
 def _rollout(seed: int, prompt: int, width: int) -> Rollout:

@@ -12,7 +12,7 @@ from grpo_cli.errors import ConfigError
 from grpo_cli.rewards.call import score
 from grpo_cli.rewards.result import RewardResult
 from grpo_cli.rollout import Rollout
-from tests.helpers import write_jsonl
+from tests.helpers.runs import write_jsonl
 
 
 def rollout(ids: list[list[int]], truncated: list[bool]) -> Rollout:

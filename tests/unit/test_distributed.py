@@ -13,18 +13,8 @@ from safetensors.torch import load_file
 from grpo_cli import credit, update
 from grpo_cli.distributed import SINGLE, World
 from grpo_cli.objective import GRPOLoss, LossSettings
-from tests.helpers import (
-    MICRO,
-    OPTIONS,
-    G,
-    _batch,
-    _local,
-    _name,
-    _policy,
-    _save_step,
-    _step,
-    two_ranks,
-)
+from tests.helpers.batches import MICRO, OPTIONS, G, _batch, _local, _name, _policy, _save_step, _step
+from tests.helpers.ranks import gloo_rank, two_ranks
 
 CASES = [(loss, beta, mu, scale, "mixed")
          for loss, beta, mu, scale in itertools.product(["grpo", "bnpo", "dr_grpo", "dapo"], [0.0, 0.04], [1, 2],
@@ -37,23 +27,15 @@ CASES += [(loss, 0.04, mu, "group", option)
 
 
 def _worker(rank: int, size: int, init_method: str, out: str) -> None:
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size)
-    try:
-        world = World(rank, size, rank)
+    with gloo_rank(rank, size, init_method) as world:
         for case in CASES:
             _save_step(out, case, rank, *_step(case, world))
         _collectives(world, out)
-    finally:
-        # both ranks leave together: a rank that tears the group down while the other is still in it can make
-        # gloo abort the other (seen once: exit -6, "terminate called without an active exception")
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def steps(tmp_path_factory):
-    """Run every case on 2 gloo ranks (fresh processes, tests.helpers.two_ranks); the folder of their results."""
+    """Run every case on 2 gloo ranks (fresh processes, tests.helpers.ranks.two_ranks); the folder of their results."""
     out = tmp_path_factory.mktemp("dp")
     two_ranks(_worker, out)
     return out
@@ -290,7 +272,7 @@ def _fsdp_death_worker(rank: int, size: int, init_method: str, out: str) -> None
     from grpo_cli import fsdp
     from grpo_cli.commands import train
     from grpo_cli.errors import RunError
-    from tests.helpers import tiny_cfg
+    from tests.helpers.runs import tiny_cfg
 
     _join_as_torchrun(rank, size, init_method)
     if rank == 1:

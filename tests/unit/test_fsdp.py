@@ -10,8 +10,9 @@ import torch
 from safetensors.torch import load_file
 
 from grpo_cli import fsdp
-from grpo_cli.distributed import SINGLE, World, destroy_groups
-from tests.helpers import ROWS, _name, _policy, _save_step, _step, group_threads, two_ranks
+from grpo_cli.distributed import SINGLE, World
+from tests.helpers.batches import ROWS, _name, _policy, _save_step, _step
+from tests.helpers.ranks import gloo_rank, group_threads, two_ranks
 
 # a subset of test_distributed's cases: plain, μ = 2 (old log-probs), β > 0 (the reference forward, adapter off),
 # a rank with no active row (it runs its spare rows, masked out), the top-entropy mask (one more forward)
@@ -21,19 +22,13 @@ CASES = [("grpo", 0.0, 2, "batch", "mixed"), ("dapo", 0.04, 1, "group", "mixed")
 
 
 def _worker(rank: int, size: int, init_method: str, out: str) -> None:
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size)
-    try:
-        world = World(rank, size, rank)
+    with gloo_rank(rank, size, init_method) as world:
         _memory(world, out)
         for case in CASES:
             _save_step(out, case, rank, *_step(case, world, fsdp=True))
-    finally:
-        torch.distributed.barrier()
-        destroy_groups()
-        # the threads still running once the group is gone: gloo's and the store's left to the interpreter's exit
-        # can abort this rank after its work is done
-        Path(out, f"threads_r{rank}.json").write_text(json.dumps(group_threads()))
+    # the threads still running once the group is gone: gloo's and the store's left to the interpreter's exit can
+    # abort this rank after its work is done
+    Path(out, f"threads_r{rank}.json").write_text(json.dumps(group_threads()))
 
 
 def _memory(world: World, out: str) -> None:

@@ -13,10 +13,11 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from grpo_cli import checkpoint, credit, fsdp, update
-from grpo_cli.distributed import SINGLE, World, destroy_groups
+from grpo_cli.distributed import SINGLE, World
 from grpo_cli.objective import GRPOLoss, LossSettings
 from grpo_cli.policy import keep_reference, load_tiny_random
-from tests.helpers import MICRO, G, _batch, _local, two_ranks
+from tests.helpers.batches import MICRO, G, _batch, _local
+from tests.helpers.ranks import gloo_rank, two_ranks
 
 STEPS = 4  # optimizer steps on the fixed batch: 2, a checkpoint, 2 more
 
@@ -83,13 +84,8 @@ def _resume(world: World, out: str, tag: str) -> list[dict]:
 
 
 def _worker(rank: int, size: int, init_method: str, out: str) -> None:
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size)
-    try:
-        _run(World(rank, size, rank), out)
-    finally:
-        torch.distributed.barrier()
-        destroy_groups()
+    with gloo_rank(rank, size, init_method) as world:
+        _run(world, out)
 
 
 @pytest.fixture(scope="module")

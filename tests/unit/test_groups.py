@@ -9,12 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo_cli.distributed import World
 from grpo_cli.errors import ConfigError
 from grpo_cli.groups import GroupFilter, Groups, has_signal
 from grpo_cli.rewards import RewardResult
 from grpo_cli.rollout import Rollout
-from tests.helpers import two_ranks
+from tests.helpers.ranks import gloo_rank, two_ranks
 
 G = 2
 
@@ -95,10 +94,7 @@ RANK_SCORES = {0: [[1.0, 1.0, 0.0, 1.0], [0.0, 1.0, 1.0, 0.0]],   # draw 0: grou
 
 
 def _rank_worker(rank: int, size: int, init_method: str, out: str) -> None:
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size)
-    try:
-        world = World(rank, size, rank)
+    with gloo_rank(rank, size, init_method) as world:
         keep = GroupFilter(True, "accuracy", 3)
         # the stream's positions: draw d holds prompts 4d..4d+3, rank r the 2 from 4d + 2r
         draws = [_draw(4 * d + 2 * rank, RANK_SCORES[rank][d], tag=f"r{rank}:") for d in range(2)]
@@ -107,9 +103,6 @@ def _rank_worker(rank: int, size: int, init_method: str, out: str) -> None:
         Path(out, f"rank{rank}.json").write_text(json.dumps(
             {"done": done, "positions": kept.positions, "texts": kept.rollout.texts, "metrics": metrics,
              "accuracy": kept.result.per_function["accuracy"]}))
-    finally:
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
 
 
 @pytest.mark.slow  # 2 rank processes (the fork server starts for it alone: ~9 s): make test-ci

@@ -31,7 +31,7 @@ from grpo_cli.objective import (
     step_coordinates,
     truncated_is_weight,
 )
-from tests.helpers import is_correction_batch as sampler_batch
+from tests.helpers.batches import is_correction_batch as sampler_batch
 
 E = 1e-4  # the default eps added to the std
 CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo")  # the loss types with PPO's clipped term (the others: objective/)

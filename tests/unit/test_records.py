@@ -10,13 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo_cli.distributed import World
 from grpo_cli.env import Episode
 from grpo_cli.groups import Groups
 from grpo_cli.records import PAD, Rows, first, keyed, row, whole
 from grpo_cli.rewards import RewardResult
 from grpo_cli.rollout import Rollout
-from tests.helpers import two_ranks
+from tests.helpers.ranks import gloo_rank, two_ranks
 
 
 @dataclass
@@ -97,9 +96,7 @@ def _metrics_worker(rank: int, size: int, init_method: str, out: str) -> None:
     from grpo_cli import recipe
     from grpo_cli.metrics.stats import rollout_metrics
 
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size)
-    try:
+    with gloo_rank(rank, size, init_method) as world:
         n = 2
         mask = torch.tensor([[1, 1, 1], [1, 0, 0]]) if rank == 0 else torch.tensor([[1, 1, 0], [1, 1, 1]])
         ones = torch.ones(n, 1, dtype=torch.long)
@@ -108,11 +105,8 @@ def _metrics_worker(rank: int, size: int, init_method: str, out: str) -> None:
         names = {"f": [1.0, 0.0]} if rank == 0 else {"f": [0.0, 0.0], "g": [1.0, 1.0]}
         result = RewardResult([1.0 + rank, 0.0], names, failures=rank + 1)
         kept = Groups([{}], [rank], rollout, result, n)
-        metrics = rollout_metrics(*recipe._everyone(World(rank, size, rank), kept), kept.size)
+        metrics = rollout_metrics(*recipe._everyone(world, kept), kept.size)
         Path(out, f"rank{rank}.json").write_text(json.dumps(metrics))
-    finally:
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
 
 
 @pytest.mark.slow  # 2 rank processes (the fork server starts for it alone: ~9 s): make test-ci

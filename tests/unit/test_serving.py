@@ -11,7 +11,7 @@ import pytest
 from grpo_cli.config import compose
 from grpo_cli.errors import ConfigError
 from grpo_cli.serving import command, shell_line, usable_cores
-from tests.helpers import run_cli
+from tests.helpers.cli import run_cli
 
 
 def flags(argv: list[str]) -> dict[str, str | None]:

@@ -1,4 +1,4 @@
-"""The suite's own layout (docs/development.md, The test suite): test modules share helpers through tests/helpers.py
+"""The suite's own layout (docs/development.md, The test suite): test modules share helpers through tests/helpers/
 and conftest.py, never by importing each other."""
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import tiny_cfg
+from tests.helpers.runs import tiny_cfg
 
 
 def optimizer_state(optimizer) -> dict:
@@ -118,7 +118,7 @@ def _episode_batch(tokenizer):
 def _policy(cfg):
     """The tiny policy with a seeded nonzero adapter: it differs from the reference, so the KL is not 0."""
     from grpo_cli.policy import build_policy
-    from tests.helpers import set_adapter
+    from tests.helpers.engines import set_adapter
 
     policy, tokenizer, _ = build_policy(cfg.model)
     set_adapter(policy, 7, scale=0.1)

@@ -1,4 +1,4 @@
-"""The suite's YAML parse cache (tests.helpers.parse_each_yaml_text_once, installed by conftest) gives what a fresh
+"""The suite's YAML parse cache (tests.helpers.cli.parse_each_yaml_text_once, installed by conftest) gives what a fresh
 parse gives: the same config, a new object each load, a changed file read anew, a bad one refused each time."""
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import pytest
 from grpo_cli.config import compose, validate
 from grpo_cli.data import EnvTask, load_task
 from grpo_cli.errors import ConfigError, DataError
-from tests.helpers import write_jsonl
+from tests.helpers.runs import write_jsonl
 
 
 def test_generated_rows_are_seeds_the_held_out_ones_past_the_training_ones():

@@ -12,7 +12,7 @@ import pytest
 
 from grpo_cli.env.tools import Toolbox, ToolCall, ToolResult, ToolsEnv, load_tools, tool_from
 from grpo_cli.errors import ConfigError
-from tests.helpers import MULTIPLY_TOOL
+from tests.helpers.tools import MULTIPLY_TOOL
 
 TOOLS_PY = '''
 import asyncio
@@ -309,7 +309,7 @@ def test_a_hung_environment_method_does_not_pile_up_threads():
 
 def test_the_tools_worker_is_forked_when_the_run_builds_its_environment(tools_py):
     from grpo_cli.env import from_config
-    from tests.helpers import tiny_cfg
+    from tests.helpers.runs import tiny_cfg
 
     # forked while the command is small, before the model loads (a reward's worker is, for the same reason:
     # grpo_cli.rewards.guard), not at the first call of step 1

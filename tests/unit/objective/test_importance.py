@@ -9,7 +9,7 @@ import torch
 from grpo_cli.config import compose, validate
 from grpo_cli.errors import ConfigError
 from grpo_cli.objective import GRPOLoss, LossSettings, is_correction_weights
-from tests.helpers import is_correction_batch as batch
+from tests.helpers.batches import is_correction_batch as batch
 
 
 def close(x, expected, tol=1e-9):

@@ -21,7 +21,8 @@ from grpo_cli.instantiate import build
 from grpo_cli.resources import CONF_DIR
 from grpo_cli.rewards.judge import judge as judge_fn
 from grpo_cli.rewards.judge import parse_score
-from tests.helpers import REPO, JudgeServer, LocalServer, chat_reply
+from tests.helpers import REPO
+from tests.helpers.judge import JudgeServer, LocalServer, chat_reply
 
 PROMPTS = ["2+2?", "3+3?", "4+4?"]
 COMPLETIONS = ["4", "7", "8"]

@@ -12,7 +12,7 @@ from grpo_cli.errors import ConfigError
 from grpo_cli.instantiate import build
 from grpo_cli.resources import CONF_DIR
 from grpo_cli.rewards.call import check_columns
-from tests.helpers import TRL_ACCURACY
+from tests.helpers.tools import TRL_ACCURACY
 
 # one function changes what it was given (the completions, a column, a message of the prompt); the next scores 1.0
 # only when it sees the inputs as they were

@@ -20,7 +20,7 @@ from grpo_cli.config import compose
 from grpo_cli.errors import ConfigError, DataError
 from grpo_cli.instantiate import build
 from grpo_cli.rewards import answers_match, extract_answer, split_steps
-from tests.helpers import EVAL_TINY, letters, sampler_settings, write_jsonl
+from tests.helpers.runs import EVAL_TINY, letters, sampler_settings, write_jsonl
 
 TINY = EVAL_TINY
 

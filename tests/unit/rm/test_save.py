@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import digests
+from tests.helpers.runs import digests
 
 
 def test_save_reward_model_keeps_the_old_model_until_the_new_one_is_in_place(tmp_path, monkeypatch):

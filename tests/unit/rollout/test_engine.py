@@ -14,7 +14,7 @@ from grpo_cli.rollout import engine
 from grpo_cli.rollout.hf import HFSampler
 from grpo_cli.rollout.sizing import EngineSize, Job, engine_size, kv_bytes_per_token
 from grpo_cli.rollout.vllm import VLLMSampler
-from tests.helpers import sampler_settings
+from tests.helpers.runs import sampler_settings
 
 HF_LINE = "sampler: HF generate"
 

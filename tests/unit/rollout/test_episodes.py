@@ -12,9 +12,9 @@ from grpo_cli.policy import apply_lora, load_tiny_random
 from grpo_cli.rollout import encode_prompts, render_prompts
 from grpo_cli.rollout.episodes import EpisodeSampler
 from grpo_cli.rollout.hf import HFSampler
-from tests.helpers import MULTIPLY_TOOL, sampler_settings
+from tests.helpers.runs import sampler_settings
+from tests.helpers.tools import MULTIPLY_TOOL, TOOL_CALL
 
-CALL = '<tool_call>{"name": "multiply", "arguments": {"a": 4, "b": 3}}</tool_call>'
 EXAMPLES = [{"messages": [{"role": "user", "content": q}], "question": q, "answer": a}
             for q, a in (("what is 4 * 3?", "12"), ("what is 5 * 5?", "25"))]
 
@@ -32,7 +32,7 @@ def tools_env(tmp_path, **limits) -> ToolsEnv:
 
 
 class Scripted:
-    """An engine whose first turn in every row is CALL and whose later turns are the answer "12"."""
+    """An engine whose first turn in every row is TOOL_CALL and whose later turns are the answer "12"."""
 
     def __init__(self, tokenizer):
         self.tokenizer, self.eos_token_id = tokenizer, tokenizer.eos_token_id
@@ -40,7 +40,7 @@ class Scripted:
     def continue_batch(self, sequences, max_new):
         out = []
         for seq in sequences:
-            text = "12" if CALL in self.tokenizer.decode(seq) else CALL  # called already: the answer
+            text = "12" if TOOL_CALL in self.tokenizer.decode(seq) else TOOL_CALL  # called already: the answer
             out.append((self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.eos_token_id])[:max_new])
         return out
 
@@ -86,10 +86,10 @@ def test_episode_sampler_returns_grouped_rows_with_the_environment_tokens_masked
     t = len(first.completion_ids)
     assert rollout.completion_ids[0, :t].tolist() == first.completion_ids
     assert rollout.sampled_mask[0, :t].tolist() == first.sampled and 0 in first.sampled
-    call_ids = len(tokenizer(CALL, add_special_tokens=False)["input_ids"]) + 1  # the call and its EOS
+    call_ids = len(tokenizer(TOOL_CALL, add_special_tokens=False)["input_ids"]) + 1  # the call and its EOS
     answer_ids = 3  # "12" and its EOS
     assert rollout.lengths == [call_ids + answer_ids] * 6  # lengths count sampled ids only
-    assert CALL in rollout.texts[0] and rollout.texts[0].endswith("12") and rollout.truncated == [False] * 6
+    assert TOOL_CALL in rollout.texts[0] and rollout.texts[0].endswith("12") and rollout.truncated == [False] * 6
     # the prompt rows are the rendered prompt with the tools' schema: rows 0-2 share example 0's prompt
     assert torch.equal(rollout.prompt_ids[0], rollout.prompt_ids[2])
     assert "multiply" in tokenizer.decode(rollout.prompt_ids[3][rollout.prompt_mask[3].bool()])
@@ -114,7 +114,7 @@ def test_episodes_keep_the_engines_log_probs_of_the_sampled_ids_and_none_for_the
     monkeypatch.setattr(HFSampler, "engine", lambda self, *a, **k: ScriptedWithLogprobs(tokenizer))
     rollout = EpisodeSampler(sampler, tools_env(tmp_path)).sample(model, tokenizer, EXAMPLES, 2)
     first = rollout.episodes[0]
-    call_ids = len(tokenizer(CALL, add_special_tokens=False)["input_ids"]) + 1  # the call and its EOS
+    call_ids = len(tokenizer(TOOL_CALL, add_special_tokens=False)["input_ids"]) + 1  # the call and its EOS
     added = first.sampled.count(0)  # the environment's ids between the turns
     # turn 1: -0.01 .. -0.01 * call_ids; the environment's ids: 0; turn 2 ("12" and EOS): -0.01, -0.02, -0.03
     expected = [-0.01 * (k + 1) for k in range(call_ids)] + [0.0] * added + [-0.01, -0.02, -0.03]
@@ -142,7 +142,7 @@ def test_episodes_run_on_vllm_as_plain_completions_do(tmp_path, monkeypatch):
     from grpo_cli.config import validate
     from grpo_cli.errors import ConfigError
     from grpo_cli.rollout.engine import run_refusal
-    from tests.helpers import tiny_cfg
+    from tests.helpers.runs import tiny_cfg
 
     (tmp_path / "tools.py").write_text(MULTIPLY_TOOL)
     env = ["env=tools", f"env.tools=[{tmp_path / 'tools.py'}:multiply]"]
@@ -163,7 +163,7 @@ def test_episodes_run_on_vllm_as_plain_completions_do(tmp_path, monkeypatch):
 def test_the_episode_budget_must_fit_the_context_with_the_prompt(tmp_path):
     from grpo_cli.config import validate
     from grpo_cli.errors import ConfigError
-    from tests.helpers import tiny_cfg
+    from tests.helpers.runs import tiny_cfg
 
     (tmp_path / "tools.py").write_text(MULTIPLY_TOOL)
     env = ["env=tools", f"env.tools=[{tmp_path / 'tools.py'}:multiply]", "sampler.max_prompt_tokens=1024"]
@@ -192,7 +192,7 @@ def test_a_reward_per_turn_lands_on_each_turns_last_sampled_token(policy, tmp_pa
     sampler = HFSampler(**sampler_settings(max_new_tokens=12))
     monkeypatch.setattr(HFSampler, "engine", lambda self, *a, **k: Scripted(tokenizer))
     rollout = EpisodeSampler(sampler, tools_env(tmp_path)).sample(model, tokenizer, EXAMPLES, 3)
-    # every episode: turn 1 is CALL + EOS, then the tool turn the environment adds, then turn 2 is "12" + EOS
+    # every episode: turn 1 is TOOL_CALL + EOS, then the tool turn the environment adds, then turn 2 is "12" + EOS
 
     def per_turn(prompts, completions, **columns):
         # a list scores each assistant turn; a number scores the episode, on its last turn; a list of the wrong

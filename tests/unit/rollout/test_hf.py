@@ -22,7 +22,7 @@ from grpo_cli.rollout import (
     render_prompts,
 )
 from grpo_cli.rollout.hf import HFSampler
-from tests.helpers import sampler_settings
+from tests.helpers.runs import sampler_settings
 
 CONVERSATIONS = [[{"role": "user", "content": "What is 2+3?"}], [{"role": "user", "content": "Hi"}]]
 

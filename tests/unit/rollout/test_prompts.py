@@ -11,7 +11,7 @@ from grpo_cli.errors import ConfigError, DataError
 from grpo_cli.policy import CHATML_TEMPLATE
 from grpo_cli.rollout import encode_prompts, render_prompts, template_kwargs, use_chat_template
 from grpo_cli.rollout.hf import HFSampler
-from tests.helpers import sampler_settings
+from tests.helpers.runs import sampler_settings
 
 
 def char_ids(tokenizer, text: str) -> list[int]:

@@ -21,7 +21,9 @@ from grpo_cli.distributed import close_world, init_world
 from grpo_cli.policy import build_policy, load_tiny_random
 from grpo_cli.rollout.vllm_server import VLLMServerSampler
 from tests.fake_vllm import FakeVLLM
-from tests.helpers import sampler_settings, set_adapter, tiny_cfg, two_ranks
+from tests.helpers.engines import set_adapter
+from tests.helpers.ranks import two_ranks
+from tests.helpers.runs import sampler_settings, tiny_cfg
 
 
 def _worker(rank: int, size: int, init_method: str, out: str) -> None:

@@ -20,7 +20,9 @@ from grpo_cli.policy import build_policy
 from grpo_cli.rollout.server_probe import tied_head
 from grpo_cli.rollout.vllm_server import START, VLLMServerSampler
 from tests.fake_vllm import FakeVLLM
-from tests.helpers import LocalServer, needs_vllm, sampler_settings, set_adapter, tiny_cfg
+from tests.helpers.engines import needs_vllm, set_adapter
+from tests.helpers.judge import LocalServer
+from tests.helpers.runs import sampler_settings, tiny_cfg
 
 
 @pytest.fixture()
@@ -206,7 +208,7 @@ def test_a_full_push_reaches_the_logits_of_vllms_cpu_build(tmp_path):
 
     from grpo_cli.instantiate import build
     from grpo_cli.rollout import render_prompts
-    from tests.helpers import PROMPTS
+    from tests.helpers.engines import PROMPTS
 
     policy, tokenizer, _ = build_policy(compose("train", ["model.finetune=full", "model.dtype=float32"]).model)
     policy.eval()
@@ -358,7 +360,7 @@ def test_a_server_that_dies_mid_request_is_one_line(policy_and_tokenizer, tmp_pa
 def test_a_command_line_naming_a_dead_server_stops_before_its_imports():
     """`grpo train sampler=vllm_server sampler.url=URL` with nothing at URL: the one line within seconds, not after
     the ~10 s of imports a command needs on a small CPU (cli.py asks first)."""
-    from tests.helpers import one_line_error, run_cli
+    from tests.helpers.cli import one_line_error, run_cli
 
     with LocalServer(BaseHTTPRequestHandler) as free:
         port = free.httpd.server_address[1]

@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 from grpo_cli.policy import build_policy
 from grpo_cli.rollout.adapter import write_adapter
 from grpo_cli.rollout.vllm import fingerprint, merged_weights
-from tests.helpers import needs_vllm, sampler_settings, set_adapter, tiny_cfg
+from tests.helpers.engines import needs_vllm, set_adapter
+from tests.helpers.runs import sampler_settings, tiny_cfg
 
 
 def test_a_full_policy_pushes_every_weight_and_a_change_in_any_is_seen():

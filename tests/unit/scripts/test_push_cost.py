@@ -9,7 +9,8 @@ import torch
 
 from grpo_cli.policy import build_policy
 from grpo_cli.rollout.vllm import fingerprint
-from tests.helpers import REPO, tiny_cfg
+from tests.helpers import REPO
+from tests.helpers.runs import tiny_cfg
 
 spec = importlib.util.spec_from_file_location("push_cost", REPO / "scripts" / "push_cost.py")
 push_cost = importlib.util.module_from_spec(spec)
