@@ -23,9 +23,10 @@ from grpo_cli.distributed import World
 from grpo_cli.errors import ConfigError
 from grpo_cli.metrics.console import console
 from grpo_cli.metrics.stats import mean, wilson_interval
+from grpo_cli.policy import pad_id
 from grpo_cli.rewards.call import score
 from grpo_cli.rewards.outcome import answers_match, extract_answer, reference_answer
-from grpo_cli.rollout import Rollout, pad_id, render_prompts
+from grpo_cli.rollout import Rollout, render_prompts
 from grpo_cli.rollout.episodes import episode_fields
 
 

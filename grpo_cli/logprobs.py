@@ -20,7 +20,7 @@ through the prompt pass in one backward. The loss must be a sum over rows (GRPO'
 the bucket losses to add up to the micro-batch's.
 
 Positions follow HF generate (left-padded prompt, position ids = cumsum of the mask - 1, as
-`rollout.position_ids`), so the tokens are scored exactly as the sampler produced them. Models whose
+`policy.position_ids`), so the tokens are scored exactly as the sampler produced them. Models whose
 logits are not the LM head of the last hidden state, and gradient checkpointing in training (its layers
 drop the KV cache they are given), take `full_sequence_logprobs` instead: one bucket of every row.
 """
@@ -36,8 +36,8 @@ from transformers import DynamicCache
 
 from grpo_cli.fsdp import root_gathered
 from grpo_cli.kernels import head_logprobs, token_entropy, token_logprobs
-from grpo_cli.policy import autocast
-from grpo_cli.rollout import Rollout, position_ids
+from grpo_cli.policy import autocast, position_ids
+from grpo_cli.rollout import Rollout
 
 # rows scored together by default: the most a length bucket holds (the update's may hold fewer, trainer.bucket_tokens)
 BUCKET_ROWS = 8

@@ -301,6 +301,18 @@ def load_tokenizer(model_cfg):
     return _read_from_loader(model_cfg, _TOKENIZER_OF)
 
 
+def pad_id(tokenizer) -> int:
+    """The id that pads completions: the tokenizer's pad token, or its EOS when it has none."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that skip left padding, as HF generate computes them (the sampler's and the trainer's forwards
+    alike). [N, L]"""
+    pos = attention_mask.long().cumsum(-1) - 1
+    return pos.masked_fill(attention_mask == 0, 0)
+
+
 def apply_lora(model, r: int, alpha: int, dropout: float, target_modules: list[str]):
     """Wrap `model` in a peft LoRA adapter named `default`; only adapter weights are trainable. Its plain
     linear layers take `lora.LeanLinear`'s forward (peft's function, fewer passes over the activations)."""

@@ -50,12 +50,12 @@ from grpo_cli.metrics.memory import peak_memory_mb, reset_peak_memory, step_memo
 from grpo_cli.metrics.run_files import CompletionsLog, MetricsLog, check_logging
 from grpo_cli.metrics.stats import rollout_metrics
 from grpo_cli.objective import Loss
-from grpo_cli.policy import build_policy, context_length, keep_reference, load_tokenizer
+from grpo_cli.policy import build_policy, context_length, keep_reference, load_tokenizer, pad_id
 from grpo_cli.reward_schedule import RewardSchedule
 from grpo_cli.rewards import RewardResult
 from grpo_cli.rewards.call import score
 from grpo_cli.rewards.shaping import overlong_lengths, shape
-from grpo_cli.rollout import Tally, pad_id
+from grpo_cli.rollout import Tally
 from grpo_cli.rollout.ahead import Ahead
 from grpo_cli.rollout.sizing import Job
 from grpo_cli.runs import keep_chat_template

@@ -34,7 +34,7 @@ import torch
 from grpo_cli import fsdp
 from grpo_cli.checks import Check, Rule, get, is_int, is_num
 from grpo_cli.errors import ConfigError, DataError
-from grpo_cli.policy import context_length
+from grpo_cli.policy import context_length, pad_id
 from grpo_cli.records import PAD, Rows, row
 
 
@@ -95,11 +95,6 @@ class Tally(Rows):
     lengths: list[int] = row()  # N sampled tokens per completion
     truncated: list[bool] = row()  # N
     episodes: list | None = row(default=None)  # N episodes' counts (grpo_cli.env.EpisodeCounts); None: plain
-
-
-def pad_id(tokenizer) -> int:
-    """The id that pads completions: the tokenizer's pad token, or its EOS when it has none."""
-    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
 @dataclass
@@ -315,11 +310,6 @@ def finish(tokenizer, prompt_ids, prompt_mask, completion, eos: int, pad: int) -
     texts = tokenizer.batch_decode([row[m] for row, m in zip(ids, keep)], skip_special_tokens=True)
     return Rollout(prompt_ids, prompt_mask, completion, mask, texts, (~has_eos).tolist())
 
-
-def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Positions that skip left padding, as HF generate computes them. [N, L]"""
-    pos = attention_mask.long().cumsum(-1) - 1
-    return pos.masked_fill(attention_mask == 0, 0)
 
 
 # ---- config checks: this module's settings, collected by config.validate --------------------------------

@@ -20,8 +20,8 @@ from grpo_cli.env import ToolFormat, choose, prepare, run_episodes
 from grpo_cli.env.episode import encode
 from grpo_cli.errors import DataError
 from grpo_cli.metrics.console import console
-from grpo_cli.policy import load_tokenizer
-from grpo_cli.rollout import Rollout, pad_id, template_kwargs, use_chat_template
+from grpo_cli.policy import load_tokenizer, pad_id
+from grpo_cli.rollout import Rollout, template_kwargs, use_chat_template
 from grpo_cli.rollout.sizing import Job
 
 

@@ -14,7 +14,7 @@ import torch
 from transformers import GenerationConfig
 
 from grpo_cli.errors import ConfigError, DataError
-from grpo_cli.policy import autocast
+from grpo_cli.policy import autocast, pad_id, position_ids
 from grpo_cli.rollout import (
     Rollout,
     Sampler,
@@ -22,8 +22,6 @@ from grpo_cli.rollout import (
     encode_prompts,
     finish,
     length_fix,
-    pad_id,
-    position_ids,
 )
 
 

@@ -69,8 +69,8 @@ from peft.tuners.lora import LoraLayer
 from grpo_cli import quantize
 from grpo_cli.distributed import world_size
 from grpo_cli.errors import ConfigError, DataError
-from grpo_cli.policy import trains_adapter
-from grpo_cli.rollout import Rollout, Sampler, SamplerSettings, encode_prompts, finish, pad_id, request_seeds
+from grpo_cli.policy import pad_id, trains_adapter
+from grpo_cli.rollout import Rollout, Sampler, SamplerSettings, encode_prompts, finish, request_seeds
 from grpo_cli.rollout.adapter import active, adapter_rank, lora_layers, write_adapter
 from grpo_cli.rollout.hf import HFSampler, check_prompts
 from grpo_cli.rollout.sizing import Job

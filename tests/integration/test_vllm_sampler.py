@@ -367,7 +367,8 @@ def test_two_vllm_ranks_sample_their_own_groups_and_take_the_one_process_step(tm
     from safetensors.torch import load_file
 
     from grpo_cli.distributed import SINGLE
-    from grpo_cli.rollout import Rollout, pad_id
+    from grpo_cli.policy import pad_id
+    from grpo_cli.rollout import Rollout
 
     two_ranks(_vllm_rank, tmp_path)
     parts = torch.load(tmp_path / "rollouts.pt", weights_only=False)

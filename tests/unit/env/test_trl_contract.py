@@ -240,7 +240,8 @@ def test_two_batches_sampled_before_they_are_scored_keep_their_own_instances(gam
 
 
 def test_the_environments_scores_of_two_rollouts_join_as_one_column(game):
-    from grpo_cli.rollout import Rollout, pad_id
+    from grpo_cli.policy import pad_id
+    from grpo_cli.rollout import Rollout
     from grpo_cli.rollout.episodes import as_rollout
 
     secret = env("trl_game.Secret")
