@@ -80,7 +80,7 @@ def job_prompts(cfg, tokenizer) -> list:
 def measure(name: str, overrides: list[str], finetune: str, args) -> dict:
     """Start one way's sampler, then time `args.pushes` pushes (and `args.sample` sampling calls)."""
     cfg = compose("train", [*args.overrides, *overrides, f"model.finetune={finetune}",
-                            *([f"sampler.url={args.url}"] if args.url else [])])
+                            *([f"sampler.url={args.url}"] if name.startswith("server") else [])])
     policy, tokenizer, _ = build_policy(cfg.model)
     policy.eval()
     g = torch.Generator().manual_seed(0)
