@@ -258,7 +258,7 @@ _CONTEXT_OF = {load_tiny_random: lambda **_: TINY_CONTEXT, load_pretrained: _pre
 def context_length(model_cfg) -> int | None:
     """The base model's context (its position table) from the `model` section alone, without loading weights:
     the tiny model's, a local or cached config.json. None when that cannot say (a hub model not downloaded yet,
-    a user's own loader): then the sampler checks it once the model is loaded (rollout.hf.check_prompts)."""
+    a user's own loader): then the sampler checks it once the model is loaded (lengths.check_prompts)."""
     return _read_from_loader(model_cfg, _CONTEXT_OF)
 
 
@@ -297,7 +297,7 @@ _TOKENIZER_OF = {load_tiny_random: lambda **_: char_tokenizer(), load_pretrained
 
 def load_tokenizer(model_cfg):
     """The base model's tokenizer from the `model` section, without loading weights or reaching the network (for
-    checks before the model loads: grpo_cli.data.lengths); None when that cannot be done, as context_length."""
+    checks before the model loads: grpo_cli.lengths); None when that cannot be done, as context_length."""
     return _read_from_loader(model_cfg, _TOKENIZER_OF)
 
 

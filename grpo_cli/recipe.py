@@ -39,12 +39,12 @@ from grpo_cli.algo import build_loss
 from grpo_cli.components import assemble
 from grpo_cli.credit import advantages, token_rewards
 from grpo_cli.data import PromptStream
-from grpo_cli.data.lengths import check_prompt_lengths
 from grpo_cli.distributed import World
 from grpo_cli.errors import RunError
 from grpo_cli.evaluation import eval_line, eval_metrics, eval_problems, greedy_rows
 from grpo_cli.groups import GroupFilter, Groups
 from grpo_cli.instantiate import build
+from grpo_cli.lengths import check_prompt_lengths
 from grpo_cli.metrics.console import console
 from grpo_cli.metrics.memory import peak_memory_mb, reset_peak_memory, step_memory, synchronize
 from grpo_cli.metrics.run_files import CompletionsLog, MetricsLog, check_logging
@@ -55,7 +55,7 @@ from grpo_cli.reward_schedule import RewardSchedule
 from grpo_cli.rewards import RewardResult
 from grpo_cli.rewards.call import score
 from grpo_cli.rewards.shaping import overlong_lengths, shape
-from grpo_cli.rollout import Tally
+from grpo_cli.rollout import Tally, render_prompts
 from grpo_cli.rollout.ahead import Ahead
 from grpo_cli.rollout.sizing import Job
 from grpo_cli.runs import keep_chat_template
@@ -116,8 +116,10 @@ def with_section(cfg: DictConfig, key: str, section: DictConfig) -> DictConfig:
 
 def check_lengths(cfg: DictConfig, data, tokenizer) -> None:
     """Every prompt of a user's data within sampler.max_prompt_tokens, or one DataError naming a row."""
-    sampler = cfg.sampler
-    check_prompt_lengths(data, tokenizer, sampler.max_prompt_tokens, context=context_length(cfg.model),
+    sampler, rows = cfg.sampler, data.prompt_rows()  # [(where, messages)]; none for a generated task
+    texts = render_prompts(tokenizer, [messages for _, messages in rows]) if rows else []
+    check_prompt_lengths([(where, str(text)) for (where, _), text in zip(rows, texts)], tokenizer,
+                         sampler.max_prompt_tokens, context=context_length(cfg.model),
                          max_new_tokens=sampler.max_new_tokens)
 
 

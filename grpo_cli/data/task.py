@@ -128,7 +128,7 @@ class _Task:
 
     def prompt_rows(self) -> list[tuple[str, list[dict]]]:
         """(where, chat messages) of every prompt read from a user's data, training rows then held-out ones, for
-        grpo_cli.data.lengths; none for a generated task, whose settings bound its prompts."""
+        grpo_cli.lengths; none for a generated task, whose settings bound its prompts."""
         return []
 
     def _heldout_count(self, rows: int, distinct: int, source: str) -> int:

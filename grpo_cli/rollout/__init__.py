@@ -34,6 +34,7 @@ import torch
 from grpo_cli import fsdp
 from grpo_cli.checks import Check, Rule, get, is_int, is_num
 from grpo_cli.errors import ConfigError, DataError
+from grpo_cli.lengths import length_fix
 from grpo_cli.policy import context_length, pad_id
 from grpo_cli.records import PAD, Rows, row
 
@@ -318,7 +319,7 @@ def check_lengths(cfg) -> list[str]:
     """The longest prompt plus the longest completion (an episode's: env.max_episode_tokens) must fit what the
     engine holds: vLLM's
     sampler.max_model_len when set, else the model's context, when its config says it without loading the
-    weights (else rollout.hf.check_prompts checks it once the model is loaded). An engine that held fewer
+    weights (else lengths.check_prompts checks it once the model is loaded). An engine that held fewer
     would cut completions short without a word (vLLM does) or fail mid-run."""
     prompt, new = get(cfg, "sampler.max_prompt_tokens")[1], get(cfg, "sampler.max_new_tokens")[1]
     eval_new = get(cfg, "eval.max_new_tokens")[1]  # eval's own generation length, when it sets one
@@ -340,16 +341,6 @@ def check_lengths(cfg) -> list[str]:
                       + (f"({limit} tokens)" if what.startswith("sampler") else f"of {limit} tokens")
                       + f": completions would be cut short; {length_fix(prompt, new, limit, key)}")
     return errors
-
-
-def length_fix(prompt: int, new: int, limit: int, key: str = "sampler.max_new_tokens") -> str:
-    """A fix that can work for prompt + new > limit: shorter completions while the prompts leave room, else
-    shorter prompts, else both halved."""
-    if prompt < limit:
-        return f"set {key}={limit - prompt}" + (f" or sampler.max_prompt_tokens={limit - new}" if new < limit else "")
-    if new < limit:
-        return f"set sampler.max_prompt_tokens={limit - new}"
-    return f"set sampler.max_prompt_tokens={limit // 2} and {key}={limit - limit // 2}"
 
 
 CHECKS: list[Check] = [

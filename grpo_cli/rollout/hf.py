@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig
 
-from grpo_cli.errors import ConfigError, DataError
+from grpo_cli.lengths import check_prompts
 from grpo_cli.policy import autocast, pad_id, position_ids
 from grpo_cli.rollout import (
     Rollout,
@@ -21,7 +21,6 @@ from grpo_cli.rollout import (
     drawing_from,
     encode_prompts,
     finish,
-    length_fix,
 )
 
 
@@ -133,27 +132,3 @@ def own_generation_config(model):
         yield
     finally:
         inner.generation_config = shipped
-
-
-def check_prompts(model, tokenizer, prompts: list[str], max_prompt_tokens: int, max_new_tokens: int) -> None:
-    """DataError naming the first prompt over `max_prompt_tokens`, or one that cannot fit the model's context.
-
-    A prompt longer than 64 characters per allowed token is refused before it is tokenized at all: a
-    10 MB question must not reach the tokenizer, let alone the model.
-    """
-    context = getattr(model.config, "max_position_embeddings", None)
-    if context is not None and max_prompt_tokens + max_new_tokens > context:
-        # config.validate checks this before the model loads wherever the model's config says its context
-        raise ConfigError(f"sampler.max_prompt_tokens ({max_prompt_tokens}) + max_new_tokens ({max_new_tokens}) "
-                          f"exceed the model's context of {context} tokens; "
-                          f"{length_fix(max_prompt_tokens, max_new_tokens, context)}")
-    for prompt in prompts:
-        too_long = len(prompt) > 64 * max_prompt_tokens
-        if not too_long:
-            count = len(tokenizer(prompt, add_special_tokens=False).input_ids)
-            too_long = count > max_prompt_tokens
-        if too_long:
-            size = f"{len(prompt):,} characters" if len(prompt) > 64 * max_prompt_tokens else f"{count} tokens"
-            raise DataError(f"a prompt of {size} is longer than sampler.max_prompt_tokens ({max_prompt_tokens}): "
-                            f"{prompt[:100]!r}...; drop such problems from the data or raise "
-                            f"sampler.max_prompt_tokens")

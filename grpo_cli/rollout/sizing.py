@@ -10,7 +10,7 @@
     bytes a token    = 2 (K and V) × layers × KV heads × head size × bytes of the cache's dtype
 
 `max_prompt_tokens` and not the longest prompt of the data: every prompt is checked against it
-(rollout.hf.check_prompts), so no request can outgrow an engine sized from it mid-run, and it is known
+(lengths.check_prompts), so no request can outgrow an engine sized from it mid-run, and it is known
 before the data is read. The cache holds every sequence of one engine call at once (a step's prompts ×
 group_size, cut by `sampler.batch_size` at whole groups as `Sampler.generate` cuts them); vLLM queues what
 does not fit, so a smaller cache is slower, not wrong.

@@ -69,10 +69,11 @@ from peft.tuners.lora import LoraLayer
 from grpo_cli import quantize
 from grpo_cli.distributed import world_size
 from grpo_cli.errors import ConfigError, DataError
+from grpo_cli.lengths import check_prompts
 from grpo_cli.policy import pad_id, trains_adapter
 from grpo_cli.rollout import Rollout, Sampler, SamplerSettings, encode_prompts, finish, request_seeds
 from grpo_cli.rollout.adapter import active, adapter_rank, lora_layers, write_adapter
-from grpo_cli.rollout.hf import HFSampler, check_prompts
+from grpo_cli.rollout.hf import HFSampler
 from grpo_cli.rollout.sizing import Job
 from grpo_cli.rollout.vllm_engine import (
     base_model,

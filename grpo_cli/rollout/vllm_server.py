@@ -77,10 +77,10 @@ from grpo_cli.checks import Check, Rule, get, is_num
 from grpo_cli.distributed import init_world
 from grpo_cli.errors import ConfigError, DataError, RunError
 from grpo_cli.fsdp import root_gathered, sharded, weights_stamp, whole_parts
+from grpo_cli.lengths import check_prompts
 from grpo_cli.policy import adapter_enabled, pad_id, trains_adapter
 from grpo_cli.rollout import Rollout, Sampler, encode_prompts, finish, render_prompts, request_seeds
 from grpo_cli.rollout.adapter import write_adapter
-from grpo_cli.rollout.hf import check_prompts
 from grpo_cli.rollout.server_probe import (
     PROBE_TOLERANCE,
     PUSH_FACTOR,

@@ -178,7 +178,7 @@ def test_a_huge_prompt_is_refused_before_it_is_tokenized(tmp_path):
     data = tmp_path / "huge.jsonl"
     rows = [{"question": "What is 1 + 1?", "answer": "2"}] * 30 + [{"question": "x" * 10_000_000, "answer": "1"}]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    # measured with every row before the model loads, named by its line (grpo_cli.data.lengths)
+    # measured with every row before the model loads, named by its line (grpo_cli.lengths)
     with pytest.raises(ConfigError, match="huge.jsonl:31: the prompt is 10,000,0.. characters with the chat "
                                           "template, longer than sampler.max_prompt_tokens"):
         train.run(tiny_cfg("data=jsonl", f"data.path={data}", "data.heldout_size=1", "trainer.prompts_per_step=31",

@@ -1,4 +1,4 @@
-"""grpo_cli.data.lengths: every prompt of a user's data measured in one pass, each over the limit named by its row,
+"""grpo_cli.lengths: every prompt of a user's data measured in one pass, each over the limit named by its row,
 counted exactly (shared few-shot turns counted once), a fix offered only where the model's context holds it."""
 
 from __future__ import annotations
@@ -10,10 +10,18 @@ import time
 import pytest
 
 from grpo_cli.data import load_task
-from grpo_cli.data.lengths import check_prompt_lengths
 from grpo_cli.errors import DataError
+from grpo_cli.lengths import check_prompt_lengths
 from grpo_cli.policy import char_tokenizer
 from grpo_cli.rollout import render_prompts
+
+
+def check(task, tokenizer, max_prompt_tokens: int, **kwargs) -> None:
+    """check_prompt_lengths on the task's rows templated as the sampler templates them (recipe.check_lengths)."""
+    rows = task.prompt_rows()
+    texts = render_prompts(tokenizer, [messages for _, messages in rows])
+    check_prompt_lengths([(where, str(text)) for (where, _), text in zip(rows, texts)], tokenizer, max_prompt_tokens,
+                         **kwargs)
 
 
 def write(path, rows: list[dict]):
@@ -26,8 +34,8 @@ def test_a_jsonl_task_names_the_file_and_line(tmp_path):
                                         for i in range(8)])
     task = load_task("jsonl", path=str(path), heldout_size=1, seed=3)
     with pytest.raises(DataError, match=re.escape(f"{path}:5: the prompt is ")):
-        check_prompt_lengths(task, char_tokenizer(), 40, context=None, max_new_tokens=8)
-    check_prompt_lengths(task, char_tokenizer(), 80, context=None, max_new_tokens=8)  # all fit
+        check(task, char_tokenizer(), 40, context=None, max_new_tokens=8)
+    check(task, char_tokenizer(), 80, context=None, max_new_tokens=8)  # all fit
 
 
 def test_a_fix_past_the_model_context_is_not_offered(tmp_path):
@@ -35,7 +43,7 @@ def test_a_fix_past_the_model_context_is_not_offered(tmp_path):
     task = load_task("hf", path=str(path), heldout_size=1, seed=0)
     with pytest.raises(DataError) as err:
         # 150+ tokens + 8 new ones do not fit a context of 100: raising max_prompt_tokens cannot help
-        check_prompt_lengths(task, char_tokenizer(), 50, context=100, max_new_tokens=8)
+        check(task, char_tokenizer(), 50, context=100, max_new_tokens=8)
     assert "sampler.max_prompt_tokens=" not in str(err.value)
     assert "the model's context holds 100 tokens" in str(err.value)
 
@@ -43,7 +51,7 @@ def test_a_fix_past_the_model_context_is_not_offered(tmp_path):
 def test_gsm8k_is_measured_in_one_cheap_pass(gsm8k_path):
     task = load_task("hf", path=str(gsm8k_path), prompt_field="question")
     start = time.perf_counter()
-    check_prompt_lengths(task, char_tokenizer(), 1024, context=None, max_new_tokens=256)
+    check(task, char_tokenizer(), 1024, context=None, max_new_tokens=256)
     # 7,273 training prompts rendered and tokenized in one batch: ~1 s here on a busy 2-core machine
     assert time.perf_counter() - start < 15
 
@@ -57,5 +65,5 @@ def test_prompts_sharing_few_shot_turns_are_counted_exactly(tmp_path):
         tokenizer, [m for _, m in task.prompt_rows()])], add_special_tokens=False).input_ids)
     # the shared system and few-shot turns are counted once and added to each row's own count: the same total
     with pytest.raises(DataError, match=rf"or set sampler.max_prompt_tokens={exact}$"):
-        check_prompt_lengths(task, tokenizer, exact - 1, context=None, max_new_tokens=8)
-    check_prompt_lengths(task, tokenizer, exact, context=None, max_new_tokens=8)
+        check(task, tokenizer, exact - 1, context=None, max_new_tokens=8)
+    check(task, tokenizer, exact, context=None, max_new_tokens=8)
