@@ -6,7 +6,7 @@
     .venv/bin/python scripts/push_cost.py OUT.json --url http://127.0.0.1:8000      # and the server's two pushes
     .venv/bin/python scripts/push_cost.py OUT.json --pushes 2 --sample 0            # a smoke check
     .venv/bin/python scripts/push_cost.py OUT.json model.lora.r=64                  # any train override
-    .venv/bin/python scripts/push_cost.py OUT.json --url URL --ways "server, full"  # one way (a full-weight server)
+    .venv/bin/python scripts/push_cost.py OUT.json --url URL --way "server, full"   # one way (a full-weight server)
 
 Each way starts its sampler as a run does (the engine sized for the default job, the policy's adapter pushed once,
 not timed), then times `--pushes` pushes through the sampler's own push (`sync`: the fingerprint, the adapter folder
@@ -132,15 +132,16 @@ def main() -> None:
     parser.add_argument("--url", default=None, help="a running grpo serve: also time the server's pushes")
     parser.add_argument("--pushes", type=int, default=10, help="timed pushes per way (their median is reported)")
     parser.add_argument("--sample", type=int, default=1, help="timed sampling calls per in-process way (0: none)")
-    parser.add_argument("--ways", default=None, help="comma-separated names of the ways to time (default: all)")
+    parser.add_argument("--way", action="append", default=None,
+                        help="a way to time, by its name (repeatable; default: all)")
     args = parser.parse_args()
     rows = []
     ways = IN_PROCESS + (SERVER if args.url else [])
-    if args.ways:
-        wanted = [w.strip() for w in args.ways.split(",")]
+    if args.way:
+        wanted = args.way
         unknown = set(wanted) - {name for name, _, _ in ways}
         if unknown:
-            sys.exit(f"--ways: no way named {sorted(unknown)}; the ways are {[name for name, _, _ in ways]}")
+            sys.exit(f"--way: no way named {sorted(unknown)}; the ways are {[name for name, _, _ in ways]}")
         ways = [w for w in ways if w[0] in wanted]
     for name, overrides, finetune in ways:
         try:
