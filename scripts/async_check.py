@@ -2,7 +2,7 @@
 a vLLM server: what it does to held-out accuracy, and what it saves in time on this 2-core machine.
 
     .venv/bin/python scripts/async_check.py accuracy OUT [--seeds 0 1 2] [--port 8021]   # resumable, hours
-    .venv/bin/python scripts/async_check.py overlap OUT [--steps 6] [--port 8022]        # ~15 min, quiet machine
+    .venv/bin/python scripts/async_check.py overlap OUT [--steps 6] [--port 8022]        # 1-2 h, quiet machine
     .venv/bin/python scripts/async_check.py report OUT                                   # the tables again
 
 accuracy, the design (fixed before any run):
@@ -20,7 +20,8 @@ accuracy, the design (fixed before any run):
 
 overlap: the server pinned to core 0 (`taskset -c 0 grpo serve`), the trainer to core 1 (`taskset -c 1`), the
 default job for --steps steps with no eval, K=0 then K=1 then K=0 then K=1 (two rounds, interleaved, one server);
-s/step is the median of steps 2..N, the rounds' medians and their ratio side by side.
+s/step is the median of steps 2..N, the rounds' medians and their ratio side by side. One core each is slow: the K=0
+run's first step took 332 s on 2026-12-06 (rollout 135 s, update 197 s), so 4 runs of 6 steps take 1-2 hours.
 
 Each run is skipped when it is done and resumed from its last checkpoint when it was cut short, so a stopped script
 goes on where it stopped when run again.
