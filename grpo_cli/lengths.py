@@ -2,7 +2,7 @@
 it, before it costs a step, and a refusal's fix is one that can work.
 
 - `check_prompt_lengths(rows, ...)`: every row of a user's data (training and held-out), chat-templated as the
-  sampler templates them (the caller renders them: `recipe.check_lengths`), measured once before the model loads
+  sampler templates them (the caller renders them: `recipe.templated_rows`), measured once before the model loads
   and tokenized in one batch call; the error names the row (its file and line) and how many rows are over.
   Generated tasks (arithmetic, multistep) have no rows to measure: their settings bound their prompts.
 - `check_prompts(model, tokenizer, prompts, ...)`: each batch an engine samples (HF generate, vLLM in process, a

@@ -114,13 +114,18 @@ def with_section(cfg: DictConfig, key: str, section: DictConfig) -> DictConfig:
     return out
 
 
+def templated_rows(data, tokenizer) -> list[tuple[str, str]]:
+    """(where, prompt) of every row of the data, chat-templated as the sampler templates it; none for a generated
+    task, whose settings bound its prompts."""
+    rows = data.prompt_rows()  # [(where, messages)]
+    texts = render_prompts(tokenizer, [messages for _, messages in rows]) if rows else []
+    return [(where, str(text)) for (where, _), text in zip(rows, texts)]
+
+
 def check_lengths(cfg: DictConfig, data, tokenizer) -> None:
     """Every prompt of a user's data within sampler.max_prompt_tokens, or one DataError naming a row."""
-    sampler, rows = cfg.sampler, data.prompt_rows()  # [(where, messages)]; none for a generated task
-    texts = render_prompts(tokenizer, [messages for _, messages in rows]) if rows else []
-    check_prompt_lengths([(where, str(text)) for (where, _), text in zip(rows, texts)], tokenizer,
-                         sampler.max_prompt_tokens, context=context_length(cfg.model),
-                         max_new_tokens=sampler.max_new_tokens)
+    check_prompt_lengths(templated_rows(data, tokenizer), tokenizer, cfg.sampler.max_prompt_tokens,
+                         context=context_length(cfg.model), max_new_tokens=cfg.sampler.max_new_tokens)
 
 
 def setup(cfg: DictConfig, run_dir: Path, world: World, why: str) -> Run:

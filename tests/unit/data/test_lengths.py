@@ -13,15 +13,13 @@ from grpo_cli.data import load_task
 from grpo_cli.errors import DataError
 from grpo_cli.lengths import check_prompt_lengths
 from grpo_cli.policy import char_tokenizer
+from grpo_cli.recipe import templated_rows
 from grpo_cli.rollout import render_prompts
 
 
 def check(task, tokenizer, max_prompt_tokens: int, **kwargs) -> None:
-    """check_prompt_lengths on the task's rows templated as the sampler templates them (recipe.check_lengths)."""
-    rows = task.prompt_rows()
-    texts = render_prompts(tokenizer, [messages for _, messages in rows])
-    check_prompt_lengths([(where, str(text)) for (where, _), text in zip(rows, texts)], tokenizer, max_prompt_tokens,
-                         **kwargs)
+    """check_prompt_lengths on the task's rows templated as the sampler templates them, as recipe.check_lengths."""
+    check_prompt_lengths(templated_rows(task, tokenizer), tokenizer, max_prompt_tokens, **kwargs)
 
 
 def write(path, rows: list[dict]):
