@@ -312,7 +312,6 @@ def finish(tokenizer, prompt_ids, prompt_mask, completion, eos: int, pad: int) -
     return Rollout(prompt_ids, prompt_mask, completion, mask, texts, (~has_eos).tolist())
 
 
-
 # ---- config checks: this module's settings, collected by config.validate --------------------------------
 
 def check_lengths(cfg) -> list[str]:

@@ -15,13 +15,7 @@ from transformers import GenerationConfig
 
 from grpo_cli.lengths import check_prompts
 from grpo_cli.policy import autocast, pad_id, position_ids
-from grpo_cli.rollout import (
-    Rollout,
-    Sampler,
-    drawing_from,
-    encode_prompts,
-    finish,
-)
+from grpo_cli.rollout import Rollout, Sampler, drawing_from, encode_prompts, finish
 
 
 @dataclass
