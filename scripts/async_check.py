@@ -34,12 +34,11 @@ import os
 import signal
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-from paired import bootstrap, last_checkpoint, read_jsonl
-from server_check import GRPO, REPO, start
+from paired import bootstrap, done, read_jsonl, train_or_resume
+from server_check import start
 
 STEPS = 40
 EVALS = (10, 20, 30, 40)
@@ -51,22 +50,13 @@ def stop(proc: subprocess.Popen | None) -> None:
         proc.wait()
 
 
-def done(run: Path, steps: int) -> bool:
-    path = run / "metrics.jsonl"
-    return path.exists() and any(r["step"] == steps for r in read_jsonl(path))
-
-
 def train(run: Path, args: list[str], prefix: tuple[str, ...] = ()) -> None:
     """The run `args` describe in `run`: skipped when its last step is logged, resumed when it has a checkpoint."""
     steps = int(next(a for a in args if a.startswith("trainer.max_steps=")).split("=")[1])
     if done(run, steps):
         return
-    resume = [f"resume={run}"] if last_checkpoint(run) is not None else [*args, f"hydra.run.dir={run}"]
     t = time.time()
-    with (run.parent / f"{run.name}.log").open("a") as log:
-        code = subprocess.call([*prefix, *GRPO, "train", *resume], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    if code:
-        sys.exit(f"grpo train failed ({code}): {run.parent / f'{run.name}.log'}")
+    train_or_resume(run, args, prefix=prefix)
     print(f"{run.name}: {time.time() - t:.0f} s", flush=True)
 
 

@@ -41,11 +41,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 from pathlib import Path
 
-from paired import REPO, last_checkpoint, read_jsonl, save_figure
+from paired import REPO, done, read_jsonl, save_figure, train_or_resume
 
 STEPS, FAULT_FROM, FACTOR = 40, 15, 30.0
 ARMS = {"unguarded": ["trainer.guard=null"], "guarded": []}
@@ -86,8 +85,7 @@ def stopped(run: Path) -> bool:
 
 
 def finished(run: Path) -> bool:
-    path = run / "metrics.jsonl"
-    return (path.exists() and any(r["step"] == STEPS for r in read_jsonl(path))) or stopped(run)
+    return done(run, STEPS) or stopped(run)
 
 
 def train(out: Path, arm: str, seed: int, extra: list[str]) -> None:
@@ -100,14 +98,8 @@ def train(out: Path, arm: str, seed: int, extra: list[str]) -> None:
     args = [f"trainer.max_steps={STEPS}", f"trainer.seed={seed}", "trainer.report_to=[]",
             "optimizer._target_=spiked.SpikedAdamW", f"+optimizer.spike_from={FAULT_FROM}",
             f"+optimizer.factor={FACTOR}", *ARMS[arm], *extra]
-    resume = [f"resume={run}"] if last_checkpoint(run) is not None else [*args, f"hydra.run.dir={run}"]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}  # grpo_cli from this checkout; spiked.py from the working folder
-    run.parent.mkdir(parents=True, exist_ok=True)
-    with (run.parent / f"{run.name}.log").open("a") as log:
-        code = subprocess.call([sys.executable, "-m", "grpo_cli.cli", "train", *resume], cwd=plant, env=env,
-                               stdout=log, stderr=subprocess.STDOUT)
-    if code:
-        sys.exit(f"grpo train failed ({code}): {run.parent / f'{run.name}.log'}")
+    # grpo_cli from this checkout, spiked.py from the working folder; the run's own planted class on resume
+    train_or_resume(run, args, cwd=plant, env={**os.environ, "PYTHONPATH": str(REPO)}, trust=True)
 
 
 def evals(run: Path) -> dict[int, dict]:

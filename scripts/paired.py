@@ -40,6 +40,29 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def done(run: Path, steps: int) -> bool:
+    """Whether the run in `run` has logged its step `steps`."""
+    path = run / "metrics.jsonl"
+    return path.exists() and any(r["step"] == steps for r in read_jsonl(path))
+
+
+def train_or_resume(run: Path, args: list[str], *, prefix: tuple[str, ...] = (), cwd: Path = REPO,
+                    env: dict | None = None, trust: bool = False) -> None:
+    """`grpo train ARGS` into the folder `run`, or `grpo train resume=RUN` once it has a checkpoint (a run cut short
+    goes on from there), from `cwd` with `env`, after `prefix` (`taskset -c 1`); the output is appended to RUN.log
+    beside the folder, and a failure exits naming it. `trust`: the run's config names the script's own code (a
+    user's class), which a resume builds only with trust_run_config=true."""
+    resume = ([f"resume={run}", *(["trust_run_config=true"] if trust else [])] if last_checkpoint(run) is not None
+              else [*args, f"hydra.run.dir={run}"])
+    run.parent.mkdir(parents=True, exist_ok=True)
+    log = run.parent / f"{run.name}.log"
+    with log.open("a") as out:
+        code = subprocess.call([*prefix, sys.executable, "-m", "grpo_cli.cli", "train", *resume], cwd=cwd, env=env,
+                               stdout=out, stderr=subprocess.STDOUT)
+    if code:
+        sys.exit(f"grpo train failed ({code}): {log}")
+
+
 def bootstrap(diffs: dict[int, list[float]], draws: int, seed: int = 0) -> tuple[float, float, float]:
     """(2.5%, 97.5%, standard error) of the mean over seeds of each seed's mean paired difference, resampling
     the seeds and then the items (prompts, problems) within each seed."""
