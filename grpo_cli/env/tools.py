@@ -31,16 +31,20 @@ Where a call runs:
   in this process. A worker's copy of it would not be the instance the rewards read, and need not pickle. What is
   contained there: a raise or `sys.exit` (an error result), `os._exit` (an error result: it raises in the tool's
   thread instead of ending the process), prints (bounded as above), an async method past the timeout (cancelled
-  on the loop). What is not: a thread cannot be killed, so a sync call past the timeout runs on; while it does,
-  that method (of any instance) is not called again and its calls get an error at once, so hung calls hold at most
-  one thread per method. A crash of the interpreter (a segfault in a C extension), a C library's own exit or its
-  writes to the file descriptors, and C code that holds the GIL still reach the whole run.
+  on the loop), and a sync method past the timeout that runs Python code (`TimedOut` is raised in its thread,
+  which Python delivers between bytecodes: a loop that spins stops, instead of holding a core and the GIL for the
+  rest of the run). What is not: a thread cannot be killed, so a sync call blocked in C code (a sleep, a socket
+  read) runs on until that returns; while it does, that method (of any instance) is not called again and its calls
+  get an error at once, so hung calls hold at most one thread per method. A crash of the interpreter (a segfault
+  in a C extension), a C library's own exit or its writes to the file descriptors, and C code that holds the GIL
+  still reach the whole run.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import functools
 import inspect
 import json
@@ -334,11 +338,29 @@ class ToolWorker:
 # timeout and runs on
 _running_on: dict[Any, threading.Thread] = {}
 _running_on_lock = threading.Lock()
+# how long a call's thread is given to stop once TimedOut is raised in it: a thread running Python code sees it
+# within the interpreter's switch interval (5 ms)
+STOP_WAIT_S = 1.0
+
+
+class TimedOut(BaseException):
+    """Raised inside a tool's thread once its call passed env.tool_timeout_s. A BaseException, so that a tool's own
+    `except Exception` does not swallow it."""
+
+
+def _stop(thread: threading.Thread) -> bool:
+    """Raise TimedOut in `thread` and wait up to STOP_WAIT_S for it to end; whether it did. A thread cannot be
+    killed, but Python checks for an exception set from outside between bytecodes, so a tool that spins in Python
+    code stops here; one blocked in C code (a sleep, a socket read) sees it only when that returns."""
+    if thread.ident is not None and thread.is_alive():
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(TimedOut))
+    thread.join(STOP_WAIT_S)
+    return not thread.is_alive()
 
 
 def run_in_thread(tool: Tool, arguments: dict, timeout_s: float, max_chars: int) -> Outcome:
-    """One call in a thread of this process, waited for `timeout_s` seconds; not started while an earlier call of
-    the same function runs on past its timeout (the module docstring)."""
+    """One call in a thread of this process, waited for `timeout_s` seconds and then stopped (`_stop`); a call that
+    does not stop runs on, and its function is not called again until it ends (the module docstring)."""
     key = getattr(tool.fn, "__func__", tool.fn)
     with _running_on_lock:
         earlier = _running_on.get(key)
@@ -348,15 +370,22 @@ def run_in_thread(tool: Tool, arguments: dict, timeout_s: float, max_chars: int)
         _running_on.pop(key, None)
     box: dict[str, Outcome] = {}
     pending: list = []  # an async tool's future on the run's event loop
-    thread = threading.Thread(target=lambda: box.update(out=call_tool(tool.fn, arguments, max_chars, pending)),
-                              daemon=True, name=f"tool-{tool.name}")
+
+    def target() -> None:
+        try:
+            box.update(out=call_tool(tool.fn, arguments, max_chars, pending))
+        except TimedOut:  # raised after the tool itself had returned: the call was answered as late already
+            pass
+
+    thread = threading.Thread(target=target, daemon=True, name=f"tool-{tool.name}")
     thread.start()
     thread.join(timeout_s)
     if thread.is_alive():
         for future in pending:  # a coroutine can be stopped: cancelled on the loop, its thread ends with it
             future.cancel()
-        with _running_on_lock:
-            _running_on[key] = thread
+        if not pending and not _stop(thread):
+            with _running_on_lock:
+                _running_on[key] = thread
         return _late(tool, timeout_s)
     return box["out"]
 

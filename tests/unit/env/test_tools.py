@@ -307,6 +307,38 @@ def test_a_hung_environment_method_does_not_pile_up_threads():
     assert threading.active_count() <= threads + 1
 
 
+def test_an_environment_method_that_spins_is_stopped_at_the_timeout():
+    class Spinning:
+        def __init__(self):
+            self.spins = 0
+
+        def spin(self, forever: bool) -> str:
+            """Loop in Python code, catching what it can.
+
+            Args:
+                forever: whether to loop forever
+            """
+            while forever:
+                try:
+                    self.spins += 1
+                except Exception:  # a tool's own broad except does not swallow the stop
+                    pass
+            return "done"
+
+    instance = Spinning()
+    box = Toolbox({"spin": tool_from(instance.spin, "test")}, environment=instance)
+    threads = threading.active_count()
+    result = box.call(ToolCall("spin", {"forever": True}), 0.2, 4000)
+    assert result.failed and result.text == str({"error": "spin did not return within 0.2 s"})
+    # the thread ended with the call (before the fix it spun on, holding a core and the GIL for the rest of the run)
+    assert threading.active_count() == threads
+    spins = instance.spins
+    time.sleep(0.1)
+    assert instance.spins == spins
+    # and the method is called again: not "still running from an earlier call"
+    assert box.call(ToolCall("spin", {"forever": False}), 5.0, 4000) == ToolResult("spin", "done", False)
+
+
 def test_the_tools_worker_is_forked_when_the_run_builds_its_environment(tools_py):
     from grpo_cli.env import from_config
     from tests.helpers.runs import tiny_cfg
