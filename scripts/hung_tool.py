@@ -5,23 +5,26 @@ the same job whose calculator spins forever (`while True: pass`, a core held) on
     .venv/bin/python scripts/hung_tool.py report OUT
 
 The design (fixed before any run):
-- the job: examples/calculator's `--demo turn` training (one demonstrated call before every question, so nearly
-  every episode calls the calculator; env=tools, env.max_turns=3, env.max_episode_tokens=160, 2 prompts x 8 a
-  step, sampler=auto), trainer.seed=0, --steps steps, no checkpoints but the last.
+- the job: examples/calculator's `--demo turn` training (one demonstrated call before every question: about 0.6
+  calls an episode, most of them malformed, so few reach the tool; env=tools, env.max_turns=3,
+  env.max_episode_tokens=160, 2 prompts x 8 a step, sampler=auto), trainer.seed=0, --steps steps, no checkpoints
+  but the last.
 - arms: `plain`, the example's calculator; `hung`, the same function in OUT/tools/hung_calculator.py, which counts
   its calls in a file and on call HANG_AT (in step 3: most of the model's calls are malformed and never reach
   the tool; at trainer.seed=0 steps 1-2 make 4 that do) writes the time to OUT/ARM_rROUND/hang_started and spins
   forever. Under env=tools the call runs in the tools' worker process, which
   the timeout (env.tool_timeout_s, 10 s) kills; the next call gets a new worker. `thread` (a control, not in the
-  default arms): the same spinning calculator as a method of an environment class (env=class), where calls run in
-  a thread of the trainer that cannot be killed (grpo_cli/env/tools.py says so): what a hang that is not
-  contained costs, so the measurement is seen able to fail. The thread arm's later calls of the method get an error
-  at once, so its episodes differ from the others' too: read it as the size of the effect, not a paired number.
+  default arms): the same spinning calculator as a method of an environment class (env=class), whose calls run
+  in a thread of the trainer: a thread cannot be killed, and at the timeout an exception is raised in it. Before
+  that exception was raised (2026-12-06) the thread spun on: in a 3-step check its hang's step had not ended 460 s
+  after the hang began, against 94 s for the plain arm's step 3, so the measurement can see a hang left running.
+  Calls of a method that does not stop get an error at once, so a thread run's episodes may differ from the
+  others': read it beside the pair, not paired with it.
 - rounds: the arms in turn, `--rounds` times (plain, hung, plain, hung), so that the machine's drift falls on both.
 - measured: each step's time/step_s (metrics.jsonl); the hang's step (the steps logged when hang_started was
   written, plus one); and, every 0.5 s while the run lasts, the trainer's descendant processes and how many of
   them (and of the trainer's own threads' share, as the trainer's CPU%) use the CPU.
-- the claim, verbatim: "a hung sync tool costs the later steps nothing measurable" holds if, in every round, the
+- the claim, verbatim: "a hung sync tool leaves the later steps' speed as it was" holds if, in every round, the
   hung arm's mean step time over the steps after the hang's step is within 10% of the plain arm's over the same
   steps, and after the hang's step no descendant process of the hung arm's trainer stays busy (> 50% of a core
   in more than 2 samples) and the count of descendants returns to the plain arm's.
@@ -247,7 +250,7 @@ def report(out: Path) -> str:
     verdict = (("holds" if verdicts and all(verdicts) else "does not hold")
                + f" ({sum(verdicts)} of {len(verdicts)} rounds within 10%, no busy descendant, descendants back to "
                "the plain arm's)")
-    lines += ["", f"claim \"a hung sync tool costs the later steps nothing measurable\": {verdict}"]
+    lines += ["", f"claim \"a hung sync tool leaves the later steps' speed as it was\": {verdict}"]
     text = "\n".join(lines) + "\n"
     (out / "report.md").write_text(text)
     return text
