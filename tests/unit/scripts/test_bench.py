@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from tests.helpers import REPO
+from tests.helpers.scripts import load_script
 
-spec = importlib.util.spec_from_file_location("bench", REPO / "scripts" / "bench.py")
-bench = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench)
+bench = load_script("bench")
 
 # hidden 4, 1 layer, 2 heads of 2, 1 KV head, MLP 8, vocab 10
 TOY = SimpleNamespace(hidden_size=4, num_hidden_layers=1, num_attention_heads=2, head_dim=2, num_key_value_heads=1,

@@ -3,22 +3,16 @@ steps, P(EOS | k-th claim line) and what fills truncated tails."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
 
-from tests.helpers import REPO
+from tests.helpers.scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def cd():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(REPO))
-        spec = importlib.util.spec_from_file_location("credit_diagnostics", REPO / "scripts" / "credit_diagnostics.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        yield module
+    return load_script("credit_diagnostics")
 
 
 def line(text, steps=None, accuracy=0.0, truncated=False, step=1, prompt_id=0, advantage=0.0):

@@ -3,24 +3,16 @@ verdict rules fixed before the runs, and the calibration rule."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 
 import pytest
 
-from tests.helpers import REPO
+from tests.helpers.scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def ce():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(REPO / "scripts"))   # it imports its sibling `paired`, as when run as a script
-        spec = importlib.util.spec_from_file_location("credit_experiment", REPO / "scripts" / "credit_experiment.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        yield module
-    sys.modules.pop("paired", None)
+    return load_script("credit_experiment")
 
 
 def test_a_rerun_runs_only_what_is_missing(ce, tmp_path):

@@ -6,26 +6,16 @@ curve, all against numbers worked by hand, and one (arm, seed) through a fake `g
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO
+from tests.helpers.scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def cs():
-    import importlib.util
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(REPO / "scripts"))   # it imports its siblings, as when run as a script
-        spec = importlib.util.spec_from_file_location("credit_sparse", REPO / "scripts" / "credit_sparse.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        yield module
-    for name in ("paired", "credit_experiment"):
-        sys.modules.pop(name, None)
+    return load_script("credit_sparse")
 
 
 def test_the_sparse_arms_start_from_the_base_model_on_add3(cs, tmp_path):

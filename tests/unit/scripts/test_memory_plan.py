@@ -2,18 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-
 import pytest
 
-from tests.helpers import REPO
+from tests.helpers.scripts import load_script
 
-spec = importlib.util.spec_from_file_location(
-    "memory_plan", REPO / "scripts" / "memory_plan.py")
-plan = importlib.util.module_from_spec(spec)
-sys.modules["memory_plan"] = plan  # dataclasses look their module up there
-spec.loader.exec_module(plan)
+plan = load_script("memory_plan")
 
 # 1e9 parameters; hidden 4, 2 layers, 2 heads of 2, 1 KV head, MLP 8
 TOY = plan.Arch("toy", 1e9, 4, 2, 2, 1, 2, 8)

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
-from tests.helpers import REPO
+from tests.helpers.scripts import load_script
 
-spec = importlib.util.spec_from_file_location("packed_projections", REPO / "scripts" / "packed_projections.py")
-packed_projections = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(packed_projections)
+packed_projections = load_script("packed_projections")
 
 
 def test_packed_and_one_by_one_give_the_same_outputs_and_gradients():

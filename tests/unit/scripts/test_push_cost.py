@@ -3,18 +3,14 @@ and a full one), and a way's row is the median of its pushes."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
 from grpo_cli.policy import build_policy
 from grpo_cli.rollout.vllm import fingerprint
-from tests.helpers import REPO
 from tests.helpers.runs import tiny_cfg
+from tests.helpers.scripts import load_script
 
-spec = importlib.util.spec_from_file_location("push_cost", REPO / "scripts" / "push_cost.py")
-push_cost = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(push_cost)
+push_cost = load_script("push_cost")
 
 
 def test_each_perturbation_changes_what_the_next_push_sends():

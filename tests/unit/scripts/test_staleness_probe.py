@@ -3,26 +3,13 @@ real model only; `--smoke` checks its plumbing on the tiny one)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-
 import pytest
 import torch
 
 from grpo_cli import rm
-from tests.helpers import REPO
+from tests.helpers.scripts import load_script
 
-
-def load(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # the probe imports paired by name, as it does when run from scripts/
-    spec.loader.exec_module(module)
-    return module
-
-
-load("paired")
-probe = load("staleness_probe")
+probe = load_script("staleness_probe")
 
 
 def scores(base_a, last_a, last_c, retrained_c, mid_a=0.7) -> dict:

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
-from tests.helpers import REPO
+from tests.helpers.scripts import load_script
 
-spec = importlib.util.spec_from_file_location("update_speed", REPO / "scripts" / "update_speed.py")
-update_speed = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(update_speed)
+update_speed = load_script("update_speed")
 
 
 def test_profile_events_split_by_class_by_hand():
