@@ -24,6 +24,9 @@ The design (fixed before any run):
 - measured: each step's time/step_s (metrics.jsonl); the hang's step (the steps logged when hang_started was
   written, plus one); and, every 0.5 s while the run lasts, the trainer's descendant processes and how many of
   them (and of the trainer's own threads' share, as the trainer's CPU%) use the CPU.
+- beside the claim (added after the first plain run, whose step times fell from 99 s to 62 s as its episodes got
+  shorter: a hung arm whose training drifts from the plain arm's after the hang changes its step times for that
+  reason too): the sampled tokens per second of the rollouts (tokens_per_s) over the same steps, against plain's.
 - the claim, verbatim: "a hung sync tool leaves the later steps' speed as it was" holds if, in every round, the
   hung arm's mean step time over the steps after the hang's step is within 10% of the plain arm's over the same
   steps, and after the hang's step no descendant process of the hung arm's trainer stays busy (> 50% of a core
@@ -199,7 +202,9 @@ def read_jsonl(path: Path) -> list[dict]:
 
 def summary(run: Path) -> dict:
     """The step times, the hang's step, and the process counts before and after it."""
-    steps = {r["step"]: r["time/step_s"] for r in read_jsonl(run / "metrics.jsonl")}
+    records = read_jsonl(run / "metrics.jsonl")
+    steps = {r["step"]: r["time/step_s"] for r in records}
+    speed = {r["step"]: r["tokens_per_s"] for r in records if "tokens_per_s" in r}
     samples = read_jsonl(run / "procs.jsonl")
     marker = run / "hang_started"
     hang_step = None
@@ -207,7 +212,7 @@ def summary(run: Path) -> dict:
         at = float(marker.read_text())
         before = [s for s in samples if s["t"] <= at]
         hang_step = (before[-1]["steps"] if before else 0) + 1
-    return {"steps": steps, "hang_step": hang_step, "samples": samples}
+    return {"steps": steps, "speed": speed, "hang_step": hang_step, "samples": samples}
 
 
 def after(samples: list[dict], step: int) -> list[dict]:
@@ -225,7 +230,7 @@ def report(out: Path) -> str:
              f"steps compared: {hang + 1} on", "",
              "| run | steps 1-2 mean s | hang's step s | later steps mean s | vs plain, same round | descendants "
              "(median before the hang / after it; max) | busy descendants after the hang (samples) | trainer CPU% "
-             "after the hang (median) |", "|---|---|---|---|---|---|---|---|"]
+             "after the hang (median) | later steps' sampled tokens/s, vs plain |", "|---" * 9 + "|"]
     verdicts = []
     for name, r in runs.items():
         arm, round_ = name.rsplit("_r", 1)
@@ -239,11 +244,15 @@ def report(out: Path) -> str:
         late = [s["children"] for s in later_samples] or [0]
         busy = sum(1 for s in later_samples if s["busy"])
         cpu = statistics.median([s["trainer_cpu"] for s in later_samples]) if later_samples else float("nan")
+        speed = [v for s, v in r["speed"].items() if s > hang]
+        plain_speed = [v for s, v in plain["speed"].items() if s > hang] if plain else []
+        tokens = (f"{statistics.mean(speed):.1f}, {statistics.mean(speed) / statistics.mean(plain_speed):.3f}"
+                  if speed and plain_speed else "")
         lines.append(f"| {name} | {statistics.mean([r['steps'][1], r['steps'][2]]):.1f} | {r['steps'][hang]:.1f} | "
                      f"{statistics.mean(later):.1f} | {'' if ratio is None else f'{ratio:.3f}'} | "
                      f"{statistics.median(before):.0f} / {statistics.median(late):.0f}; "
                      f"{max(s['children'] for s in samples)} | "
-                     f"{busy} | {cpu:.0f} |")
+                     f"{busy} | {cpu:.0f} | {tokens} |")
         if arm == "hung" and ratio is not None:
             plain_late = statistics.median([s["children"] for s in after(plain["samples"], hang)] or [0])
             verdicts.append(ratio <= 1.10 and busy <= 2 and statistics.median(late) <= plain_late)

@@ -12,13 +12,15 @@ from tests.helpers.scripts import load_script
 hung_tool = load_script("hung_tool")
 
 
-def fake_run(out, name: str, times: list[float], children: list[tuple[int, int, bool]], hang_at: float | None):
-    """OUT/NAME: metrics.jsonl with each step's time/step_s, procs.jsonl with a sample (steps logged, descendants,
-    whether one was busy) a second from t=1000, and hang_started holding `hang_at`."""
+def fake_run(out, name: str, times: list[float], children: list[tuple[int, int, bool]], hang_at: float | None,
+             speed: list[float] | None = None):
+    """OUT/NAME: metrics.jsonl with each step's time/step_s (and tokens_per_s, `speed`), procs.jsonl with a sample
+    (steps logged, descendants, whether one was busy) a second from t=1000, and hang_started holding `hang_at`."""
     run = out / name
     run.mkdir(parents=True)
-    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": i + 1, "time/step_s": t}) + "\n"
-                                               for i, t in enumerate(times)))
+    records = [{"step": i + 1, "time/step_s": t} | ({"tokens_per_s": speed[i]} if speed else {})
+               for i, t in enumerate(times)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     samples = [{"t": 1000.0 + i, "steps": steps, "children": n, "trainer_cpu": 190.0,
                 "busy": [[7, "python", 99.0]] if busy else []} for i, (steps, n, busy) in enumerate(children)]
     (run / "procs.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
@@ -33,15 +35,15 @@ HUNG = [(0, 2, False), (1, 2, False), (2, 2, False), (2, 3, True), (3, 2, False)
 
 
 def test_later_steps_within_a_tenth_and_no_busy_descendant_hold(tmp_path):
-    fake_run(tmp_path, "plain_r1", [90, 90, 90, 90, 90], PLAIN, None)
-    # steps 4-5: (95 + 94) / 2 = 94.5 against 90: 1.050
-    fake_run(tmp_path, "hung_r1", [90, 90, 104, 95, 94], HUNG, 1002.5)
+    fake_run(tmp_path, "plain_r1", [90, 90, 90, 90, 90], PLAIN, None, speed=[30, 30, 30, 40, 40])
+    # steps 4-5: (95 + 94) / 2 = 94.5 against 90: 1.050; tokens/s (38 + 38) / 2 = 38 against 40: 0.950
+    fake_run(tmp_path, "hung_r1", [90, 90, 104, 95, 94], HUNG, 1002.5, speed=[30, 30, 20, 38, 38])
     text = hung_tool.report(tmp_path)
     assert text.startswith("hang in step [3] (the step in which the spinning call began); steps compared: 4 on")
     row = next(line for line in text.splitlines() if line.startswith("| hung_r1 "))
     # steps 1-2 90.0; the hang's step 104.0; later 94.5; ratio 1.050; descendants before the hang (samples with
     # fewer than 2 steps logged: 2, 2) / after it (3 and 4 steps logged: 2, 2), max 3; no busy sample after
-    assert row == "| hung_r1 | 90.0 | 104.0 | 94.5 | 1.050 | 2 / 2; 3 | 0 | 190 |"
+    assert row == "| hung_r1 | 90.0 | 104.0 | 94.5 | 1.050 | 2 / 2; 3 | 0 | 190 | 38.0, 0.950 |"
     assert text.rstrip().endswith("holds (1 of 1 rounds within 10%, no busy descendant, descendants back to the "
                                   "plain arm's)")
 
