@@ -3,6 +3,7 @@ the run end no worse than it was before the fault?
 
     .venv/bin/python scripts/guard_check.py run OUT [--seeds 0 1 2]   # 2 arms x 3 seeds of the default job, resumable
     .venv/bin/python scripts/guard_check.py report OUT                # the table and OUT/curves.png again
+    .venv/bin/python scripts/guard_check.py kill OUT [--seeds 0]      # kill -9 of a guarded run, then its resume
 
 The design, fixed before any run:
 - the fault: from its 15th update on, the optimizer steps with 30x the learning rate it is given (3e-4 -> 9e-3 in
@@ -31,6 +32,15 @@ The design, fixed before any run:
   scripts/async_check.py accuracy (its guard.jsonl per seed); this script's runs share steps 1-14 with it only in
   design, not in engine (these sample in process).
 
+kill (after `run` has finished the guarded arm of the seed): the guarded run of that seed again, twice, each killed
+with SIGKILL (its whole process group) once and then resumed (`grpo train resume=RUN trust_run_config=true`) to its
+end: `eval`, during the first in-run eval after the fault (step 20's: the kill comes at the moment step 19 was
+logged + the median step time + half the step-10 eval's time, when step 20's update is done and its eval runs;
+the eval writes nothing until it ends, so the run folder cannot show it, and the report gives the timings); and
+`rewind`, as soon as guard.jsonl has its first decision, before any step after the rewind. The claim, fixed before
+running: each resumed run's guard.jsonl decisions and its final checkpoint's adapter equal the
+uninterrupted guarded run's, tensor for tensor.
+
 Each run is skipped when its last step is logged (or, guarded, when its guard.jsonl ends in a stop) and resumed
 from its last checkpoint when it was cut short, so a stopped script goes on where it stopped when run again.
 `-- OVERRIDES` adds overrides to every run (`run /tmp/gc -- model=tiny sampler.max_new_tokens=8` checks the
@@ -40,11 +50,16 @@ plumbing in minutes).
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import signal
+import statistics
+import subprocess
 import sys
+import time
 from pathlib import Path
 
-from paired import REPO, done, read_jsonl, save_figure, train_or_resume
+from paired import REPO, done, last_checkpoint, read_jsonl, save_figure, train_or_resume
 
 STEPS, FAULT_FROM, FACTOR = 40, 15, 30.0
 ARMS = {"unguarded": ["trainer.guard=null"], "guarded": []}
@@ -88,18 +103,137 @@ def finished(run: Path) -> bool:
     return done(run, STEPS) or stopped(run)
 
 
-def train(out: Path, arm: str, seed: int, extra: list[str]) -> None:
-    run = out / "runs" / f"{arm}_seed{seed}"
-    if finished(run):
-        return
+def job(out: Path, arm: str, seed: int, extra: list[str]) -> tuple[list[str], Path, dict]:
+    """(the overrides, the working folder, the environment) of an arm's run: the planted class written to
+    OUT/plant, imported from there; grpo_cli from this checkout."""
     plant = out / "plant"
     plant.mkdir(parents=True, exist_ok=True)
     (plant / "spiked.py").write_text(SPIKED)
     args = [f"trainer.max_steps={STEPS}", f"trainer.seed={seed}", "trainer.report_to=[]",
             "optimizer._target_=spiked.SpikedAdamW", f"+optimizer.spike_from={FAULT_FROM}",
             f"+optimizer.factor={FACTOR}", *ARMS[arm], *extra]
-    # grpo_cli from this checkout, spiked.py from the working folder; the run's own planted class on resume
-    train_or_resume(run, args, cwd=plant, env={**os.environ, "PYTHONPATH": str(REPO)}, trust=True)
+    return args, plant, {**os.environ, "PYTHONPATH": str(REPO)}
+
+
+def train(out: Path, arm: str, seed: int, extra: list[str]) -> None:
+    run = out / "runs" / f"{arm}_seed{seed}"
+    if finished(run):
+        return
+    args, plant, env = job(out, arm, seed, extra)
+    # the run's own planted class on resume: trust_run_config
+    train_or_resume(run, args, cwd=plant, env=env, trust=True)
+
+
+def first_eval_after_fault(run: Path) -> int:
+    """The step of the first in-run eval after the fault's update (trainer.eval_every from the run's config)."""
+    every = int(next(line.split(":")[1] for line in (run / ".hydra" / "config.yaml").read_text().splitlines()
+                     if line.strip().startswith("eval_every:")))
+    return (FAULT_FROM // every + 1) * every
+
+
+def kill_moment(run: Path, when: str) -> dict | None:
+    """Whether now is the moment to kill the run `run` (a dict saying what was seen), else None."""
+    if when == "rewind":
+        path = run / "guard.jsonl"
+        if path.exists() and path.read_text().strip():
+            return {"seen": "guard.jsonl's first decision", "decision": read_jsonl(path)[0]}
+        return None
+    path = run / "metrics.jsonl"
+    if not (path.exists() and (run / ".hydra" / "config.yaml").exists()):
+        return None
+    rows = read_jsonl(path)
+    step = first_eval_after_fault(run)
+    if not rows or rows[-1]["step"] != step - 1:
+        return None
+    # time/step_s is the step without its eval: step 20's eval runs from about S to S + E after step 19 is logged
+    step_s = statistics.median(r["time/step_s"] for r in rows[-5:])
+    eval_s = [r["time/eval_s"] for r in rows if "time/eval_s" in r][-1]
+    wait = step_s + eval_s / 4
+    if time.time() - path.stat().st_mtime < wait:
+        return None
+    return {"seen": f"step {step - 1} logged {wait:.1f} s ago (the last 5 steps' median {step_s:.1f} s + a quarter "
+                    f"of the last eval's {eval_s:.1f} s)", "step": step, "wait_s": wait}
+
+
+def passed(run: Path, when: str) -> bool:
+    """Whether the run is past the eval it was to be killed in (it logged that step)."""
+    path = run / "metrics.jsonl"
+    if when != "eval" or not path.exists() or not (run / ".hydra" / "config.yaml").exists():
+        return False
+    rows = read_jsonl(path)
+    return bool(rows) and rows[-1]["step"] >= first_eval_after_fault(run)
+
+
+def killed(out: Path, seed: int, when: str, extra: list[str]) -> Path:
+    """The guarded run of `seed` in OUT/runs/killed_WHEN_seedSEED, killed with SIGKILL at `when` (once: its
+    OUT/runs/killed_WHEN_seedSEED.kill records it), then resumed to its end."""
+    run = out / "runs" / f"killed_{when}_seed{seed}"
+    record = run.parent / f"{run.name}.kill.json"
+    args, plant, env = job(out, "guarded", seed, extra)
+    if not record.exists():
+        if run.exists():
+            sys.exit(f"{run} exists without {record}: remove it to start the killed run again")
+        run.parent.mkdir(parents=True, exist_ok=True)
+        with (run.parent / f"{run.name}.log").open("a") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "grpo_cli.cli", "train", *args, f"hydra.run.dir={run}"],
+                                    cwd=plant, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            seen = None
+            while proc.poll() is None and seen is None and not passed(run, when):
+                time.sleep(0.2)
+                seen = kill_moment(run, when)
+            if seen is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                sys.exit(f"{run.name}: the run went past the moment to kill it ({when}) or ended; remove {run} and "
+                         f"run again")
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        last = last_checkpoint(run)
+        record.write_text(json.dumps({**seen, "killed_at": time.time(), "last_checkpoint": last and last.name},
+                                     indent=1))
+        print(f"{run.name}: killed ({seen['seen']}); last checkpoint {last and last.name}", flush=True)
+    if not finished(run):
+        train_or_resume(run, args, cwd=plant, env=env, trust=True)
+    return run
+
+
+def decisions(run: Path) -> list[dict]:
+    """guard.jsonl's decisions (no wall-clock field in them: equal runs write equal lines)."""
+    path = run / "guard.jsonl"
+    return read_jsonl(path) if path.exists() else []
+
+
+def same_adapter(a: Path, b: Path) -> bool:
+    import torch
+    from safetensors.torch import load_file
+
+    x, y = (load_file(last_checkpoint(r) / "adapter_model.safetensors") for r in (a, b))
+    return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+def kill_report(out: Path, seeds: list[int]) -> None:
+    print("| seed | killed | seen at the kill | last checkpoint then | decisions equal | final checkpoint | "
+          "adapter equal |\n|---|---|---|---|---|---|---|")
+    for seed in seeds:
+        whole = out / "runs" / f"guarded_seed{seed}"
+        for when in ("eval", "rewind"):
+            run = out / "runs" / f"killed_{when}_seed{seed}"
+            record = run.parent / f"{run.name}.kill.json"
+            if when == "rewind" and finished(whole) and not decisions(whole):
+                print(f"| {seed} | {when} | (the guarded run made no decision: no rewind to kill after) |")
+                continue
+            if not (finished(whole) and record.exists() and finished(run)):
+                print(f"| {seed} | {when} | (not finished) |")
+                continue
+            kill = json.loads(record.read_text())
+            if when == "eval":  # by the resumed run's own times for that step: its update, then its eval
+                row = next(r for r in read_jsonl(run / "metrics.jsonl") if r["step"] == kill["step"])
+                inside = row["time/step_s"] < kill["wait_s"] < row["time/step_s"] + row["time/eval_s"]
+                kill["seen"] += (f"; the resumed step {kill['step']} took {row['time/step_s']:.1f} s, then its eval "
+                                 f"{row['time/eval_s']:.1f} s: the kill fell {'in' if inside else 'outside'} the eval")
+            print(f"| {seed} | {when} | {kill['seen']} | {kill['last_checkpoint']} | "
+                  f"{decisions(run) == decisions(whole)} | {last_checkpoint(run).name} vs "
+                  f"{last_checkpoint(whole).name} | {same_adapter(run, whole)} |")
 
 
 def evals(run: Path) -> dict[int, dict]:
@@ -167,13 +301,24 @@ def curves(out: Path, seeds: list[int]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=("run", "report"))
+    ap.add_argument("what", choices=("run", "report", "kill"))
     ap.add_argument("out", type=Path)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     argv = sys.argv[1:]
     cut = argv.index("--") if "--" in argv else len(argv)
     args, extra = ap.parse_args(argv[:cut]), argv[cut + 1:]  # after --: overrides for every run
     out = args.out.resolve()
+    if args.what == "kill":
+        for seed in args.seeds:
+            if not finished(out / "runs" / f"guarded_seed{seed}"):
+                sys.exit(f"the guarded run of seed {seed} is not finished: `guard_check.py run OUT --seeds {seed}`")
+            for when in ("eval", "rewind"):
+                if when == "rewind" and not decisions(out / "runs" / f"guarded_seed{seed}"):
+                    print(f"seed {seed}: the guarded run made no decision, so there is no rewind to kill after")
+                    continue
+                killed(out, seed, when, extra)
+        kill_report(out, args.seeds)
+        return
     if args.what == "run":
         for seed in args.seeds:
             for arm in ARMS:
