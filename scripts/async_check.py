@@ -25,11 +25,14 @@ run's first step took 332 s on 2026-12-06 (rollout 135 s, update 197 s), so 4 ru
 
 Each run is skipped when it is done and resumed from its last checkpoint when it was cut short, so a stopped script
 goes on where it stopped when run again.
+A run that stops because the server stopped answering is resumed after the server is started again, at most
+RESTARTS times a run; each restart is a line of OUT/restarts.jsonl, and the report lists them.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import statistics
@@ -42,6 +45,7 @@ from server_check import start
 
 STEPS = 40
 EVALS = (10, 20, 30, 40)
+RESTARTS = 3  # server restarts one run may have (Server)
 
 
 def stop(proc: subprocess.Popen | None) -> None:
@@ -60,17 +64,47 @@ def train(run: Path, args: list[str], prefix: tuple[str, ...] = ()) -> None:
     print(f"{run.name}: {time.time() - t:.0f} s", flush=True)
 
 
+class Server:
+    """The experiment's `grpo serve`, started again when a run stops because the server stopped answering (on
+    2026-12-06 one did, in k0_seed0's step 12, with nothing in its log; the trainer's timeout ended the run with its
+    one line and the run resumes from its last checkpoint). Each restart is a line of OUT/restarts.jsonl, and the
+    report counts them."""
+
+    def __init__(self, url: str, out: Path, prefix: tuple[str, ...] = ()):
+        self.url, self.out, self.prefix = url, out, prefix
+        self.proc = start(url, out / "serve.log", prefix=prefix)
+
+    def train(self, run: Path, args: list[str], prefix: tuple[str, ...] = ()) -> None:
+        """`train`, the server started again and the run resumed after each failure, RESTARTS times at most."""
+        for attempt in range(RESTARTS + 1):
+            try:
+                return train(run, args, prefix)
+            except SystemExit as err:
+                if attempt == RESTARTS:
+                    raise
+                logged = read_jsonl(run / "metrics.jsonl") if (run / "metrics.jsonl").exists() else []
+                line = {"run": run.name, "at": time.time(), "why": str(err),
+                        "last_step": logged[-1]["step"] if logged else None}
+                with (self.out / "restarts.jsonl").open("a") as f:
+                    f.write(json.dumps(line) + "\n")
+                print(f"{run.name}: {err}; the server is started again and the run resumed", flush=True)
+                stop(self.proc)
+                self.proc = start(self.url, self.out / "serve.log", prefix=self.prefix)
+
+    def stop(self) -> None:
+        stop(self.proc)
+
+
 def accuracy(out: Path, seeds: list[int], port: int) -> None:
-    url = f"http://127.0.0.1:{port}"
-    server = start(url, out / "serve.log")
+    server = Server(f"http://127.0.0.1:{port}", out)
     try:
         for seed in seeds:
             for k in (0, 1):
-                train(out / f"k{k}_seed{seed}", [f"trainer.max_steps={STEPS}", f"trainer.seed={seed}",
-                                                 "sampler=vllm_server", f"sampler.url={url}",
-                                                 f"algo.max_staleness={k}", "trainer.report_to=[]"])
+                server.train(out / f"k{k}_seed{seed}", [f"trainer.max_steps={STEPS}", f"trainer.seed={seed}",
+                                                        "sampler=vllm_server", f"sampler.url={server.url}",
+                                                        f"algo.max_staleness={k}", "trainer.report_to=[]"])
     finally:
-        stop(server)
+        server.stop()
     report_accuracy(out)
 
 
@@ -121,18 +155,23 @@ def step_seconds(run: Path) -> float:
 
 
 def overlap(out: Path, steps: int, port: int) -> None:
-    url = f"http://127.0.0.1:{port}"
-    server = start(url, out / "serve.log", prefix=("taskset", "-c", "0"))
+    server = Server(f"http://127.0.0.1:{port}", out, prefix=("taskset", "-c", "0"))
     try:
         for round_ in (1, 2):
             for k in (0, 1):
-                train(out / f"overlap_k{k}_round{round_}",
-                      [f"trainer.max_steps={steps}", "trainer.eval_every=null", "sampler=vllm_server",
-                       f"sampler.url={url}", f"algo.max_staleness={k}", "trainer.report_to=[]"],
-                      prefix=("taskset", "-c", "1"))
+                server.train(out / f"overlap_k{k}_round{round_}",
+                             [f"trainer.max_steps={steps}", "trainer.eval_every=null", "sampler=vllm_server",
+                              f"sampler.url={server.url}", f"algo.max_staleness={k}", "trainer.report_to=[]"],
+                             prefix=("taskset", "-c", "1"))
     finally:
-        stop(server)
+        server.stop()
     report_overlap(out)
+
+
+def report_restarts(out: Path) -> None:
+    path = out / "restarts.jsonl"
+    for r in read_jsonl(path) if path.exists() else []:
+        print(f"server restarted: {r['run']} stopped after step {r['last_step']} ({r['why']})")
 
 
 def report_overlap(out: Path) -> None:
@@ -165,6 +204,7 @@ def main() -> None:
     else:
         report_accuracy(out)
         report_overlap(out)
+    report_restarts(out)
 
 
 if __name__ == "__main__":
