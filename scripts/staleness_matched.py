@@ -37,21 +37,14 @@ rm_policy, rm_matched, scores.json; then OUT/table.md and OUT/results.json.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import shutil
 import statistics
-import sys
 import time
-from pathlib import Path
 
-from paired import REPO, T975, read_jsonl, t_interval
-from staleness_probe import SMOKE_MODEL, SMOKE_RM, SMOKE_TRAIN, measure, phase, rows_of
-
-sys.path.insert(0, str(REPO))
-
-from grpo_cli.cli import setup_process  # noqa: E402
+from paired import T975, read_jsonl, t_interval
+from staleness_probe import arguments, fixed_model, measure, phase, prepare, rows_of, write_results
 
 THRESHOLD = 0.05  # the mean paired AUC gain that makes the iterative-vs-fixed experiment worth running
 T80 = 0.842  # the normal quantile at 0.80 (a large-sample power figure: the t's differ by < 0.01 past 100 df)
@@ -95,28 +88,13 @@ def table(scores: dict, line: str, step: int = 40) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--problems", type=int, default=128, help="training problems of each grpo rm")
-    parser.add_argument("--prompts", type=int, default=500, help="held-out problems in set E")
-    parser.add_argument("--samples", type=int, default=8, help="completions per problem, everywhere")
+    parser = arguments(__doc__, 500, "held-out problems in set E", "staleness_matched")
     parser.add_argument("--steps", type=int, default=40, help="the policy checkpoint's step")
-    parser.add_argument("--smoke", action="store_true", help="the tiny random model, tiny sizes: the plumbing")
-    parser.add_argument("--out", type=Path, default=REPO / "outputs" / "staleness_matched")
-    parser.add_argument("overrides", nargs="*", help="more overrides for every grpo command (key=value)")
     args = parser.parse_args()
-    setup_process()
-    model, train, rm_more = list(args.overrides), [], []
-    if args.smoke:
-        args.problems, args.prompts, args.samples, args.steps = 4, 4, 2, 2
-        model, train, rm_more = SMOKE_MODEL + model, SMOKE_TRAIN, SMOKE_RM
-    out = args.out.resolve()
-    (out / "logs").mkdir(parents=True, exist_ok=True)
-    (out / "samples").mkdir(exist_ok=True)
     started = time.perf_counter()
-    sizes = [f"rm.num_problems={args.problems}", f"rm.samples_per_problem={args.samples}"]
+    out, model, train, rm_more, sizes = prepare(args, smoke_steps=2)
 
-    phase("rm_base", out / "rm_base" / "model", out, "rm", *sizes, f"rm.replay.folder={out / 'replay'}",
-          f"hydra.run.dir={out / 'rm_base'}", *model, *rm_more)
+    fixed = fixed_model(out, sizes, model, rm_more)
     for arm in ("policy", "matched"):  # iteration 0 for each, apart: neither model replays the other's rows
         if not (out / f"replay_{arm}").exists():
             shutil.copytree(out / "replay", out / f"replay_{arm}")
@@ -125,7 +103,6 @@ def main() -> None:
     target = out / "samples" / "last.jsonl"
     phase("samples_last", target, out, "sample", f"checkpoint={last}", f"sample.num_prompts={args.prompts}",
           f"sample.n={args.samples}", f"sample.output={target}", *args.overrides)
-    fixed = out / "rm_base" / "model"
     for arm, source in (("policy", [f"checkpoint={last}"]), ("matched", [])):
         phase(f"rm_{arm}", out / f"rm_{arm}" / "model", out, "rm", *source, f"rm.init={fixed}", *sizes, "rm.seed=1",
               f"rm.replay.folder={out / f'replay_{arm}'}", f"hydra.run.dir={out / f'rm_{arm}'}",
@@ -139,13 +116,8 @@ def main() -> None:
         scores_file.write_text(json.dumps(scores, indent=1))
     scores = json.loads(scores_file.read_text())
     line, numbers = verdict(scores["policy"], scores["matched"])
-    text = table(scores, line, args.steps)
-    walls = json.loads((out / "wall_s.json").read_text()) if (out / "wall_s.json").exists() else {}
-    (out / "results.json").write_text(json.dumps({"scores": scores, "verdict": line, **numbers, "wall_s": walls,
-                                                  "args": {k: str(v) for k, v in vars(args).items()}}, indent=1))
-    (out / "table.md").write_text(text)
-    print(text)
-    print(f"this invocation {time.perf_counter() - started:.0f} s; phases {walls}; {out / 'results.json'}")
+    write_results(out, {"scores": scores, "verdict": line, **numbers}, table(scores, line, args.steps), args,
+                  started)
 
 
 if __name__ == "__main__":

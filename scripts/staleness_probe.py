@@ -161,30 +161,60 @@ def table(scores: dict, line: str, numbers: dict, mid: int = 20, last: int = 40)
     return "\n".join(out) + "\n"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def arguments(doc: str, prompts: int, prompts_help: str, out_name: str) -> argparse.ArgumentParser:
+    """The options this probe and scripts/staleness_matched.py share (each adds its own --steps)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
     parser.add_argument("--problems", type=int, default=128, help="training problems of each grpo rm")
-    parser.add_argument("--prompts", type=int, default=64, help="held-out problems in each measured set (A, C)")
+    parser.add_argument("--prompts", type=int, default=prompts, help=prompts_help)
     parser.add_argument("--samples", type=int, default=8, help="completions per problem, everywhere")
-    parser.add_argument("--steps", default="20,40", help="the two checkpoint steps measured (mid, last)")
     parser.add_argument("--smoke", action="store_true", help="the tiny random model, tiny sizes: the plumbing")
-    parser.add_argument("--out", type=Path, default=REPO / "outputs" / "staleness_probe")
+    parser.add_argument("--out", type=Path, default=REPO / "outputs" / out_name)
     parser.add_argument("overrides", nargs="*", help="more overrides for every grpo command (key=value)")
-    args = parser.parse_args()
-    setup_process()  # as a grpo command: the libraries' loading bars and notices off the console
+    return parser
+
+
+def prepare(args, smoke_steps) -> tuple[Path, list[str], list[str], list[str], list[str]]:
+    """The process set up as a grpo command's (the libraries' loading bars and notices off the console), --smoke's
+    tiny model and sizes, OUT's folders: (OUT, the model's overrides, train's, grpo rm's, grpo rm's sizes)."""
+    setup_process()
     model, train, rm_more = list(args.overrides), [], []
     if args.smoke:
-        args.problems, args.prompts, args.samples, args.steps = 4, 4, 2, "1,2"
+        args.problems, args.prompts, args.samples, args.steps = 4, 4, 2, smoke_steps
         model, train, rm_more = SMOKE_MODEL + model, SMOKE_TRAIN, SMOKE_RM
-    mid, last = (int(s) for s in args.steps.split(","))
     out = args.out.resolve()
     (out / "logs").mkdir(parents=True, exist_ok=True)
     (out / "samples").mkdir(exist_ok=True)
-    started = time.perf_counter()
     sizes = [f"rm.num_problems={args.problems}", f"rm.samples_per_problem={args.samples}"]
+    return out, model, train, rm_more, sizes
 
+
+def fixed_model(out: Path, sizes: list[str], model: list[str], rm_more: list[str]) -> Path:
+    """The fixed reward model: `grpo rm` on the base policy's samples (OUT/rm_base), its rows replay iteration 0
+    (OUT/replay); its folder."""
     phase("rm_base", out / "rm_base" / "model", out, "rm", *sizes, f"rm.replay.folder={out / 'replay'}",
           f"hydra.run.dir={out / 'rm_base'}", *model, *rm_more)
+    return out / "rm_base" / "model"
+
+
+def write_results(out: Path, results: dict, text: str, args, started: float) -> None:
+    """OUT/results.json (`results`, the phases' wall times, the arguments) and OUT/table.md (`text`), printed."""
+    walls = json.loads((out / "wall_s.json").read_text()) if (out / "wall_s.json").exists() else {}
+    (out / "results.json").write_text(json.dumps({**results, "wall_s": walls,
+                                                  "args": {k: str(v) for k, v in vars(args).items()}}, indent=1))
+    (out / "table.md").write_text(text)
+    print(text)
+    print(f"this invocation {time.perf_counter() - started:.0f} s; phases {walls}; {out / 'results.json'}")
+
+
+def main() -> None:
+    parser = arguments(__doc__, 64, "held-out problems in each measured set (A, C)", "staleness_probe")
+    parser.add_argument("--steps", default="20,40", help="the two checkpoint steps measured (mid, last)")
+    args = parser.parse_args()
+    started = time.perf_counter()
+    out, model, train, rm_more, sizes = prepare(args, smoke_steps="1,2")
+    mid, last = (int(s) for s in args.steps.split(","))
+
+    fixed = fixed_model(out, sizes, model, rm_more)
     ckpt = {s: out / "train" / "checkpoints" / f"step_{s:06d}" for s in (mid, last)}
     phase("train", ckpt[last], out, "train", "trainer.report_to=[]", f"hydra.run.dir={out / 'train'}", *model, *train)
     for name, source, prompts in (("base", [], args.prompts), ("mid", [f"checkpoint={ckpt[mid]}"], args.prompts),
@@ -194,7 +224,7 @@ def main() -> None:
               f"sample.n={args.samples}", f"sample.output={target}",
               *(model if name == "base" else args.overrides))
     phase("rm_last", out / "rm_last" / "model", out, "rm", f"checkpoint={ckpt[last]}",
-          f"rm.init={out / 'rm_base' / 'model'}", *sizes, "rm.seed=1", f"rm.replay.folder={out / 'replay'}",
+          f"rm.init={fixed}", *sizes, "rm.seed=1", f"rm.replay.folder={out / 'replay'}",
           f"hydra.run.dir={out / 'rm_last'}", *args.overrides, *rm_more)
 
     scores_file = out / "scores.json"
@@ -205,21 +235,15 @@ def main() -> None:
         set_c = set(list(dict.fromkeys(s["question"] for s in samples["last"]))[args.prompts:])
         last_a = [r for r in rows["last"] if r["prompt"] not in set_c]
         last_c = [r for r in rows["last"] if r["prompt"] in set_c]
-        fixed, retrained = out / "rm_base" / "model", out / "rm_last" / "model"
+        retrained = out / "rm_last" / "model"
         scores = {"fixed_base_A": measure(fixed, rows["base"]), "fixed_mid_A": measure(fixed, rows["mid"]),
                   "fixed_last_A": measure(fixed, last_a), "fixed_last_C": measure(fixed, last_c),
                   "retrained_C": measure(retrained, last_c)}
         scores_file.write_text(json.dumps(scores, indent=1))
     scores = json.loads(scores_file.read_text())
     line, numbers = verdict(scores, last)
-    text = table(scores, line, numbers, mid, last)
-    walls = json.loads((out / "wall_s.json").read_text()) if (out / "wall_s.json").exists() else {}
-    (out / "results.json").write_text(json.dumps({"scores": scores, "verdict": line, **numbers,
-                                                  "intervals": intervals(scores), "wall_s": walls,
-                                                  "args": {k: str(v) for k, v in vars(args).items()}}, indent=1))
-    (out / "table.md").write_text(text)
-    print(text)
-    print(f"this invocation {time.perf_counter() - started:.0f} s; phases {walls}; {out / 'results.json'}")
+    write_results(out, {"scores": scores, "verdict": line, **numbers, "intervals": intervals(scores)},
+                  table(scores, line, numbers, mid, last), args, started)
 
 
 if __name__ == "__main__":
