@@ -49,8 +49,8 @@ import time
 from pathlib import Path
 
 import psutil
+from paired import REPO, read_jsonl
 
-REPO = Path(__file__).resolve().parent.parent
 CALCULATOR = REPO / "examples" / "calculator"
 sys.path.insert(0, str(CALCULATOR))
 from run import turns_data  # noqa: E402  (the example's data with its demonstrated turn)
@@ -194,10 +194,6 @@ def run_one(out: Path, arm: str, round_: int, steps: int) -> None:
         sys.exit(f"{arm} round {round_} failed ({code}): {out / f'{arm}_r{round_}.log'}")
     (run / "procs.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
     print(f"{run.name}: {time.time() - start:.0f} s", flush=True)
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def summary(run: Path) -> dict:
