@@ -59,6 +59,7 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
 from paired import REPO, done, last_checkpoint, read_jsonl, save_figure, train_or_resume
 
 STEPS, FAULT_FROM, FACTOR = 40, 15, 30.0
@@ -126,8 +127,7 @@ def train(out: Path, arm: str, seed: int, extra: list[str]) -> None:
 
 def first_eval_after_fault(run: Path) -> int:
     """The step of the first in-run eval after the fault's update (trainer.eval_every from the run's config)."""
-    every = int(next(line.split(":")[1] for line in (run / ".hydra" / "config.yaml").read_text().splitlines()
-                     if line.strip().startswith("eval_every:")))
+    every = yaml.safe_load((run / ".hydra" / "config.yaml").read_text())["trainer"]["eval_every"]
     return (FAULT_FROM // every + 1) * every
 
 
