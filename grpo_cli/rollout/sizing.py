@@ -8,12 +8,16 @@
                        (a prompt's n samples share its full blocks through prefix caching; at least one longest
                        sequence, what vLLM needs to start)
     bytes a token    = 2 (K and V) × layers × KV heads × head size × bytes of the cache's dtype
+    capped at        = MEMORY_PERCENT of the memory free when the engine starts (on a CPU), never below one
+                       longest sequence
+
 
 `max_prompt_tokens` and not the longest prompt of the data: every prompt is checked against it
 (lengths.check_prompts), so no request can outgrow an engine sized from it mid-run, and it is known
 before the data is read. The cache holds every sequence of one engine call at once (a step's prompts ×
 group_size, cut by `sampler.batch_size` at whole groups as `Sampler.generate` cuts them); vLLM queues what
-does not fit, so a smaller cache is slower, not wrong.
+does not fit, so a smaller cache is slower, not wrong. That is also why the cap is safe: `grpo sample` of 500
+prompts × 8 asks 72 GiB uncapped, which vLLM refuses on a 24 GiB machine, and gets the cap and a queue instead.
 """
 
 from __future__ import annotations
@@ -26,6 +30,9 @@ from dataclasses import dataclass
 BLOCK = 128
 # room beyond the sequences' own blocks, in percent (the scheduler's look-ahead slots, rounding)
 MARGIN_PERCENT = 10
+# the most of the memory free at the engine's start that a cache sized from the job takes, in percent: the trainer's
+# own steps (activations, the optimizer) need the rest after the engine has taken its cache
+MEMORY_PERCENT = 25
 
 
 @dataclass(frozen=True)
@@ -54,9 +61,10 @@ def kv_bytes_per_token(config, dtype_bytes: int) -> int:
 
 def engine_size(*, per_token: int, job: Job | None, max_prompt_tokens: int, max_new_tokens: int,
                 batch_size: int | None, context: int | None, max_model_len: int | None,
-                cpu_kv_cache_gb: float | None) -> EngineSize:
+                cpu_kv_cache_gb: float | None, free_bytes: int | None = None) -> EngineSize:
     """The engine's longest sequence and KV-cache bytes: the config's where it sets them, else sized from `job`
-    (None: a caller that does not say; room for one sequence then, vLLM queues the rest)."""
+    (None: a caller that does not say; room for one sequence then, vLLM queues the rest) and capped at
+    MEMORY_PERCENT of `free_bytes` (None: uncapped)."""
     new = (job.max_new_tokens if job and job.max_new_tokens else None) or max_new_tokens
     length = max_model_len or min(max_prompt_tokens + new, context or math.inf)
     if cpu_kv_cache_gb is not None:
@@ -72,4 +80,7 @@ def engine_size(*, per_token: int, job: Job | None, max_prompt_tokens: int, max_
     shared = math.ceil(prompt / BLOCK) + n * math.ceil((BLOCK - 1 + new) / BLOCK)
     blocks = prompts * min(n * math.ceil(length / BLOCK), shared)
     tokens = blocks * BLOCK
+    if free_bytes is not None:  # whole blocks, at least one longest sequence's (vLLM will not start with less)
+        floor = math.ceil(length / BLOCK) * BLOCK
+        tokens = min(tokens, max(floor, free_bytes * MEMORY_PERCENT // 100 // per_token // BLOCK * BLOCK))
     return EngineSize(int(length), -(-tokens * per_token * (100 + MARGIN_PERCENT) // 100))  # integer ceil

@@ -233,7 +233,7 @@ class VLLMSampler(Sampler):
         vllm = import_checked()
         on_cpu = next(policy.parameters()).device.type == "cpu"
         dtype = engine_dtype(self, policy)
-        size = sizes(self, policy, dtype, self._job)
+        size = sizes(self, policy, dtype, self._job, on_cpu)
         rank = self._lora_rank(policy)
         args = engine_args(self, self.model_folder(policy), dtype, size, on_cpu, rank)
         # with LoRA enabled vLLM's CPU platform runs the model uncompiled (platforms/cpu.py: CompilationMode.NONE),

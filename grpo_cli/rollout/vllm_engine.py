@@ -111,13 +111,26 @@ def engine_dtype(sampler, policy) -> torch.dtype:
     return policy.get_input_embeddings().weight.dtype if sampler.dtype == "auto" else DTYPES[sampler.dtype]
 
 
-def sizes(sampler, policy, dtype: torch.dtype, job: Job | None) -> EngineSize:
-    """The engine's longest sequence and KV-cache bytes: the config's, or sized from `job` (sizing.py)."""
+def sizes(sampler, policy, dtype: torch.dtype, job: Job | None, on_cpu: bool) -> EngineSize:
+    """The engine's longest sequence and KV-cache bytes: the config's, or sized from `job` and, on a CPU, capped by
+    the memory free now (sizing.py)."""
     config = base_model(policy).config
     return engine_size(per_token=kv_bytes_per_token(config, dtype.itemsize), job=job,
                        max_prompt_tokens=sampler.max_prompt_tokens, max_new_tokens=sampler.max_new_tokens,
                        batch_size=sampler.batch_size, context=getattr(config, "max_position_embeddings", None),
-                       max_model_len=sampler.max_model_len, cpu_kv_cache_gb=sampler.cpu_kv_cache_gb)
+                       max_model_len=sampler.max_model_len, cpu_kv_cache_gb=sampler.cpu_kv_cache_gb,
+                       free_bytes=free_memory() if on_cpu else None)
+
+
+def free_memory() -> int | None:
+    """Bytes of memory the kernel could give now without swapping (/proc/meminfo's MemAvailable; vLLM's CPU worker
+    refuses a cache larger than its memory node's available memory); None where there is no /proc."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
 
 
 def model_folder(policy) -> tuple[Path, tempfile.TemporaryDirectory | None]:

@@ -202,6 +202,21 @@ def test_the_engine_is_sized_from_the_job():
     assert size(Job(1), max_prompt_tokens=8000, max_new_tokens=256).max_model_len == 8192
 
 
+def test_a_cache_sized_from_the_job_is_capped_by_the_free_memory():
+    # grpo sample of 500 prompts × 8: 500 × 24 blocks = 1,536,000 tokens × 46,080 B × 1.1 = 77,856,768,000 B (72.5
+    # GiB), which vLLM refused on a 24 GiB machine
+    assert size(Job(500, 8)).kv_cache_bytes == 77_856_768_000
+    # 21.48 GiB free (that machine's): 25% = 5,765,976,637 B // 46,080 = 125,129 tokens, whole blocks: 977 × 128 =
+    # 125,056 tokens × 46,080 × 1.1 = 6,338,838,528 B
+    assert size(Job(500, 8), free_bytes=5_765_976_637 * 4) == EngineSize(1056, 6_338_838_528)
+    # a job that fits is sized as before
+    assert size(Job(4, 8), free_bytes=5_765_976_637 * 4) == size(Job(4, 8))
+    # never below one longest sequence (9 blocks of 128 = 1152 tokens), vLLM's floor to start
+    assert size(Job(500, 8), free_bytes=10**6) == size(None)
+    # the user's own size is theirs, even past the free memory (vLLM's refusal then names it: refusal())
+    assert size(Job(500, 8), cpu_kv_cache_gb=30.0, free_bytes=10**6) == EngineSize(1056, 30 * 2**30)
+
+
 def test_the_users_own_sizes_are_kept():
     assert size(Job(4, 8), max_model_len=512, cpu_kv_cache_gb=0.5) == EngineSize(512, 2**29)
     assert size(Job(4, 8), cpu_kv_cache_gb=1.0) == EngineSize(1056, 2**30)
