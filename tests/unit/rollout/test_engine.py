@@ -96,7 +96,8 @@ def test_the_line_names_the_engine_an_episode_sampler_runs_its_turns_on(capsys):
 
 
 @pytest.mark.parametrize("option,target", [("default", engine.HF), ("short", engine.HF), ("vllm", engine.VLLM),
-                                           ("vllm_short", engine.VLLM), ("vllm_server", engine.SERVER)])
+                                           ("vllm_short", engine.VLLM), ("vllm_server", engine.SERVER),
+                                           ("vllm_server_short", engine.SERVER)])
 def test_an_explicit_engine_means_what_it_says(option, target, vllm_installed, monkeypatch):
     for installed in (True, False):
         monkeypatch.setattr("grpo_cli.rollout.vllm_engine.installed", lambda installed=installed: installed)
@@ -104,6 +105,17 @@ def test_an_explicit_engine_means_what_it_says(option, target, vllm_installed, m
         chosen = engine.choose(section)
         assert chosen.section is section and chosen.section._target_ == target
         assert chosen.why == "as configured"
+
+
+@pytest.mark.parametrize("short,full", [("short", "default"), ("vllm_short", "vllm"),
+                                        ("vllm_server_short", "vllm_server")])
+def test_each_engine_has_an_option_that_samples_the_default_jobs_length(short, full):
+    """The default job cuts answers at 32 tokens (auto_short); picking an engine by name must not turn it into another
+    job: each engine's `_short` option is its full option with the default job's max_new_tokens, and nothing else."""
+    job = compose("train").sampler.max_new_tokens
+    cut, whole = compose("train", [f"sampler={short}"]).sampler, compose("train", [f"sampler={full}"]).sampler
+    assert (job, cut.max_new_tokens, whole.max_new_tokens) == (32, 32, 256)
+    assert {**cut, "max_new_tokens": None} == {**whole, "max_new_tokens": None}
 
 
 def test_building_an_auto_section_builds_the_chosen_engine(vllm_installed, monkeypatch):
