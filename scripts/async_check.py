@@ -6,7 +6,8 @@ a vLLM server: what it does to held-out accuracy, and what it saves in time on t
     .venv/bin/python scripts/async_check.py report OUT                                   # the tables again
 
 accuracy, the design (fixed before any run):
-- arms: algo.max_staleness=0 and =1, each with sampler=vllm_server against one `grpo serve` this script starts; the
+- arms: algo.max_staleness=0 and =1, each with sampler=vllm_server_short (the server cut at the default job's 32
+  tokens; plain vllm_server samples 256, another job) against one `grpo serve` this script starts; the
   rest is the default job (conf/train.yaml: 40 steps, an eval of the first 200 held-out problems every 10 steps,
   the guard on). The arms of a seed (trainer.seed) draw the same prompts with the same sampling seeds, so they
   differ only in which policy version samples steps 2-40; the two arms of a seed run before the next seed starts.
@@ -20,8 +21,9 @@ accuracy, the design (fixed before any run):
 
 overlap: the server pinned to core 0 (`taskset -c 0 grpo serve`), the trainer to core 1 (`taskset -c 1`), the
 default job for --steps steps with no eval, K=0 then K=1 then K=0 then K=1 (two rounds, interleaved, one server);
-s/step is the median of steps 2..N, the rounds' medians and their ratio side by side. One core each is slow: the K=0
-run's first step took 332 s on 2026-12-06 (rollout 135 s, update 197 s), so 4 runs of 6 steps take 1-2 hours.
+s/step is the median of steps 2..N, the rounds' medians and their ratio side by side. One core each is slow: with
+256 new tokens (before the arms took vllm_server_short) the K=0 run's first step took 332 s on 2026-12-06 (rollout
+135 s, update 197 s).
 
 Each run is skipped when it is done and resumed from its last checkpoint when it was cut short, so a stopped script
 goes on where it stopped when run again.
@@ -44,6 +46,8 @@ from paired import bootstrap, done, read_jsonl, train_or_resume
 from server_check import start
 
 STEPS = 40
+# the default job's sampling, from the server (32 new tokens, as auto_short); `grpo serve` starts with it too
+SAMPLER = "sampler=vllm_server_short"
 EVALS = (10, 20, 30, 40)
 RESTARTS = 3  # server restarts one run may have (Server)
 
@@ -72,7 +76,7 @@ class Server:
 
     def __init__(self, url: str, out: Path, prefix: tuple[str, ...] = ()):
         self.url, self.out, self.prefix = url, out, prefix
-        self.proc = start(url, out / "serve.log", prefix=prefix)
+        self.proc = start(url, out / "serve.log", prefix=prefix, overrides=(SAMPLER,))
 
     def train(self, run: Path, args: list[str], prefix: tuple[str, ...] = ()) -> None:
         """`train`, the server started again and the run resumed after each failure, RESTARTS times at most."""
@@ -89,7 +93,7 @@ class Server:
                     f.write(json.dumps(line) + "\n")
                 print(f"{run.name}: {err}; the server is started again and the run resumed", flush=True)
                 stop(self.proc)
-                self.proc = start(self.url, self.out / "serve.log", prefix=self.prefix)
+                self.proc = start(self.url, self.out / "serve.log", prefix=self.prefix, overrides=(SAMPLER,))
 
     def stop(self) -> None:
         stop(self.proc)
@@ -101,7 +105,7 @@ def accuracy(out: Path, seeds: list[int], port: int) -> None:
         for seed in seeds:
             for k in (0, 1):
                 server.train(out / f"k{k}_seed{seed}", [f"trainer.max_steps={STEPS}", f"trainer.seed={seed}",
-                                                        "sampler=vllm_server", f"sampler.url={server.url}",
+                                                        SAMPLER, f"sampler.url={server.url}",
                                                         f"algo.max_staleness={k}", "trainer.report_to=[]"])
     finally:
         server.stop()
@@ -160,7 +164,7 @@ def overlap(out: Path, steps: int, port: int) -> None:
         for round_ in (1, 2):
             for k in (0, 1):
                 server.train(out / f"overlap_k{k}_round{round_}",
-                             [f"trainer.max_steps={steps}", "trainer.eval_every=null", "sampler=vllm_server",
+                             [f"trainer.max_steps={steps}", "trainer.eval_every=null", SAMPLER,
                               f"sampler.url={server.url}", f"algo.max_staleness={k}", "trainer.report_to=[]"],
                              prefix=("taskset", "-c", "1"))
     finally:

@@ -37,10 +37,10 @@ def up(url: str) -> bool:
         return False
 
 
-def start(url: str, log: Path, prefix: tuple[str, ...] = ()) -> subprocess.Popen:
+def start(url: str, log: Path, prefix: tuple[str, ...] = (), overrides: tuple[str, ...] = ()) -> subprocess.Popen:
     """`grpo serve` on `url` (its own process group: the server and its engine process), once it answers; `prefix`
-    goes before the command (`taskset -c 0`: the server on core 0)."""
-    proc = subprocess.Popen([*prefix, *GRPO, "serve", f"sampler.url={url}"], stdout=open(log, "a"),
+    goes before the command (`taskset -c 0`: the server on core 0), `overrides` after it (the run's sampler)."""
+    proc = subprocess.Popen([*prefix, *GRPO, "serve", *overrides, f"sampler.url={url}"], stdout=open(log, "a"),
                             stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
     t = time.time()
     while not up(url):
