@@ -7,7 +7,9 @@ a vLLM server: what it does to held-out accuracy, and what it saves in time on t
 
 accuracy, the design (fixed before any run):
 - arms: algo.max_staleness=0 and =1, each with sampler=vllm_server_short (the server cut at the default job's 32
-  tokens; plain vllm_server samples 256, another job) against one `grpo serve` this script starts; the
+  tokens; plain vllm_server samples 256, another job) against one `grpo serve` this script starts, the server on
+  core 0 and the trainer on core 1 (`taskset`, the placement docs/sampling-vllm.md gives a server on the same
+  machine; changed after K=1's first two steps took 5x K=0's with both sharing the cores, before any accuracy); the
   rest is the default job (conf/train.yaml: 40 steps, an eval of the first 200 held-out problems every 10 steps,
   the guard on). The arms of a seed (trainer.seed) draw the same prompts with the same sampling seeds, so they
   differ only in which policy version samples steps 2-40; the two arms of a seed run before the next seed starts.
@@ -48,6 +50,10 @@ from server_check import start
 STEPS = 40
 # the default job's sampling, from the server (32 new tokens, as auto_short); `grpo serve` starts with it too
 SAMPLER = "sampler=vllm_server_short"
+# both parts (the accuracy arms and the overlap): the server on core 0, the trainer on core 1. Sharing both cores, a
+# K=1 step took 263-267 s against K=0's 49-50 s (steps 1-2, seed 0, 2026-12-06): each process's threads wait on the
+# other's (docs/speed.md)
+SERVER_CORE, TRAINER_CORE = ("taskset", "-c", "0"), ("taskset", "-c", "1")
 EVALS = (10, 20, 30, 40)
 RESTARTS = 3  # server restarts one run may have (Server)
 
@@ -100,13 +106,14 @@ class Server:
 
 
 def accuracy(out: Path, seeds: list[int], port: int) -> None:
-    server = Server(f"http://127.0.0.1:{port}", out)
+    server = Server(f"http://127.0.0.1:{port}", out, prefix=SERVER_CORE)
     try:
         for seed in seeds:
             for k in (0, 1):
                 server.train(out / f"k{k}_seed{seed}", [f"trainer.max_steps={STEPS}", f"trainer.seed={seed}",
                                                         SAMPLER, f"sampler.url={server.url}",
-                                                        f"algo.max_staleness={k}", "trainer.report_to=[]"])
+                                                        f"algo.max_staleness={k}", "trainer.report_to=[]"],
+                             prefix=TRAINER_CORE)
     finally:
         server.stop()
     report_accuracy(out)
@@ -159,14 +166,14 @@ def step_seconds(run: Path) -> float:
 
 
 def overlap(out: Path, steps: int, port: int) -> None:
-    server = Server(f"http://127.0.0.1:{port}", out, prefix=("taskset", "-c", "0"))
+    server = Server(f"http://127.0.0.1:{port}", out, prefix=SERVER_CORE)
     try:
         for round_ in (1, 2):
             for k in (0, 1):
                 server.train(out / f"overlap_k{k}_round{round_}",
                              [f"trainer.max_steps={steps}", "trainer.eval_every=null", SAMPLER,
                               f"sampler.url={server.url}", f"algo.max_staleness={k}", "trainer.report_to=[]"],
-                             prefix=("taskset", "-c", "1"))
+                             prefix=TRAINER_CORE)
     finally:
         server.stop()
     report_overlap(out)

@@ -25,7 +25,7 @@ def fake(monkeypatch, tmp_path):
 
     def train(run, args, prefix=()):
         calls.append(("train", run.name))
-        runs[run.name] = args
+        runs[run.name] = (prefix, args)
         if fails["left"]:
             fails["left"] -= 1
             (run / "metrics.jsonl").parent.mkdir(parents=True, exist_ok=True)
@@ -61,7 +61,7 @@ def test_restarts_are_bounded(fake, tmp_path):
 
 
 @pytest.mark.parametrize("what", ["accuracy", "overlap"])
-def test_the_arms_and_the_server_sample_the_default_jobs_length(what, fake, tmp_path, monkeypatch):
+def test_the_arms_and_the_server_sample_the_default_jobs_length_each_on_its_core(what, fake, tmp_path, monkeypatch):
     """The default job cuts answers at 32 tokens; plain sampler=vllm_server samples 256 (another job: a first K=0 run
     with it had 3x the default job's mean length at step 1). Every arm, and the server, take vllm_server_short."""
     calls, _, runs = fake
@@ -71,7 +71,8 @@ def test_the_arms_and_the_server_sample_the_default_jobs_length(what, fake, tmp_
         async_check.accuracy(tmp_path, [0], 9)
     else:
         async_check.overlap(tmp_path, 6, 9)
-    assert {c[3] for c in calls if c[0] == "start"} == {("sampler=vllm_server_short",)}
+    assert {c[2:] for c in calls if c[0] == "start"} == {(("taskset", "-c", "0"), ("sampler=vllm_server_short",))}
     assert len(runs) == (2 if what == "accuracy" else 4)
-    for args in runs.values():
+    for prefix, args in runs.values():  # and the trainer on the other core
+        assert prefix == ("taskset", "-c", "1")
         assert [a for a in args if a.startswith("sampler=")] == ["sampler=vllm_server_short"]
