@@ -56,7 +56,7 @@ from grpo_cli.rewards import RewardResult
 from grpo_cli.rewards.call import score
 from grpo_cli.rewards.shaping import overlong_lengths, shape
 from grpo_cli.rollout import Tally, render_prompts
-from grpo_cli.rollout.ahead import Ahead
+from grpo_cli.rollout.ahead import Ahead, shared_cores
 from grpo_cli.rollout.sizing import Job
 from grpo_cli.runs import keep_chat_template
 from grpo_cli.trainer_state import TrainerState
@@ -175,6 +175,9 @@ def setup(cfg: DictConfig, run_dir: Path, world: World, why: str) -> Run:
     # config leaves its sizes null; the section it returns (a fallback's) is what the run saves
     sampler, section = parts.start(policy, Job(trainer.prompts_per_step // world.size, algo.group_size))
     cfg = with_section(cfg, "sampler", section)
+    # rollouts ahead from a server on this machine, which the trainer's CPU work would share: one line on pinning them
+    if world.main and (line := shared_cores(algo.max_staleness, cfg.sampler.get("url"), device.type)):
+        console.print(line)
     # the precision the base weights ran in (model.dtype=auto depends on the machine): export.dtype=auto writes it
     dtype = str(policy.get_input_embeddings().weight.dtype).removeprefix("torch.")
     log = MetricsLog(run_dir, report_to, trainer.project, OmegaConf.to_container(cfg, resolve=True),

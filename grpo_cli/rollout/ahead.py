@@ -23,13 +23,32 @@ come from the policy up to K updates older.
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from urllib.parse import urlparse
 
 import torch
 
 from grpo_cli.rollout import Rollout
 from grpo_cli.rollout.vllm_server import Call, Pending
+
+# hosts that mean "this machine" in sampler.url
+LOCAL = {"127.0.0.1", "localhost", "0.0.0.0", "::1"}
+
+
+def shared_cores(k: int, url: str | None, device: str, usable: int | None = None,
+                 cores: int | None = None) -> str | None:
+    """The line for a run whose rollouts go ahead (k >= 1) from a server on this machine while the trainer computes on
+    its CPU free to use every core (`usable`: the cores this process may run on, `cores`: the machine's): the server
+    decodes the next step's rollouts during the update on the same cores, which made a step 5x slower on 2 cores
+    (docs/speed.md). None when the trainer is pinned, the server is elsewhere, or the loop is synchronous."""
+    usable = len(os.sched_getaffinity(0)) if usable is None and hasattr(os, "sched_getaffinity") else usable
+    cores = cores or os.cpu_count()
+    if k < 1 or device != "cpu" or urlparse(url or "").hostname not in LOCAL or usable is None or usable < cores:
+        return None
+    return (f"rollouts ahead (algo.max_staleness={k}) from a server on this machine, which shares all {cores} cores "
+            f"with this trainer: pin each to its own (taskset); sharing 2, a step took 5x as long (docs/speed.md)")
 
 
 @dataclass

@@ -11,6 +11,7 @@ import shutil
 import pytest
 
 from grpo_cli.policy import build_policy
+from grpo_cli.rollout.ahead import shared_cores
 from tests.fake_vllm import FakeVLLM
 from tests.helpers.cli import run_cli
 from tests.helpers.runs import TINY, metrics, tiny_cfg
@@ -37,7 +38,10 @@ def train(server, run_dir, *extra):
 
 
 def test_each_step_trains_on_rollouts_sampled_one_update_earlier(server, tmp_path):
-    train(server, tmp_path / "ahead", "algo.max_staleness=1", "trainer.max_steps=3")
+    out = train(server, tmp_path / "ahead", "algo.max_staleness=1", "trainer.max_steps=3")
+    # the stand-in answers on this machine and the trainer is not pinned here: the line on pinning them, once
+    said = [line for line in out.stderr.splitlines() if line.startswith("rollouts ahead (algo.max_staleness=1)")]
+    assert len(said) == (shared_cores(1, server.base, "cpu") is not None)
     assert [m["sampler/staleness"] for m in metrics(tmp_path / "ahead")] == [0, 1, 1]
     loads = [b["lora_name"] for p, b in server.requests if p == "/v1/load_lora_adapter"]
     names = [b["model"] for b in sampled(server)]
