@@ -11,7 +11,6 @@
     capped at        = MEMORY_PERCENT of the memory free when the engine starts (on a CPU), never below one
                        longest sequence
 
-
 `max_prompt_tokens` and not the longest prompt of the data: every prompt is checked against it
 (lengths.check_prompts), so no request can outgrow an engine sized from it mid-run, and it is known
 before the data is read. The cache holds every sequence of one engine call at once (a step's prompts ×
