@@ -51,8 +51,7 @@ STEPS = 40
 # the default job's sampling, from the server (32 new tokens, as auto_short); `grpo serve` starts with it too
 SAMPLER = "sampler=vllm_server_short"
 # both parts (the accuracy arms and the overlap): the server on core 0, the trainer on core 1. Sharing both cores, a
-# K=1 step took 263-267 s against K=0's 49-50 s (steps 1-2, seed 0, 2026-12-06): each process's threads wait on the
-# other's (docs/speed.md)
+# K=1 step took 263-267 s against K=0's 49-50 s (steps 1-2, seed 0, 2026-12-06; docs/speed.md)
 SERVER_CORE, TRAINER_CORE = ("taskset", "-c", "0"), ("taskset", "-c", "1")
 EVALS = (10, 20, 30, 40)
 RESTARTS = 3  # server restarts one run may have (Server)

@@ -35,7 +35,8 @@ The design, fixed before any run:
 kill (after `run` has finished the guarded arm of the seed): the guarded run of that seed again, twice, each killed
 with SIGKILL (its whole process group) once and then resumed (`grpo train resume=RUN trust_run_config=true`) to its
 end: `eval`, during the first in-run eval after the fault (step 20's: the kill comes at the moment step 19 was
-logged + the median step time + half the step-10 eval's time, when step 20's update is done and its eval runs;
+logged + the last 5 steps' median time + a quarter of the last eval's time, when step 20's update is done and its
+eval runs;
 the eval writes nothing until it ends, so the run folder cannot show it, and the report gives the timings); and
 `rewind`, as soon as guard.jsonl has its first decision, before any step after the rewind. The claim, fixed before
 running: each resumed run's guard.jsonl decisions and its final checkpoint's adapter equal the
@@ -50,6 +51,7 @@ plumbing in minutes).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -166,7 +168,7 @@ def passed(run: Path, when: str) -> bool:
 
 def killed(out: Path, seed: int, when: str, extra: list[str]) -> Path:
     """The guarded run of `seed` in OUT/runs/killed_WHEN_seedSEED, killed with SIGKILL at `when` (once: its
-    OUT/runs/killed_WHEN_seedSEED.kill records it), then resumed to its end."""
+    OUT/runs/killed_WHEN_seedSEED.kill.json records it), then resumed to its end."""
     run = out / "runs" / f"killed_{when}_seed{seed}"
     record = run.parent / f"{run.name}.kill.json"
     args, plant, env = job(out, "guarded", seed, extra)
@@ -181,13 +183,12 @@ def killed(out: Path, seed: int, when: str, extra: list[str]) -> Path:
             while proc.poll() is None and seen is None and not passed(run, when):
                 time.sleep(0.2)
                 seen = kill_moment(run, when)
-            if seen is None:
+            with contextlib.suppress(ProcessLookupError):  # a run that ended on its own has no group left
                 os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-                sys.exit(f"{run.name}: the run went past the moment to kill it ({when}) or ended; remove {run} and "
-                         f"run again")
-            os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+        if seen is None:
+            sys.exit(f"{run.name}: the run went past the moment to kill it ({when}) or ended; remove {run} and run "
+                     f"again")
         last = last_checkpoint(run)
         record.write_text(json.dumps({**seen, "killed_at": time.time(), "last_checkpoint": last and last.name},
                                      indent=1))
