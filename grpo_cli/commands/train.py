@@ -37,6 +37,7 @@ from grpo_cli.metrics.run_files import check_logging
 from grpo_cli.policy import trainable_dtype
 from grpo_cli.recipe import Run, held_out, save, setup, step, with_section
 from grpo_cli.rollout.engine import AUTO, SERVER, Choice, choose, run_refusal
+from grpo_cli.rollout.episodes import env_closed
 from grpo_cli.runs import anchored, claim, read_saved, resume_config
 
 
@@ -96,8 +97,9 @@ def train(run: Run) -> Path:
         run.log.truncate(run.state.step)
         run.samples.truncate(run.state.step)
     console.print(f"run dir: {run.run_dir}")
-    # leaving the block (also on an error) closes the trackers' run and puts the signal handlers back
-    with progress("train") as bar, run.log, StopFlag() as stop:
+    # leaving the block (also on an error) closes the trackers' run, the environment's instances, and puts the
+    # signal handlers back
+    with progress("train") as bar, run.log, StopFlag() as stop, env_closed(run.sampler):
         task = bar.add_task("train", total=trainer.max_steps, completed=run.state.step, info="")
         while (n := run.state.step + 1) <= trainer.max_steps:  # a guard's rewind sets the step back
             record = step(run, n)

@@ -12,6 +12,7 @@ and failures, turns, the `env=class` instance) for the rewards, the metrics and 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 
 import torch
@@ -29,6 +30,18 @@ def with_env(sampler, env, tool_format: ToolFormat | None = None):
     """The sampler a step calls: `sampler` itself without an environment (env=none), else its EpisodeSampler, with
     the tool format `early_format` chose (None: chosen at the first episode)."""
     return sampler if env is None else EpisodeSampler(sampler, env, tool_format)
+
+
+@contextlib.contextmanager
+def env_closed(sampler):
+    """Leaving the block, also on an error: the environment of an EpisodeSampler closed (every instance's close()
+    once, the tools' worker stopped), at the end of the run rather than whenever its objects are collected: a
+    process that goes on (a sweep's next run, a test) sees them closed. Nothing to do for a plain sampler."""
+    try:
+        yield
+    finally:
+        if isinstance(sampler, EpisodeSampler):
+            sampler.env.close()
 
 
 def early_format(env, model_cfg, data) -> ToolFormat | None:
