@@ -1,9 +1,9 @@
 """Rollouts one step ahead (`algo.max_staleness=1`) against the synchronous loop (0), on the default job sampled by
 a vLLM server: what it does to held-out accuracy, and what it saves in time on this 2-core machine.
 
-    .venv/bin/python scripts/async_check.py accuracy OUT [--seeds 0 1 2] [--port 8021]   # resumable, hours
-    .venv/bin/python scripts/async_check.py overlap OUT [--steps 6] [--port 8022]        # 1-2 h, quiet machine
-    .venv/bin/python scripts/async_check.py report OUT                                   # the tables again
+    .venv/bin/python scripts/async_check.py accuracy [OUT] [--seeds 0 1 2] [--port 8021]   # resumable, hours
+    .venv/bin/python scripts/async_check.py overlap [OUT] [--steps 6] [--port 8022]        # 1-2 h, quiet machine
+    .venv/bin/python scripts/async_check.py report [OUT]                                   # the tables again
 
 accuracy, the design (fixed before any run):
 - arms: algo.max_staleness=0 and =1, each with sampler=vllm_server_short (the server cut at the default job's 32
@@ -27,10 +27,14 @@ s/step is the median of steps 2..N, the rounds' medians and their ratio side by 
 256 new tokens (before the arms took vllm_server_short) the K=0 run's first step took 332 s on 2026-12-06 (rollout
 135 s, update 197 s).
 
-Each run is skipped when it is done and resumed from its last checkpoint when it was cut short, so a stopped script
-goes on where it stopped when run again.
+Resumable, across sessions (each on a fresh machine): each finished run writes OUT/results/RUN.json (atomically: its
+eval rows' correctness and greedy answers, its metrics and guard lines), and the report reads only those. A run with
+a result is skipped; one cut short is resumed from its last checkpoint while its folder is still there (the same
+session; the product's resume is exact), and started again from step 0 when it is not (a new machine). OUT defaults
+to experiments/async/, whose .gitignore keeps results/ and report.md in git (commit each result as it lands); the run
+folders (weights, logs) stay out.
 A run that stops because the server stopped answering is resumed after the server is started again, at most
-RESTARTS times a run; each restart is a line of OUT/restarts.jsonl, and the report lists them.
+RESTARTS times a run; each restart is a line of OUT/results/restarts.jsonl, and the report lists them.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from paired import bootstrap, done, read_jsonl, train_or_resume
+from paired import REPO, bootstrap, done, read_jsonl, train_or_resume
 from server_check import start
 
 STEPS = 40
@@ -63,21 +67,53 @@ def stop(proc: subprocess.Popen | None) -> None:
         proc.wait()
 
 
+def result_path(run: Path) -> Path:
+    return run.parent / "results" / f"{run.name}.json"
+
+
 def train(run: Path, args: list[str], prefix: tuple[str, ...] = ()) -> None:
-    """The run `args` describe in `run`: skipped when its last step is logged, resumed when it has a checkpoint."""
+    """The run `args` describe in `run`: skipped when its result is written, resumed when it has a checkpoint; its
+    result written once its last step is logged."""
     steps = int(next(a for a in args if a.startswith("trainer.max_steps=")).split("=")[1])
-    if done(run, steps):
+    if result_path(run).exists():
         return
-    t = time.time()
-    train_or_resume(run, args, prefix=prefix)
-    print(f"{run.name}: {time.time() - t:.0f} s", flush=True)
+    if not done(run, steps):
+        t = time.time()
+        train_or_resume(run, args, prefix=prefix)
+        print(f"{run.name}: {time.time() - t:.0f} s", flush=True)
+    save_result(run, args)
+
+
+def save_result(run: Path, args: list[str]) -> None:
+    """OUT/results/RUN.json: what the report reads, small enough for git. Each eval step's rows in the eval's order
+    (the first 200 held-out problems, the same in every run): whether the greedy answer is right, and the answer."""
+    evals = {}
+    for path in sorted((run / "evals").glob("step_*.jsonl")):
+        rows = read_jsonl(path)
+        evals[str(int(path.stem.split("_")[1]))] = {
+            "correct": [bool(r["correct"]) for r in rows], "answer": [r["greedy"]["answer"] for r in rows],
+            "question": [r["question"][:60] for r in rows]}
+    guard = run / "guard.jsonl"
+    result = {"run": run.name, "args": args, "evals": evals, "metrics": read_jsonl(run / "metrics.jsonl"),
+              "guard": read_jsonl(guard) if guard.exists() else []}
+    path = result_path(run)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result) + "\n")
+    tmp.replace(path)
+    print(f"{run.name}: result in {path}", flush=True)
+
+
+def result(out: Path, name: str) -> dict | None:
+    path = out / "results" / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
 
 
 class Server:
     """The experiment's `grpo serve`, started again when a run stops because the server stopped answering (on
     2026-12-06 one did, in k0_seed0's step 12, with nothing in its log; the trainer's timeout ended the run with its
-    one line and the run resumes from its last checkpoint). Each restart is a line of OUT/restarts.jsonl, and the
-    report counts them."""
+    one line and the run resumes from its last checkpoint). Each restart is a line of OUT/results/restarts.jsonl, and
+    the report counts them."""
 
     def __init__(self, url: str, out: Path, prefix: tuple[str, ...] = ()):
         self.url, self.out, self.prefix = url, out, prefix
@@ -94,7 +130,8 @@ class Server:
                 logged = read_jsonl(run / "metrics.jsonl") if (run / "metrics.jsonl").exists() else []
                 line = {"run": run.name, "at": time.time(), "why": str(err),
                         "last_step": logged[-1]["step"] if logged else None}
-                with (self.out / "restarts.jsonl").open("a") as f:
+                (self.out / "results").mkdir(parents=True, exist_ok=True)
+                with (self.out / "results" / "restarts.jsonl").open("a") as f:
                     f.write(json.dumps(line) + "\n")
                 print(f"{run.name}: {err}; the server is started again and the run resumed", flush=True)
                 stop(self.proc)
@@ -118,21 +155,24 @@ def accuracy(out: Path, seeds: list[int], port: int) -> None:
     report_accuracy(out)
 
 
-def correct(run: Path, step: int) -> list[float] | None:
-    path = run / "evals" / f"step_{step:06d}.jsonl"
-    return [float(r["correct"]) for r in read_jsonl(path)] if path.exists() else None
+def correct(out: Path, name: str, step: int) -> list[float]:
+    rows = result(out, name)["evals"][str(step)]
+    return [float(c) for c in rows["correct"]]
 
 
 def report_accuracy(out: Path) -> None:
-    seeds = sorted({int(p.name.split("seed")[1]) for p in out.glob("k*_seed*") if p.is_dir()})
-    paired = [s for s in seeds if done(out / f"k0_seed{s}", STEPS) and done(out / f"k1_seed{s}", STEPS)]
+    seeds = sorted({int(p.stem.split("seed")[1]) for p in (out / "results").glob("k*_seed*.json")})
+    paired = [s for s in seeds if result(out, f"k0_seed{s}") and result(out, f"k1_seed{s}")]
     print(f"seeds with both arms done: {paired} (of {seeds})")
     print("| step | K=0 accuracy by seed | K=1 accuracy by seed | K=1 - K=0 (paired) | 95% bootstrap |")
     print("|---|---|---|---|---|")
     for step in EVALS:
         acc, diffs = {0: [], 1: []}, {}
         for s in paired:
-            a, b = correct(out / f"k0_seed{s}", step), correct(out / f"k1_seed{s}", step)
+            a, b = correct(out, f"k0_seed{s}", step), correct(out, f"k1_seed{s}", step)
+            # paired problem by problem: the same held-out problems in the same order in both arms
+            assert result(out, f"k0_seed{s}")["evals"][str(step)]["question"] == \
+                result(out, f"k1_seed{s}")["evals"][str(step)]["question"]
             acc[0].append(statistics.mean(a))
             acc[1].append(statistics.mean(b))
             diffs[s] = [y - x for x, y in zip(a, b)]
@@ -147,21 +187,20 @@ def report_accuracy(out: Path) -> None:
                        if low > -0.05 else f"undecided at this size (interval width {high - low:.3f})")
             print(f"decision (step {step}): {verdict}")
     for k in (0, 1):
-        seen = [r.get("sampler/staleness", 0) for s in paired
-                for r in read_jsonl(out / f"k{k}_seed{s}" / "metrics.jsonl")]
+        seen = [r.get("sampler/staleness", 0) for s in paired for r in result(out, f"k{k}_seed{s}")["metrics"]
+                if "step" in r]
         if seen:
             print(f"K={k}: sampler/staleness max {max(seen)}, steps at 1: {sum(v == 1 for v in seen)} of {len(seen)}")
     for s in paired:
         for k in (0, 1):
-            guard = out / f"k{k}_seed{s}" / "guard.jsonl"
-            rows = read_jsonl(guard) if guard.exists() else []
-            print(f"K={k} seed {s}: guard events {len(rows)}, "
-                  f"median s/step {step_seconds(out / f'k{k}_seed{s}'):.1f}")
+            done_ = result(out, f"k{k}_seed{s}")
+            print(f"K={k} seed {s}: guard events {len(done_['guard'])}, "
+                  f"median s/step {step_seconds(done_['metrics']):.1f}")
 
 
-def step_seconds(run: Path) -> float:
+def step_seconds(metrics: list[dict]) -> float:
     """The median time/step_s of steps 2..N (step 1 starts the engine's caches)."""
-    return statistics.median(r["time/step_s"] for r in read_jsonl(run / "metrics.jsonl") if r["step"] >= 2)
+    return statistics.median(r["time/step_s"] for r in metrics if r.get("step", 0) >= 2 and "time/step_s" in r)
 
 
 def overlap(out: Path, steps: int, port: int) -> None:
@@ -179,7 +218,7 @@ def overlap(out: Path, steps: int, port: int) -> None:
 
 
 def report_restarts(out: Path) -> None:
-    path = out / "restarts.jsonl"
+    path = out / "results" / "restarts.jsonl"
     for r in read_jsonl(path) if path.exists() else []:
         print(f"server restarted: {r['run']} stopped after step {r['last_step']} ({r['why']})")
 
@@ -187,11 +226,11 @@ def report_restarts(out: Path) -> None:
 def report_overlap(out: Path) -> None:
     print("| round | K=0 s/step | K=1 s/step | K=1 / K=0 | K=0 rollout s | K=0 update s |\n|---|---|---|---|---|---|")
     for round_ in (1, 2):
-        runs = [out / f"overlap_k{k}_round{round_}" for k in (0, 1)]
-        if not all((r / "metrics.jsonl").exists() for r in runs):
+        runs = [result(out, f"overlap_k{k}_round{round_}") for k in (0, 1)]
+        if not all(runs):
             continue
-        sync, ahead = (step_seconds(r) for r in runs)
-        rows = [r for r in read_jsonl(runs[0] / "metrics.jsonl") if r["step"] >= 2]
+        sync, ahead = (step_seconds(r["metrics"]) for r in runs)
+        rows = [r for r in runs[0]["metrics"] if r.get("step", 0) >= 2 and "time/rollout_s" in r]
         rollout = statistics.median(r["time/rollout_s"] for r in rows)
         update = statistics.median(r["time/update_s"] for r in rows)
         print(f"| {round_} | {sync:.1f} | {ahead:.1f} | {ahead / sync:.2f} | {rollout:.1f} | {update:.1f} |")
@@ -200,7 +239,7 @@ def report_overlap(out: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("what", choices=("accuracy", "overlap", "report"))
-    parser.add_argument("out", type=Path)
+    parser.add_argument("out", type=Path, nargs="?", default=REPO / "experiments" / "async")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--port", type=int, default=None)
