@@ -1,9 +1,9 @@
 """The guard against a planted fault on the default job: does it catch a learning rate gone 30x too high, and does
 the run end no worse than it was before the fault?
 
-    .venv/bin/python scripts/guard_check.py run OUT [--seeds 0 1 2]   # 2 arms x 3 seeds of the default job, resumable
-    .venv/bin/python scripts/guard_check.py report OUT                # the table and OUT/curves.png again
-    .venv/bin/python scripts/guard_check.py kill OUT [--seeds 0]      # kill -9 of a guarded run, then its resume
+    .venv/bin/python scripts/guard_check.py run [OUT] [--seeds 0 1 2]  # 2 arms x 3 seeds of the default job, resumable
+    .venv/bin/python scripts/guard_check.py report [OUT]               # the table and OUT/curves.png again
+    .venv/bin/python scripts/guard_check.py kill [OUT] [--seeds 0]     # kill -9 of a guarded run, then its resume
 
 The design, fixed before any run:
 - the fault: from its 15th update on, the optimizer steps with 30x the learning rate it is given (3e-4 -> 9e-3 in
@@ -42,8 +42,13 @@ the eval writes nothing until it ends, so the run folder cannot show it, and the
 running: each resumed run's guard.jsonl decisions and its final checkpoint's adapter equal the
 uninterrupted guarded run's, tensor for tensor.
 
-Each run is skipped when its last step is logged (or, guarded, when its guard.jsonl ends in a stop) and resumed
-from its last checkpoint when it was cut short, so a stopped script goes on where it stopped when run again.
+Resumable, across sessions (each on a fresh machine): a run that has logged its last step (or, guarded, whose
+guard.jsonl ends in a stop) writes OUT/results/RUN.json (atomically: its metrics, its guard decisions, its last
+checkpoint's name and a digest of that checkpoint's adapter), and the report and the kill's comparison read only
+those. A run with a result is skipped; one cut short is resumed from its last checkpoint while its folder is there
+(the same session), and started again from step 0 when it is not (a new machine); a killed run cut short before its
+result is killed again from step 0. OUT defaults to experiments/guard/, whose .gitignore keeps results/, report.md
+and curves.png in git (commit each result as it lands); run folders (weights, logs) stay out.
 `-- OVERRIDES` adds overrides to every run (`run /tmp/gc -- model=tiny sampler.max_new_tokens=8` checks the
 plumbing in minutes).
 """
@@ -52,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import os
 import signal
@@ -118,13 +124,47 @@ def job(out: Path, arm: str, seed: int, extra: list[str]) -> tuple[list[str], Pa
     return args, plant, {**os.environ, "PYTHONPATH": str(REPO)}
 
 
+def digest(checkpoint: Path) -> str:
+    """sha256 over the adapter's tensors, name by name (equal digests: equal adapters, tensor for tensor)."""
+    import torch
+    from safetensors.torch import load_file
+
+    tensors = load_file(checkpoint / "adapter_model.safetensors")
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        h.update(name.encode())
+        h.update(tensors[name].contiguous().view(-1).view(dtype=torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def save_result(out: Path, run: Path, **more) -> dict:
+    """OUT/results/RUN.json from a finished run's folder: what the report and the kill's comparison read."""
+    last = last_checkpoint(run)
+    result = {"run": run.name, "metrics": read_jsonl(run / "metrics.jsonl"), "guard": decisions(run),
+              "last_checkpoint": last.name, "adapter_sha256": digest(last), **more}
+    path = out / "results" / f"{run.name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result) + "\n")
+    tmp.replace(path)
+    print(f"{run.name}: result in {path}", flush=True)
+    return result
+
+
+def result(out: Path, name: str) -> dict | None:
+    path = out / "results" / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
 def train(out: Path, arm: str, seed: int, extra: list[str]) -> None:
     run = out / "runs" / f"{arm}_seed{seed}"
-    if finished(run):
+    if result(out, run.name):
         return
-    args, plant, env = job(out, arm, seed, extra)
-    # the run's own planted class on resume: trust_run_config
-    train_or_resume(run, args, cwd=plant, env=env, trust=True)
+    if not finished(run):
+        args, plant, env = job(out, arm, seed, extra)
+        # the run's own planted class on resume: trust_run_config
+        train_or_resume(run, args, cwd=plant, env=env, trust=True)
+    save_result(out, run)
 
 
 def first_eval_after_fault(run: Path) -> int:
@@ -166,10 +206,13 @@ def passed(run: Path, when: str) -> bool:
     return bool(rows) and rows[-1]["step"] >= first_eval_after_fault(run)
 
 
-def killed(out: Path, seed: int, when: str, extra: list[str]) -> Path:
+def killed(out: Path, seed: int, when: str, extra: list[str]) -> None:
     """The guarded run of `seed` in OUT/runs/killed_WHEN_seedSEED, killed with SIGKILL at `when` (once: its
-    OUT/runs/killed_WHEN_seedSEED.kill.json records it), then resumed to its end."""
+    OUT/runs/killed_WHEN_seedSEED.kill.json records it), then resumed to its end; its result, with the kill's
+    record, in OUT/results/killed_WHEN_seedSEED.json."""
     run = out / "runs" / f"killed_{when}_seed{seed}"
+    if result(out, run.name):
+        return
     record = run.parent / f"{run.name}.kill.json"
     args, plant, env = job(out, "guarded", seed, extra)
     if not record.exists():
@@ -195,7 +238,7 @@ def killed(out: Path, seed: int, when: str, extra: list[str]) -> Path:
         print(f"{run.name}: killed ({seen['seen']}); last checkpoint {last and last.name}", flush=True)
     if not finished(run):
         train_or_resume(run, args, cwd=plant, env=env, trust=True)
-    return run
+    save_result(out, run, kill=json.loads(record.read_text()))
 
 
 def decisions(run: Path) -> list[dict]:
@@ -204,51 +247,43 @@ def decisions(run: Path) -> list[dict]:
     return read_jsonl(path) if path.exists() else []
 
 
-def same_adapter(a: Path, b: Path) -> bool:
-    import torch
-    from safetensors.torch import load_file
-
-    x, y = (load_file(last_checkpoint(r) / "adapter_model.safetensors") for r in (a, b))
-    return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
-
-
 def kill_report(out: Path, seeds: list[int]) -> None:
     print("| seed | killed | seen at the kill | last checkpoint then | decisions equal | final checkpoint | "
           "adapter equal |\n|---|---|---|---|---|---|---|")
     for seed in seeds:
-        whole = out / "runs" / f"guarded_seed{seed}"
+        whole = result(out, f"guarded_seed{seed}")
         for when in ("eval", "rewind"):
-            run = out / "runs" / f"killed_{when}_seed{seed}"
-            record = run.parent / f"{run.name}.kill.json"
-            if when == "rewind" and finished(whole) and not decisions(whole):
+            run = result(out, f"killed_{when}_seed{seed}")
+            if when == "rewind" and whole and not whole["guard"]:
                 print(f"| {seed} | {when} | (the guarded run made no decision: no rewind to kill after) |")
                 continue
-            if not (finished(whole) and record.exists() and finished(run)):
+            if not (whole and run):
                 print(f"| {seed} | {when} | (not finished) |")
                 continue
-            kill = json.loads(record.read_text())
+            kill = run["kill"]
             if when == "eval":  # by the resumed run's own times for that step: its update, then its eval
-                row = next(r for r in read_jsonl(run / "metrics.jsonl") if r["step"] == kill["step"])
+                row = next(r for r in run["metrics"] if r["step"] == kill["step"])
                 inside = row["time/step_s"] < kill["wait_s"] < row["time/step_s"] + row["time/eval_s"]
                 kill["seen"] += (f"; the resumed step {kill['step']} took {row['time/step_s']:.1f} s, then its eval "
                                  f"{row['time/eval_s']:.1f} s: the kill fell {'in' if inside else 'outside'} the eval")
             print(f"| {seed} | {when} | {kill['seen']} | {kill['last_checkpoint']} | "
-                  f"{decisions(run) == decisions(whole)} | {last_checkpoint(run).name} vs "
-                  f"{last_checkpoint(whole).name} | {same_adapter(run, whole)} |")
+                  f"{run['guard'] == whole['guard']} | {run['last_checkpoint']} vs {whole['last_checkpoint']} | "
+                  f"{run['adapter_sha256'] == whole['adapter_sha256']} |")
 
 
-def evals(run: Path) -> dict[int, dict]:
+def evals(run: dict) -> dict[int, dict]:
     """The run's in-run evals by step, the last one logged for a step (a rewind redoes steps)."""
     rows = {}
-    for r in read_jsonl(run / "metrics.jsonl"):
+    for r in run["metrics"]:
         if "eval/accuracy" in r:
             rows[r["step"]] = r
     return rows
 
 
-def end_accuracy(run: Path) -> tuple[int, dict]:
+def end_accuracy(run: dict) -> tuple[int, dict]:
     """(step, eval record) of the checkpoint the run ends at: the one a stop rewound to, else its last step's."""
-    step = read_jsonl(run / "guard.jsonl")[-1]["rewound_to"] if stopped(run) else STEPS
+    stop = [d for d in run["guard"] if d["remedy"] == "stop"]
+    step = run["guard"][-1]["rewound_to"] if stop else STEPS
     return step, evals(run)[step]
 
 
@@ -258,15 +293,15 @@ def report(out: Path, seeds: list[int]) -> None:
     tally = [0, 0, 0]
     done = []
     for seed in seeds:
-        runs = {arm: out / "runs" / f"{arm}_seed{seed}" for arm in ARMS}
-        if not all(finished(r) for r in runs.values()):
+        runs = {arm: result(out, f"{arm}_seed{seed}") for arm in ARMS}
+        if not all(runs.values()):
             print(f"| {seed} | (not finished) |")
             continue
         done.append(seed)
         before = evals(runs["unguarded"])[10]
         _, unguarded = end_accuracy(runs["unguarded"])
         g_step, guarded = end_accuracy(runs["guarded"])
-        decisions = read_jsonl(runs["guarded"] / "guard.jsonl") if (runs["guarded"] / "guard.jsonl").exists() else []
+        decisions = runs["guarded"]["guard"]
         hurts = (unguarded["eval/accuracy"] < before["eval/accuracy"]
                  and unguarded["eval/accuracy_high"] < before["eval/accuracy_low"])
         caught = bool(decisions)
@@ -288,7 +323,7 @@ def curves(out: Path, seeds: list[int]) -> None:
     ax = fig.add_subplot()
     for seed in seeds:
         for arm, style in (("unguarded", "--"), ("guarded", "-")):
-            rows = read_jsonl(out / "runs" / f"{arm}_seed{seed}" / "metrics.jsonl")
+            rows = result(out, f"{arm}_seed{seed}")["metrics"]
             points = [(i, r["eval/accuracy"]) for i, r in enumerate(rows) if "eval/accuracy" in r]
             ax.plot([rows[i]["step"] for i, _ in points], [a for _, a in points], style, marker="o",
                     label=f"{arm}, seed {seed}")
@@ -303,7 +338,7 @@ def curves(out: Path, seeds: list[int]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("what", choices=("run", "report", "kill"))
-    ap.add_argument("out", type=Path)
+    ap.add_argument("out", type=Path, nargs="?", default=REPO / "experiments" / "guard")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     argv = sys.argv[1:]
     cut = argv.index("--") if "--" in argv else len(argv)
@@ -311,10 +346,11 @@ def main() -> None:
     out = args.out.resolve()
     if args.what == "kill":
         for seed in args.seeds:
-            if not finished(out / "runs" / f"guarded_seed{seed}"):
+            whole = result(out, f"guarded_seed{seed}")
+            if not whole:
                 sys.exit(f"the guarded run of seed {seed} is not finished: `guard_check.py run OUT --seeds {seed}`")
             for when in ("eval", "rewind"):
-                if when == "rewind" and not decisions(out / "runs" / f"guarded_seed{seed}"):
+                if when == "rewind" and not whole["guard"]:
                     print(f"seed {seed}: the guarded run made no decision, so there is no rewind to kill after")
                     continue
                 killed(out, seed, when, extra)

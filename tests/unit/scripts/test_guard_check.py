@@ -50,3 +50,52 @@ def test_the_rewind_kill_waits_for_the_first_decision(tmp_path):
     decision = {"step": 20, "tripwire": "heldout_drop", "rewound_to": 10, "remedy": "lr"}
     (run / "guard.jsonl").write_text(json.dumps(decision) + "\n")
     assert guard_check.kill_moment(run, "rewind") == {"seen": "guard.jsonl's first decision", "decision": decision}
+
+
+def finished_run(folder, guard: list[dict], scale: float = 1.0):
+    """A guarded or unguarded run at its end: 40 steps logged with evals at 10-40, a checkpoint with an adapter."""
+    import torch
+    from safetensors.torch import save_file
+
+    (folder / "checkpoints" / "step_000040").mkdir(parents=True)
+    save_file({"a": torch.ones(2, 2) * scale, "b": torch.arange(3.0)},
+              str(folder / "checkpoints" / "step_000040" / "adapter_model.safetensors"))
+    evals = {s: {"time/eval_s": 30.0, "eval/accuracy": 0.6 - s / 100, "eval/accuracy_low": 0.5 - s / 100,
+                 "eval/accuracy_high": 0.7 - s / 100} for s in (10, 20, 30, 40)}
+    rows = [{"step": s, "time/step_s": 40.0} | evals.get(s, {}) for s in range(1, 41)]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "guard.jsonl").write_text("".join(json.dumps(d) + "\n" for d in guard))
+
+
+def test_results_outlive_the_run_folders_and_the_kill_compares_digests(monkeypatch, tmp_path, capsys):
+    """A new session starts on a fresh machine: the skip, the report and the kill's comparison read OUT/results
+    only, so run folders (weights) may be gone; the adapter comparison goes through a digest of its tensors."""
+    import shutil
+
+    trained = []
+    monkeypatch.setattr(guard_check, "train_or_resume", lambda run, *a, **k: trained.append(run.name))
+    monkeypatch.setattr(guard_check, "curves", lambda out, seeds: None)
+    decision = {"step": 20, "tripwire": "heldout_drop", "rewound_to": 10, "remedy": "lr"}
+    finished_run(tmp_path / "runs" / "unguarded_seed0", [])
+    finished_run(tmp_path / "runs" / "guarded_seed0", [decision])
+    for arm in guard_check.ARMS:
+        guard_check.train(tmp_path, arm, 0, [])
+    shutil.rmtree(tmp_path / "runs")
+    for arm in guard_check.ARMS:
+        guard_check.train(tmp_path, arm, 0, [])  # skipped: the results are there
+    assert trained == []
+    guard_check.report(tmp_path, [0])
+    out = capsys.readouterr().out
+    # B = step 10's 0.50, U = step 40's 0.20 (interval 0.10-0.30, wholly below B's 0.40-0.60), G = 0.20
+    assert "| 0 | 0.500 | 0.200 | 0.200 (40) | step 20: heldout_drop -> lr | True | True | False |" in out
+    # a killed run with the same tensors has the same digest; another tensor does not
+    for name, scale in (("killed_eval_seed0", 1.0), ("killed_rewind_seed0", 2.0)):
+        finished_run(tmp_path / "runs" / name, [decision], scale)
+        guard_check.save_result(tmp_path, tmp_path / "runs" / name,
+                                kill={"seen": "x", "last_checkpoint": "step_000010", "step": 20, "wait_s": 1.0})
+    guard_check.kill_report(tmp_path, [0])
+    eval_row, rewind_row = capsys.readouterr().out.strip().splitlines()[-2:]
+    # the kill at 1.0 s fell inside step 20's update (40 s), not its eval; decisions equal; adapters: equal, not
+    assert eval_row.startswith("| 0 | eval | x; the resumed step 20 took 40.0 s") and "outside the eval" in eval_row
+    assert eval_row.endswith("| True | step_000040 vs step_000040 | True |")
+    assert rewind_row.endswith("| True | step_000040 vs step_000040 | False |")
