@@ -32,7 +32,11 @@ The design, fixed before any run:
   to matter for GRPO's advantages at G = 8.
 
 Phases, each writing under OUT (a re-run skips a phase whose output is there): rm_base, train, samples/last.jsonl,
-rm_policy, rm_matched, scores.json; then OUT/table.md and OUT/results.json.
+rm_policy, rm_matched, scores.json; then OUT/table.md and OUT/results.json. OUT defaults to
+experiments/staleness_matched/, whose .gitignore keeps scores.json, the phases' wall times, table.md and
+results.json in git; the phases' reward models are whole merged models (~0.5 GB each) and stay out, so the phases
+before scores.json run in one session (about 2 h on a quiet 2-core machine, none beside it), and a session that ends
+before scores.json starts them again on a new machine.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ import shutil
 import statistics
 import time
 
-from paired import T975, read_jsonl, t_interval
+from paired import REPO, T975, read_jsonl, t_interval
 from staleness_probe import arguments, fixed_model, measure, phase, prepare, rows_of, write_results
 
 THRESHOLD = 0.05  # the mean paired AUC gain that makes the iterative-vs-fixed experiment worth running
@@ -90,6 +94,7 @@ def table(scores: dict, line: str, step: int = 40) -> str:
 def main() -> None:
     parser = arguments(__doc__, 500, "held-out problems in set E", "staleness_matched")
     parser.add_argument("--steps", type=int, default=40, help="the policy checkpoint's step")
+    parser.set_defaults(out=REPO / "experiments" / "staleness_matched")
     args = parser.parse_args()
     started = time.perf_counter()
     out, model, train, rm_more, sizes = prepare(args, smoke_steps=2)
