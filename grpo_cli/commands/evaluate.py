@@ -49,6 +49,7 @@ from grpo_cli.inference import inference_config, inference_policy, named_pick, t
 from grpo_cli.metrics.console import console, progress, quiet
 from grpo_cli.metrics.stats import mean
 from grpo_cli.policy import adapter_enabled
+from grpo_cli.rollout.episodes import env_closed
 from grpo_cli.rollout.sizing import Job
 
 
@@ -152,36 +153,38 @@ def _evaluate(cfg: DictConfig, out_dir: Path, overrides: list[str], world: World
     done = world.broadcast(_reuse(out_dir, wanted) if world.main else None)  # rank 0 alone moves stale files
 
     results = []
-    for ckpt in checkpoints:
-        name = str(ckpt) if ckpt else None
-        if ckpt is not None:
-            checkpoint.load_weights(policy, ckpt)
-        rows = [done[(name, i)] for i in range(len(problems)) if (name, i) in done]
-        todo = [i for i in range(len(problems)) if (name, i) not in done][world.rank::world.size]
-        with (progress(f"eval {Path(name).name if name else 'base'}") as bar,
-              samples_path.open("a") if world.main else open(os.devnull, "w") as out):
-            task = bar.add_task("", total=len(rows) + len(todo), completed=len(rows), info="")  # this rank's share
-            for start in range(0, len(todo), eval_cfg.batch_size):
-                batch = [problems[i] for i in todo[start:start + eval_cfg.batch_size]]
-                # deterministic for a fixed seed, whatever was skipped
-                generator = torch.Generator().manual_seed(eval_cfg.seed + todo[start])
-                with adapter_enabled(policy, ckpt is not None):
-                    new = score_batch(policy, tokenizer, sampler, reward_fn, batch, eval_cfg, generator)
-                for i, row in zip(todo[start:start + eval_cfg.batch_size], new):
-                    row.update(checkpoint=name, index=i, digest=wanted[(name, i)])
-                    out.write(json.dumps(row) + "\n")
-                    rows.append(row)
-                graded = [r["correct"] for r in rows if r["correct"] is not None]  # rows with a reference answer
-                info = (f"acc {mean(graded):.3f}" if graded
-                        else f"reward {mean(r['greedy']['reward'] for r in rows):.3f}")
-                bar.update(task, completed=len(rows), info=info)
-            if world.size > 1:  # the other ranks' new rows, written by rank 0
-                new = [r for r in rows if (name, r["index"]) not in done]
-                others = [r for rank, part in enumerate(world.gather(new)) if rank != world.rank for r in part]
-                for row in others:
-                    out.write(json.dumps(row) + "\n")
-                rows += others
-        results.append(summarize(name, steps.get(ckpt), rows, eval_cfg))
+    # the environment's instances closed when the scoring ends, not when the collector finds them
+    with env_closed(sampler):
+        for ckpt in checkpoints:
+            name = str(ckpt) if ckpt else None
+            if ckpt is not None:
+                checkpoint.load_weights(policy, ckpt)
+            rows = [done[(name, i)] for i in range(len(problems)) if (name, i) in done]
+            todo = [i for i in range(len(problems)) if (name, i) not in done][world.rank::world.size]
+            with (progress(f"eval {Path(name).name if name else 'base'}") as bar,
+                  samples_path.open("a") if world.main else open(os.devnull, "w") as out):
+                task = bar.add_task("", total=len(rows) + len(todo), completed=len(rows), info="")  # this rank's share
+                for start in range(0, len(todo), eval_cfg.batch_size):
+                    batch = [problems[i] for i in todo[start:start + eval_cfg.batch_size]]
+                    # deterministic for a fixed seed, whatever was skipped
+                    generator = torch.Generator().manual_seed(eval_cfg.seed + todo[start])
+                    with adapter_enabled(policy, ckpt is not None):
+                        new = score_batch(policy, tokenizer, sampler, reward_fn, batch, eval_cfg, generator)
+                    for i, row in zip(todo[start:start + eval_cfg.batch_size], new):
+                        row.update(checkpoint=name, index=i, digest=wanted[(name, i)])
+                        out.write(json.dumps(row) + "\n")
+                        rows.append(row)
+                    graded = [r["correct"] for r in rows if r["correct"] is not None]  # rows with a reference answer
+                    info = (f"acc {mean(graded):.3f}" if graded
+                            else f"reward {mean(r['greedy']['reward'] for r in rows):.3f}")
+                    bar.update(task, completed=len(rows), info=info)
+                if world.size > 1:  # the other ranks' new rows, written by rank 0
+                    new = [r for r in rows if (name, r["index"]) not in done]
+                    others = [r for rank, part in enumerate(world.gather(new)) if rank != world.rank for r in part]
+                    for row in others:
+                        out.write(json.dumps(row) + "\n")
+                    rows += others
+            results.append(summarize(name, steps.get(ckpt), rows, eval_cfg))
     mark_best(results)
     report = {"results": results, "config": OmegaConf.to_container(cfg, resolve=True)}
     if not world.main:

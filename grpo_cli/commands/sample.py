@@ -29,7 +29,7 @@ from grpo_cli.metrics.run_files import turns_text
 from grpo_cli.policy import adapter_enabled
 from grpo_cli.rewards.call import score
 from grpo_cli.rewards.outcome import answers_match, extract_answer, reference_answer
-from grpo_cli.rollout.episodes import episode_fields
+from grpo_cli.rollout.episodes import env_closed, episode_fields
 from grpo_cli.rollout.sizing import Job
 
 
@@ -61,12 +61,13 @@ def run(cfg: DictConfig, overrides: list[str] = ()) -> list[dict]:
         checkpoint.load_weights(policy, ckpt)
     # before the first prompt (a model vLLM cannot serve says so here), sized for this one call
     sampler, _ = parts.start(policy, Job(len(problems), sample_cfg.n))
-    with adapter_enabled(policy, ckpt is not None):
+    # the environment's instances closed when the episodes are scored, not when the collector finds them
+    with adapter_enabled(policy, ckpt is not None), env_closed(sampler):
         rollout = sampler.sample(policy, tokenizer, problems, sample_cfg.n,
                                  generator=torch.Generator().manual_seed(sample_cfg.seed))
+        # the data's problems, whose columns the reward reads; a free prompt has none
+        result = score(parts.reward, problems, rollout) if prompt is None else None
     owners = [i for i in range(len(problems)) for _ in range(sample_cfg.n)]
-    # the data's problems, whose columns the reward reads; a free prompt has none
-    result = score(parts.reward, problems, rollout) if prompt is None else None
     turns = episode_fields(rollout)  # episodes: each one's turns, calls and why it ended
     records = []
     for j, text in enumerate(rollout.texts):

@@ -10,7 +10,7 @@ import gc
 import json
 
 from tests.helpers.cli import run_cli
-from tests.helpers.runs import TINY, metrics
+from tests.helpers.runs import EVAL_TINY, TINY, metrics
 from tests.helpers.tools import first_turn_calls
 
 MY_ENV = '''
@@ -139,3 +139,27 @@ def test_an_environment_that_writes_its_prompts_trains_without_a_dataset(tmp_pat
     rows = [json.loads(line) for line in (out / "evals" / "step_000002.jsonl").read_text().splitlines()]
     assert [r["question"] for r in rows] == ['{"seed": 50}', '{"seed": 51}']
     assert [r["greedy"]["reward"] for r in rows] == [1.0, 1.0]
+
+
+ENV_ARGS = ["env=class", "env.factory=my_env.Multiplier", "env.max_episode_tokens=100", "env.max_turns=2",
+            "reward=custom", "reward.funcs=[my_env.zero]"]
+
+
+def test_eval_and_sample_close_the_environment_when_they_end(tmp_path, monkeypatch):
+    """As a training run: the instances are closed when the command ends, not when the collector finds them (a
+    process that goes on, a notebook or a sweep, would see them open)."""
+    (tmp_path / "my_env.py").write_text(MY_ENV)
+    first_turn_calls(monkeypatch)
+    for command in (["eval", *EVAL_TINY, "eval.limit=2"], ["sample", "model=tiny", "sampler.max_new_tokens=6",
+                                                         "sample.num_prompts=2", "sample.n=2"]):
+        for name in ("resets.txt", "closed.txt"):
+            (tmp_path / name).unlink(missing_ok=True)
+        gc.disable()
+        try:
+            code, _, err = run_cli([*command, *ENV_ARGS, f"hydra.run.dir={tmp_path / command[0]}"], cwd=tmp_path)
+        finally:
+            gc.enable()
+        assert code == 0, err
+        instances = set((tmp_path / "resets.txt").read_text().split()[1::2])
+        closed = (tmp_path / "closed.txt").read_text().split() if (tmp_path / "closed.txt").exists() else []
+        assert instances and instances <= set(closed), command[0]
