@@ -48,7 +48,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from paired import REPO, bootstrap, done, read_jsonl, train_or_resume
+from paired import REPO, bootstrap, done, kept, read_jsonl, train_or_resume
 from server_check import start
 
 STEPS = 40
@@ -251,8 +251,11 @@ def main() -> None:
     elif args.what == "overlap":
         overlap(out, args.steps, args.port or 8022)
     else:
-        report_accuracy(out)
-        report_overlap(out)
+        with kept(out / "report.md"):  # kept in git beside the results
+            report_accuracy(out)
+            report_overlap(out)
+            report_restarts(out)
+        return
     report_restarts(out)
 
 

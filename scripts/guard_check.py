@@ -68,7 +68,7 @@ import time
 from pathlib import Path
 
 import yaml
-from paired import REPO, done, last_checkpoint, read_jsonl, save_figure, train_or_resume
+from paired import REPO, done, kept, last_checkpoint, read_jsonl, save_figure, train_or_resume
 
 STEPS, FAULT_FROM, FACTOR = 40, 15, 30.0
 ARMS = {"unguarded": ["trainer.guard=null"], "guarded": []}
@@ -354,13 +354,15 @@ def main() -> None:
                     print(f"seed {seed}: the guarded run made no decision, so there is no rewind to kill after")
                     continue
                 killed(out, seed, when, extra)
-        kill_report(out, args.seeds)
+        with kept(out / "kill.md"):
+            kill_report(out, args.seeds)
         return
     if args.what == "run":
         for seed in args.seeds:
             for arm in ARMS:
                 train(out, arm, seed, extra)
-    report(out, args.seeds)
+    with kept(out / "report.md"):  # kept in git beside the results
+        report(out, args.seeds)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ the t-interval of a mean.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import random
@@ -84,6 +86,18 @@ def t_interval(values: list[float]) -> tuple[float, float, float]:
         return mean, -math.inf, math.inf
     half = T975[min(n - 1, len(T975)) - 1] * statistics.stdev(values) / math.sqrt(n)
     return mean, mean - half, mean + half
+
+
+@contextlib.contextmanager
+def kept(path: Path):
+    """What the block prints, printed and also written to `path` (a report kept beside its results)."""
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        yield
+    text = buffer.getvalue()
+    print(text, end="")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
 
 
 def save_figure(fig, path: Path) -> None:

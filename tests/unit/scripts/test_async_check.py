@@ -108,8 +108,11 @@ def test_a_finished_run_leaves_a_result_that_outlives_its_folder(monkeypatch, tm
     saved = async_check.result(tmp_path, "k1_seed0")
     assert saved["evals"]["40"]["correct"] == [True, True, False, True]
     assert saved["evals"]["40"]["answer"] == ["7", "7", "8", "7"]
-    async_check.report_accuracy(tmp_path)
+    capsys.readouterr()
+    monkeypatch.setattr("sys.argv", ["async_check.py", "report", str(tmp_path)])
+    async_check.main()  # the report, printed and kept in OUT/report.md for git
     out = capsys.readouterr().out
+    assert (tmp_path / "report.md").read_text() == out
     # one seed, problem 2 flips to right: mean paired difference 1/4
     assert "| 40 | 0.500 | 0.750 | +0.250 |" in out
     assert "K=1: sampler/staleness max 1, steps at 1: 39 of 40" in out
