@@ -48,7 +48,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from paired import REPO, bootstrap, done, kept, read_jsonl, train_or_resume
+from paired import REPO, bootstrap, done, kept, read_jsonl, result, train_or_resume, write_json
 from server_check import start
 
 STEPS = 40
@@ -94,19 +94,10 @@ def save_result(run: Path, args: list[str]) -> None:
             "correct": [bool(r["correct"]) for r in rows], "answer": [r["greedy"]["answer"] for r in rows],
             "question": [r["question"][:60] for r in rows]}
     guard = run / "guard.jsonl"
-    result = {"run": run.name, "args": args, "evals": evals, "metrics": read_jsonl(run / "metrics.jsonl"),
-              "guard": read_jsonl(guard) if guard.exists() else []}
-    path = result_path(run)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result) + "\n")
-    tmp.replace(path)
-    print(f"{run.name}: result in {path}", flush=True)
-
-
-def result(out: Path, name: str) -> dict | None:
-    path = out / "results" / f"{name}.json"
-    return json.loads(path.read_text()) if path.exists() else None
+    saved = {"run": run.name, "args": args, "evals": evals, "metrics": read_jsonl(run / "metrics.jsonl"),
+             "guard": read_jsonl(guard) if guard.exists() else []}
+    write_json(result_path(run), saved)
+    print(f"{run.name}: result in {result_path(run)}", flush=True)
 
 
 class Server:

@@ -56,13 +56,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shutil
 import statistics
 import sys
 from pathlib import Path
 
-from paired import REPO, T975, grpo, last_checkpoint, read_jsonl, save_figure, t_interval
+from paired import REPO, T975, grpo, last_checkpoint, read_jsonl, save_figure, t_interval, write_json
 
 ARMS = {"O": ["+recipe=multistep_outcome"], "P": ["+recipe=multistep_process"],
         "O+": ["+recipe=multistep_process", "reward.scorer.at_end=true"]}
@@ -106,14 +105,6 @@ EVAL = ["reward=arithmetic", "reward.functions.accuracy.wrong_if_truncated=true"
         "sampler.max_new_tokens=48"]
 # t(0.975, df): paired.T975
 T80_9 = 0.883   # t(0.80, 9): 80% power at n = 10
-
-
-def write_json(path: Path, data: dict) -> None:
-    """Whole or not at all: a kill mid-write leaves no half file that a re-run would take for a finished one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
 
 
 def result_path(out: Path, arm: str, seed: int) -> Path:

@@ -68,8 +68,8 @@ import statistics
 from pathlib import Path
 
 import credit_experiment as dense
-from credit_experiment import ADD3, EVAL, HELDOUT, SEEDS, SHAPING, STEPS, T80_9, result_path, write_json
-from paired import REPO, T975, grpo, last_checkpoint, read_jsonl, save_figure, t_interval
+from credit_experiment import ADD3, EVAL, HELDOUT, SEEDS, SHAPING, STEPS, T80_9, result_path
+from paired import REPO, T975, grpo, last_checkpoint, read_jsonl, save_figure, t_interval, write_json
 
 ARMS = {arm: dense.ARMS[arm] for arm in ("O", "P")}
 # the base model's sampled accuracy on add3 (0.064) was measured at temperature 1; both arms sample there

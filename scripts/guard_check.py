@@ -68,7 +68,7 @@ import time
 from pathlib import Path
 
 import yaml
-from paired import REPO, done, kept, last_checkpoint, read_jsonl, save_figure, train_or_resume
+from paired import REPO, done, kept, last_checkpoint, read_jsonl, result, save_figure, train_or_resume, write_json
 
 STEPS, FAULT_FROM, FACTOR = 40, 15, 30.0
 ARMS = {"unguarded": ["trainer.guard=null"], "guarded": []}
@@ -140,20 +140,11 @@ def digest(checkpoint: Path) -> str:
 def save_result(out: Path, run: Path, **more) -> dict:
     """OUT/results/RUN.json from a finished run's folder: what the report and the kill's comparison read."""
     last = last_checkpoint(run)
-    result = {"run": run.name, "metrics": read_jsonl(run / "metrics.jsonl"), "guard": decisions(run),
-              "last_checkpoint": last.name, "adapter_sha256": digest(last), **more}
-    path = out / "results" / f"{run.name}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result) + "\n")
-    tmp.replace(path)
-    print(f"{run.name}: result in {path}", flush=True)
-    return result
-
-
-def result(out: Path, name: str) -> dict | None:
-    path = out / "results" / f"{name}.json"
-    return json.loads(path.read_text()) if path.exists() else None
+    saved = {"run": run.name, "metrics": read_jsonl(run / "metrics.jsonl"), "guard": decisions(run),
+             "last_checkpoint": last.name, "adapter_sha256": digest(last), **more}
+    write_json(out / "results" / f"{run.name}.json", saved)
+    print(f"{run.name}: result in {out / 'results' / f'{run.name}.json'}", flush=True)
+    return saved
 
 
 def train(out: Path, arm: str, seed: int, extra: list[str]) -> None:

@@ -9,6 +9,7 @@ import contextlib
 import io
 import json
 import math
+import os
 import random
 import statistics
 import subprocess
@@ -98,6 +99,20 @@ def kept(path: Path):
     print(text, end="")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Whole or not at all: a kill mid-write leaves no half file that a re-run would take for a finished one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
+def result(out: Path, name: str) -> dict | None:
+    """OUT/results/NAME.json, the finished run a later session goes on from; None while there is none."""
+    path = out / "results" / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
 
 
 def save_figure(fig, path: Path) -> None:
