@@ -146,24 +146,21 @@ def accuracy(out: Path, seeds: list[int], port: int) -> None:
     report_accuracy(out)
 
 
-def correct(out: Path, name: str, step: int) -> list[float]:
-    rows = result(out, name)["evals"][str(step)]
-    return [float(c) for c in rows["correct"]]
-
-
 def report_accuracy(out: Path) -> None:
-    seeds = sorted({int(p.stem.split("seed")[1]) for p in (out / "results").glob("k*_seed*.json")})
-    paired = [s for s in seeds if result(out, f"k0_seed{s}") and result(out, f"k1_seed{s}")]
+    found = {p.stem: result(out, p.stem) for p in (out / "results").glob("k*_seed*.json")}  # each file read once
+    seeds = sorted({int(name.split("seed")[1]) for name in found})
+    paired = [s for s in seeds if f"k0_seed{s}" in found and f"k1_seed{s}" in found]
+    runs = {(k, s): found[f"k{k}_seed{s}"] for s in paired for k in (0, 1)}
     print(f"seeds with both arms done: {paired} (of {seeds})")
     print("| step | K=0 accuracy by seed | K=1 accuracy by seed | K=1 - K=0 (paired) | 95% bootstrap |")
     print("|---|---|---|---|---|")
     for step in EVALS:
         acc, diffs = {0: [], 1: []}, {}
         for s in paired:
-            a, b = correct(out, f"k0_seed{s}", step), correct(out, f"k1_seed{s}", step)
+            rows = [runs[k, s]["evals"][str(step)] for k in (0, 1)]
             # paired problem by problem: the same held-out problems in the same order in both arms
-            assert result(out, f"k0_seed{s}")["evals"][str(step)]["question"] == \
-                result(out, f"k1_seed{s}")["evals"][str(step)]["question"]
+            assert rows[0]["question"] == rows[1]["question"]
+            a, b = ([float(c) for c in r["correct"]] for r in rows)
             acc[0].append(statistics.mean(a))
             acc[1].append(statistics.mean(b))
             diffs[s] = [y - x for x, y in zip(a, b)]
@@ -178,15 +175,13 @@ def report_accuracy(out: Path) -> None:
                        if low > -0.05 else f"undecided at this size (interval width {high - low:.3f})")
             print(f"decision (step {step}): {verdict}")
     for k in (0, 1):
-        seen = [r.get("sampler/staleness", 0) for s in paired for r in result(out, f"k{k}_seed{s}")["metrics"]
-                if "step" in r]
+        seen = [r.get("sampler/staleness", 0) for s in paired for r in runs[k, s]["metrics"] if "step" in r]
         if seen:
             print(f"K={k}: sampler/staleness max {max(seen)}, steps at 1: {sum(v == 1 for v in seen)} of {len(seen)}")
     for s in paired:
         for k in (0, 1):
-            done_ = result(out, f"k{k}_seed{s}")
-            print(f"K={k} seed {s}: guard events {len(done_['guard'])}, "
-                  f"median s/step {step_seconds(done_['metrics']):.1f}")
+            print(f"K={k} seed {s}: guard events {len(runs[k, s]['guard'])}, "
+                  f"median s/step {step_seconds(runs[k, s]['metrics']):.1f}")
 
 
 def step_seconds(metrics: list[dict]) -> float:
@@ -237,16 +232,16 @@ def main() -> None:
     args = parser.parse_args()
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    if args.what == "accuracy":
-        accuracy(out, args.seeds, args.port or 8021)
-    elif args.what == "overlap":
-        overlap(out, args.steps, args.port or 8022)
-    else:
+    if args.what == "report":
         with kept(out / "report.md"):  # kept in git beside the results
             report_accuracy(out)
             report_overlap(out)
             report_restarts(out)
         return
+    if args.what == "accuracy":
+        accuracy(out, args.seeds, args.port or 8021)
+    else:
+        overlap(out, args.steps, args.port or 8022)
     report_restarts(out)
 
 
