@@ -103,9 +103,13 @@ class SpikedAdamW(torch.optim.AdamW):
 '''
 
 
+def stops(decisions: list[dict]) -> bool:
+    """Whether the guard's decisions end the run (a stop remedy)."""
+    return any(d["remedy"] == "stop" for d in decisions)
+
+
 def stopped(run: Path) -> bool:
-    path = run / "guard.jsonl"
-    return path.exists() and any(d["remedy"] == "stop" for d in read_jsonl(path))
+    return stops(decisions(run))
 
 
 def finished(run: Path) -> bool:
@@ -273,8 +277,7 @@ def evals(run: dict) -> dict[int, dict]:
 
 def end_accuracy(run: dict) -> tuple[int, dict]:
     """(step, eval record) of the checkpoint the run ends at: the one a stop rewound to, else its last step's."""
-    stop = [d for d in run["guard"] if d["remedy"] == "stop"]
-    step = run["guard"][-1]["rewound_to"] if stop else STEPS
+    step = run["guard"][-1]["rewound_to"] if stops(run["guard"]) else STEPS
     return step, evals(run)[step]
 
 
