@@ -70,6 +70,11 @@ STEPS = 24
 HELDOUT = 200
 # the same soft overlong penalty in every arm (the recipes' cap is 48 new tokens)
 SHAPING = ["algo.overlong_buffer=16", "algo.overlong_penalty=1.0"]
+# what every training run of the design adds: no logger, no printed completions, no in-run eval and no guard.
+# trainer.guard came after this regime's runs, which trained their fixed steps unguarded; on by default, it stopped
+# a sparse-regime P run at step 8 on its length tripwire (its answers grew as it learned the steps): a rewind or a
+# stop in one arm would make the arms differ in more than the reward
+PLAIN = ["trainer.report_to=[]", "trainer.num_completions_to_print=0", "trainer.eval_every=null", "trainer.guard=null"]
 # the multi-step configurations calibrate measures: name -> its data overrides, the steps of a solution, the
 # temperature both arms sample at in training (calibrate measures at it) and the policy both arms start from
 # ("base": the base model; else a key of WARM_STARTS, whose last adapter both arms load: model.init_adapter)
@@ -105,6 +110,15 @@ EVAL = ["reward=arithmetic", "reward.functions.accuracy.wrong_if_truncated=true"
         "sampler.max_new_tokens=48"]
 # t(0.975, df): paired.T975
 T80_9 = 0.883   # t(0.80, 9): 80% power at n = 10
+
+
+def final_checkpoint(run: Path, steps: int, log: Path) -> Path:
+    """The run's checkpoint of step `steps`, which its eval scores; one line and exit when the run ended elsewhere."""
+    ckpt = last_checkpoint(run)
+    if ckpt is None or ckpt.name != f"step_{steps:06d}":
+        sys.exit(f"{run.name}: the run's last checkpoint is {ckpt.name if ckpt else 'none'}, not step {steps}: "
+                 f"the design evaluates step {steps}; see {log}")
+    return ckpt
 
 
 def result_path(out: Path, arm: str, seed: int) -> Path:
@@ -169,8 +183,7 @@ def warm_start(out: Path, key: str, extra: list[str]) -> Path:
     print(f"warm start {key} -> {run}", flush=True)
     grpo("train", "+recipe=multistep_outcome", *warm["data"], *SHAPING, f"sampler.temperature={warm['temperature']}",
          f"trainer.seed={warm['seed']}", f"trainer.max_steps={warm['steps']}", f"trainer.save_every={warm['steps']}",
-         "trainer.report_to=[]", "trainer.num_completions_to_print=0", "trainer.eval_every=null",
-         f"hydra.run.dir={run}", *extra,
+         *PLAIN, f"hydra.run.dir={run}", *extra,
          log=_log(out, f"warm_{key}"))
     return last_checkpoint(run)
 
@@ -228,11 +241,9 @@ def run_one(out: Path, arm: str, seed: int, task: str, extra: list[str], steps: 
     print(f"{arm} seed {seed} -> {run}", flush=True)
     data = CANDIDATES[task]["data"]
     train_s = grpo("train", *ARMS[arm], *arm_settings(out, task, extra), *SHAPING, f"trainer.seed={seed}",
-                   f"trainer.max_steps={steps}", "trainer.report_to=[]", "trainer.num_completions_to_print=0",
-                   "trainer.eval_every=null", f"hydra.run.dir={run}", *extra, log=_log(out, f"train_{arm}_s{seed}"))
-    ckpt = last_checkpoint(run)
-    if ckpt is None:
-        sys.exit(f"{arm} seed {seed}: the run saved no checkpoint; see {_log(out, f'train_{arm}_s{seed}')}")
+                   f"trainer.max_steps={steps}", *PLAIN, f"hydra.run.dir={run}", *extra,
+                   log=_log(out, f"train_{arm}_s{seed}"))
+    ckpt = final_checkpoint(run, steps, _log(out, f"train_{arm}_s{seed}"))
     eval_s = grpo("eval", f"checkpoint={ckpt}", "data=multistep", *data, *EVAL, f"eval.limit={HELDOUT}",
                   "eval.num_samples=0", f"hydra.run.dir={folder}", *extra, log=_log(out, f"eval_{arm}_s{seed}"))
     row = read_eval(folder)

@@ -68,8 +68,8 @@ import statistics
 from pathlib import Path
 
 import credit_experiment as dense
-from credit_experiment import ADD3, EVAL, HELDOUT, SEEDS, SHAPING, STEPS, T80_9, result_path
-from paired import REPO, T975, grpo, last_checkpoint, read_jsonl, save_figure, t_interval, write_json
+from credit_experiment import ADD3, EVAL, HELDOUT, PLAIN, SEEDS, SHAPING, STEPS, T80_9, final_checkpoint, result_path
+from paired import REPO, T975, grpo, read_jsonl, save_figure, t_interval, write_json
 
 ARMS = {arm: dense.ARMS[arm] for arm in ("O", "P")}
 # the base model's sampled accuracy on add3 (0.064) was measured at temperature 1; both arms sample there
@@ -87,8 +87,7 @@ def pending(out: Path, seeds=SEEDS) -> list[tuple[str, int]]:
 def train_command(arm: str, seed: int, steps: int, run: Path, extra: list[str]) -> list[str]:
     """`grpo train` for one (arm, seed): the base model (no init_adapter) on add3 at temperature 1."""
     return ["train", *ARMS[arm], *ADD3, f"sampler.temperature={TEMPERATURE}", *SHAPING, f"trainer.seed={seed}",
-            f"trainer.max_steps={steps}", "trainer.report_to=[]", "trainer.num_completions_to_print=0",
-            "trainer.eval_every=null", f"hydra.run.dir={run}", *extra]
+            f"trainer.max_steps={steps}", *PLAIN, f"hydra.run.dir={run}", *extra]
 
 
 def eval_command(ckpt: Path | None, folder: Path, extra: list[str]) -> list[str]:
@@ -112,9 +111,7 @@ def run_one(out: Path, arm: str, seed: int, extra: list[str], steps: int) -> dic
     dense.fresh(run, folder)
     print(f"{arm} seed {seed} -> {run}", flush=True)
     train_s = grpo(*train_command(arm, seed, steps, run, extra), log=dense._log(out, f"train_{name}"))
-    ckpt = last_checkpoint(run)
-    if ckpt is None:
-        raise SystemExit(f"{arm} seed {seed}: the run saved no checkpoint; see {dense._log(out, f'train_{name}')}")
+    ckpt = final_checkpoint(run, steps, dense._log(out, f"train_{name}"))
     eval_s = grpo(*eval_command(ckpt, folder, extra), log=dense._log(out, f"eval_{name}"))
     row = dense.read_eval(folder)
     result = {"arm": arm, "seed": seed, "checkpoint": str(ckpt), "accuracy": row["accuracy"],

@@ -26,7 +26,7 @@ def test_the_sparse_arms_start_from_the_base_model_on_add3(cs, tmp_path):
         # the dense regime's task, shaping and temperature; the seed and steps of the design; the extra override last
         for a in ("data.num_operands=4", "data.operators=[+]", "algo.overlong_buffer=16", "algo.overlong_penalty=1.0",
                   "sampler.temperature=1.0", "trainer.seed=100", "trainer.max_steps=24",
-                  f"hydra.run.dir={tmp_path / 'run'}"):
+                  f"hydra.run.dir={tmp_path / 'run'}", "trainer.guard=null", "trainer.eval_every=null"):
             assert a in args, (arm, a)
         assert args[-1] == "model=tiny"
     assert not any(a.startswith("reward.scorer") for a in cs.train_command("P", 100, 24, tmp_path, []))  # not O+
@@ -117,6 +117,22 @@ def test_the_report_from_fake_results(cs, tmp_path):
     assert "20 runs" in text and "train 300 s" in text
     assert (sparse / "report.md").read_text() == text
     assert (tmp_path / "fig" / "sparse.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_run_that_ended_before_its_last_step_is_not_scored(cs, tmp_path, monkeypatch):
+    # as P seed 100 did under the guard (stopped at step 13, rewound to its step-8 checkpoint): no eval, no result
+    calls = []
+
+    def grpo(*args, log):
+        calls.append(args[0])
+        folder = Path(next(a for a in args if a.startswith("hydra.run.dir=")).split("=", 1)[1])
+        (folder / "checkpoints" / "step_000008").mkdir(parents=True)
+        return 1.0
+
+    monkeypatch.setattr(cs, "grpo", grpo)
+    with pytest.raises(SystemExit, match="last checkpoint is step_000008, not step 24"):
+        cs.run_one(tmp_path, "P", 100, [], 24)
+    assert calls == ["train"] and not cs.result_path(tmp_path, "P", 100).exists()
 
 
 def test_one_arm_and_seed_through_a_fake_grpo(cs, tmp_path, monkeypatch):
