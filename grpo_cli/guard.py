@@ -110,9 +110,11 @@ def entropy(history: list[dict], min_ratio: float, window: int) -> Trip | None:
                 f"entropy {now:.3g} below {min_ratio:g} x its early mean {early:.3g}")
 
 
-def length(history: list[dict], max_ratio: float, max_truncated_rise: float, window: int) -> Trip | None:
+def length(history: list[dict], max_ratio: float | None, max_truncated_rise: float | None,
+           window: int) -> Trip | None:
     """The newest step's completions/mean_length above `max_ratio` x its mean over the previous `window` steps, or
-    its completions/clipped_ratio (the truncated share) above that mean + `max_truncated_rise`."""
+    its completions/clipped_ratio (the truncated share) above that mean + `max_truncated_rise`. A half set to None
+    is off."""
     if len(history) <= window:
         return None
     now, before = history[-1], history[-1 - window:-1]
@@ -120,10 +122,10 @@ def length(history: list[dict], max_ratio: float, max_truncated_rise: float, win
     truncated = sum(r["completions/clipped_ratio"] for r in before) / window
     values = {"mean_length": now["completions/mean_length"], "baseline_length": mean_length,
               "truncated": now["completions/clipped_ratio"], "baseline_truncated": truncated}
-    if now["completions/mean_length"] > max_ratio * mean_length:
+    if max_ratio is not None and now["completions/mean_length"] > max_ratio * mean_length:
         why = (f"mean length {now['completions/mean_length']:.1f} above {max_ratio:g} x its running mean "
                f"{mean_length:.1f}")
-    elif now["completions/clipped_ratio"] > truncated + max_truncated_rise:
+    elif max_truncated_rise is not None and now["completions/clipped_ratio"] > truncated + max_truncated_rise:
         why = (f"truncated share {now['completions/clipped_ratio']:.2f} above its running mean {truncated:.2f} + "
                f"{max_truncated_rise:g}")
     else:
@@ -148,6 +150,8 @@ def nonfinite(history: list[dict], steps: int) -> Trip | None:
 TRIPWIRES = {"heldout_drop": heldout_drop, "nonfinite": nonfinite, "logp_gap": logp_gap, "entropy": entropy,
              "length": length}
 REMEDIES = ("lr", "is_correction", "stop")
+# thresholds a tripwire may have at null (that half off), as long as one of them is set
+OPTIONAL = {"length": ("max_ratio", "max_truncated_rise")}
 REMEDY_KEYS = ("remedy", "lr_factor", "is_correction", "is_correction_cap")
 
 
@@ -395,12 +399,19 @@ def _tripwire_problems(name: str, node, cfg: DictConfig) -> list[str]:
               for k in node if k not in known]
     errors += [f"{key}.{k} is missing; set +{key}.{k}=... (conf/train.yaml has the defaults)"
                for k in thresholds(name) if k not in node]
+    optional = OPTIONAL.get(name, ())
+    if optional and all(k in node and node[k] is None for k in optional):
+        names = " and ".join(f"{key}.{k}" for k in optional)
+        errors.append(f"{names} are all null, so it never fires; set {key}=null to turn it off, or one of them as "
+                      f"conf/train.yaml does")
     for k in thresholds(name):
         value = node.get(k)
         whole = k in ("window", "steps")
+        if k in optional and value is None:
+            continue
         if k in node and not (is_int(value) and value >= 1 if whole else is_num(value) and value > 0):
-            errors.append(f"{key}.{k} ({value!r}) must be {'an integer >= 1' if whole else 'a number > 0'}; set "
-                          f"{key}.{k} as conf/train.yaml does")
+            kind = "an integer >= 1" if whole else "a number > 0" + (" or null (off)" if k in optional else "")
+            errors.append(f"{key}.{k} ({value!r}) must be {kind}; set {key}.{k} as conf/train.yaml does")
     remedy = node.get("remedy")
     if remedy not in REMEDIES:
         return [*errors, f"{key}.remedy ({remedy!r}) must be {one_of(REMEDIES)}; set {key}.remedy=lr"]

@@ -100,6 +100,14 @@ def test_length_fires_on_a_jump_in_mean_length_or_truncated_share_against_its_ru
     assert guard.length(_lengths([10, 30], [0, 0]), 1.5, 0.3, 2) is None  # before `window` earlier steps
 
 
+def test_either_half_of_length_can_be_off():
+    # the same two jumps as above, 16.6 against 11.0 and 0.46 against 0.15 + 0.3, each with its own half off
+    assert guard.length(_lengths([10, 12, 16.6], [0.1, 0.2, 0.1]), None, 0.3, 2) is None
+    assert guard.length(_lengths([10, 12, 11], [0.1, 0.2, 0.46]), None, 0.3, 2).why.startswith("truncated share 0.46")
+    assert guard.length(_lengths([10, 12, 11], [0.1, 0.2, 0.46]), 1.5, None, 2) is None
+    assert guard.length(_lengths([10, 12, 16.6], [0.1, 0.2, 0.1]), 1.5, None, 2).why.startswith("mean length 16.6")
+
+
 def test_nonfinite_fires_on_steps_in_a_row():
     history = _steps("nonfinite_skipped", [1, 0, 1, 1])
     assert guard.nonfinite(history, steps=3) is None  # the streak is 2: step 2 broke it
@@ -238,6 +246,12 @@ def test_apply_rebuilds_the_loss_with_the_correction_in_force():
     (["trainer.guard.length.window=0"],
      "trainer.guard.length.window (0) must be an integer >= 1; set trainer.guard.length.window as conf/train.yaml "
      "does"),
+    (["trainer.guard.length.max_ratio=null", "trainer.guard.length.max_truncated_rise=null"],
+     "trainer.guard.length.max_ratio and trainer.guard.length.max_truncated_rise are all null, so it never fires; set "
+     "trainer.guard.length=null to turn it off, or one of them as conf/train.yaml does"),
+    (["trainer.guard.length.max_ratio=0"],
+     "trainer.guard.length.max_ratio (0) must be a number > 0 or null (off); set trainer.guard.length.max_ratio as "
+     "conf/train.yaml does"),
     (["+trainer.guard.entropy.max=1"],
      "trainer.guard.entropy.max is not a setting of this tripwire; its settings are min_ratio, window, remedy, "
      "lr_factor, is_correction or is_correction_cap"),
@@ -257,3 +271,5 @@ def test_the_default_guard_and_no_guard_pass_the_checks():
     validate(compose("train"), *train.CHECKS)
     validate(compose("train", ["trainer.guard=null"]), *train.CHECKS)
     validate(compose("train", ["trainer.guard.entropy=null", "trainer.guard.logp_gap.remedy=stop"]), *train.CHECKS)
+    validate(compose("train", ["trainer.guard.length.max_ratio=1.5", "trainer.guard.length.max_truncated_rise=null"]),
+             *train.CHECKS)
