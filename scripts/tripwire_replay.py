@@ -1,6 +1,6 @@
 """The guard's length tripwire replayed on finished runs: where it fires, and how far each run came from firing.
 
-    .venv/bin/python scripts/tripwire_replay.py [--out experiments/tripwire_replay.md]
+    .venv/bin/python scripts/tripwire_replay.py [--max-ratio 1.5] [--out FILE.md]
 
 Reads the per-step records kept in git by the experiments (no weights, no run folders):
 - experiments/async/results/k{0,1}_seed*.json: the default job, 40 steps (`metrics`);
@@ -9,10 +9,11 @@ Reads the per-step records kept in git by the experiments (no weights, no run fo
   truncated-share half of the tripwire is not replayed there).
 
 Each run's steps go through `grpo_cli.guard.length` one at a time, as the guard reads them, with the thresholds of
-conf/train.yaml (trainer.guard.length); the guard's other tripwires and its rewinds are not replayed (a replay of
+conf/train.yaml (trainer.guard.length; --max-ratio replays another length ratio, e.g. 1.5, the default before it was
+turned off); the guard's other tripwires and its rewinds are not replayed (a replay of
 a run that trained on is what the run would have seen up to its first firing). Per run: the steps it fires at, the
 largest ratio of a step's mean length to its running mean, and the largest rise of the truncated share over its
-running mean.
+running mean, and its last held-out accuracy; then the same by job and arm.
 """
 
 from __future__ import annotations
@@ -72,29 +73,70 @@ def replay(rows: list[dict], max_ratio: float, max_truncated_rise: float, window
     return {"fired": fired, "max_ratio": ratio, "max_truncated_rise": rise}
 
 
-def table(experiments: Path, limits: dict) -> list[str]:
-    lines = [f"thresholds (conf/train.yaml trainer.guard.length): max_ratio {limits['max_ratio']}, "
-             f"max_truncated_rise {limits['max_truncated_rise']}, window {limits['window']}", "",
-             "| job | run | steps | fires at steps | largest length ratio | largest truncated rise |",
-             "|---|---|---|---|---|---|"]
+def final_accuracy(result: dict) -> float | None:
+    """The run's last held-out accuracy: the experiment's eval of its last checkpoint, or its last in-run eval."""
+    if "accuracy" in result:
+        return result["accuracy"]
+    evals = [r["eval/accuracy"] for r in result.get("metrics", []) if "eval/accuracy" in r]
+    return evals[-1] if evals else None
+
+
+def replays(experiments: Path, limits: dict) -> list[dict]:
+    """Every kept run with per-step lengths: its job, name, arm, steps, last held-out accuracy and replay."""
+    found = []
     for job, folder, pattern in SOURCES:
         for path in sorted((experiments / folder).glob(pattern)):
-            rows = records(json.loads(path.read_text()))
-            if not rows:
-                continue
-            r = replay(rows, **limits)
-            rise = "–" if r["max_truncated_rise"] is None else f"{r['max_truncated_rise']:+.2f}"
-            fired = ", ".join(map(str, r["fired"])) or "none"
-            lines.append(f"| {job} | {path.stem} | {len(rows)} | {fired} | {r['max_ratio']:.2f} | {rise} |")
+            result = json.loads(path.read_text())
+            rows = records(result)
+            if rows:
+                found.append({"job": job, "run": path.stem, "arm": path.stem.rsplit("_", 1)[0], "steps": len(rows),
+                              "accuracy": final_accuracy(result), **replay(rows, **limits)})
+    return found
+
+
+def _rise(value: float | None) -> str:
+    return "–" if value is None else f"{value:+.2f}"
+
+
+def table(found: list[dict], limits: dict) -> list[str]:
+    """A row per run."""
+    lines = [f"thresholds: max_ratio {limits['max_ratio']}, max_truncated_rise {limits['max_truncated_rise']}, "
+             f"window {limits['window']}", "",
+             "| job | run | steps | last held-out accuracy | fires at steps | largest length ratio "
+             "| largest truncated rise |", "|---|---|---|---|---|---|---|"]
+    for r in found:
+        accuracy = "–" if r["accuracy"] is None else f"{r['accuracy']:.3f}"
+        fired = ", ".join(map(str, r["fired"])) or "none"
+        lines.append(f"| {r['job']} | {r['run']} | {r['steps']} | {accuracy} | {fired} | {r['max_ratio']:.2f} | "
+                     f"{_rise(r['max_truncated_rise'])} |")
+    return lines
+
+
+def summary(found: list[dict]) -> list[str]:
+    """A row per job and arm: runs, runs fired, the largest length ratio and truncated rise among them."""
+    lines = ["| job | arm | runs | runs it fires on | largest length ratio | largest truncated rise |",
+             "|---|---|---|---|---|---|"]
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in found:
+        groups.setdefault((r["job"], r["arm"]), []).append(r)
+    for (job, arm), runs in groups.items():
+        rises = [r["max_truncated_rise"] for r in runs if r["max_truncated_rise"] is not None]
+        lines.append(f"| {job} | {arm} | {len(runs)} | {sum(bool(r['fired']) for r in runs)} | "
+                     f"{max(r['max_ratio'] for r in runs):.2f} | {_rise(max(rises) if rises else None)} |")
     return lines
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--experiments", type=Path, default=REPO / "experiments")
-    parser.add_argument("--out", type=Path, default=None, help="also write the table here (markdown)")
+    parser.add_argument("--max-ratio", type=float, default=None, help="replay this max_ratio, not conf/train.yaml's")
+    parser.add_argument("--out", type=Path, default=None, help="also write the tables here (markdown)")
     args = parser.parse_args()
-    text = "\n".join(table(args.experiments, thresholds())) + "\n"
+    limits = thresholds()
+    if args.max_ratio is not None:
+        limits["max_ratio"] = args.max_ratio
+    found = replays(args.experiments, limits)
+    text = "\n".join([*table(found, limits), "", *summary(found)]) + "\n"
     print(text, end="")
     if args.out:
         args.out.write_text(text)

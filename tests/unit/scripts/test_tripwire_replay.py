@@ -32,11 +32,15 @@ def test_a_curve_without_truncated_shares_replays_the_length_half_only(tr):
     assert tr.records({"curve": {"accuracy": [0.5]}}) is None
 
 
-def test_the_default_jobs_metrics_and_the_table(tr, tmp_path):
+def test_the_default_jobs_metrics_and_the_tables(tr, tmp_path):
     metrics = [{"step": s, "completions/mean_length": n, "completions/clipped_ratio": 0.0}
                for s, n in enumerate([20.0, 20.0, 40.0], 1)] + [{"step": 3, "eval/accuracy": 0.5}]
     (tmp_path / "async" / "results").mkdir(parents=True)
     (tmp_path / "async" / "results" / "k0_seed0.json").write_text(json.dumps({"metrics": metrics}))
-    lines = tr.table(tmp_path, {"max_ratio": 1.5, "max_truncated_rise": 0.3, "window": 2})
-    assert lines[-1] == "| default job | k0_seed0 | 3 | 3 | 2.00 | +0.00 |"
+    (tmp_path / "async" / "results" / "k0_seed1.json").write_text(json.dumps({"metrics": metrics[:2]}))
+    limits = {"max_ratio": 1.5, "max_truncated_rise": 0.3, "window": 2}
+    found = tr.replays(tmp_path, limits)
+    assert tr.table(found, limits)[-2:] == ["| default job | k0_seed0 | 3 | 0.500 | 3 | 2.00 | +0.00 |",
+                                            "| default job | k0_seed1 | 2 | – | none | 0.00 | +0.00 |"]
+    assert tr.summary(found)[-1] == "| default job | k0 | 2 | 1 | 2.00 | +0.00 |"
     assert set(tr.thresholds()) == {"max_ratio", "max_truncated_rise", "window"}  # conf/train.yaml's, remedy aside
