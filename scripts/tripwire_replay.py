@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -54,7 +53,7 @@ def records(result: dict) -> list[dict] | None:
             for i, (n, t) in enumerate(zip(curve["length"], truncated))]
 
 
-def replay(rows: list[dict], max_ratio: float, max_truncated_rise: float, window: int) -> dict:
+def replay(rows: list[dict], max_ratio: float | None, max_truncated_rise: float | None, window: int) -> dict:
     """The steps the length tripwire fires at, read step by step; the largest length ratio and truncated rise
     (None without truncated shares)."""
     has_truncated = all(r["completions/clipped_ratio"] is not None for r in rows)
@@ -62,11 +61,11 @@ def replay(rows: list[dict], max_ratio: float, max_truncated_rise: float, window
     fired, ratio, rise = [], 0.0, 0.0 if has_truncated else None
     for n in range(window + 1, len(filled) + 1):
         history = filled[:n]
-        trip = guard.length(history, max_ratio, max_truncated_rise if has_truncated else math.inf, window)
+        trip = guard.length(history, max_ratio, max_truncated_rise if has_truncated else None, window)
         if trip is not None:
             fired.append(trip.step)
         # a ratio of 0 fires on any step: its values are the step's numbers and their running means
-        v = guard.length(history, 0.0, math.inf, window).values
+        v = guard.length(history, 0.0, None, window).values
         ratio = max(ratio, v["mean_length"] / v["baseline_length"])
         if has_truncated:
             rise = max(rise, v["truncated"] - v["baseline_truncated"])
