@@ -11,6 +11,7 @@ import json
 import math
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -53,8 +54,13 @@ def train_or_resume(run: Path, args: list[str], *, prefix: tuple[str, ...] = (),
                     env: dict | None = None, trust: bool = False) -> None:
     """`grpo train ARGS` into the folder `run`, or `grpo train resume=RUN` once it has a checkpoint (a run cut short
     goes on from there), from `cwd` with `env`, after `prefix` (`taskset -c 1`); the output is appended to RUN.log
-    beside the folder, and a failure exits naming it. `trust`: the run's config names the script's own code (a
+    beside the folder, and a failure exits naming it. A folder with no checkpoint (cut short before its first) is
+    removed and the run starts again from step 0. `trust`: the run's config names the script's own code (a
     user's class), which a resume builds only with trust_run_config=true."""
+    if last_checkpoint(run) is None and run.exists():
+        # cut short before its first checkpoint: nothing to resume, and grpo train refuses a folder that holds a run
+        shutil.rmtree(run)
+        print(f"{run.name}: cut short before its first checkpoint; started again from step 0", flush=True)
     resume = ([f"resume={run}", *(["trust_run_config=true"] if trust else [])] if last_checkpoint(run) is not None
               else [*args, f"hydra.run.dir={run}"])
     run.parent.mkdir(parents=True, exist_ok=True)
