@@ -42,6 +42,16 @@ the eval writes nothing until it ends, so the run folder cannot show it, and the
 running: each resumed run's guard.jsonl decisions and its final checkpoint's adapter equal the
 uninterrupted guarded run's, tensor for tensor.
 
+That claim needs an engine that samples the same completions in every process. The default job's in-process vLLM
+engine does not: on its first real run (2026-12-07, seed 0) the killed runs' own steps before any kill already
+differed from the uninterrupted run's from step 3 on (losses ~1e-4 apart, the same completions), and step 30's
+held-out accuracy by one problem. So the kill report also says whether the steps the killed process logged up to
+its last checkpoint equal the uninterrupted run's, and the check of exactness runs with HF generate (`sampler=short`,
+the default job's 32 tokens) in its own OUT:
+
+    .venv/bin/python scripts/guard_check.py run experiments/guard_hf --seeds 0 --arms guarded -- sampler=short
+    .venv/bin/python scripts/guard_check.py kill experiments/guard_hf --seeds 0 -- sampler=short
+
 Resumable, across sessions (each on a fresh machine): a run that has logged its last step (or, guarded, whose
 guard.jsonl ends in a stop) writes OUT/results/RUN.json (atomically: its metrics, its guard decisions, its last
 checkpoint's name and a digest of that checkpoint's adapter), and the report and the kill's comparison read only
@@ -242,9 +252,23 @@ def decisions(run: Path) -> list[dict]:
     return read_jsonl(path) if path.exists() else []
 
 
+def before_equal(run: dict, whole: dict) -> str:
+    """Whether the steps the killed process logged up to its last checkpoint (kept by the resume: one process, no
+    kill in them) have the uninterrupted run's loss and reward, exactly: an engine that is not reproducible between
+    processes fails here, before any kill could matter. 'False (first at step N)' names the first that differs."""
+    upto = int(run["kill"]["last_checkpoint"].split("_")[-1]) if run["kill"].get("last_checkpoint") else 0
+    ours = {r["step"]: r for r in run["metrics"] if r["step"] <= upto}
+    theirs = {r["step"]: r for r in whole["metrics"] if r["step"] <= upto}
+    if not ours or sorted(ours) != sorted(theirs):
+        return "–"
+    keys = ("loss", "reward")
+    differ = [s for s in sorted(ours) if any(ours[s].get(k) != theirs[s].get(k) for k in keys)]
+    return f"False (first at step {differ[0]})" if differ else f"True (steps 1-{upto})"
+
+
 def kill_report(out: Path, seeds: list[int]) -> None:
-    print("| seed | killed | seen at the kill | last checkpoint then | decisions equal | final checkpoint | "
-          "adapter equal |\n|---|---|---|---|---|---|---|")
+    print("| seed | killed | seen at the kill | last checkpoint then | steps before it equal | decisions equal | "
+          "final checkpoint | adapter equal |\n|---|---|---|---|---|---|---|---|")
     for seed in seeds:
         whole = result(out, f"guarded_seed{seed}")
         for when in ("eval", "rewind"):
@@ -261,7 +285,7 @@ def kill_report(out: Path, seeds: list[int]) -> None:
                 inside = row["time/step_s"] < kill["wait_s"] < row["time/step_s"] + row["time/eval_s"]
                 kill["seen"] += (f"; the resumed step {kill['step']} took {row['time/step_s']:.1f} s, then its eval "
                                  f"{row['time/eval_s']:.1f} s: the kill fell {'in' if inside else 'outside'} the eval")
-            print(f"| {seed} | {when} | {kill['seen']} | {kill['last_checkpoint']} | "
+            print(f"| {seed} | {when} | {kill['seen']} | {kill['last_checkpoint']} | {before_equal(run, whole)} | "
                   f"{run['guard'] == whole['guard']} | {run['last_checkpoint']} vs {whole['last_checkpoint']} | "
                   f"{run['adapter_sha256'] == whole['adapter_sha256']} |")
 
@@ -334,6 +358,7 @@ def main() -> None:
     ap.add_argument("what", choices=("run", "report", "kill"))
     ap.add_argument("out", type=Path, nargs="?", default=REPO / "experiments" / "guard")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS), help="run: these arms only")
     argv = sys.argv[1:]
     cut = argv.index("--") if "--" in argv else len(argv)
     args, extra = ap.parse_args(argv[:cut]), argv[cut + 1:]  # after --: overrides for every run
@@ -353,7 +378,7 @@ def main() -> None:
         return
     if args.what == "run":
         for seed in args.seeds:
-            for arm in ARMS:
+            for arm in args.arms:
                 train(out, arm, seed, extra)
     with kept(out / "report.md"):  # kept in git beside the results
         report(out, args.seeds)

@@ -62,7 +62,7 @@ def finished_run(folder, guard: list[dict], scale: float = 1.0):
               str(folder / "checkpoints" / "step_000040" / "adapter_model.safetensors"))
     evals = {s: {"time/eval_s": 30.0, "eval/accuracy": 0.6 - s / 100, "eval/accuracy_low": 0.5 - s / 100,
                  "eval/accuracy_high": 0.7 - s / 100} for s in (10, 20, 30, 40)}
-    rows = [{"step": s, "time/step_s": 40.0} | evals.get(s, {}) for s in range(1, 41)]
+    rows = [{"step": s, "time/step_s": 40.0, "loss": 0.1 * s, "reward": 0.5} | evals.get(s, {}) for s in range(1, 41)]
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (folder / "guard.jsonl").write_text("".join(json.dumps(d) + "\n" for d in guard))
 
@@ -93,9 +93,14 @@ def test_results_outlive_the_run_folders_and_the_kill_compares_digests(monkeypat
         finished_run(tmp_path / "runs" / name, [decision], scale)
         guard_check.save_result(tmp_path, tmp_path / "runs" / name,
                                 kill={"seen": "x", "last_checkpoint": "step_000010", "step": 20, "wait_s": 1.0})
+    # the rewind-killed process logged step 7 with another loss before the kill (an engine that differs between
+    # processes): the steps before the kill show it, naming the first step that differs
+    saved = guard_check.result(tmp_path, "killed_rewind_seed0")
+    saved["metrics"][6]["loss"] += 1e-9
+    guard_check.write_json(tmp_path / "results" / "killed_rewind_seed0.json", saved)
     guard_check.kill_report(tmp_path, [0])
     eval_row, rewind_row = capsys.readouterr().out.strip().splitlines()[-2:]
     # the kill at 1.0 s fell inside step 20's update (40 s), not its eval; decisions equal; adapters: equal, not
     assert eval_row.startswith("| 0 | eval | x; the resumed step 20 took 40.0 s") and "outside the eval" in eval_row
-    assert eval_row.endswith("| True | step_000040 vs step_000040 | True |")
-    assert rewind_row.endswith("| True | step_000040 vs step_000040 | False |")
+    assert eval_row.endswith("| True (steps 1-10) | True | step_000040 vs step_000040 | True |")
+    assert rewind_row.endswith("| False (first at step 7) | True | step_000040 vs step_000040 | False |")
