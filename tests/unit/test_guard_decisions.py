@@ -13,7 +13,7 @@ from grpo_cli import guard
 from grpo_cli.commands import train
 from grpo_cli.config import compose, validate
 from grpo_cli.errors import ConfigError
-from grpo_cli.guard import GuardState, after, decide, pending, rewind_target
+from grpo_cli.guard import GuardState, after, decide, pending, rewind_target, stop_target
 from grpo_cli.metrics.stats import wilson_interval
 from grpo_cli.trainer_state import TrainerState
 
@@ -144,6 +144,38 @@ def test_a_rewind_goes_to_the_newest_checkpoint_that_passed():
     # before the first eval every checkpoint counts; none written yet: nothing to rewind to
     assert rewind_target([5], history, 7, gated=True) == 5
     assert rewind_target([], history, 7, gated=True) is None
+
+
+def test_a_stop_goes_to_the_best_evaluated_checkpoint_that_passed():
+    # the planted fault's seed 0: step 10 scored 0.480 (0.41-0.55); after two rewinds the redone step 20 scored
+    # 0.390 (0.33-0.46), which overlaps and so passed; step 30 fell to 0.045 and the rewinds were spent
+    history = [{"step": s} for s in range(1, 31)]
+    history[9] |= {"eval/accuracy": 0.480, "eval/accuracy_low": 0.41, "eval/accuracy_high": 0.55}
+    history[19] |= {"eval/accuracy": 0.390, "eval/accuracy_low": 0.33, "eval/accuracy_high": 0.46}
+    # a rewind that trains on goes to the newest that passed (20); a stop to the best of those (10)
+    assert rewind_target([10, 20], history, 30, gated=True) == 20
+    assert stop_target([10, 20], history, 30, gated=True) == 10
+    # only checkpoints on disk count: with step 10's gone, step 20's
+    assert stop_target([20], history, 30, gated=True) == 20
+    # a checkpoint past the newest eval has not passed the gate, whatever it would score: still 10
+    assert stop_target([10, 20, 25], history, 30, gated=True) == 10
+    # equal scores: the earliest, as best.json picks
+    history[19]["eval/accuracy"] = 0.480
+    assert stop_target([10, 20], history, 30, gated=True) == 10
+    # no evaluated checkpoint passed: the newest that did; none at all: None
+    plain = [{"step": s} for s in range(1, 8)]
+    assert stop_target([3, 5], plain, 7, gated=True) == 5
+    assert stop_target([], plain, 7, gated=True) is None
+
+
+def test_a_decision_that_stops_goes_to_the_best_and_one_that_trains_on_to_the_newest():
+    trip = guard.Trip("heldout_drop", 30, {"accuracy": 0.045}, "why")
+    lr = _node(remedy="lr", lr_factor=0.5)
+    assert decide(trip, lr, GuardState(), 2, target=20, algo_cap=None, best=10).rewound_to == 20
+    spent = decide(trip, lr, GuardState(decisions=2, rewinds=2), 2, target=20, algo_cap=None, best=10)
+    assert (spent.remedy, spent.rewound_to) == ("stop", 10)
+    stop = decide(trip, _node(remedy="stop"), GuardState(), 2, target=20, algo_cap=None, best=10)
+    assert (stop.remedy, stop.rewound_to) == ("stop", 10)
 
 
 def _node(**settings):
