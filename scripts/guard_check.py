@@ -32,6 +32,11 @@ The design, fixed before any run:
   scripts/async_check.py accuracy (its guard.jsonl per seed); this script's runs share steps 1-14 with it only in
   design, not in engine (these sample in process).
 
+The first run of the guarded arm (2026-12-06/07, OUT/first/) ended no worse in 1 of 3 seeds: two stopped at a
+checkpoint that had passed the gate by its interval but scored below step 10's. A stop now goes to the best
+evaluated checkpoint that passed (grpo_cli/guard.py, `stop_target`), and the guarded arm ran again into
+OUT/results/ with the same claims; the unguarded arm has no guard, so its runs stand.
+
 kill (after `run` has finished the guarded arm of the seed): the guarded run of that seed again, twice, each killed
 with SIGKILL (its whole process group) once and then resumed (`grpo train resume=RUN trust_run_config=true`) to its
 end: `eval`, during the first in-run eval after the fault (step 20's: the kill comes at the moment step 19 was
