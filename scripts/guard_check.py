@@ -340,19 +340,29 @@ def report(out: Path, seeds: list[int]) -> None:
 
 
 def curves(out: Path, seeds: list[int]) -> None:
+    """Held-out accuracy against step, a colour a seed: unguarded dashed, guarded solid (the branch it kept); an x
+    at each eval that fired the gate (guard.jsonl's values: the abandoned branches' evals), a star where it ends."""
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(7, 4))
     ax = fig.add_subplot()
-    for seed in seeds:
+    for i, seed in enumerate(seeds):
+        colour = f"C{i}"
         for arm, style in (("unguarded", "--"), ("guarded", "-")):
-            rows = result(out, f"{arm}_seed{seed}")["metrics"]
-            points = [(i, r["eval/accuracy"]) for i, r in enumerate(rows) if "eval/accuracy" in r]
-            ax.plot([rows[i]["step"] for i, _ in points], [a for _, a in points], style, marker="o",
-                    label=f"{arm}, seed {seed}")
+            run = result(out, f"{arm}_seed{seed}")
+            kept = sorted(evals(run).items())
+            ax.plot([s for s, _ in kept], [r["eval/accuracy"] for _, r in kept], style, color=colour, marker="o",
+                    ms=4, label=f"{arm}, seed {seed}")
+        guarded = result(out, f"guarded_seed{seed}")
+        fired = [d for d in guarded["guard"] if d["tripwire"] == "heldout_drop"]
+        ax.plot([d["step"] for d in fired], [d["values"]["accuracy"] for d in fired], "x", color=colour, ms=8)
+        step, end = end_accuracy(guarded)
+        ax.plot([step], [end["eval/accuracy"]], "*", color=colour, ms=12)
     ax.axvline(FAULT_FROM, color="grey", lw=0.8)
-    ax.set_xlabel("step (a rewind goes back)")
-    ax.set_ylabel("held-out accuracy")
+    ax.text(FAULT_FROM + 0.3, 0.98, f"fault from update {FAULT_FROM}", fontsize=7, color="grey", va="top",
+            transform=ax.get_xaxis_transform())
+    ax.set_xlabel("step (x: an eval that fired the gate, then rewound; *: where the guarded run ends)")
+    ax.set_ylabel("held-out accuracy (200 problems)")
     ax.legend(fontsize=7)
     save_figure(fig, out / "curves.png")
     print(f"curves: {out / 'curves.png'}")
