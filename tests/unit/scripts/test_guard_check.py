@@ -74,7 +74,8 @@ def test_results_outlive_the_run_folders_and_the_kill_compares_digests(monkeypat
 
     trained = []
     monkeypatch.setattr(guard_check, "train_or_resume", lambda run, *a, **k: trained.append(run.name))
-    monkeypatch.setattr(guard_check, "curves", lambda out, seeds: None)
+    draw = guard_check.curves
+    monkeypatch.setattr(guard_check, "curves", lambda out, seeds: None)  # the report's: drawn below, once
     decision = {"step": 20, "tripwire": "heldout_drop", "values": {"accuracy": 0.1}, "rewound_to": 10, "remedy": "lr"}
     finished_run(tmp_path / "runs" / "unguarded_seed0", [])
     finished_run(tmp_path / "runs" / "guarded_seed0", [decision])
@@ -89,7 +90,7 @@ def test_results_outlive_the_run_folders_and_the_kill_compares_digests(monkeypat
     # B = step 10's 0.50, U = step 40's 0.20 (interval 0.10-0.30, wholly below B's 0.40-0.60), G = 0.20
     assert "| 0 | 0.500 | 0.200 | 0.200 (40) | step 20: heldout_drop -> lr | True | True | False |" in out
     # the curves: both arms' kept evals, the gate's firing (from guard.jsonl) and the end, from the results alone
-    guard_check.curves(tmp_path, [0])
+    draw(tmp_path, [0])
     assert (tmp_path / "curves.png").stat().st_size > 0
     # a killed run with the same tensors has the same digest; another tensor does not
     for name, scale in (("killed_eval_seed0", 1.0), ("killed_rewind_seed0", 2.0)):
