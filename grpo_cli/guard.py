@@ -299,6 +299,7 @@ def rewind(run: recipe.Run, trip: Trip) -> tuple[recipe.Run, Path, bool]:
     decision = decide(trip, guard[trip.tripwire], state, guard.max_rewinds, target, run.cfg.algo.is_correction_cap,
                       best)
     line = dataclasses.asdict(decision)
+    target = decision.rewound_to  # a stop's is the best that passed, not the newest
     if target is None:
         if world.main:
             write_decision(run.run_dir, line, state.decisions)

@@ -130,6 +130,33 @@ def test_the_rewinds_are_bounded_and_then_the_run_stops_where_it_last_passed(tmp
     assert f"checkpoint: {tmp_path / 'checkpoints' / 'step_000002'}" in out.stderr
 
 
+def test_a_stop_goes_to_the_best_checkpoint_that_passed_and_the_run_ends_there(tmp_path):
+    # evals at steps 2, 4, 6 of 20 problems (as planted): 0.90 (0.70-0.97), then 0.75 (0.53-0.89), which overlaps and
+    # passes, then 0.00, which fires; the remedy is stop: the newest that passed is step 4, the best is step 2
+    real = recipe.held_out
+
+    def held_out(run, record):
+        scores = real(run, record)
+        accuracy = {2: 0.9, 4: 0.75}.get(record.step, 0.0)
+        low, high = wilson_interval(round(accuracy * 20), 20)
+        fake = {"eval/accuracy": accuracy, "eval/accuracy_low": low, "eval/accuracy_high": high}
+        for numbers in (scores, record.metrics, run.state.history[-1]):
+            numbers.update(fake)
+        return scores
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(train, "held_out", held_out)
+        out = run_cli(["train", *GUARDED, "trainer.max_steps=6", "trainer.guard.heldout_drop.remedy=stop",
+                       f"hydra.run.dir={tmp_path}"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    (decision,) = _decisions(tmp_path)
+    assert (decision["step"], decision["remedy"], decision["rewound_to"]) == (6, "stop", 2)
+    # the run is at step 2's checkpoint: the files read as a run that stopped there, step 4's checkpoint set aside
+    assert [r["step"] for r in metrics(tmp_path)] == [1, 2]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == ["step_000002"]
+    assert f"checkpoint: {tmp_path / 'checkpoints' / 'step_000002'}" in out.stderr
+
+
 class Killed(Exception):
     """A kill -9, as far as the run folder can tell."""
 
