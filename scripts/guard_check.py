@@ -52,10 +52,12 @@ engine does not: on its first real run (2026-12-07, seed 0) the killed runs' own
 differed from the uninterrupted run's from step 3 on (losses ~1e-4 apart, the same completions), and step 30's
 held-out accuracy by one problem. So the kill report also says whether the steps the killed process logged up to
 its last checkpoint equal the uninterrupted run's, and the check of exactness runs with HF generate (`sampler=short`,
-the default job's 32 tokens) in its own OUT:
+the default job's 32 tokens) in its own OUT, with evals every 8 steps: sampled by HF generate, seed 0's guarded run
+fires first at step 17 and never reaches step 20, so its first eval after the fault is step 16's:
 
-    .venv/bin/python scripts/guard_check.py run experiments/guard_hf --seeds 0 --arms guarded -- sampler=short
-    .venv/bin/python scripts/guard_check.py kill experiments/guard_hf --seeds 0 -- sampler=short
+    .venv/bin/python scripts/guard_check.py run experiments/guard_hf --seeds 0 --arms guarded \
+        -- sampler=short trainer.eval_every=8
+    .venv/bin/python scripts/guard_check.py kill experiments/guard_hf --seeds 0 -- sampler=short trainer.eval_every=8
 
 Resumable, across sessions (each on a fresh machine): a run that has logged its last step (or, guarded, whose
 guard.jsonl ends in a stop) writes OUT/results/RUN.json (atomically: its metrics, its guard decisions, its last
