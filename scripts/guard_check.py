@@ -288,10 +288,15 @@ def kill_report(out: Path, seeds: list[int]) -> None:
                 continue
             kill = run["kill"]
             if when == "eval":  # by the resumed run's own times for that step: its update, then its eval
-                row = next(r for r in run["metrics"] if r["step"] == kill["step"])
-                inside = row["time/step_s"] < kill["wait_s"] < row["time/step_s"] + row["time/eval_s"]
-                kill["seen"] += (f"; the resumed step {kill['step']} took {row['time/step_s']:.1f} s, then its eval "
-                                 f"{row['time/eval_s']:.1f} s: the kill fell {'in' if inside else 'outside'} the eval")
+                row = next((r for r in run["metrics"] if r["step"] == kill["step"]), None)
+                if row is None:  # a later rewind set that step aside: only the times before the kill say it
+                    kill["seen"] += (f"; the resumed step {kill['step']} was set aside by a later rewind, so its "
+                                     f"own times are not kept")
+                else:
+                    inside = row["time/step_s"] < kill["wait_s"] < row["time/step_s"] + row["time/eval_s"]
+                    kill["seen"] += (f"; the resumed step {kill['step']} took {row['time/step_s']:.1f} s, then its "
+                                     f"eval {row['time/eval_s']:.1f} s: the kill fell {'in' if inside else 'outside'} "
+                                     f"the eval")
             print(f"| {seed} | {when} | {kill['seen']} | {kill['last_checkpoint']} | {before_equal(run, whole)} | "
                   f"{run['guard'] == whole['guard']} | {run['last_checkpoint']} vs {whole['last_checkpoint']} | "
                   f"{run['adapter_sha256'] == whole['adapter_sha256']} |")

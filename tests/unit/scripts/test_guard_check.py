@@ -108,3 +108,19 @@ def test_results_outlive_the_run_folders_and_the_kill_compares_digests(monkeypat
     assert eval_row.startswith("| 0 | eval | x; the resumed step 20 took 40.0 s") and "outside the eval" in eval_row
     assert eval_row.endswith("| True (steps 1-10) | True | step_000040 vs step_000040 | True |")
     assert rewind_row.endswith("| False (first at step 7) | True | step_000040 vs step_000040 | False |")
+
+
+def test_the_kill_report_says_when_a_later_rewind_set_the_killed_step_aside(tmp_path, capsys):
+    # the run stopped at step 8 after the kill in step 16's eval: its kept record ends at step 8
+    rows = [{"step": s, "loss": 0.1 * s, "reward": 0.5} for s in range(1, 9)]
+    decision = {"step": 16, "tripwire": "heldout_drop", "values": {"accuracy": 0.04}, "rewound_to": 8, "remedy": "lr"}
+    whole = {"run": "guarded_seed0", "metrics": rows, "guard": [decision], "last_checkpoint": "step_000008",
+             "adapter_sha256": "x"}
+    guard_check.write_json(tmp_path / "results" / "guarded_seed0.json", whole)
+    for when in ("eval", "rewind"):
+        kill = {"seen": "seen", "last_checkpoint": "step_000008", "step": 16, "wait_s": 20.0}
+        guard_check.write_json(tmp_path / "results" / f"killed_{when}_seed0.json", {**whole, "kill": kill})
+    guard_check.kill_report(tmp_path, [0])
+    eval_row = capsys.readouterr().out.strip().splitlines()[2]
+    assert "the resumed step 16 was set aside by a later rewind" in eval_row
+    assert eval_row.endswith("| True (steps 1-8) | True | step_000008 vs step_000008 | True |")
