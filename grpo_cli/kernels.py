@@ -1,8 +1,9 @@
-"""The token log-prob / entropy / fused-head autograd kernels the trainer's forward uses (`logprobs`).
+"""The trainer's forward kernels (`logprobs`): token log-probs, entropies, the fused head, the row gather.
 
     logp = token_logprobs(logits, tokens)            # [N, T, V], [N, T] -> [N, T]
     entropy = token_entropy(logits)                  # [N, T, V] -> [N, T]
     logp, entropy = head_logprobs(hidden, weight, tokens, with_entropy=True)   # [M, D], [V, D], [M] -> [M], [M]
+    kv = take_rows(cache, index)                     # [U, ...], [b] -> [b, ...], a backward that sums in order
 
 Each works `chunk_size` positions at a time, so no full-vocabulary tensor of the whole batch exists in
 forward or backward: a 150k vocabulary makes [N, T, V] fp32 values tens of GB. They compute in fp32 at
@@ -14,6 +15,21 @@ backward, which autograd alone would not keep to one chunk.
 from __future__ import annotations
 
 import torch
+
+
+def take_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """t[index] along dim 0 ([U, ...], [b] -> [b, ...]), where index repeats rows (the G completions of one
+    prompt), with a backward that adds the repeated rows' gradients in the same order on every run.
+
+    On a CPU, t[index]'s backward (index_put_ with accumulate) adds floats from several threads with atomics once
+    the tensor is large (SmolLM2's KV cache is): 175 of 200 repeats gave distinct gradients on 2 threads, so two
+    runs of one config drifted apart at a few parts in a million from their third step and a resume was not
+    bitwise the run it continued. index_select's backward (index_add_) adds row by row in index order there. On
+    CUDA it is the other way round (index_add_ uses atomics; indexing's accumulate sorts), so indexing stays.
+    """
+    if t.device.type == "cpu":
+        return t.index_select(0, index)
+    return t[index]
 
 
 def _blocks(n: int, t: int, chunk_size: int):

@@ -35,7 +35,7 @@ import torch
 from transformers import DynamicCache
 
 from grpo_cli.fsdp import root_gathered
-from grpo_cli.kernels import head_logprobs, token_entropy, token_logprobs
+from grpo_cli.kernels import head_logprobs, take_rows, token_entropy, token_logprobs
 from grpo_cli.policy import autocast, position_ids
 from grpo_cli.rollout import Rollout
 
@@ -115,12 +115,13 @@ def _buckets(model, rollout: Rollout, with_entropy: bool, grad: bool, entropy_gr
         with torch.set_grad_enabled(grad), autocast(model):
             tokens = rollout.completion_ids[rows, :t]  # [b, t]
             # tokens 0..t-2 continue the shared prompt caches; their outputs predict tokens 1..t-1
-            shared = DynamicCache(ddp_cache_data=[(kv[i][own], kv[i + 1][own]) for i in range(0, len(kv), 2)])
+            shared = DynamicCache(ddp_cache_data=[(take_rows(kv[i], own), take_rows(kv[i + 1], own))
+                                                  for i in range(0, len(kv), 2)])
             mask = torch.cat([p_mask[own], rollout.completion_mask[rows, :run]], 1)  # [b, P+run]
             pos = p_mask[own].sum(1, keepdim=True) + torch.arange(run, device=mask.device)
             h = run_body(input_ids=rollout.completion_ids[rows, :run], attention_mask=mask, position_ids=pos,
                      use_cache=True, **{cache_key: shared}).last_hidden_state  # [b, run, D]
-            hidden = torch.cat([last[own][:, None], h], 1)[:, :t]  # [b, t, D]
+            hidden = torch.cat([take_rows(last, own)[:, None], h], 1)[:, :t]  # [b, t, D]
             logp, entropy = head_logprobs(hidden.flatten(0, 1), head.weight, tokens.flatten(),
                                           with_entropy=with_entropy)
             logp = torch.nn.functional.pad(logp.view(-1, t), (0, width - t)) * rollout.completion_mask[rows]  # [b, T]

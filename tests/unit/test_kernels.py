@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from grpo_cli.kernels import head_logprobs, token_entropy, token_logprobs
+from grpo_cli.kernels import head_logprobs, take_rows, token_entropy, token_logprobs
 
 
 def close(x, expected, tol=1e-4):
@@ -192,3 +192,28 @@ def test_head_logprobs_low_precision_and_errors():
         head_logprobs(hidden, weight, tokens, chunk_size=0)
     with pytest.raises(ValueError, match=r"\[M, D\]"):
         head_logprobs(hidden[None], weight, tokens)
+
+
+def test_take_rows_backward_adds_the_same_way_every_time():
+    # the KV cache of 4 prompts, each row taken by its 8 completions: [4, 9, 90, 64] -> [32, 9, 90, 64]. At this
+    # size (>= torch's grain, 32768 elements) on 2 threads, t[index]'s backward gave 175 distinct gradients in 200
+    # repeats; take_rows' must give one
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        generator = torch.Generator().manual_seed(0)
+        cache = torch.randn(4, 9, 90, 64, generator=generator, requires_grad=True)
+        index = torch.arange(4).repeat_interleave(8)[torch.randperm(32, generator=generator)]
+        upstream = torch.randn(32, 9, 90, 64, generator=generator)
+        assert torch.equal(take_rows(cache, index), cache[index])
+        grads = []
+        for _ in range(40):
+            cache.grad = None
+            take_rows(cache, index).backward(upstream)
+            grads.append(cache.grad.clone())
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(g, grads[0]) for g in grads)
+    # and it is the sum of each row's 8 gradients
+    expected = torch.zeros_like(cache).index_add_(0, index, upstream)
+    assert torch.allclose(grads[0], expected, atol=1e-5)
