@@ -47,17 +47,19 @@ the eval writes nothing until it ends, so the run folder cannot show it, and the
 running: each resumed run's guard.jsonl decisions and its final checkpoint's adapter equal the
 uninterrupted guarded run's, tensor for tensor.
 
-That claim needs an engine that samples the same completions in every process. The default job's in-process vLLM
-engine does not: on its first real run (2026-12-07, seed 0) the killed runs' own steps before any kill already
-differed from the uninterrupted run's from step 3 on (losses ~1e-4 apart, the same completions), and step 30's
-held-out accuracy by one problem. So the kill report also says whether the steps the killed process logged up to
-its last checkpoint equal the uninterrupted run's, and the check of exactness runs with HF generate (`sampler=short`,
-the default job's 32 tokens) in its own OUT, with evals every 8 steps: sampled by HF generate, seed 0's guarded run
-fires first at step 17 and never reaches step 20, so its first eval after the fault is step 16's:
+The first kill check (2026-12-07, seed 0, OUT/first/kill.md) failed before any kill: the killed runs' own steps
+already differed from the uninterrupted run's from step 3 (losses ~1e-4 apart on the same completions), and so did
+a second check sampled by HF generate, from step 4. The cause was the update's backward, not the engine (the
+prompt-cache gather added gradients from two threads in any order; grpo_cli/kernels.py `take_rows` since). After
+it, both checks were run again and hold, tensor for tensor: HF generate (`sampler=short`, the default job's 32
+tokens, evals every 8 steps: sampled so, seed 0's guarded run fires first at step 17 and never reaches step 20, so
+its first eval after the fault is step 16's) and the default job's in-process vLLM engine:
 
     .venv/bin/python scripts/guard_check.py run experiments/guard_hf --seeds 0 --arms guarded \
         -- sampler=short trainer.eval_every=8
     .venv/bin/python scripts/guard_check.py kill experiments/guard_hf --seeds 0 -- sampler=short trainer.eval_every=8
+    .venv/bin/python scripts/guard_check.py run experiments/guard_vllm --seeds 0 --arms guarded
+    .venv/bin/python scripts/guard_check.py kill experiments/guard_vllm --seeds 0
 
 Resumable, across sessions (each on a fresh machine): a run that has logged its last step (or, guarded, whose
 guard.jsonl ends in a stop) writes OUT/results/RUN.json (atomically: its metrics, its guard decisions, its last
