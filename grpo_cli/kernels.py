@@ -5,11 +5,11 @@
     logp, entropy = head_logprobs(hidden, weight, tokens, with_entropy=True)   # [M, D], [V, D], [M] -> [M], [M]
     kv = take_rows(cache, index)                     # [U, ...], [b] -> [b, ...], a backward that sums in order
 
-Each works `chunk_size` positions at a time, so no full-vocabulary tensor of the whole batch exists in
-forward or backward: a 150k vocabulary makes [N, T, V] fp32 values tens of GB. They compute in fp32 at
-least (bf16 log-probs are off by ~1e-2, a ratio error of ~1%). Numerically they are log_softmax(x)[tok]
-and -Σ softmax(x)·log softmax(x); what is written by hand is only the memory schedule of forward and
-backward, which autograd alone would not keep to one chunk.
+The log-prob and entropy kernels work `chunk_size` positions at a time, so no full-vocabulary tensor of the
+whole batch exists in forward or backward: a 150k vocabulary makes [N, T, V] fp32 values tens of GB. They
+compute in fp32 at least (bf16 log-probs are off by ~1e-2, a ratio error of ~1%). Numerically they are
+log_softmax(x)[tok] and -Σ softmax(x)·log softmax(x); what is written by hand is only the memory schedule of
+forward and backward, which autograd alone would not keep to one chunk.
 """
 
 from __future__ import annotations
