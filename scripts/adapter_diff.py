@@ -1,5 +1,5 @@
 """How far apart two runs' adapters are, checkpoint by checkpoint: for runs that should be the same (a killed and
-resumed run against an uninterrupted one), where bitwise equality cannot be had between two processes.
+resumed run against an uninterrupted one), so a difference is measured where there is one, not only detected.
 
     .venv/bin/python scripts/adapter_diff.py RUN_A RUN_B
 
@@ -13,14 +13,20 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from grpo_cli.checkpoint import ADAPTER, step_of
+
+
+def _steps(folder: Path) -> list[Path]:
+    """The step_N folders in `folder`, oldest first (a step_N.tmp being written is not one)."""
+    return sorted((p for p in folder.glob("step_*") if step_of(p) is not None), key=step_of)
+
 
 def checkpoints(run: Path) -> list[tuple[str, Path]]:
     """(label, folder) of every checkpoint of `run`, set-aside branches first (pass1, pass2, ...), then kept."""
     folder = run / "checkpoints"
-    passes = sorted(folder.glob("abandoned-*"))
-    found = [(f"pass{i + 1}/{step.name}", step) for i, branch in enumerate(passes)
-             for step in sorted(branch.glob("step_*"))]
-    return found + [(f"kept/{step.name}", step) for step in sorted(folder.glob("step_*"))]
+    passes = sorted(folder.glob("abandoned-*"))  # named by the time they were set aside
+    found = [(f"pass{i + 1}/{step.name}", step) for i, branch in enumerate(passes) for step in _steps(branch)]
+    return found + [(f"kept/{step.name}", step) for step in _steps(folder)]
 
 
 def difference(a: Path, b: Path) -> tuple[bool, float, float]:
@@ -28,7 +34,7 @@ def difference(a: Path, b: Path) -> tuple[bool, float, float]:
     import torch
     from safetensors.torch import load_file
 
-    ta, tb = load_file(a / "adapter_model.safetensors"), load_file(b / "adapter_model.safetensors")
+    ta, tb = load_file(a / ADAPTER), load_file(b / ADAPTER)
     if ta.keys() != tb.keys():
         sys.exit(f"{a} and {b} hold different tensors")
     largest = max((ta[k] - tb[k]).abs().max().item() for k in ta)
