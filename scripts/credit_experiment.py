@@ -61,7 +61,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from paired import REPO, T975, grpo, last_checkpoint, read_jsonl, save_figure, t_interval, write_json
+from paired import REPO, T975, finished, grpo, last_checkpoint, read_jsonl, save_figure, t_interval, write_json
 
 ARMS = {"O": ["+recipe=multistep_outcome"], "P": ["+recipe=multistep_process"],
         "O+": ["+recipe=multistep_process", "reward.scorer.at_end=true"]}
@@ -383,9 +383,7 @@ def plot(results: list[dict], s: dict, base: dict | None, path: Path) -> None:
 
 
 def report(out: Path, plot_path: Path | None = None) -> str:
-    results = [json.loads(p.read_text()) for p in sorted((out / "results").glob("*_s*.json"))]
-    base_path = out / "results" / "base.json"
-    base = json.loads(base_path.read_text()) if base_path.exists() else None
+    results, base = finished(out)
     s = summarize(results, base)
     text = markdown(s)
     (out / "report.md").write_text(text)

@@ -62,14 +62,13 @@ model=tiny` checks the plumbing on the tiny model).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 from pathlib import Path
 
 import credit_experiment as dense
 from credit_experiment import ADD3, EVAL, HELDOUT, PLAIN, SEEDS, SHAPING, STEPS, T80_9, final_checkpoint, result_path
-from paired import REPO, T975, grpo, read_jsonl, save_figure, t_interval, write_json
+from paired import REPO, T975, finished, grpo, read_jsonl, save_figure, t_interval, write_json
 
 ARMS = {arm: dense.ARMS[arm] for arm in ("O", "P")}
 # the base model's sampled accuracy on add3 (0.064) was measured at temperature 1; both arms sample there
@@ -297,15 +296,9 @@ def plot(results: list[dict], dense_results: list[dict], s: dict, path: Path) ->
     save_figure(fig, path)
 
 
-def read_results(out: Path) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted((out / "results").glob("*_s*.json"))]
-
-
 def report(out: Path, dense_out: Path, plot_path: Path | None = None) -> str:
-    results = read_results(out)
-    dense_results = read_results(dense_out) if (dense_out / "results").exists() else []
-    base_path = out / "results" / "base.json"
-    base = json.loads(base_path.read_text()) if base_path.exists() else None
+    results, base = finished(out)
+    dense_results = finished(dense_out)[0] if (dense_out / "results").exists() else []
     s = summarize(results, base, dense_results)
     text = markdown(s)
     (out / "report.md").write_text(text)

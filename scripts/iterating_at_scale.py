@@ -69,7 +69,7 @@ import statistics
 from pathlib import Path
 
 from credit_experiment import _log, eval_base, final_checkpoint, fresh, read_eval, result_path
-from paired import REPO, T975, grpo, read_jsonl, save_figure, t_interval, write_json
+from paired import REPO, T975, finished, grpo, read_jsonl, save_figure, t_interval, write_json
 
 ARMS = ("iterative", "fixed")
 SEEDS = tuple(range(8))
@@ -291,14 +291,8 @@ def plot(results: list[dict], s: dict, path: Path) -> None:
     save_figure(fig, path)
 
 
-def read_results(out: Path) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted((out / "results").glob("*_s*.json"))]
-
-
 def report(out: Path, plot_path: Path | None = None, planned: int = len(SEEDS)) -> str:
-    results = read_results(out)
-    base_path = out / "results" / "base.json"
-    base = json.loads(base_path.read_text()) if base_path.exists() else None
+    results, base = finished(out)
     s = summarize(results, base, planned)
     text = markdown(s)
     (out / "report.md").write_text(text)

@@ -121,6 +121,13 @@ def result(out: Path, name: str) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+def finished(out: Path) -> tuple[list[dict], dict | None]:
+    """An experiment's finished runs (OUT/results/ARM_sSEED.json, by name) and its starting policy's eval
+    (OUT/results/base.json; None until measured)."""
+    results = [json.loads(p.read_text()) for p in sorted((out / "results").glob("*_s*.json"))]
+    return results, result(out, "base")
+
+
 def save_figure(fig, path: Path) -> None:
     """Lay out, write (folders made) and close a matplotlib figure."""
     import matplotlib.pyplot as plt
