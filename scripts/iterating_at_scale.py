@@ -1,7 +1,7 @@
 """Does iterating pay? Iterative RL against a fixed reward model at a scale where retraining has right answers to
 learn from, paired by seed.
 
-    .venv/bin/python scripts/iterating_at_scale.py run       # 8 seeds x {iterative, fixed}, resumable (~4.5 h quiet)
+    .venv/bin/python scripts/iterating_at_scale.py run       # 8 seeds x {iterative, fixed}, resumable (~4-5 h quiet)
     .venv/bin/python scripts/iterating_at_scale.py report    # table, interval, verdict: OUT/report.md, a PNG
 
 Why: the first comparison (scripts/iterative_vs_fixed.py: 3 seeds, 3 iterations x 5 steps, 24 problems x 4 samples
@@ -16,14 +16,21 @@ The design, fixed before any run:
   recipe's documented start; 64 problems x 4 samples, rm.seed=0) in OUT/rm, once. Its weights' sha256 goes into
   every result, so a run of a later session on another machine that trained a different start model is seen.
 - arms, differing in `iterative.retrain` alone: iterative (true: the reward model is retrained on the current
-  policy's samples at every boundary, through the recipe's gate `rm.min_auc`) and fixed (false: iteration 0's model
-  scores every iteration; the later boundaries sample and measure it the same way). Both `grpo train
-  +recipe=iterative_from_rm reward.name_or_path=OUT/rm/model` with 4 iterations x 10 steps (40 steps: the policy the
-  probe found the fixed model stale on was a step-40 one), rm.num_problems=64 a boundary (256 rows at the recipe's
-  temperature 0.5, 16 prompts' rows held out for the gate and the AUCs), the recipe's other settings, no guard
-  (`trainer.guard=null`: a rewind in one arm and not the other would be a second difference), no in-run eval (the
-  endpoint is `grpo eval`'s). Iteration 0's boundary is the same in both arms, so a seed's two runs are one run
-  through step 10 and differ only from step 11.
+  policy's samples at every boundary, as the paper's Algorithm 1) and fixed (false: iteration 0's model scores every
+  iteration; the later boundaries sample and measure it the same way). Both `grpo train +recipe=iterative_from_rm
+  reward.name_or_path=OUT/rm/model` with 4 iterations x 10 steps (40 steps: the policy the probe found the fixed
+  model stale on was a step-40 one), rm.num_problems=64 x rm.samples_per_problem=8 a boundary (512 rows at the
+  recipe's temperature 0.5; 16 prompts' 128 rows held out for the AUCs), no gate (`rm.min_auc=null`: a retrained
+  model always scores the next iteration), the recipe's other settings, no guard (`trainer.guard=null`: a rewind in
+  one arm and not the other would be a second difference), no in-run eval (the endpoint is `grpo eval`'s).
+  Iteration 0's boundary is the same in both arms, so a seed's two runs are one run through step 10 and differ only
+  from step 11.
+- changed once before any endpoint was seen: the first try (4 samples a problem, the recipe's gate rm.min_auc=0.6)
+  was stopped during its first run (iterative, seed 0), whose boundaries showed the gate deciding on 0-5 held-out
+  prompts with both a right and a wrong answer (of 16): at 4 samples a prompt the policy is mostly all right or all
+  wrong on a prompt, so the gate's within-prompt AUC was undefined (model kept) or rested on a handful of prompts
+  at boundaries 2 and 3, and the iterative arm would mostly have kept iteration 1's model: a test of the gate, not
+  of iterating. That run was not evaluated; its boundary records are not part of the results.
 - seeds 0-7 (trainer.seed): a seed's arms see the same prompts with the same sampling seeds.
 - eval: `grpo eval`, greedy accuracy by the task's rule (reward=arithmetic) on all 500 held-out problems, HF
   generate, of each run's step-40 checkpoint; the base model once on the same problems.
@@ -39,15 +46,12 @@ The design, fixed before any run:
   no verdict (an interim table says so).
 - secondary endpoints (no verdict):
   - the mechanism: at boundaries 1-3, the within-prompt AUC on fresh held-out samples of the current policy of the
-    model that scores the coming iteration (iterative: `rm/auc_current_policy`, the retrained model or, where the
-    gate kept it, the previous one; fixed: the fixed model, `rm/auc_current_policy_before`), each arm on its own
-    policy's samples; per seed the mean over the boundaries where both arms measured one, iterative - fixed, with
-    a t-interval over the seeds that have one.
+    model that scores the coming iteration (iterative: the retrained model, `rm/auc_current_policy`; fixed: the
+    fixed model, `rm/auc_current_policy_before`), each arm on its own policy's samples; per seed the mean over the
+    boundaries where both arms measured one, iterative - fixed, with a t-interval over the seeds that have one.
   - the training samples' accuracy by the rule (`rewards/accuracy/mean`, weight 0 in the reward) over steps 11-40,
     per seed iterative - fixed, with a t-interval.
   - truncation and length: the held-out truncated share and mean length at step 40, per arm.
-  - the gate: how often the iterative arm kept the previous model at boundaries 1-3; a seed where it kept it at all
-    three trains the same reward model as the fixed arm (the difference is then the product's gate, not chance).
   - wall times (train, eval) per arm.
 
 Resumable: each finished (arm, seed) writes OUT/results/ARM_sSEED.json (atomically, after its eval); a re-run runs
@@ -73,7 +77,7 @@ from paired import REPO, T975, finished, grpo, read_jsonl, save_figure, t_interv
 
 ARMS = ("iterative", "fixed")
 SEEDS = tuple(range(8))
-ITERATIONS, STEPS, PROBLEMS = 4, 10, 64
+ITERATIONS, STEPS, PROBLEMS, SAMPLES = 4, 10, 64, 8
 HELDOUT = 500
 # grpo eval: greedy, the task's rule, HF generate (as the training runs, which iterative RL keeps on HF generate)
 EVAL = ["reward=arithmetic", "sampler=short", f"eval.limit={HELDOUT}", "eval.num_samples=0"]
@@ -112,7 +116,8 @@ def train_command(arm: str, seed: int, model: Path, run: Path, sizes: tuple[int,
     return ["train", "+recipe=iterative_from_rm", f"reward.name_or_path={model}",
             f"iterative.retrain={arm == 'iterative'}", f"iterative.iterations={iterations}",
             f"iterative.steps={steps}", f"trainer.max_steps={iterations * steps}",
-            f"rm.num_problems={problems}", f"trainer.seed={seed}", "trainer.guard=null", "trainer.eval_every=null",
+            f"rm.num_problems={problems}", f"rm.samples_per_problem={SAMPLES}", "rm.min_auc=null",
+            f"trainer.seed={seed}", "trainer.guard=null", "trainer.eval_every=null",
             "trainer.report_to=[]", f"hydra.run.dir={run}", *extra]
 
 
@@ -201,9 +206,8 @@ def summarize(results: list[dict], base: dict | None, planned: int = len(SEEDS))
         if m is not None:
             mech.append(m)
         train_d.append(_after_first(i) - _after_first(f))
-        kept = sum(bool(b["kept_previous"]) for b in i["boundaries"] if b["iteration"] >= 1)
         rows.append({"seed": s, "iterative": i["accuracy"], "fixed": f["accuracy"], "d": i["accuracy"] - f["accuracy"],
-                     "auc_iterative": ai, "auc_fixed": af, "auc_d": m, "train_d": train_d[-1], "kept": kept,
+                     "auc_iterative": ai, "auc_fixed": af, "auc_d": m, "train_d": train_d[-1],
                      "truncated": (i["truncated"], f["truncated"]), "length": (i["length"], f["length"]),
                      "train_s": (i["train_s"], f["train_s"]), "eval_s": (i["eval_s"], f["eval_s"])})
     diffs = [r["d"] for r in rows]
@@ -224,11 +228,11 @@ def markdown(s: dict) -> str:
     fmt = lambda v: "–" if v is None else f"{v:.2f}"  # noqa: E731
     auc = lambda d: ", ".join(f"{fmt(d.get(b))}" for b in (1, 2, 3))  # noqa: E731
     lines = ["| seed | iterative | fixed | d | scoring model's within-prompt AUC at boundaries 1-3: iterative / fixed "
-             "| gate kept the old model (of 1-3) | train accuracy 11-40, d | truncated i / f | train s i / f |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| train accuracy 11-40, d | truncated i / f | train s i / f |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in s["rows"]:
         lines.append(f"| {r['seed']} | {r['iterative']:.3f} | {r['fixed']:.3f} | {r['d']:+.3f} | "
-                     f"{auc(r['auc_iterative'])} / {auc(r['auc_fixed'])} | {r['kept']} | {r['train_d']:+.3f} | "
+                     f"{auc(r['auc_iterative'])} / {auc(r['auc_fixed'])} | {r['train_d']:+.3f} | "
                      f"{r['truncated'][0]:.3f} / {r['truncated'][1]:.3f} | "
                      f"{r['train_s'][0]:.0f} / {r['train_s'][1]:.0f} |")
     p = s["primary"]

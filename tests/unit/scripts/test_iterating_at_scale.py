@@ -24,11 +24,12 @@ def test_the_arms_differ_in_retraining_alone(ias, tmp_path):
     assert [a for a in iterative if a not in fixed] == ["iterative.retrain=True"]
     assert [a for a in fixed if a not in iterative] == ["iterative.retrain=False"]
     for a in ("+recipe=iterative_from_rm", f"reward.name_or_path={model}", "iterative.iterations=4",
-              "iterative.steps=10", "trainer.max_steps=40", "rm.num_problems=64", "trainer.seed=3",
+              "iterative.steps=10", "trainer.max_steps=40", "rm.num_problems=64", "rm.samples_per_problem=8",
+              "rm.min_auc=null", "trainer.seed=3",
               "trainer.guard=null", "trainer.eval_every=null", f"hydra.run.dir={run}"):
         assert a in fixed, a
     assert fixed[0] == "train" and fixed[-1] == "model=tiny"
-    assert ias.SEEDS == tuple(range(8)) and (ias.ITERATIONS, ias.STEPS, ias.PROBLEMS) == (4, 10, 64)
+    assert ias.SEEDS == tuple(range(8)) and (ias.ITERATIONS, ias.STEPS, ias.PROBLEMS, ias.SAMPLES) == (4, 10, 64, 8)
     assert "eval.limit=500" in ias.EVAL and "reward=arithmetic" in ias.EVAL
 
 
@@ -52,12 +53,11 @@ def test_the_verdict_rule_at_its_boundaries(ias):
     assert ias.verdict(spread(0.1, 0.03)[:7]) == "incomplete (7 of 8 seeds): no verdict"
 
 
-def fake(arm: str, seed: int, accuracy: float, auc: list, kept: list, curve: list[float]) -> dict:
+def fake(arm: str, seed: int, accuracy: float, auc: list, curve: list[float]) -> dict:
     """A result as run_one writes it: boundaries 0-3, the scoring model's AUC at 1-3 under the arm's key."""
     key = "rm/auc_current_policy" if arm == "iterative" else "rm/auc_current_policy_before"
-    bounds = [{"iteration": 0, "step": 1, "kept_previous": False, key: 0.9}]
-    bounds += [{"iteration": i, "step": 1 + 2 * i, "kept_previous": k, key: a}
-               for i, (a, k) in enumerate(zip(auc, kept), start=1)]
+    bounds = [{"iteration": 0, "step": 1, key: 0.9}]
+    bounds += [{"iteration": i, "step": 1 + 2 * i, key: a} for i, a in enumerate(auc, start=1)]
     return {"arm": arm, "seed": seed, "accuracy": accuracy, "truncated": 0.0, "length": 10.0, "train_s": 1.0,
             "eval_s": 1.0, "start_rm_sha256": "x", "boundaries": bounds,
             "curve": {"accuracy": curve, "length": [1.0] * len(curve), "truncated": [0.0] * len(curve)}}
@@ -66,19 +66,19 @@ def fake(arm: str, seed: int, accuracy: float, auc: list, kept: list, curve: lis
 def test_the_secondary_endpoints_worked_by_hand(ias):
     # boundaries every 2 steps (iteration 1 starts at step 3), so the training endpoint is the mean of steps 3-6
     results = [
-        fake("iterative", 0, 0.60, [0.8, None, 0.9], [False, True, False], [0.0, 0.0, 0.5, 0.5, 0.7, 0.9]),
-        fake("fixed", 0, 0.50, [0.7, 0.6, 0.5], [False, False, False], [0.0, 0.0, 0.5, 0.5, 0.5, 0.5]),
-        fake("iterative", 1, 0.40, [0.6, 0.6, 0.6], [True, True, True], [0.2, 0.2, 0.2, 0.2, 0.2, 0.2]),
-        fake("fixed", 1, 0.40, [0.6, 0.6, 0.6], [False, False, False], [0.2, 0.2, 0.2, 0.2, 0.2, 0.2]),
+        fake("iterative", 0, 0.60, [0.8, None, 0.9], [0.0, 0.0, 0.5, 0.5, 0.7, 0.9]),
+        fake("fixed", 0, 0.50, [0.7, 0.6, 0.5], [0.0, 0.0, 0.5, 0.5, 0.5, 0.5]),
+        fake("iterative", 1, 0.40, [0.6, 0.6, 0.6], [0.2, 0.2, 0.2, 0.2, 0.2, 0.2]),
+        fake("fixed", 1, 0.40, [0.6, 0.6, 0.6], [0.2, 0.2, 0.2, 0.2, 0.2, 0.2]),
     ]
     s = ias.summarize(results, {"accuracy": 0.3}, planned=2)
     one, two = s["rows"]
-    # seed 0: d = 0.10; AUC boundaries measured in both: 1 (0.8 - 0.7) and 3 (0.9 - 0.5): mean 0.25; kept once;
+    # seed 0: d = 0.10; AUC boundaries measured in both: 1 (0.8 - 0.7) and 3 (0.9 - 0.5): mean 0.25;
     # training: (0.5 + 0.5 + 0.7 + 0.9) / 4 - 0.5 = 0.65 - 0.5 = 0.15
-    assert one["d"] == pytest.approx(0.10) and one["auc_d"] == pytest.approx(0.25) and one["kept"] == 1
+    assert one["d"] == pytest.approx(0.10) and one["auc_d"] == pytest.approx(0.25)
     assert one["train_d"] == pytest.approx(0.15)
-    # seed 1: the gate kept the start model at every boundary: the arms are one run
-    assert two["d"] == 0.0 and two["auc_d"] == 0.0 and two["kept"] == 3 and two["train_d"] == 0.0
+    # seed 1: the arms alike in all
+    assert two["d"] == 0.0 and two["auc_d"] == 0.0 and two["train_d"] == 0.0
     # primary over the two seeds: mean 0.05, sd 0.070711, half-width 12.706 x 0.070711 / √2 = 0.6353
     assert s["primary"]["mean"] == pytest.approx(0.05)
     assert s["primary"]["upper"] - s["primary"]["mean"] == pytest.approx(0.6353, abs=1e-4)
@@ -91,7 +91,7 @@ def test_the_secondary_endpoints_worked_by_hand(ias):
     assert full["planned_detectable"] == pytest.approx(0.0749, abs=1e-4)
     assert full["verdict"] == "incomplete (2 of 8 seeds): no verdict"
     text = ias.markdown(s)
-    assert "| 0 | 0.600 | 0.500 | +0.100 | 0.80, –, 0.90 / 0.70, 0.60, 0.50 | 1 | +0.150 |" in text
+    assert "| 0 | 0.600 | 0.500 | +0.100 | 0.80, –, 0.90 / 0.70, 0.60, 0.50 | +0.150 |" in text
     assert "Base model (no adapter) 0.300" in text and "**inconclusive**" in text
 
 
