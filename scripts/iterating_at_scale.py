@@ -73,6 +73,7 @@ import statistics
 from pathlib import Path
 
 from credit_experiment import _log, eval_base, final_checkpoint, fresh, read_eval, result_path
+from credit_sparse import training_curve
 from paired import REPO, T975, finished, grpo, read_jsonl, save_figure, t_interval, write_json
 
 ARMS = ("iterative", "fixed")
@@ -104,11 +105,8 @@ def _rm_eval(folder: Path) -> dict:
 
 
 def _sha(model: Path) -> str:
-    digest = hashlib.sha256()
     with (model / "model.safetensors").open("rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def train_command(arm: str, seed: int, model: Path, run: Path, sizes: tuple[int, int, int], extra: list[str]):
@@ -127,14 +125,6 @@ def boundaries(run: Path) -> list[dict]:
             "rm/auc_current_policy_before", "rm/auc_current_policy_after", "rm/auc_current_policy", "rm/auc_prompts",
             "rm/pooled_auc_current_policy_before", "rm/pooled_auc_current_policy_after", "time/sample_s", "time/rm_s")
     return [{k: b.get(k) for k in keys} for b in read_jsonl(run / "iterations.jsonl")]
-
-
-def training_curve(run: Path) -> dict:
-    """Per step: the training samples' accuracy by the rule, mean length and truncated share."""
-    rows = read_jsonl(run / "metrics.jsonl")
-    return {"accuracy": [r["rewards/accuracy/mean"] for r in rows],
-            "length": [r["completions/mean_length"] for r in rows],
-            "truncated": [r["completions/clipped_ratio"] for r in rows]}
 
 
 def per_problem(folder: Path) -> list[int]:
@@ -218,10 +208,9 @@ def summarize(results: list[dict], base: dict | None, planned: int = len(SEEDS))
     return {"rows": rows, "base": base, "primary": _interval(diffs), "sd": sd, "verdict": verdict(diffs, planned),
             "observed_half": t * sd / n ** 0.5 if sd else None,
             "observed_detectable": (t + T80_7) * sd / n ** 0.5 if sd else None,
-            "planned_half": 2.365 * PLANNING_SD / planned ** 0.5,
-            "planned_detectable": (2.365 + T80_7) * PLANNING_SD / planned ** 0.5,
-            "mechanism": _interval(mech), "training": _interval(train_d), "start_models": len(shas),
-            "mean": {a: statistics.mean(by[a, s]["accuracy"] for s in seeds) if seeds else None for a in ARMS}}
+            "planned_half": T975[max(planned - 2, 0)] * PLANNING_SD / planned ** 0.5,
+            "planned_detectable": (T975[max(planned - 2, 0)] + T80_7) * PLANNING_SD / planned ** 0.5,
+            "mechanism": _interval(mech), "training": _interval(train_d), "start_models": len(shas)}
 
 
 def markdown(s: dict) -> str:
