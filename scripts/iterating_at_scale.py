@@ -276,6 +276,7 @@ def plot(results: list[dict], s: dict, path: Path) -> None:
         ax.grid(alpha=0.3)
     axes[0].set_xlabel("step")
     axes[2].set_xlabel("boundary (iteration)")
+    axes[2].set_xticks([1, 2, 3])
     axes[0].legend(fontsize=8)
     axes[1].legend(fontsize=8)
     p = s["primary"]
