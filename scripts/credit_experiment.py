@@ -61,7 +61,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from paired import REPO, T975, finished, grpo, last_checkpoint, read_jsonl, save_figure, t_interval, write_json
+from paired import REPO, finished, grpo, last_checkpoint, read_jsonl, save_figure, t975, t_interval, write_json
 
 ARMS = {"O": ["+recipe=multistep_outcome"], "P": ["+recipe=multistep_process"],
         "O+": ["+recipe=multistep_process", "reward.scorer.at_end=true"]}
@@ -108,7 +108,7 @@ CALIBRATION = {"problems": 64, "samples": 8, "low": 0.2, "high": 0.4, "target": 
 # what every eval scores with: the held-out split, accuracy with a truncated completion wrong, the training cap
 EVAL = ["reward=arithmetic", "reward.functions.accuracy.wrong_if_truncated=true", "sampler=short",
         "sampler.max_new_tokens=48"]
-# t(0.975, df): paired.T975
+# t(0.975, df): paired.t975
 T80_9 = 0.883   # t(0.80, 9): 80% power at n = 10
 
 
@@ -312,7 +312,7 @@ def summarize(results: list[dict], base: dict | None) -> dict:
     sd = statistics.stdev(diff["P - O"]) if len(rows) > 1 else math.nan
     return {"rows": rows, "diffs": diff, "intervals": intervals, "positive": sum(d > 0 for d in diff["P - O"]),
             "p_truncated": p_trunc, "p_truncated_step1": step1, "sd": sd,
-            "half_width": T975[8] * sd / math.sqrt(10), "detectable": (T975[8] + T80_9) * sd / math.sqrt(10),
+            "half_width": t975(9) * sd / math.sqrt(10), "detectable": (t975(9) + T80_9) * sd / math.sqrt(10),
             "verdict": verdict(diff["P - O"], p_trunc, step1)}
 
 

@@ -68,7 +68,7 @@ from pathlib import Path
 
 import credit_experiment as dense
 from credit_experiment import ADD3, EVAL, HELDOUT, PLAIN, SEEDS, SHAPING, STEPS, T80_9, final_checkpoint, result_path
-from paired import REPO, T975, finished, grpo, read_jsonl, save_figure, t_interval, write_json
+from paired import REPO, finished, grpo, read_jsonl, save_figure, t975, t_interval, write_json
 
 ARMS = {arm: dense.ARMS[arm] for arm in ("O", "P")}
 # the base model's sampled accuracy on add3 (0.064) was measured at temperature 1; both arms sample there
@@ -147,7 +147,7 @@ def welch(a: list[float], b: list[float]) -> tuple[float, float, float, float]:
     if va + vb == 0:
         return mean, mean, mean, math.inf
     df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
-    half = T975[min(max(int(df), 1), len(T975)) - 1] * math.sqrt(va + vb)
+    half = t975(df) * math.sqrt(va + vb)
     return mean, mean - half, mean + half, df
 
 
@@ -188,7 +188,7 @@ def summarize(results: list[dict], base: dict | None, dense_results: list[dict])
                  "eval": _mean(r.get("eval_s") for r in runs if r["arm"] == a)} for a in ARMS}
     total = sum((r.get("train_s") or 0) + (r.get("eval_s") or 0) for r in runs) + ((base or {}).get("eval_s") or 0)
     return {"rows": rows, "d": d, "interval": _interval(d), "sd": sd,
-            "half_width": T975[8] * sd / math.sqrt(10), "detectable": (T975[8] + T80_9) * sd / math.sqrt(10),
+            "half_width": t975(9) * sd / math.sqrt(10), "detectable": (t975(9) + T80_9) * sd / math.sqrt(10),
             "truncated": truncated, "verdict": verdict(d, truncated["P"], truncated["O"]),
             "d_dense": d_dense, "dense_interval": _interval(d_dense),
             "interaction": welch(d, d_dense) if d and d_dense else (math.nan,) * 4,

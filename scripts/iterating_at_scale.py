@@ -74,7 +74,7 @@ from pathlib import Path
 
 from credit_experiment import _log, eval_base, final_checkpoint, fresh, read_eval, result_path
 from credit_sparse import training_curve
-from paired import REPO, T975, finished, grpo, read_jsonl, save_figure, t_interval, write_json
+from paired import REPO, finished, grpo, read_jsonl, save_figure, t975, t_interval, write_json
 
 ARMS = ("iterative", "fixed")
 SEEDS = tuple(range(8))
@@ -203,13 +203,13 @@ def summarize(results: list[dict], base: dict | None, planned: int = len(SEEDS))
     diffs = [r["d"] for r in rows]
     n = len(diffs)
     sd = statistics.stdev(diffs) if n >= 2 else None
-    t = T975[min(max(n - 1, 1), len(T975)) - 1]
+    t = t975(n - 1)
     shas = {r.get("start_rm_sha256") for r in results}
     return {"rows": rows, "base": base, "primary": _interval(diffs), "sd": sd, "verdict": verdict(diffs, planned),
             "observed_half": t * sd / n ** 0.5 if sd else None,
             "observed_detectable": (t + T80_7) * sd / n ** 0.5 if sd else None,
-            "planned_half": T975[max(planned - 2, 0)] * PLANNING_SD / planned ** 0.5,
-            "planned_detectable": (T975[max(planned - 2, 0)] + T80_7) * PLANNING_SD / planned ** 0.5,
+            "planned_half": t975(planned - 1) * PLANNING_SD / planned ** 0.5,
+            "planned_detectable": (t975(planned - 1) + T80_7) * PLANNING_SD / planned ** 0.5,
             "mechanism": _interval(mech), "training": _interval(train_d), "start_models": len(shas)}
 
 

@@ -24,6 +24,11 @@ T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2
         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
 
 
+def t975(df: float) -> float:
+    """Student's t at 0.975 for `df` degrees of freedom (its whole part; below 1 reads as 1, above 30 as 30)."""
+    return T975[min(max(int(df), 1), len(T975)) - 1]
+
+
 def grpo(*args: str, log: Path) -> float:
     """Run `grpo ARGS` (this interpreter's grpo_cli), output to `log`; returns its wall time in seconds."""
     start = time.perf_counter()
@@ -91,7 +96,7 @@ def t_interval(values: list[float]) -> tuple[float, float, float]:
     mean = statistics.mean(values)
     if n < 2:
         return mean, -math.inf, math.inf
-    half = T975[min(n - 1, len(T975)) - 1] * statistics.stdev(values) / math.sqrt(n)
+    half = t975(n - 1) * statistics.stdev(values) / math.sqrt(n)
     return mean, mean - half, mean + half
 
 

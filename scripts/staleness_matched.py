@@ -47,7 +47,7 @@ import shutil
 import statistics
 import time
 
-from paired import REPO, T975, read_jsonl, t_interval
+from paired import REPO, read_jsonl, t975, t_interval
 from staleness_probe import arguments, fixed_model, measure, phase, prepare, rows_of, write_results
 
 THRESHOLD = 0.05  # the mean paired AUC gain that makes the iterative-vs-fixed experiment worth running
@@ -63,7 +63,7 @@ def verdict(policy: dict, matched: dict) -> tuple[str, dict]:
                 "within-prompt AUC is not measured", {"prompts": len(diffs)})
     mean, lower, upper = t_interval(diffs)
     se = statistics.stdev(diffs) / math.sqrt(len(diffs))
-    detectable = (T975[min(len(diffs) - 1, len(T975)) - 1] + T80) * se
+    detectable = (t975(len(diffs) - 1) + T80) * se
     numbers = {"prompts": len(diffs), "mean": mean, "lower": lower, "upper": upper, "se": se,
                "detectable": detectable}
     if mean >= THRESHOLD - 1e-9 and lower > 0:

@@ -46,7 +46,7 @@ import sys
 import time
 from pathlib import Path
 
-from paired import REPO, T975, grpo, read_jsonl, t_interval
+from paired import REPO, grpo, read_jsonl, t975, t_interval
 
 sys.path.insert(0, str(REPO))  # this checkout's grpo_cli, as the grpo subprocesses run it
 
@@ -108,7 +108,7 @@ def intervals(scores: dict) -> dict:
     if len(base) > 1 and len(last) > 1:
         mean = statistics.mean(base) - statistics.mean(last)
         se = math.sqrt(statistics.variance(base) / len(base) + statistics.variance(last) / len(last))
-        half = T975[min(min(len(base), len(last)) - 1, len(T975)) - 1] * se
+        half = t975(min(len(base), len(last)) - 1) * se
         fall = (mean, mean - half, mean + half)
     paired = [retrained[p] - fixed[p] for p in fixed if p in retrained]
     return {"fall": fall, "recovery": t_interval(paired) if len(paired) > 1 else None}
