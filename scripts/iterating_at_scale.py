@@ -249,6 +249,7 @@ def plot(results: list[dict], s: dict, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     colors = {"iterative": "tab:orange", "fixed": "tab:blue"}
@@ -276,7 +277,7 @@ def plot(results: list[dict], s: dict, path: Path) -> None:
         ax.grid(alpha=0.3)
     axes[0].set_xlabel("step")
     axes[2].set_xlabel("boundary (iteration)")
-    axes[2].set_xticks([1, 2, 3])
+    axes[2].xaxis.set_major_locator(MaxNLocator(integer=True))  # boundaries are whole iterations, however many
     axes[0].legend(fontsize=8)
     axes[1].legend(fontsize=8)
     p = s["primary"]
